@@ -1,0 +1,21 @@
+"""Benchmarks: ``python -m bench`` (real reshards on a local Ray cluster),
+``python -m bench --simulate ...`` (paper-scale simulation), ``python -m bench pipeline ...``."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["pipeline"]:
+        from bench.pipeline import main as run
+        return run(argv[1:])
+    if "--simulate" in argv:
+        from bench.simulated import main as run
+        return run([a for a in argv if a != "--simulate"])
+    from bench.local import main as run
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
