@@ -1,0 +1,244 @@
+"""The device actor: one Ray actor per device, holding tensor shards and running programs.
+
+State (``DeviceContext``, also what ``call(fn, ...)`` hands to ``fn``):
+  ``buffers``   named torch tensors (this device's shards), on ``torch_device``
+  ``staging``   one reusable byte buffer for non-contiguous slices
+  ``groups``    the communicator cache (``GroupCache``), lazily connected, driver-bounded
+  ``programs``  decoded ``DeviceProgram``s by program id (shipped once, then run by id)
+  ``backend``   this actor's ``Backend`` instance
+  ``before_op`` optional hook ``fn(ctx, op)`` run before every op (fault injection, tracing)
+
+Programs arrive as msgpack (``reshard.serialize``) the first time and are cached by id; the
+driver mirrors the cache (``max_programs``, LRU) and says which ids to drop. ``run`` applies the
+driver's updates (drops first, then new generations), runs the program, keeps the destination
+shard, and on any failure aborts the program's communicators and frees the partial shard.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import time  # noqa: E402
+from collections import OrderedDict  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from reshard.errors import ReshardError  # noqa: E402
+from reshard.lowering import DeviceProgram  # noqa: E402
+from reshard.runtime.communicator import Backend, Communicator  # noqa: E402
+from reshard.runtime.executor import (  # noqa: E402
+    CompiledProgram,
+    StagingBuffer,
+    compile_program,
+    run_program,
+    torch_dtype,
+)
+from reshard.runtime.groups import GroupCache, group_key  # noqa: E402
+from reshard.serialize import decode_device_program  # noqa: E402
+
+
+class DeviceContext:
+    """Everything a device actor owns; the first argument of functions run through ``call``."""
+
+    def __init__(self, device: int, backend: Backend, options: dict):
+        self.device = device
+        self.backend = backend
+        kind = getattr(backend, "device_type", "cpu")
+        self.torch_device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+        self.options = dict(options)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.staging = StagingBuffer(self.torch_device, int(options.get("staging_keep_bytes", 1 << 20)))
+        self.groups = GroupCache(
+            backend, device, int(options.get("max_communicators", 64)), float(options.get("op_timeout_s", 300.0))
+        )
+        self.programs: OrderedDict[int, CompiledProgram] = OrderedDict()
+        self.before_op = None
+        self.peak_bytes = 0  # destination + staging bytes of the last run
+        self.counters = {"programs_received": 0, "runs": 0, "failed_runs": 0}
+
+    # ---------------------------------------------------------------- for functions run by ``call``
+
+    def communicator(self, group) -> Communicator:
+        """This device's communicator for ``group`` (set up by ``reshard.runtime.ensure_groups``)."""
+        return self.groups.get(group_key(group))
+
+    def run_program(self, program, src, dst, *, dtype: str | None = None, timeout_s: float = 60.0, groups=None) -> dict:
+        """Run one ``DeviceProgram`` (or ``CompiledProgram``) over ``src``/``dst`` tensors.
+
+        ``dtype`` defaults to that of ``src`` or ``dst``. ``groups`` (``.get(key)``) overrides the
+        communicator cache. On failure the program's communicators are aborted (peers fail fast)
+        and the error is raised."""
+        if isinstance(program, DeviceProgram):
+            if dtype is None:
+                t = src if src is not None else dst
+                if t is None:
+                    raise ValueError("run_program needs dtype= when neither src nor dst is given")
+                dtype = str(t.dtype).removeprefix("torch.")
+            program = compile_program(program, dtype)
+        own_groups = groups is None
+        try:
+            if own_groups:
+                self.groups.connect(program.groups, timeout_s)
+            return run_program(self, program, src, dst, timeout_s, groups)
+        except BaseException:
+            if own_groups:
+                self.groups.abort(program.groups)
+            raise
+        finally:
+            self.staging.trim()
+
+    def note_peak(self, nbytes: int) -> None:
+        self.peak_bytes = nbytes
+
+    def allocate(self, shape, dtype: str) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=self.torch_device)
+
+    def memory(self) -> dict:
+        sizes = {k: v.numel() * v.element_size() for k, v in self.buffers.items()}
+        return {
+            "buffers": sizes,
+            "buffer_bytes": sum(sizes.values()),
+            "staging_bytes": self.staging.nbytes,
+            "last_run_peak_bytes": self.peak_bytes,
+        }
+
+    # ---------------------------------------------------------------- driver updates
+
+    def apply(self, updates) -> None:
+        if not updates:
+            return
+        for pid in updates.get("program_drops", ()):
+            self.programs.pop(pid, None)
+        self.groups.apply(updates.get("group_drops", ()), updates.get("group_sets", ()))
+
+
+class DeviceActor:
+    """Ray actor of one device (wrapped with ``ray.remote`` by ``DeviceMesh.create``)."""
+
+    def __init__(self, device: int, backend: Backend, options: dict):
+        threads = int(options.get("torch_threads", 1))
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.ctx = DeviceContext(device, backend, options)
+
+    def ready(self) -> dict:
+        import ray
+
+        rc = ray.get_runtime_context()
+        return {
+            "device": self.ctx.device,
+            "pid": os.getpid(),
+            "node_id": rc.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "torch_device": str(self.ctx.torch_device),
+        }
+
+    # ---------------------------------------------------------------- tensors
+
+    def load(self, name: str, array: np.ndarray, box, dtype: str) -> int:
+        """Keep ``array[box]`` (a read-only object-store array) as shard ``name``."""
+        shape = tuple(hi - lo for lo, hi in box)
+        wire = torch.int16 if dtype == "bfloat16" else torch_dtype(dtype)
+        host = torch.empty(shape, dtype=wire)
+        host.numpy()[...] = array[tuple(slice(lo, hi) for lo, hi in box)]
+        t = host.view(torch.bfloat16) if dtype == "bfloat16" else host
+        if t.device != self.ctx.torch_device:
+            t = t.to(self.ctx.torch_device)
+        self.ctx.buffers[name] = t
+        return t.numel() * t.element_size()
+
+    def fetch(self, name: str) -> np.ndarray:
+        """Shard ``name`` as a numpy array (bfloat16 as its int16 bit pattern)."""
+        t = self._buffer(name).detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        return t.numpy()
+
+    def free(self, *names: str) -> int:
+        n = 0
+        for name in names:
+            n += self.ctx.buffers.pop(name, None) is not None
+        return n
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        try:
+            return self.ctx.buffers[name]
+        except KeyError:
+            raise KeyError(f"device {self.ctx.device} holds no buffer {name!r} (freed?)") from None
+
+    # ---------------------------------------------------------------- programs
+
+    def update(self, updates) -> None:
+        """Apply driver updates only (group set-up for ``ensure_groups``, cache drops)."""
+        self.ctx.apply(updates)
+
+    def run(self, pid: int, blob: bytes | None, updates, src_name: str | None, dst_name: str, timeout_s: float) -> dict:
+        """Run program ``pid`` (decoding ``blob`` first if given): source shard ``src_name``,
+        new destination shard ``dst_name``. Returns run statistics."""
+        ctx = self.ctx
+        t0 = time.monotonic()
+        try:
+            ctx.apply(updates)
+            if blob is not None:
+                dtype, prog = decode_device_program(blob)
+                ctx.programs[pid] = compile_program(prog, dtype)
+                ctx.counters["programs_received"] += 1
+            compiled = ctx.programs.get(pid)
+            if compiled is None:
+                raise ReshardError(f"device {ctx.device}: program {pid} is not cached here and was not shipped")
+            ctx.programs.move_to_end(pid)
+            prog = compiled.program
+            src = None
+            if prog.src_shape is not None:
+                src = ctx.buffers.get(src_name)
+                if src is None:
+                    raise ReshardError(f"device {ctx.device}: source shard {src_name!r} is missing (tensor freed?)")
+            dst = ctx.allocate(prog.dst_shape, compiled.dtype) if prog.dst_shape is not None else None
+            ctx.counters["runs"] += 1
+            stats = ctx.run_program(compiled, src, dst, timeout_s=timeout_s)
+        except ReshardError:
+            ctx.counters["failed_runs"] += 1
+            raise
+        except Exception as e:
+            ctx.counters["failed_runs"] += 1
+            raise ReshardError(f"device {ctx.device}: {type(e).__name__}: {e}") from e
+        if dst is not None:
+            ctx.buffers[dst_name] = dst
+        stats["run_s"] = time.monotonic() - t0
+        return stats
+
+    def cleanup(self, dst_name: str | None, group_drops) -> None:
+        """After a failed reshard: free the partial destination shard, drop the failed groups."""
+        if dst_name is not None:
+            self.ctx.buffers.pop(dst_name, None)
+        self.ctx.groups.abort([g for g, gen in group_drops if self.ctx.groups.generation(g) == gen])
+        self.ctx.staging.trim()
+
+    # ---------------------------------------------------------------- extension point
+
+    def call(self, fn, *args, **kwargs):
+        """Run ``fn(ctx, *args, **kwargs)`` on this device and return its result."""
+        return fn(self.ctx, *args, **kwargs)
+
+    def stats(self) -> dict:
+        ctx = self.ctx
+        return {
+            "device": ctx.device,
+            "programs": list(ctx.programs),
+            "groups": ctx.groups.live(),
+            "group_entries": {g: e.generation for g, e in ctx.groups.entries.items()},
+            "group_stats": dict(ctx.groups.stats),
+            **ctx.counters,
+            **ctx.memory(),
+        }
+
+    def close(self) -> None:
+        self.ctx.groups.close_all()
+        self.ctx.buffers.clear()
+        self.ctx.staging.buf = None

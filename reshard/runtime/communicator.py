@@ -1,0 +1,72 @@
+"""Communicators: one group of devices that broadcast / send / recv tensors among themselves.
+
+A group is named by the sorted tuple of its global device ids; a device's rank is its index in
+that tuple. Each backend has a driver side (``Backend.rendezvous``: whatever the members need to
+find each other, computed for many groups at once, never one blocking round trip per group) and
+an actor side (``Backend.connect``: build this member's communicator from that information).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+Group = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """What every member of ``group`` needs to join it; ``info`` is backend-specific msgpack-able data."""
+
+    group: Group
+    info: object
+
+
+class Communicator(abc.ABC):
+    """This device's handle on one group. Every call blocks until done or raises a
+    ``reshard.ReshardError`` (``ReshardTimeout`` after ``timeout_s``); it never hangs."""
+
+    def __init__(self, group: Group, rank: int, timeout_s: float):
+        self.group = group
+        self.rank = rank
+        self.timeout_s = timeout_s
+
+    @property
+    def size(self) -> int:
+        return len(self.group)
+
+    @abc.abstractmethod
+    def broadcast(self, tensor, root: int) -> None:
+        """In place: ``tensor`` on rank ``root`` is copied into ``tensor`` on every other rank."""
+
+    @abc.abstractmethod
+    def send(self, tensor, peer: int) -> None:
+        """Send ``tensor`` to rank ``peer``."""
+
+    @abc.abstractmethod
+    def recv(self, tensor, peer: int) -> None:
+        """Receive into ``tensor`` from rank ``peer``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release the group's resources (sockets, GPU memory)."""
+
+    def abort(self) -> None:
+        """Failure path: tear the group down without waiting for peers, so that peers blocked on
+        it fail fast instead of waiting for their timeout. Default: ``close()``."""
+        self.close()
+
+
+class Backend(abc.ABC):
+    """A communicator family (gloo on CPUs, NCCL on GPUs)."""
+
+    name: str
+    #: torch device type of the buffers this backend moves ("cpu" for gloo, "cuda" for NCCL).
+    device_type: str = "cpu"
+
+    @abc.abstractmethod
+    def rendezvous(self, groups: list[Group], actors: dict[int, object]) -> list[Rendezvous]:
+        """Driver side: rendezvous information for ``groups`` (``actors`` maps device id -> actor handle)."""
+
+    @abc.abstractmethod
+    def connect(self, rendezvous: Rendezvous, device: int, timeout_s: float) -> Communicator:
+        """Actor side: this device's communicator for the group."""

@@ -1,0 +1,411 @@
+"""Driver side of the runtime: device registry, program and group bookkeeping, dispatch, failure.
+
+One ``Runtime`` per driver process (``runtime()``). It never touches tensor bytes during a
+reshard; it decides, ships small messages and waits with deadlines:
+
+* Programs. A plan (cached by ``plan_reshard``) is validated, lowered, validated again and
+  msgpack-encoded per device ONCE (``Lowered``, cached by problem). Each device's program is
+  shipped with the first run that needs it and cached by id on the actor; the driver mirrors every
+  actor's program cache (LRU, ``max_programs``) and piggybacks evictions on later calls. A repeated
+  reshard is one small ``run(program_id, ...)`` call per participating actor.
+* Groups. ``GroupTable`` says which communicator groups are live at which generation. New groups
+  of a run get their rendezvous in ONE batched ``Backend.rendezvous`` call; the ``(group,
+  generation, info)`` updates ride on the same ``run`` call. Groups evicted by the per-device bound
+  are dropped on every member (pending drops ride on the member's next call).
+* Failure. Completion is gathered with a deadline. If an actor died (``WorkerDied``), timed out
+  (``ReshardTimeout``) or failed (``ReshardError``), the driver marks dead devices, forgets every
+  group of the failed run (and every group of a dead device), and sends each surviving participant
+  one ``cleanup`` call that frees its partial destination shard and aborts those generations.
+  The source shards are never written, so the source tensor stays intact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from reshard.errors import MeshClosed, ReshardError, ReshardTimeout, WorkerDied
+from reshard.lowering import Program, lower_plan
+from reshard.plan import ReshardPlan
+from reshard.runtime.groups import GroupTable, group_key
+from reshard.serialize import encode_device_program
+from reshard.validate import validate_plan, validate_program
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeviceRecord:
+    """What the driver knows about one device actor."""
+
+    id: int
+    actor: object
+    host: int
+    backend: str
+    node_id: str
+    max_communicators: int
+    max_programs: int
+    owner: str  # description of the mesh that created it, for messages
+    state: str = "alive"  # alive | closed | dead
+    reason: str = ""
+    programs: OrderedDict = field(default_factory=OrderedDict)  # mirror of the actor's program cache
+    group_drops: list = field(default_factory=list)  # pending (group, generation) drops
+    program_drops: list = field(default_factory=list)  # pending program-id drops
+
+    def take_updates(self) -> dict:
+        out = {"group_drops": self.group_drops, "program_drops": self.program_drops, "group_sets": []}
+        self.group_drops, self.program_drops = [], []
+        return out
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """A plan lowered, validated and encoded for shipping."""
+
+    pid: int
+    plan: ReshardPlan
+    program: Program
+    blobs: dict  # device -> msgpack bytes of its DeviceProgram
+    groups: tuple  # every communicator key the program uses
+    participants: tuple  # devices that get a run call (ops or a destination shard)
+
+
+class Runtime:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.devices: dict[int, DeviceRecord] = {}
+        self.backends: dict[str, object] = {}
+        self.groups = GroupTable()
+        self.lowered: OrderedDict = OrderedDict()
+        self.max_lowered = 512
+        self.meshes: dict = {}  # abstract Mesh -> live DeviceMesh
+        self.closed_meshes: dict = {}  # abstract Mesh -> why it is closed
+        self.stats: Counter = Counter()
+        self._device_ids = itertools.count()
+        self._host_ids = itertools.count()
+        self._program_ids = itertools.count(1)
+        self._names = itertools.count(1)
+        self._node_hosts: dict[str, int] = {}
+        self._session = None
+
+    # ---------------------------------------------------------------- ids and session
+
+    def new_device_ids(self, n: int) -> list[int]:
+        with self.lock:
+            return [next(self._device_ids) for _ in range(n)]
+
+    def new_host_ids(self, n: int) -> list[int]:
+        with self.lock:
+            return [next(self._host_ids) for _ in range(n)]
+
+    def host_of_node(self, node_id: str) -> int:
+        with self.lock:
+            if node_id not in self._node_hosts:
+                self._node_hosts[node_id] = next(self._host_ids)
+            return self._node_hosts[node_id]
+
+    def new_buffer_name(self) -> str:
+        with self.lock:
+            return f"t{next(self._names)}"
+
+    def check_session(self) -> None:
+        """Ray may have been shut down and started again: old actors are gone then."""
+        import ray
+
+        if not ray.is_initialized():
+            raise MeshClosed("Ray is not running (ray.shutdown() was called?); create new meshes after ray.init()")
+        session = ray.get_runtime_context().get_job_id()
+        with self.lock:
+            if self._session is None:
+                self._session = session
+            elif session != self._session:
+                for rec in self.devices.values():
+                    if rec.state == "alive":
+                        rec.state, rec.reason = "closed", "Ray was restarted"
+                self.groups = GroupTable()
+                self.backends.clear()
+                self._session = session
+
+    # ---------------------------------------------------------------- registry
+
+    def add_devices(self, records: list[DeviceRecord], backend) -> None:
+        with self.lock:
+            for r in records:
+                self.devices[r.id] = r
+            self.backends.setdefault(records[0].backend, backend)
+
+    def register_mesh(self, dmesh) -> None:
+        with self.lock:
+            self.meshes[dmesh.mesh] = dmesh
+            self.closed_meshes.pop(dmesh.mesh, None)
+
+    def unregister_mesh(self, dmesh, reason: str) -> None:
+        with self.lock:
+            if self.meshes.get(dmesh.mesh) is dmesh:
+                del self.meshes[dmesh.mesh]
+                self.closed_meshes[dmesh.mesh] = reason
+
+    def resolve_mesh(self, mesh, what: str):
+        """The live DeviceMesh whose abstract mesh is ``mesh``."""
+        with self.lock:
+            dmesh = self.meshes.get(mesh)
+            if dmesh is None:
+                if mesh in self.closed_meshes:
+                    raise MeshClosed(f"{what}: {self.closed_meshes[mesh]}; create a new mesh (DeviceMesh.create)")
+                raise ValueError(
+                    f"{what}: mesh {mesh} is not a live DeviceMesh of this runtime; build the layout from a "
+                    "DeviceMesh (Layout(device_mesh, placements)), not from a plain topology.Mesh"
+                )
+        dmesh.check_open()
+        return dmesh
+
+    def check_devices(self, devices, what: str) -> None:
+        with self.lock:
+            for d in devices:
+                rec = self.devices.get(d)
+                if rec is None:
+                    raise ValueError(f"{what}: device {d} belongs to no DeviceMesh of this runtime")
+                if rec.state == "closed":
+                    raise MeshClosed(f"{what}: device {d} is closed ({rec.reason}); use a live mesh")
+                if rec.state == "dead":
+                    raise WorkerDied(
+                        f"{what}: device {d} died earlier ({rec.reason}); its mesh ({rec.owner}) is broken: "
+                        "shut it down and create a new one"
+                    )
+
+    def records(self, devices) -> list[DeviceRecord]:
+        with self.lock:
+            return [self.devices[d] for d in devices]
+
+    def close_devices(self, devices, reason: str) -> None:
+        with self.lock:
+            for d in devices:
+                rec = self.devices.get(d)
+                if rec is not None and rec.state == "alive":
+                    rec.state, rec.reason = "closed", reason
+                self._drop_device_groups(d)
+
+    def mark_dead(self, device: int, reason: str) -> None:
+        with self.lock:
+            rec = self.devices.get(device)
+            if rec is not None and rec.state == "alive":
+                rec.state, rec.reason = "dead", reason
+            self._drop_device_groups(device)
+
+    def _drop_device_groups(self, device: int) -> None:
+        for g, gen in self.groups.forget_device(device):
+            for d in g:
+                rec = self.devices.get(d)
+                if rec is not None and d != device:
+                    rec.group_drops.append((g, gen))
+
+    # ---------------------------------------------------------------- programs
+
+    def lower(self, plan: ReshardPlan) -> Lowered:
+        key = (plan.shape, plan.dtype, plan.src, plan.dst, plan.strategy)
+        with self.lock:
+            hit = self.lowered.get(key)
+            if hit is not None:
+                self.lowered.move_to_end(key)
+                return hit
+        validate_plan(plan)
+        program = lower_plan(plan)
+        validate_program(program)
+        blobs, groups = {}, {}
+        participants = []
+        for p in program.devices:
+            if p.ops or p.dst_shape is not None:
+                participants.append(p.device)
+                blobs[p.device] = encode_device_program(p, program.dtype)
+            for op in p.ops:
+                if len(op.group) > 1:
+                    groups.setdefault(group_key(op.group), None)
+        with self.lock:
+            lowered = Lowered(next(self._program_ids), plan, program, blobs, tuple(groups), tuple(participants))
+            self.lowered[key] = lowered
+            while len(self.lowered) > self.max_lowered:
+                self.lowered.popitem(last=False)
+            self.stats["plans_lowered"] += 1
+        return lowered
+
+    # ---------------------------------------------------------------- groups
+
+    def _admit_groups(self, groups, extra_updates: dict[int, dict]) -> None:
+        """Make ``groups`` live; fill ``extra_updates[device]['group_sets'/'group_drops']``."""
+        if not groups:
+            return
+        members = sorted({d for g in groups for d in g})
+        capacity = {d: self.devices[d].max_communicators for d in self.devices if self.devices[d].state == "alive"}
+        create, drop = self.groups.admit(groups, capacity)
+        for g, gen in drop:
+            for d in g:
+                self.devices[d].group_drops.append((g, gen))
+        if create:
+            backend_name = self.devices[members[0]].backend
+            backend = self.backends[backend_name]
+            actors = {d: self.devices[d].actor for d in sorted({d for g in create for d in g})}
+            try:
+                rdvs = backend.rendezvous(list(create), actors)
+            except BaseException:
+                self.groups.forget(create)
+                raise
+            gens = self.groups.commit(create)
+            self.stats["rendezvous_calls"] += 1
+            self.stats["groups_created"] += len(create)
+            for r in rdvs:
+                g = group_key(r.group)
+                for d in g:
+                    extra_updates.setdefault(d, {}).setdefault("group_sets", []).append((g, gens[g], r.info))
+
+    def ensure_groups(self, groups, timeout_s: float = 60.0) -> None:
+        """Set up communicator groups (sorted device tuples) on their members, one call per
+        member, so functions run by ``call`` can use ``ctx.communicator(group)``."""
+        groups = [group_key(g) for g in groups]
+        members = sorted({d for g in groups for d in g})
+        self.check_devices(members, "ensure_groups")
+        with self.lock:
+            sets: dict[int, dict] = {}
+            self._admit_groups(groups, sets)
+            refs = {}
+            for d in members:
+                rec = self.devices[d]
+                updates = rec.take_updates()
+                updates["group_sets"] = sets.get(d, {}).get("group_sets", [])
+                refs[d] = rec.actor.update.remote(updates)
+        results, errors, pending = gather(refs, timeout_s)
+        if errors or pending:
+            with self.lock:
+                for d, (kind, err) in errors.items():
+                    if kind == "died":
+                        self.mark_dead(d, str(err))
+                self.groups.forget(groups)
+            raise _classify(errors, pending, f"ensure_groups({groups})", timeout_s)
+
+    # ---------------------------------------------------------------- execution
+
+    def execute(self, lowered: Lowered, src_name: str | None, dst_name: str, timeout_s: float, what: str) -> dict:
+        """Run a lowered program: one ``run`` call per participant; returns per-device stats."""
+        with self.lock:
+            self.check_devices(lowered.participants, what)
+            sets: dict[int, dict] = {}
+            self._admit_groups(lowered.groups, sets)
+            refs = {}
+            for d in lowered.participants:
+                rec = self.devices[d]
+                blob = None
+                if lowered.pid not in rec.programs:
+                    blob = lowered.blobs[d]
+                    self.stats["programs_shipped"] += 1
+                rec.programs[lowered.pid] = None
+                rec.programs.move_to_end(lowered.pid)
+                while len(rec.programs) > rec.max_programs:
+                    old, _ = rec.programs.popitem(last=False)
+                    rec.program_drops.append(old)
+                updates = rec.take_updates()
+                updates["group_sets"] = sets.get(d, {}).get("group_sets", [])
+                refs[d] = rec.actor.run.remote(lowered.pid, blob, updates, src_name, dst_name, timeout_s)
+            self.stats["runs"] += 1
+            self.stats["run_calls"] += len(refs)
+        results, errors, pending = gather(refs, timeout_s)
+        if not errors and not pending:
+            return results
+        self._fail(lowered, refs, errors, pending, dst_name)
+        raise _classify(errors, pending, what, timeout_s)
+
+    def _fail(self, lowered: Lowered, refs, errors, pending, dst_name) -> None:
+        with self.lock:
+            self.stats["failed_runs"] += 1
+            for d, (kind, err) in errors.items():
+                if kind == "died":
+                    self.mark_dead(d, f"actor died: {_first_line(err)}")
+                    # the dead actor's program cache is gone with it
+                    self.devices[d].programs.clear()
+            drops = self.groups.forget(lowered.groups)
+            for d in refs:
+                rec = self.devices[d]
+                mine = [(g, gen) for g, gen in drops if d in g]
+                if rec.state != "alive":
+                    continue
+                try:
+                    rec.actor.cleanup.remote(dst_name, mine)
+                except Exception as e:  # the actor may be going away as well
+                    log.warning("cleanup of device %d failed: %s", d, e)
+            # members outside this run (none today: every group member runs) get the drops later
+            for g, gen in drops:
+                for d in g:
+                    if d not in refs and d in self.devices:
+                        self.devices[d].group_drops.append((g, gen))
+
+    def free(self, devices, name: str) -> None:
+        with self.lock:
+            for d in devices:
+                rec = self.devices.get(d)
+                if rec is not None and rec.state == "alive":
+                    rec.actor.free.remote(name)
+
+
+def gather(refs: dict, timeout_s: float):
+    """Wait for ``refs`` (device -> ObjectRef) until done or ``timeout_s`` passed.
+
+    Returns ``(results, errors, pending)``: ``errors[device] = ("died" | "timeout" | "error", exc)``."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    deadline = time.monotonic() + timeout_s
+    by_ref = {r: d for d, r in refs.items()}
+    results, errors = {}, {}
+    while by_ref:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=left)
+        for r in ready:
+            d = by_ref.pop(r)
+            try:
+                results[d] = ray.get(r, timeout=max(1.0, left))
+            except RayActorError as e:
+                errors[d] = ("died", e)
+            except RayTaskError as e:
+                cause = getattr(e, "cause", None) or e
+                if isinstance(cause, RayActorError):
+                    errors[d] = ("died", cause)
+                else:
+                    errors[d] = ("timeout" if isinstance(cause, ReshardTimeout) else "error", cause)
+            except GetTimeoutError as e:
+                errors[d] = ("timeout", e)
+    return results, errors, sorted(by_ref.values())
+
+
+def _first_line(err) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _classify(errors: dict, pending: list, what: str, timeout_s: float) -> ReshardError:
+    died = sorted(d for d, (k, _) in errors.items() if k == "died")
+    timed = sorted(d for d, (k, _) in errors.items() if k == "timeout")
+    other = sorted(d for d, (k, _) in errors.items() if k == "error")
+    details = "; ".join(f"device {d}: {_first_line(errors[d][1])}" for d in (timed + other)[:4])
+    tail = " The source tensor is intact; partial destination shards were freed."
+    if died:
+        return WorkerDied(f"{what}: device actor(s) {died} died." + (f" Others: {details}." if details else "") + tail)
+    if pending or timed:
+        stuck = f" devices {pending} had not finished;" if pending else ""
+        return ReshardTimeout(f"{what}: did not complete within timeout_s={timeout_s:g}s;{stuck} {details}." + tail)
+    return ReshardError(f"{what}: {details}." + tail)
+
+
+_RUNTIME: Runtime | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def runtime() -> Runtime:
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is None:
+            _RUNTIME = Runtime()
+        return _RUNTIME

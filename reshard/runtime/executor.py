@@ -1,0 +1,238 @@
+"""Actor-side interpreter of ``DeviceProgram``s: runs the ops in program order, nothing else.
+
+COPY copies a slice of SRC (or DST, for a relay) into a DST slice. SEND/RECV/BROADCAST look up the
+communicator of ``group_key(op.group)``; the root's rank is the index of ``op.group[0]`` in it.
+A slice that is not contiguous in its buffer (``op.stage``) passes through ONE reusable staging
+buffer (raw bytes, viewed as the op's dtype and shape): the executor never allocates a full-size
+temporary. Every communication op gets the time left before the run's deadline as its timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from reshard.dtypes import ITEMSIZE
+from reshard.errors import ReshardError, ReshardTimeout
+from reshard.lowering import Buffer, DeviceProgram, OpKind
+from reshard.runtime.groups import group_key
+
+TORCH_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return TORCH_DTYPES[name]
+
+
+class StagingBuffer:
+    """One byte buffer per actor, reused by every staged op of a program.
+
+    ``reserve(nbytes)`` makes it exactly ``nbytes`` unless the current one is big enough and not
+    bigger than ``keep_bytes``; ``trim()`` after a run frees it if it is bigger than ``keep_bytes``,
+    so an idle actor keeps at most ``keep_bytes`` of staging.
+    """
+
+    def __init__(self, device: torch.device, keep_bytes: int = 1 << 20):
+        self.device = device
+        self.keep_bytes = keep_bytes
+        self.buf: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.numel()
+
+    def reserve(self, nbytes: int) -> None:
+        cur = self.nbytes
+        if nbytes <= cur <= max(nbytes, self.keep_bytes):
+            return
+        self.buf = None  # free first: never hold two
+        if nbytes:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if nbytes > self.nbytes:
+            raise ReshardError(
+                f"staging buffer of {self.nbytes} B is too small for {nbytes} B (program staging_numel too low)"
+            )
+        return self.buf[:nbytes].view(dtype).view(shape)
+
+    def trim(self) -> None:
+        if self.nbytes > self.keep_bytes:
+            self.buf = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One op, precomputed for fast interpretation."""
+
+    kind: OpKind
+    step: int
+    key: tuple[int, ...]
+    root: int  # rank of op.group[0] in key (sender / broadcast root)
+    me: int  # this device's rank in key
+    peer: int  # the other rank of a SEND/RECV
+    shape: tuple[int, ...]
+    numel: int
+    read_dst: bool
+    read: tuple | None
+    write: tuple | None
+    stage: bool
+    op: object
+
+
+def _slices(box) -> tuple | None:
+    if box is None:
+        return None
+    return tuple(slice(lo, hi) for lo, hi in box)
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledProgram:
+    """A ``DeviceProgram`` with slices and ranks precomputed, plus its dtype."""
+
+    program: DeviceProgram
+    dtype: str
+    steps: tuple[_Step, ...]
+    groups: tuple[tuple[int, ...], ...]  # communicator keys, in order of first use
+
+    @property
+    def device(self) -> int:
+        return self.program.device
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.program.staging_numel * ITEMSIZE[self.dtype]
+
+
+def compile_program(program: DeviceProgram, dtype: str) -> CompiledProgram:
+    steps = []
+    groups: dict = {}
+    me_dev = program.device
+    for op in program.ops:
+        key = group_key(op.group)
+        if op.kind is not OpKind.COPY:
+            groups.setdefault(key, None)
+        root = key.index(op.group[0])
+        me = key.index(me_dev)
+        peer = -1
+        if op.kind is OpKind.SEND:
+            peer = key.index(op.group[1])
+        elif op.kind is OpKind.RECV:
+            peer = root
+        numel = 1
+        for n in op.shape:
+            numel *= n
+        steps.append(
+            _Step(
+                op.kind,
+                op.step,
+                key,
+                root,
+                me,
+                peer,
+                tuple(op.shape),
+                numel,
+                op.read_buffer is Buffer.DST,
+                _slices(op.read),
+                _slices(op.write),
+                bool(op.stage),
+                op,
+            )  # fmt: skip
+        )
+    return CompiledProgram(program, dtype, tuple(steps), tuple(groups))
+
+
+def run_program(
+    ctx, compiled: CompiledProgram, src: torch.Tensor | None, dst: torch.Tensor | None, timeout_s: float, groups=None
+) -> dict:
+    """Run one device's program: read ``src`` (this device's source shard), write ``dst`` (its
+    destination shard, already allocated). ``groups`` (default ``ctx.groups``) maps a group key to
+    a communicator through ``.get(key)``. Raises ``ReshardError``/``ReshardTimeout``; the caller
+    aborts the program's communicators on failure."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    dtype = torch_dtype(compiled.dtype)
+    prog = compiled.program
+    _check_buffer("source", src, prog.src_shape, dtype, prog.device)
+    _check_buffer("destination", dst, prog.dst_shape, dtype, prog.device)
+    staging = ctx.staging
+    staging.reserve(compiled.staging_bytes)
+    peak = (0 if dst is None else dst.numel() * dst.element_size()) + staging.nbytes
+    ctx.note_peak(peak)
+    groups = ctx.groups if groups is None else groups
+    before = ctx.before_op
+    comm_s = 0.0
+    for s in compiled.steps:
+        if before is not None:
+            before(ctx, s.op)
+        kind = s.kind
+        if kind is OpKind.COPY:
+            buf = dst if s.read_dst else src
+            dst[s.write].copy_(buf[s.read])
+            continue
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ReshardTimeout(
+                f"device {prog.device}: deadline of {timeout_s:.2f}s passed before step {s.step} "
+                f"({kind.name} {s.op.group})"
+            )
+        comm = groups.get(s.key)
+        comm.timeout_s = left
+        c0 = time.monotonic()
+        if kind is OpKind.RECV or (kind is OpKind.BROADCAST and s.me != s.root):
+            if s.stage:
+                t = staging.view(dtype, s.shape, s.numel)
+            else:
+                t = _contiguous(dst[s.write], s, prog.device)
+            if kind is OpKind.RECV:
+                comm.recv(t, s.peer)
+            else:
+                comm.broadcast(t, s.root)
+            if s.stage:
+                dst[s.write].copy_(t)
+        else:  # SEND, or the broadcast root
+            view = (dst if s.read_dst else src)[s.read]
+            if s.stage:
+                t = staging.view(dtype, s.shape, s.numel)
+                t.copy_(view)
+            else:
+                t = _contiguous(view, s, prog.device)
+            if kind is OpKind.SEND:
+                comm.send(t, s.peer)
+            else:
+                comm.broadcast(t, s.root)
+        comm_s += time.monotonic() - c0
+    return {"elapsed_s": time.monotonic() - t0, "comm_s": comm_s, "ops": len(compiled.steps), "peak_bytes": peak}
+
+
+def _contiguous(view: torch.Tensor, s: _Step, device: int) -> torch.Tensor:
+    if not view.is_contiguous():
+        raise ReshardError(
+            f"device {device}: step {s.step} slice {s.op.read or s.op.write} is not contiguous but the program "
+            "does not stage it (lowering bug)"
+        )
+    return view
+
+
+def _check_buffer(what: str, t, shape, dtype, device: int) -> None:
+    if shape is None:
+        return
+    if t is None:
+        raise ReshardError(f"device {device}: the program needs a {what} shard of shape {shape} but none is present")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ReshardError(
+            f"device {device}: {what} shard is {t.dtype}{list(t.shape)}, the program expects {dtype}{list(shape)}"
+        )

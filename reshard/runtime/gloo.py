@@ -1,0 +1,193 @@
+"""Gloo backend: CPU communicators from torch.distributed's ProcessGroupGloo, one per group.
+
+Driver side: ONE ``TCPStore`` master (port 0: the OS picks) lives in the driver process; a
+rendezvous is just ``(host, port, prefix)`` with a prefix unique per group AND per generation
+(a token of this backend instance plus a counter), so a group re-created after a failure never
+reads the keys of its dead predecessor. Nothing blocks: ``rendezvous`` makes no remote call.
+
+Actor side: a ``PrefixStore`` over one client ``TCPStore`` per master, and a raw
+``ProcessGroupGloo(prefix_store, rank, size, options)`` with a lazily connecting device (eager
+connection setup deadlocks when actors create overlapping groups in different orders) and an
+explicit op timeout. Operations use the group object's own ``broadcast/send/recv`` and wait with
+a timeout; a timed-out or failed group is unusable (gloo closes its pairs), so the caller drops it.
+Gloo moves every dtype the runtime supports (bool and bfloat16 included) as is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import threading
+import uuid
+
+from reshard.errors import ReshardError, ReshardTimeout
+from reshard.runtime.communicator import Backend, Communicator, Group, Rendezvous
+
+_MIN_WAIT_S = 1e-3
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    # timedelta(0) means "no timeout" to torch: never pass it.
+    return datetime.timedelta(seconds=max(float(seconds), _MIN_WAIT_S))
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # not in a Ray process: loopback
+        pass
+    return "127.0.0.1"
+
+
+class GlooCommunicator(Communicator):
+    """This device's ProcessGroupGloo for one group."""
+
+    def __init__(self, group: Group, rank: int, timeout_s: float, pg, prefix: str, device: int):
+        super().__init__(group, rank, timeout_s)
+        self.pg = pg
+        self.prefix = prefix
+        self.device = device
+        self.failed: str | None = None
+
+    def __repr__(self) -> str:
+        return f"GlooCommunicator(group={self.group}, rank={self.rank}, prefix={self.prefix!r})"
+
+    def broadcast(self, tensor, root: int) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        self._run("broadcast", lambda: self.pg.broadcast([tensor], opts), tensor, root)
+
+    def send(self, tensor, peer: int, tag: int = 0) -> None:
+        self._run("send", lambda: self.pg.send([tensor], peer, tag), tensor, peer)
+
+    def recv(self, tensor, peer: int, tag: int = 0) -> None:
+        self._run("recv", lambda: self.pg.recv([tensor], peer, tag), tensor, peer)
+
+    def _run(self, what: str, issue, tensor, peer: int) -> None:
+        if self.pg is None or self.failed:
+            raise ReshardError(
+                f"device {self.device}: {what} on group {self.group} whose communicator is "
+                f"{'closed' if self.pg is None else 'broken (' + self.failed + ')'}; it must be re-created"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"gloo {what} needs a contiguous tensor, got shape {tuple(tensor.shape)} strides {tensor.stride()}"
+            )
+        try:
+            issue().wait(_td(self.timeout_s))
+        except RuntimeError as e:
+            msg = str(e).split("\n")[0]
+            self.failed = msg
+            where = (
+                f"device {self.device}: gloo {what} (group {self.group}, rank {self.rank}, "
+                f"peer/root {peer}, {tuple(tensor.shape)})"
+            )
+            if "timed out" in msg.lower() or "timeout" in msg.lower():
+                raise ReshardTimeout(f"{where} did not complete within {self.timeout_s:.2f}s: {msg}") from None
+            raise ReshardError(f"{where} failed: {msg}") from None
+
+    def close(self) -> None:
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            _release(pg, abort=bool(self.failed))
+
+    def abort(self) -> None:
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            _release(pg, abort=True)
+
+
+def _release(pg, *, abort: bool) -> None:
+    """Drop a process group off the caller's thread: its destructor joins gloo's worker threads,
+    which may still sit in an operation whose peer is gone. ``abort`` closes its sockets first, so
+    that peers blocked on it fail at once ("Connection closed by peer")."""
+    if abort:
+        try:
+            pg.abort()
+        except Exception:
+            pass
+
+    def drop(pg):  # the last reference dies in this thread
+        del pg
+
+    threading.Thread(target=drop, args=(pg,), name="reshard-gloo-release", daemon=True).start()
+
+
+class GlooBackend(Backend):
+    """CPU communicators over gloo. Construct without arguments; pickling ships only the config."""
+
+    name = "gloo"
+    device_type = "cpu"
+
+    def __init__(self, *, host: str | None = None):
+        self.host = host  # master address; None: this driver's node IP (127.0.0.1 on loopback)
+        self._master = None
+        self._token = uuid.uuid4().hex[:8]
+        self._counter = itertools.count(1)
+        self._clients: dict[tuple[str, int], object] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {"host": self.host}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    # ---------------------------------------------------------------- driver side
+
+    def _master_address(self) -> tuple[str, int]:
+        with self._lock:
+            if self._master is None:
+                import torch.distributed as dist
+
+                host = self.host or _node_ip()
+                self._master = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_td(60))
+                self._master_host = host
+            return self._master_host, self._master.port
+
+    def rendezvous(self, groups: list[Group], actors: dict[int, object]) -> list[Rendezvous]:
+        """A fresh ``(host, port, prefix)`` per group: each call opens a new generation."""
+        host, port = self._master_address()
+        out = []
+        for g in groups:
+            g = tuple(g)
+            prefix = f"reshard/{self._token}/{next(self._counter)}/{'-'.join(map(str, g))}/"
+            out.append(Rendezvous(g, {"host": host, "port": port, "prefix": prefix}))
+        return out
+
+    # ---------------------------------------------------------------- actor side
+
+    def _client(self, host: str, port: int, timeout_s: float):
+        key = (host, port)
+        with self._lock:
+            store = self._clients.get(key)
+            if store is None:
+                import torch.distributed as dist
+
+                store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
+                self._clients[key] = store
+            return store
+
+    def connect(self, rendezvous: Rendezvous, device: int, timeout_s: float) -> GlooCommunicator:
+        import torch.distributed as dist
+        from torch.distributed import ProcessGroupGloo
+
+        group = tuple(rendezvous.group)
+        if device not in group:
+            raise ValueError(f"device {device} is not a member of group {group}")
+        info = rendezvous.info
+        store = dist.PrefixStore(info["prefix"], self._client(info["host"], int(info["port"]), timeout_s))
+        opts = ProcessGroupGloo._Options()
+        hostname = os.environ.get("RESHARD_GLOO_HOSTNAME") or _node_ip()
+        opts._devices = [ProcessGroupGloo.create_device(hostname=hostname, lazy_init=True)]
+        opts._timeout = _td(timeout_s)
+        rank = group.index(device)
+        pg = ProcessGroupGloo(store, rank, len(group), opts)
+        return GlooCommunicator(group, rank, timeout_s, pg, info["prefix"], device)

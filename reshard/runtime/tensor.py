@@ -1,0 +1,238 @@
+"""ShardedTensor, distribute and reshard: the user-facing half of the runtime.
+
+``distribute`` puts the whole array into the object store ONCE (``ray.put``); every actor reads
+it zero-copy and keeps a copy of its own region. bfloat16 travels as its int16 bit pattern.
+``reshard`` plans (cached), lowers and validates (cached per plan), then runs one call per
+participating actor; the driver never touches tensor bytes. A ShardedTensor's shards live on its
+mesh's actors under one buffer name until ``free()`` (or garbage collection of the handle).
+
+bfloat16 and numpy: numpy has no bfloat16, so ``to_numpy()`` / ``local_shards()`` of a bfloat16
+tensor raise TypeError; use ``to_torch()`` / ``local_shards(as_torch=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+
+from reshard.dtypes import dtype_name  # noqa: E402
+from reshard.errors import ReshardTimeout, WorkerDied  # noqa: E402
+from reshard.layout import Layout  # noqa: E402
+from reshard.planner import plan_reshard  # noqa: E402
+from reshard.regions import box_volume, layout_regions  # noqa: E402
+from reshard.runtime.driver import gather, runtime  # noqa: E402
+from reshard.runtime.mesh import DeviceMesh  # noqa: E402
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class ShardedTensor:
+    """A tensor laid out over a DeviceMesh; its bytes live on the device actors.
+
+    ``shape`` (tuple), ``dtype`` (canonical name, e.g. "float32"), ``layout``, ``mesh`` (the
+    DeviceMesh), ``name`` (the actors' buffer name)."""
+
+    def __init__(self, mesh: DeviceMesh, layout: Layout, shape: tuple[int, ...], dtype: str, name: str):
+        self.mesh = mesh
+        self.layout = layout
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.name = name
+        self._freed = False
+
+    def __repr__(self) -> str:
+        state = ", freed" if self._freed else ""
+        return f"ShardedTensor({self.dtype}{list(self.shape)}, {self.layout}, buffer={self.name!r}{state})"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size_bytes(self) -> int:
+        from reshard.dtypes import itemsize
+
+        return box_volume(tuple((0, n) for n in self.shape)) * itemsize(self.dtype)
+
+    @property
+    def freed(self) -> bool:
+        return self._freed
+
+    def _check(self, what: str) -> None:
+        if self._freed:
+            raise ValueError(f"{what}: {self!r} was freed; its shards are gone")
+        self.mesh.check_open()
+
+    # ---------------------------------------------------------------- reading back
+
+    def _fetch(self, indices, timeout_s: float) -> dict[int, np.ndarray]:
+        refs = {i: self.mesh.actor(i).fetch.remote(self.name) for i in indices}
+        results, errors, pending = gather(refs, timeout_s)
+        rt = runtime()
+        for i, (kind, err) in errors.items():
+            if kind == "died":
+                rt.mark_dead(self.mesh.device_ids[i], f"actor died: {err}")
+        if errors:
+            i, (kind, err) = min(errors.items())
+            cls = WorkerDied if kind == "died" else type(err) if isinstance(err, Exception) else RuntimeError
+            raise cls(f"reading {self!r} from device {self.mesh.device_ids[i]}: {err}")
+        if pending:
+            raise ReshardTimeout(
+                f"reading {self!r}: devices at flat indices {pending} did not answer within {timeout_s:g}s"
+            )
+        return results
+
+    def _assemble(self, timeout_s: float) -> np.ndarray:
+        self._check("to_numpy")
+        regions = layout_regions(self.layout, self.shape)
+        first: dict = {}
+        for i, box in enumerate(regions):
+            if box_volume(box) and box not in first:
+                first[box] = i
+        wire = np.int16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+        out = np.empty(self.shape, dtype=wire)
+        shards = self._fetch(sorted(first.values()), timeout_s)
+        for box, i in first.items():
+            out[tuple(slice(lo, hi) for lo, hi in box)] = shards[i]
+        return out
+
+    def to_numpy(self, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> np.ndarray:
+        """The full tensor, assembled on the driver (one holder per distinct region)."""
+        if self.dtype == "bfloat16":
+            raise TypeError(f"{self!r}: numpy has no bfloat16; use .to_torch() (or .to_torch().float().numpy())")
+        return self._assemble(timeout_s)
+
+    def to_torch(self, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        """The full tensor as a CPU torch tensor (any dtype, bfloat16 included)."""
+        import torch
+
+        out = torch.from_numpy(self._assemble(timeout_s))
+        return out.view(torch.bfloat16) if self.dtype == "bfloat16" else out
+
+    def local_shards(self, *, as_torch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+        """``{flat device index in mesh: shard}`` as numpy arrays (torch tensors with ``as_torch``)."""
+        if self.dtype == "bfloat16" and not as_torch:
+            raise TypeError(f"{self!r}: numpy has no bfloat16; use .local_shards(as_torch=True)")
+        self._check("local_shards")
+        shards = self._fetch(range(self.mesh.size), timeout_s)
+        if not as_torch:
+            return {i: shards[i] for i in range(self.mesh.size)}
+        import torch
+
+        out = {}
+        for i in range(self.mesh.size):
+            t = torch.from_numpy(np.array(shards[i]))
+            out[i] = t.view(torch.bfloat16) if self.dtype == "bfloat16" else t
+        return out
+
+    # ---------------------------------------------------------------- lifetime
+
+    def free(self) -> None:
+        """Drop the shards on every device (idempotent)."""
+        if self._freed:
+            return
+        self._freed = True
+        if ray.is_initialized():
+            runtime().free(self.mesh.device_ids, self.name)
+
+    def __del__(self):
+        try:
+            if not self._freed and not self.mesh.closed and ray.is_initialized():
+                self.free()
+        except Exception:  # interpreter shutdown, Ray gone: nothing to free
+            pass
+
+
+def _as_numpy(array) -> tuple[np.ndarray, str]:
+    """(C-contiguous numpy array to ship, dtype name); bfloat16 becomes its int16 bit pattern."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a runtime dependency
+        torch = None
+    if torch is not None and isinstance(array, torch.Tensor):
+        name = dtype_name(array.dtype)
+        t = array.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if name == "bfloat16":
+            t = t.view(torch.int16)
+        arr = t.contiguous().numpy()
+    elif isinstance(array, np.ndarray | np.generic):
+        arr = np.asarray(array)
+        name = dtype_name(arr.dtype)
+    else:
+        raise TypeError(f"distribute needs a numpy array or a torch tensor, got {type(array).__name__}")
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr).reshape(arr.shape)
+    return arr, name
+
+
+def distribute(array, layout: Layout, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> ShardedTensor:
+    """Lay ``array`` (numpy array or CPU torch tensor) out over ``layout`` on its DeviceMesh."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"distribute needs a reshard.Layout, got {type(layout).__name__}")
+    arr, dtype = _as_numpy(array)
+    shape = tuple(arr.shape)
+    layout.check_shape(shape)
+    rt = runtime()
+    dmesh = rt.resolve_mesh(layout.mesh, f"distribute onto {layout}")
+    regions = layout_regions(layout, shape)
+    name = rt.new_buffer_name()
+    ref = ray.put(arr)
+    refs = {i: dmesh.actor(i).load.remote(name, ref, box, dtype) for i, box in enumerate(regions)}
+    results, errors, pending = gather(refs, timeout_s)
+    if errors or pending:
+        rt.free(dmesh.device_ids, name)
+        for i, (kind, err) in errors.items():
+            if kind == "died":
+                rt.mark_dead(dmesh.device_ids[i], f"actor died: {err}")
+        if any(kind == "died" for kind, _ in errors.values()):
+            raise WorkerDied(f"distribute onto {layout}: device actor(s) died: {errors}")
+        if pending:
+            raise ReshardTimeout(
+                f"distribute onto {layout}: devices at flat indices {pending} did not finish in {timeout_s:g}s"
+            )
+        raise next(iter(errors.values()))[1]
+    return ShardedTensor(dmesh, layout, shape, dtype, name)
+
+
+def reshard(
+    tensor: ShardedTensor, src_mesh: DeviceMesh, dst_layout: Layout, *, strategy: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ShardedTensor:  # fmt: skip
+    """Move ``tensor`` (on ``src_mesh``, its own mesh) to ``dst_layout`` (on a DeviceMesh).
+
+    Returns a new ShardedTensor; the source stays intact. Raises ValueError/TypeError for misuse,
+    ``WorkerDied`` / ``ReshardTimeout`` / ``ReshardError`` if the run fails (within about
+    ``timeout_s``), ``MeshClosed`` for a shut-down mesh."""
+    if not isinstance(tensor, ShardedTensor):
+        raise TypeError(f"reshard needs a ShardedTensor (from distribute or reshard), got {type(tensor).__name__}")
+    if not isinstance(src_mesh, DeviceMesh):
+        raise TypeError(f"src_mesh must be a DeviceMesh, got {type(src_mesh).__name__}")
+    if not isinstance(dst_layout, Layout):
+        raise TypeError(f"dst_layout must be a reshard.Layout, got {type(dst_layout).__name__}")
+    if not (isinstance(timeout_s, int | float) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if src_mesh is not tensor.mesh and src_mesh.mesh != tensor.mesh.mesh:
+        raise ValueError(
+            f"src_mesh {src_mesh!r} is not the mesh of the tensor, which lives on {tensor.mesh!r}; "
+            "pass tensor.mesh as src_mesh"
+        )
+    tensor._check("reshard source")
+    rt = runtime()
+    dmesh = rt.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
+    if dmesh.backend != tensor.mesh.backend:
+        raise ValueError(
+            f"reshard from a {tensor.mesh.backend} mesh to a {dmesh.backend} mesh: both meshes must use one backend"
+        )
+    plan = plan_reshard(tensor.shape, tensor.dtype, tensor.layout, dst_layout, strategy=strategy)
+    lowered = rt.lower(plan)
+    name = rt.new_buffer_name()
+    what = f"reshard {tensor.dtype}{list(tensor.shape)} {tensor.layout} -> {dst_layout} (strategy {strategy!r})"
+    rt.execute(lowered, tensor.name, name, float(timeout_s), what)
+    return ShardedTensor(dmesh, dst_layout, tensor.shape, tensor.dtype, name)
