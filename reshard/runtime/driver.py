@@ -82,7 +82,7 @@ class Runtime:
         self.groups = GroupTable()
         self.lowered: OrderedDict = OrderedDict()
         self.max_lowered = 512
-        self.meshes: dict = {}  # abstract Mesh -> live DeviceMesh
+        self.meshes: dict = {}  # abstract Mesh -> live DeviceMeshes over it (latest last)
         self.closed_meshes: dict = {}  # abstract Mesh -> why it is closed
         self.stats: Counter = Counter()
         self._device_ids = itertools.count()
@@ -140,19 +140,23 @@ class Runtime:
 
     def register_mesh(self, dmesh) -> None:
         with self.lock:
-            self.meshes[dmesh.mesh] = dmesh
+            self.meshes.setdefault(dmesh.mesh, []).append(dmesh)
             self.closed_meshes.pop(dmesh.mesh, None)
 
     def unregister_mesh(self, dmesh, reason: str) -> None:
         with self.lock:
-            if self.meshes.get(dmesh.mesh) is dmesh:
-                del self.meshes[dmesh.mesh]
+            live = self.meshes.get(dmesh.mesh, [])
+            if dmesh in live:
+                live.remove(dmesh)
+            if not live:
+                self.meshes.pop(dmesh.mesh, None)
                 self.closed_meshes[dmesh.mesh] = reason
 
     def resolve_mesh(self, mesh, what: str):
-        """The live DeviceMesh whose abstract mesh is ``mesh``."""
+        """The live DeviceMesh whose abstract mesh is ``mesh`` (the latest one built over it)."""
         with self.lock:
-            dmesh = self.meshes.get(mesh)
+            live = self.meshes.get(mesh)
+            dmesh = live[-1] if live else None
             if dmesh is None:
                 if mesh in self.closed_meshes:
                     raise MeshClosed(f"{what}: {self.closed_meshes[mesh]}; create a new mesh (DeviceMesh.create)")

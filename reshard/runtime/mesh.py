@@ -21,7 +21,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import logging  # noqa: E402
-import math  # noqa: E402
 
 import ray  # noqa: E402
 
@@ -270,6 +269,16 @@ class DeviceMesh:
             )
         return [results[i] for i in idx]
 
+    def configure(self, *, max_communicators: int | None = None, max_programs: int | None = None) -> None:
+        """Change the per-device bounds of this mesh's devices (the driver enforces both; they
+        take effect at the next reshard that touches the devices)."""
+        self.check_open()
+        for rec in self._records:
+            if max_communicators is not None:
+                rec.max_communicators = _positive_int("max_communicators", max_communicators)
+            if max_programs is not None:
+                rec.max_programs = _positive_int("max_programs", max_programs)
+
     def stats(self, timeout_s: float = 30.0) -> list[dict]:
         """Each device's state: buffers and bytes, cached programs, live groups, counters."""
         self.check_open()
@@ -309,10 +318,6 @@ class DeviceMesh:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-    @staticmethod
-    def _size(shape) -> int:
-        return math.prod(shape)
 
 
 _PRIVATE = object()

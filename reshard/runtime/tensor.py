@@ -142,7 +142,7 @@ class ShardedTensor:
 
     def __del__(self):
         try:
-            if not self._freed and not self.mesh.closed and ray.is_initialized():
+            if not self._freed and ray.is_initialized():
                 self.free()
         except Exception:  # interpreter shutdown, Ray gone: nothing to free
             pass

@@ -1,0 +1,54 @@
+"""One local Ray cluster and one pool of 8 device actors for the whole dist suite.
+
+Actors that import torch take seconds each to start on 2 cores, so every test builds its meshes
+as views over the pool (``DeviceMesh.from_devices``); only tests that kill or shut down devices
+start their own small meshes.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def pool(ray_cluster):
+    """A 2x4 mesh (2 logical hosts of 4 devices): 8 actors shared by every dist test."""
+    from reshard import DeviceMesh
+
+    mesh = DeviceMesh.create((2, 4), startup_timeout_s=180)
+    yield mesh
+    mesh.shutdown()
+
+
+@pytest.fixture
+def view(pool):
+    """``view(flat_indices, shape, devices_per_host=None)``: a mesh over pool devices."""
+    from reshard import DeviceMesh
+
+    made = []
+
+    def make(indices, shape, devices_per_host=None):
+        m = DeviceMesh.from_devices([pool.device_ids[i] for i in indices], shape, devices_per_host=devices_per_host)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.shutdown()

@@ -1,0 +1,60 @@
+"""Shared helpers of the dist tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reshard import Replicate, Shard
+from reshard.regions import layout_regions
+
+
+def pl(spec: str):
+    """``"S0 R S1"`` -> (Shard(0), Replicate(), Shard(1))."""
+    return tuple(Replicate() if p == "R" else Shard(int(p[1:])) for p in spec.split())
+
+
+def random_array(shape, dtype: str, seed: int = 0):
+    """Random bit patterns of ``dtype`` (numpy array; a torch tensor for bfloat16)."""
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(rng.integers(-(2**15), 2**15, size=shape, dtype=np.int16)).view(torch.bfloat16)
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return np.frombuffer(rng.bytes(n), dtype=np.uint8).view(dtype).reshape(shape).copy()
+
+
+def bits(a) -> np.ndarray:
+    """Bit pattern of a numpy array or torch tensor, for bit-exact comparison (NaNs included)."""
+    try:
+        import torch
+
+        if isinstance(a, torch.Tensor):
+            a = a.view(torch.int16).numpy() if a.dtype == torch.bfloat16 else a.numpy()
+    except ImportError:
+        pass
+    a = np.ascontiguousarray(a)
+    return a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
+
+
+def assert_bit_exact(got, expected) -> None:
+    assert tuple(got.shape) == tuple(expected.shape), (got.shape, expected.shape)
+    names = [str(a.dtype).removeprefix("torch.") for a in (got, expected)]
+    assert names[0] == names[1], names
+    assert np.array_equal(bits(got), bits(expected))
+
+
+def assert_shards(tensor, full) -> None:
+    """Every device holds exactly its region of ``full``."""
+    shards = tensor.local_shards(as_torch=tensor.dtype == "bfloat16")
+    regions = layout_regions(tensor.layout, tuple(full.shape))
+    assert sorted(shards) == list(range(tensor.mesh.size))
+    for i, box in enumerate(regions):
+        expected = full[tuple(slice(lo, hi) for lo, hi in box)]
+        assert_bit_exact(shards[i], expected)
+
+
+def read(tensor):
+    return tensor.to_torch() if tensor.dtype == "bfloat16" else tensor.to_numpy()
