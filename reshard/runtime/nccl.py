@@ -182,6 +182,21 @@ def _call_with_deadline(fn, timeout_s: float, name: str) -> tuple[bool, BaseExce
     return finished, (err[0] if err else None)
 
 
+_ABORT_LOCK = threading.Lock()
+
+
+def _abort_once(raw) -> None:
+    """``ncclCommAbort`` at most once per communicator, whichever thread gets there first.
+
+    cupy zeroes the handle only after ncclCommAbort returned, so two threads aborting the same
+    communicator (the watchdog and the caller it woke up) would free it twice; the lock makes the
+    second one wait and then see the zeroed handle."""
+    with _ABORT_LOCK:
+        if getattr(raw, "comm", 1):
+            with contextlib.suppress(Exception):
+                raw.abort()
+
+
 # ----------------------------------------------------------------------------------------------
 # Watchdog: aborts communicators whose host-side NCCL call outlives its deadline
 
@@ -235,8 +250,7 @@ class _Watchdog:
                 self._fired.add(token)
             log.error("NCCL call %s still blocked at its deadline: aborting %d communicator(s)", what, len(raws))
             for raw in raws:
-                with contextlib.suppress(Exception):
-                    raw.abort()
+                _abort_once(raw)
 
     def stop(self):
         with self._cv:
@@ -290,8 +304,7 @@ class NcclCommunicator(Communicator):
         """Abort in-flight operations and free the communicator (local, never blocks on peers)."""
         if not (self.aborted or self.closed):
             self.aborted = True
-            with contextlib.suppress(Exception):
-                self.raw.abort()
+            _abort_once(self.raw)
         self._backend._forget(self)
 
     def close(self) -> None:
@@ -312,6 +325,7 @@ class _Batch:
     keep: list = field(default_factory=list)  # buffers referenced until completion
     ops: list = field(default_factory=list)  # descriptions for error messages
     staged: bool = False
+    open: bool = False  # inside nccl.groupStart() and not yet ended
 
 
 # ----------------------------------------------------------------------------------------------
@@ -524,8 +538,7 @@ class NcclBackend(Backend):
         groups = [g for g, _ in items]
         if thread.is_alive():
             for raw in list(raws):
-                with contextlib.suppress(Exception):
-                    raw.abort()
+                _abort_once(raw)
             thread.join(_ABORT_GRACE_S)
             if thread.is_alive():
                 self._poisoned = (
@@ -538,8 +551,7 @@ class NcclBackend(Backend):
             )
         if "error" in state:
             for raw in raws:
-                with contextlib.suppress(Exception):
-                    raw.abort()
+                _abort_once(raw)
             err = state["error"]
             raise ReshardError(f"creating NCCL communicators for groups {groups} on device {device}: {err}") from err
         self.stats["created"] += len(raws)
@@ -608,16 +620,14 @@ class NcclBackend(Backend):
         batch = _Batch(grouped=True, deadline=deadline)
         self._tls.batch = batch
         nccl.groupStart()
-        ended = False
+        batch.open = True
         try:
             yield
-            ended = True
             self._finish(batch, nccl)
         except BaseException:
-            if not ended:
-                # Launch what was queued (groupStart/groupEnd must pair), then abort it: the block failed.
-                with contextlib.suppress(Exception):
-                    nccl.groupEnd()
+            if batch.open or any(not c.aborted for c in batch.comms.values()):
+                # The block failed: launch what was queued (groupStart/groupEnd must pair), then abort it.
+                self._end_group(batch, nccl, time.monotonic() + _ABORT_GRACE_S)
                 for c in list(batch.comms.values()):
                     c.abort()
                 if self._staging is not None:
@@ -625,6 +635,19 @@ class NcclBackend(Backend):
             raise
         finally:
             self._tls.batch = None
+
+    def _end_group(self, batch: _Batch, nccl, deadline: float) -> tuple[BaseException | None, bool]:
+        """``nccl.groupEnd()`` of an open batch under the watchdog: ``(error, watchdog fired)``."""
+        if not batch.open:
+            return None, False
+        batch.open = False
+        token = self._watchdog.arm(deadline, [c.raw for c in batch.comms.values()], "ncclGroupEnd")
+        error = None
+        try:
+            nccl.groupEnd()
+        except Exception as e:
+            error = e
+        return error, self._watchdog.disarm(token)
 
     def _issue(self, comm: NcclCommunicator, kind: str, x, peer: int) -> None:
         if self._poisoned:
@@ -688,18 +711,12 @@ class NcclBackend(Backend):
     def _finish(self, batch: _Batch, nccl) -> None:
         cupy = cb.import_cupy()
         stream = self._stream
-        raws = [c.raw for c in batch.comms.values()]
         if batch.deadline is None:
             batch.deadline = time.monotonic() + self.timeout_s
         if batch.grouped:
-            token = self._watchdog.arm(batch.deadline, raws, "ncclGroupEnd")
-            try:
-                nccl.groupEnd()
-            except Exception as e:
-                fired = self._watchdog.disarm(token)
-                self._fail(batch, e, timeout=fired)
-            if self._watchdog.disarm(token):
-                self._fail(batch, None, timeout=True)
+            error, fired = self._end_group(batch, nccl, batch.deadline)
+            if error is not None or fired:
+                self._fail(batch, error, timeout=fired)
         if not batch.keep:  # only empty transfers
             return
         self.stats["batches"] += 1
@@ -737,6 +754,10 @@ class NcclBackend(Backend):
             pause = min(max(2 * pause, 2e-5), 1e-3)
 
     def _fail(self, batch: _Batch, error: BaseException | None, *, timeout: bool):
+        if batch.open:
+            # never abort a communicator that an unfinished NCCL group still refers to: end it first
+            _, nccl = cb.import_nccl()
+            self._end_group(batch, nccl, time.monotonic() + _ABORT_GRACE_S)
         for c in list(batch.comms.values()):
             c.abort()
         if self._staging is not None:
