@@ -75,6 +75,19 @@ class ReshardPlan:
     def transfer_bytes(self, transfer: Transfer) -> int:
         return box_volume(transfer.box) * self.itemsize
 
+    def simulate(self, cluster=None, *, backend: str | None = None):
+        """Simulated execution on ``cluster`` (a ``topology.Cluster``; default: one derived from the
+        meshes' host ids): a ``topology.simulator.SimResult`` with ``.makespan_s``. See ``reshard.cost``."""
+        from reshard.cost import simulate_plan
+
+        return simulate_plan(self, cluster, backend=backend)
+
+    def lower_bound_s(self, cluster=None) -> float:
+        """The fluid lower bound of any plan of this reshard on ``cluster`` (see ``reshard.cost``)."""
+        from reshard.cost import plan_lower_bound_s
+
+        return plan_lower_bound_s(self, cluster)
+
     def __str__(self) -> str:
         head = (
             f"ReshardPlan {self.strategy}: {self.dtype}{list(self.shape)} {self.src} -> {self.dst}, "

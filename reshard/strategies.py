@@ -1,9 +1,12 @@
-"""Basic planning strategies: turn unit tasks into ordered transfers.
+"""Planning strategies: turn unit tasks into ordered transfers.
 
-A strategy is a function ``(problem) -> tuple[Transfer, ...]`` registered under a name. Receivers
-that already hold a box get a local COPY; the rest get it over a link. Sender choice spreads load
-over the holders deterministically: a holder on the receiver's own host first (intra-host links
-are fast), then the holder that has sent the fewest bytes so far, then the lowest device id.
+A strategy is a function ``(problem) -> tuple[Transfer, ...]`` registered under a name in
+``STRATEGIES``: ``send_recv`` here, the paper's baselines in ``reshard.baselines`` (``allgather``,
+``broadcast``, ``broadcast_size``, ``broadcast_order``) and the topology-aware default ``auto`` in
+``reshard.auto``. Receivers that already hold a box get a local COPY; the rest get it over a link.
+``SenderPicker`` spreads load over the holders deterministically: a holder on the receiver's own
+host first (intra-host links are fast), then the holder that has sent the fewest bytes so far,
+then the lowest device id.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ class Problem:
 
 
 def _host_map(src: Layout, dst: Layout) -> dict[int, int]:
-    hosts = dict(zip(src.mesh.device_ids, src.mesh.host_ids))
-    hosts.update(zip(dst.mesh.device_ids, dst.mesh.host_ids))
+    hosts = dict(zip(src.mesh.device_ids, src.mesh.host_ids, strict=True))
+    hosts.update(zip(dst.mesh.device_ids, dst.mesh.host_ids, strict=True))
     return hosts
 
 
@@ -92,29 +95,6 @@ def plan_send_recv(problem: Problem) -> tuple[Transfer, ...]:
     return tuple(out)
 
 
-@register("broadcast")
-def plan_broadcast(problem: Problem) -> tuple[Transfer, ...]:
-    """One broadcast group per unit task: its least-loaded holder and all receivers that need it."""
-    picker = SenderPicker(problem)
-    out: list[Transfer] = []
-    for i, task in enumerate(problem.tasks):
-        local, remote = split_local(task)
-        out += local_copies(i, task, local)
-        if remote:
-            out.append(Transfer(TransferKind.BROADCAST, task.box, picker.pick(task, remote), tuple(remote), i))
-    return tuple(out)
-
-
-@register("auto")
-def plan_auto(problem: Problem) -> tuple[Transfer, ...]:
-    """Broadcast where a task has several receivers, point-to-point where it has one."""
-    picker = SenderPicker(problem)
-    out: list[Transfer] = []
-    for i, task in enumerate(problem.tasks):
-        local, remote = split_local(task)
-        out += local_copies(i, task, local)
-        if len(remote) == 1:
-            out.append(Transfer(TransferKind.SEND, task.box, picker.pick(task, remote), tuple(remote), i))
-        elif remote:
-            out.append(Transfer(TransferKind.BROADCAST, task.box, picker.pick(task, remote), tuple(remote), i))
-    return tuple(out)
+# The baselines and the topology-aware planner register themselves on import.
+from reshard import baselines as _baselines  # noqa: E402,F401,I001
+from reshard import auto as _auto  # noqa: E402,F401

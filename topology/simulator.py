@@ -1,0 +1,379 @@
+"""A flow-level network simulator for ordered transfer programs on a ``Cluster``.
+
+Input (neutral: this module knows nothing of plans or layouts): an ordered list of
+``SimTransfer`` (kind COPY / P2P / BROADCAST, root device, receiver devices, size in bytes), a
+device -> host map and a ``topology.Cluster``. Output: a frozen ``SimResult`` with the makespan,
+every transfer's start and end, and per-host NIC bytes and busy time.
+
+Model
+-----
+Resources. Each host has a NIC send port and a NIC receive port of ``cluster.nic_GBps`` each (full
+duplex). Each device has an intra-host send port and receive port of ``cluster.intra_host_GBps``
+each (NVLink/NVSwitch; shared memory for CPU devices). Network traffic of a device goes through its
+host's NIC and does not touch its intra-host ports (GPUDirect RDMA).
+
+Flows. A transfer becomes one or more flows; a flow moves bytes at one rate through every resource
+it uses (a pipelined flow uses all of its hops at once). Rates are max-min fair: concurrent flows
+share every port by progressive filling (water-filling), recomputed at each event, so a port is
+never oversubscribed and no flow is slowed without a bottleneck. A flow first waits its latency
+(no bandwidth used), then joins the sharing; it ends when its bytes are through.
+
+- COPY on device d: one flow through d's intra-host send and receive ports; no latency.
+- P2P a -> b: one flow, through a's and b's intra-host ports (same host, latency
+  ``intra_host_latency_us``) or through host(a)'s NIC send and host(b)'s NIC receive ports
+  (``latency_us``).
+- BROADCAST, backend "nccl": a pipelined ring (NCCL_ALGO=Ring, NCCL_PROTO=Simple as Alpa ran it).
+  The ring visits the root, the other group members on the root's host, then every other host once
+  with its members contiguous (NCCL's topology search keeps the devices of a host adjacent); hosts in
+  order of first appearance among the receivers, devices in the order given. It is one flow through
+  every hop's ports at once: each host NIC on the ring sends and receives the bytes once, however
+  many receivers. Its latency is the sum of the hop latencies plus ``NCCL_BROADCAST_OVERHEAD_US``
+  (a collective's launch and the rendezvous of all ranks); its byte count is the size plus the
+  pipeline fill: with chunk c = min(size, ``NCCL_CHUNK_BYTES``) and per-hop chunk times
+  c / (hop's nominal bandwidth), a pipeline of chunks takes size / rate plus the sum of the hop
+  times but the slowest, which joins the latency. So tiny messages and two-rank groups cost more
+  as broadcasts than as P2P (NCCL issue 674 reports far worse for both; we charge only this
+  modest, documented overhead).
+- BROADCAST, backend "gloo": what ``gloo::broadcast`` does (gloo/broadcast.cc): a binomial tree,
+  store and forward. Ranks are the group's devices sorted by id (how the runtime builds groups); with
+  virtual rank v = (rank - root) mod n, in round i every v < 2^i that holds the data sends the whole
+  buffer to v + 2^i. Sends are asynchronous, so the root's log2(n) sends run concurrently and share
+  its port; a non-root forwards only after its receive completed. Each edge is a P2P flow.
+
+Order. Every device executes its transfers in the global list order, one at a time, blocking: a
+transfer starts when every participant finished its earlier transfers (the lowering's rule, which
+also makes the program deadlock free), and all participants stay busy until it ends.
+
+Accounting. ``HostStats.send_bytes``/``recv_bytes`` count the bytes each NIC carries (pipeline fill
+excluded); ``send_busy_s``/``recv_busy_s`` the time the port carried at least one flow.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from topology.cluster import Cluster
+
+NCCL_CHUNK_BYTES = 512 * 1024  # Simple protocol: a 4 MiB channel buffer in 8 steps
+NCCL_BROADCAST_OVERHEAD_US = 10.0
+
+
+class SimKind(enum.IntEnum):
+    COPY = 0
+    P2P = 1
+    BROADCAST = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SimTransfer:
+    """``size_bytes`` from device ``root`` to ``receivers`` (COPY: ``receivers == (root,)``)."""
+
+    kind: SimKind
+    root: int
+    receivers: tuple[int, ...]
+    size_bytes: int
+
+    def __post_init__(self):
+        if self.size_bytes < 0:
+            raise ValueError(f"transfer size must be >= 0 bytes, got {self.size_bytes}")
+        if self.kind is SimKind.COPY and self.receivers != (self.root,):
+            raise ValueError(f"a COPY stays on its device, got {self.root} -> {self.receivers}")
+        if self.kind is SimKind.P2P and (len(self.receivers) != 1 or self.receivers[0] == self.root):
+            raise ValueError(f"a P2P goes to exactly one other device, got {self.root} -> {self.receivers}")
+        if self.kind is SimKind.BROADCAST and (
+            not self.receivers or self.root in self.receivers or len(set(self.receivers)) != len(self.receivers)
+        ):
+            raise ValueError(
+                f"a BROADCAST needs distinct receivers other than its root, got {self.root} -> {self.receivers}"
+            )
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return (self.root,) if self.kind is SimKind.COPY else (self.root, *self.receivers)
+
+
+@dataclass(frozen=True, slots=True)
+class HostStats:
+    host: int
+    send_bytes: int
+    recv_bytes: int
+    send_busy_s: float
+    recv_busy_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """Times in seconds from the first issue. ``start_s[i]``/``end_s[i]`` belong to transfer ``i``."""
+
+    makespan_s: float
+    start_s: tuple[float, ...]
+    end_s: tuple[float, ...]
+    hosts: tuple[HostStats, ...]
+    backend: str
+
+    def host(self, host: int) -> HostStats:
+        for h in self.hosts:
+            if h.host == host:
+                return h
+        raise KeyError(f"host {host} takes no part in the simulated program")
+
+    @property
+    def network_bytes(self) -> int:
+        """Bytes all NICs sent."""
+        return sum(h.send_bytes for h in self.hosts)
+
+
+class _Flow:
+    __slots__ = ("transfer", "size", "res", "latency", "children", "remaining", "rate", "t_last", "version")
+
+    def __init__(self, transfer: int, size: float, res: tuple[int, ...], latency: float):
+        self.transfer = transfer
+        self.size = size
+        self.res = res
+        self.latency = latency
+        self.children: list[_Flow] = []
+        self.remaining = size
+        self.rate = 0.0
+        self.t_last = 0.0
+        self.version = 0
+
+
+_ACTIVATE, _DONE = 0, 1
+
+
+def simulate_transfers(
+    transfers: Sequence[SimTransfer],
+    device_hosts: Mapping[int, int],
+    cluster: Cluster,
+    *,
+    backend: str | None = None,
+) -> SimResult:
+    """Simulate ``transfers`` issued in this order on ``cluster`` (see the module docstring)."""
+    backend = cluster.backend if backend is None else backend
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    transfers = tuple(transfers)
+    devices = sorted({d for t in transfers for d in t.devices})
+    missing = [d for d in devices if d not in device_hosts]
+    if missing:
+        raise ValueError(f"device_hosts has no host for devices {missing[:8]}")
+    hosts = sorted({device_hosts[d] for d in devices} | set(device_hosts.values()))
+    host_index = {h: i for i, h in enumerate(hosts)}
+    dev_index = {d: i for i, d in enumerate(devices)}
+    nh = len(hosts)
+    # resources: host h send 2i, recv 2i+1; device d intra send 2nh+2j, recv 2nh+2j+1
+    cap = [cluster.nic_Bps] * (2 * nh) + [cluster.intra_host_Bps] * (2 * len(devices))
+    host_of = {d: host_index[device_hosts[d]] for d in devices}
+    net_lat = cluster.latency_us * 1e-6
+    intra_lat = cluster.intra_host_latency_us * 1e-6
+    send_bytes = [0] * nh
+    recv_bytes = [0] * nh
+
+    def hop(a: int, b: int, size: int) -> tuple[tuple[int, int], float]:
+        ha, hb = host_of[a], host_of[b]
+        if ha == hb:
+            return (2 * nh + 2 * dev_index[a], 2 * nh + 2 * dev_index[b] + 1), intra_lat
+        send_bytes[ha] += size
+        recv_bytes[hb] += size
+        return (2 * ha, 2 * hb + 1), net_lat
+
+    def expand(i: int, t: SimTransfer) -> list[_Flow]:
+        """The transfer's root flows (each with its dependent children)."""
+        s = t.size_bytes
+        if t.kind is SimKind.COPY:
+            j = 2 * nh + 2 * dev_index[t.root]
+            return [_Flow(i, s, (j, j + 1), 0.0)]
+        if t.kind is SimKind.P2P:
+            res, lat = hop(t.root, t.receivers[0], s)
+            return [_Flow(i, s, res, lat)]
+        if backend == "nccl":
+            ring = _ring_order(t.root, t.receivers, host_of)
+            res: list[int] = []
+            lat = NCCL_BROADCAST_OVERHEAD_US * 1e-6
+            chunk = min(s, NCCL_CHUNK_BYTES)
+            hop_times = []
+            for a, b in zip(ring[:-1], ring[1:], strict=True):
+                r, hop_lat = hop(a, b, s)
+                res += r
+                lat += hop_lat
+                hop_times.append(chunk / cap[r[0]])
+            # pipeline fill: every hop but the slowest forwards one chunk before the stream is steady
+            fill = sum(hop_times) - max(hop_times)
+            return [_Flow(i, s, tuple(res), lat + fill)]
+        return _binomial_tree(i, t, s, hop)
+
+    n = len(transfers)
+    flows_left = [0] * n
+    start = [0.0] * n
+    end = [0.0] * n
+    queues: dict[int, list[int]] = {d: [] for d in devices}
+    waiting = [0] * n
+    for i, t in enumerate(transfers):
+        for d in t.devices:
+            queues[d].append(i)
+        waiting[i] = len(t.devices)
+    pos = dict.fromkeys(devices, 0)
+    res_flows: list[set[_Flow]] = [set() for _ in cap]
+    busy = [0.0] * (2 * nh)
+    busy_since: list[float | None] = [None] * (2 * nh)
+    heap: list = []
+    seq = 0
+
+    def push(time: float, kind: int, flow: _Flow) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (time, seq, kind, flow, flow.version))
+
+    def begin(i: int, now: float) -> None:
+        start[i] = now
+        roots = expand(i, transfers[i])
+        flows_left[i] = _count(roots)
+        for f in roots:
+            push(now + f.latency, _ACTIVATE, f)
+
+    def arrive(device: int, now: float) -> None:
+        q = queues[device]
+        if pos[device] < len(q):
+            j = q[pos[device]]
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                begin(j, now)
+
+    def finish(f: _Flow, now: float) -> None:
+        for c in f.children:
+            push(now + c.latency, _ACTIVATE, c)
+        i = f.transfer
+        flows_left[i] -= 1
+        if flows_left[i] == 0:
+            end[i] = now
+            for d in transfers[i].devices:
+                pos[d] += 1
+                arrive(d, now)
+
+    for d in devices:
+        arrive(d, 0.0)
+
+    now = 0.0
+    while heap:
+        now = heap[0][0]
+        horizon = now + 1e-12 * max(1.0, now)
+        changed: set[int] = set()
+        while heap and heap[0][0] <= horizon:
+            _, _, kind, f, version = heapq.heappop(heap)
+            if kind == _ACTIVATE:
+                if f.size <= 0:
+                    finish(f, now)
+                    continue
+                f.remaining, f.rate, f.t_last = f.size, 0.0, now
+                for r in f.res:
+                    res_flows[r].add(f)
+                changed.update(f.res)
+            elif version == f.version:
+                for r in f.res:
+                    res_flows[r].discard(f)
+                changed.update(f.res)
+                f.version += 1
+                finish(f, now)
+        if not changed:
+            continue
+        _reallocate(changed, res_flows, cap, now, push)
+        for r in changed:
+            if r < 2 * nh:
+                if res_flows[r] and busy_since[r] is None:
+                    busy_since[r] = now
+                elif not res_flows[r] and busy_since[r] is not None:
+                    busy[r] += now - busy_since[r]
+                    busy_since[r] = None
+    if any(flows_left) or any(pos[d] < len(q) for d, q in queues.items()):
+        raise AssertionError("simulation stalled: a transfer never started (the program order has a cycle)")
+    stats = tuple(
+        HostStats(h, send_bytes[i], recv_bytes[i], busy[2 * i], busy[2 * i + 1]) for h, i in host_index.items()
+    )
+    return SimResult(max(end, default=0.0), tuple(start), tuple(end), stats, backend)
+
+
+def _count(flows: list[_Flow]) -> int:
+    return sum(1 + _count(f.children) for f in flows)
+
+
+def _ring_order(root: int, receivers: tuple[int, ...], host_of: Mapping[int, int]) -> list[int]:
+    by_host: dict[int, list[int]] = {host_of[root]: [root]}
+    for r in receivers:
+        by_host.setdefault(host_of[r], []).append(r)
+    return [d for ds in by_host.values() for d in ds]
+
+
+def _binomial_tree(i: int, t: SimTransfer, size: int, hop) -> list[_Flow]:
+    ranks = sorted(t.devices)
+    n = len(ranks)
+    root_rank = ranks.index(t.root)
+
+    def device(v: int) -> int:
+        return ranks[(v + root_rank) % n]
+
+    incoming: dict[int, _Flow] = {}
+    roots: list[_Flow] = []
+    bits = max(1, (n - 1).bit_length())
+    for step in range(bits):  # in round ``step`` every v < 2^step sends to v + 2^step
+        for v in range(min(1 << step, n)):
+            w = v + (1 << step)
+            if w >= n:
+                continue
+            res, lat = hop(device(v), device(w), size)
+            f = _Flow(i, size, res, lat)
+            incoming[w] = f
+            (incoming[v].children if v else roots).append(f)
+    return roots
+
+
+def _reallocate(changed: set[int], res_flows: list[set[_Flow]], cap: list[float], now: float, push) -> None:
+    """Max-min fair rates for every flow connected (through shared ports) to a changed port."""
+    comp: set[_Flow] = set()
+    seen = set(changed)
+    stack = list(changed)
+    while stack:
+        r = stack.pop()
+        for f in res_flows[r]:
+            if f not in comp:
+                comp.add(f)
+                for r2 in f.res:
+                    if r2 not in seen:
+                        seen.add(r2)
+                        stack.append(r2)
+    if not comp:
+        return
+    rem: dict[int, float] = {}
+    cnt: dict[int, int] = {}
+    for f in comp:
+        if f.rate:
+            f.remaining -= f.rate * (now - f.t_last)
+        f.t_last = now
+        for r in f.res:
+            cnt[r] = cnt.get(r, 0) + 1
+    for r in cnt:
+        rem[r] = cap[r]
+    heap = [(rem[r] / c, r) for r, c in cnt.items()]
+    heapq.heapify(heap)
+    fixed: set[_Flow] = set()
+    while heap:
+        share, r = heapq.heappop(heap)
+        c = cnt[r]
+        if c == 0 or share != rem[r] / c:
+            continue
+        rate = max(share, 1.0)
+        for f in res_flows[r]:
+            if f in fixed:
+                continue
+            fixed.add(f)
+            for r2 in f.res:
+                rem[r2] -= share
+                cnt[r2] -= 1
+                if r2 != r and cnt[r2] > 0:
+                    heapq.heappush(heap, (rem[r2] / cnt[r2], r2))
+            if rate != f.rate:
+                f.rate = rate
+                f.version += 1
+                push(now + max(f.remaining, 0.0) / rate, _DONE, f)
