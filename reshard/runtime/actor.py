@@ -27,7 +27,7 @@ from collections import OrderedDict  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from reshard.errors import ReshardError  # noqa: E402
+from reshard.errors import ReshardError, ReshardTimeout  # noqa: E402
 from reshard.lowering import DeviceProgram  # noqa: E402
 from reshard.runtime.communicator import Backend, Communicator  # noqa: E402
 from reshard.runtime.executor import (  # noqa: E402
@@ -80,10 +80,14 @@ class DeviceContext:
                 dtype = str(t.dtype).removeprefix("torch.")
             program = compile_program(program, dtype)
         own_groups = groups is None
+        deadline = time.monotonic() + timeout_s
         try:
             if own_groups:
                 self.groups.connect(program.groups, timeout_s)
-            return run_program(self, program, src, dst, timeout_s, groups)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ReshardTimeout(f"device {self.device}: timeout_s={timeout_s:g}s passed while connecting groups")
+            return run_program(self, program, src, dst, left, groups)
         except BaseException:
             if own_groups:
                 self.groups.abort(program.groups)

@@ -11,7 +11,14 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+from reshard.errors import ReshardError
+
 Group = tuple[int, ...]
+
+
+class PeerFailed(ReshardError):
+    """An operation failed because a peer of the group went away or aborted the group: a
+    consequence of a failure elsewhere (the driver reports the root cause instead)."""
 
 
 @dataclass(frozen=True, slots=True)

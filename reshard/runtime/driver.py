@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from reshard.errors import MeshClosed, ReshardError, ReshardTimeout, WorkerDied
 from reshard.lowering import Program, lower_plan
 from reshard.plan import ReshardPlan
+from reshard.runtime.communicator import PeerFailed
 from reshard.runtime.groups import GroupTable, group_key
 from reshard.serialize import encode_device_program
 from reshard.validate import validate_plan, validate_program
@@ -314,7 +315,7 @@ class Runtime:
                 refs[d] = rec.actor.run.remote(lowered.pid, blob, updates, src_name, dst_name, timeout_s)
             self.stats["runs"] += 1
             self.stats["run_calls"] += len(refs)
-        results, errors, pending = gather(refs, timeout_s)
+        results, errors, pending = gather(refs, timeout_s, settle_s=SETTLE_S)
         if not errors and not pending:
             return results
         self._fail(lowered, refs, errors, pending, dst_name)
@@ -352,10 +353,18 @@ class Runtime:
                     rec.actor.free.remote(name)
 
 
-def gather(refs: dict, timeout_s: float):
-    """Wait for ``refs`` (device -> ObjectRef) until done or ``timeout_s`` passed.
+#: After the first failure, how long the driver still collects the other participants' outcomes
+#: (a peer's death reaches the others within milliseconds; what is still blocked then is left to
+#: its own deadline, and the cleanup calls queue behind it).
+SETTLE_S = 2.0
 
-    Returns ``(results, errors, pending)``: ``errors[device] = ("died" | "timeout" | "error", exc)``."""
+
+def gather(refs: dict, timeout_s: float, *, settle_s: float | None = None):
+    """Wait for ``refs`` (key -> ObjectRef) until all are done or ``timeout_s`` passed; with
+    ``settle_s``, at most that much longer once the first one failed.
+
+    Returns ``(results, errors, pending)``: ``errors[key] = (kind, exception)`` with kind "died"
+    (the actor died), "timeout", "peer" (a consequence of a peer's failure) or "error"."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -377,10 +386,16 @@ def gather(refs: dict, timeout_s: float):
                 cause = getattr(e, "cause", None) or e
                 if isinstance(cause, RayActorError):
                     errors[d] = ("died", cause)
+                elif isinstance(cause, ReshardTimeout):
+                    errors[d] = ("timeout", cause)
+                elif isinstance(cause, PeerFailed):
+                    errors[d] = ("peer", cause)
                 else:
-                    errors[d] = ("timeout" if isinstance(cause, ReshardTimeout) else "error", cause)
+                    errors[d] = ("error", cause)
             except GetTimeoutError as e:
                 errors[d] = ("timeout", e)
+            if errors and settle_s is not None:
+                deadline = min(deadline, time.monotonic() + settle_s)
     return results, errors, sorted(by_ref.values())
 
 
@@ -390,17 +405,23 @@ def _first_line(err) -> str:
 
 
 def _classify(errors: dict, pending: list, what: str, timeout_s: float) -> ReshardError:
-    died = sorted(d for d, (k, _) in errors.items() if k == "died")
-    timed = sorted(d for d, (k, _) in errors.items() if k == "timeout")
-    other = sorted(d for d, (k, _) in errors.items() if k == "error")
-    details = "; ".join(f"device {d}: {_first_line(errors[d][1])}" for d in (timed + other)[:4])
+    """One exception for a failed run, naming the root cause first: a dead actor, else an actor's
+    own error, else a timeout, else errors that only echo a peer's failure."""
+    by_kind: dict[str, list[int]] = {"died": [], "error": [], "timeout": [], "peer": []}
+    for d, (kind, _) in sorted(errors.items()):
+        by_kind[kind].append(d)
+    shown = (by_kind["error"] + by_kind["timeout"] + by_kind["peer"])[:4]
+    details = "; ".join(f"device {d}: {_first_line(errors[d][1])}" for d in shown)
     tail = " The source tensor is intact; partial destination shards were freed."
-    if died:
-        return WorkerDied(f"{what}: device actor(s) {died} died." + (f" Others: {details}." if details else "") + tail)
-    if pending or timed:
+    if by_kind["died"]:
+        others = f" Others: {details}." if details else ""
+        return WorkerDied(f"{what}: device actor(s) {by_kind['died']} died.{others}{tail}")
+    if by_kind["error"]:
+        return ReshardError(f"{what}: {details}.{tail}")
+    if pending or by_kind["timeout"]:
         stuck = f" devices {pending} had not finished;" if pending else ""
-        return ReshardTimeout(f"{what}: did not complete within timeout_s={timeout_s:g}s;{stuck} {details}." + tail)
-    return ReshardError(f"{what}: {details}." + tail)
+        return ReshardTimeout(f"{what}: did not complete within timeout_s={timeout_s:g}s;{stuck} {details}.{tail}")
+    return ReshardError(f"{what}: {details}.{tail}")
 
 
 _RUNTIME: Runtime | None = None

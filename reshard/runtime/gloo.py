@@ -5,12 +5,20 @@ rendezvous is just ``(host, port, prefix)`` with a prefix unique per group AND p
 (a token of this backend instance plus a counter), so a group re-created after a failure never
 reads the keys of its dead predecessor. Nothing blocks: ``rendezvous`` makes no remote call.
 
-Actor side: a ``PrefixStore`` over one client ``TCPStore`` per master, and a raw
-``ProcessGroupGloo(prefix_store, rank, size, options)`` with a lazily connecting device (eager
-connection setup deadlocks when actors create overlapping groups in different orders) and an
-explicit op timeout. Operations use the group object's own ``broadcast/send/recv`` and wait with
-a timeout; a timed-out or failed group is unusable (gloo closes its pairs), so the caller drops it.
-Gloo moves every dtype the runtime supports (bool and bfloat16 included) as is.
+Actor side: a raw ``ProcessGroupGloo(prefix_store, rank, size, options)`` per group, over its
+own client ``TCPStore`` connection. ``connect_many`` creates all new groups of a run at its start,
+each in its own thread, with EAGER connection setup bounded by the run's deadline. Why not the
+lazy device: its connection setup runs inside the first ``send``/``broadcast`` call, waits on the
+store for the full store timeout whatever the op's ``wait(timeout)`` says, and can hang against a
+peer that aborted in between. Why threads: eager setup of overlapping groups created one after the
+other in different orders on different actors deadlocks; concurrently it cannot (gloo releases the
+GIL). Once created, a group's pairs are connected, so a peer that dies or aborts makes pending
+operations fail at once ("Connection closed by peer").
+
+Operations use the group object's own ``broadcast/send/recv``; before each one the group's timeout
+is set to the time left (``Communicator.timeout_s``, which the executor sets) and the work is
+waited on with it. A timed-out or failed group is unusable (gloo closes its pairs); the caller
+drops it. Gloo moves every dtype the runtime supports (bool and bfloat16 included) as is.
 """
 
 from __future__ import annotations
@@ -19,10 +27,11 @@ import datetime
 import itertools
 import os
 import threading
+import time
 import uuid
 
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.runtime.communicator import Backend, Communicator, Group, Rendezvous
+from reshard.runtime.communicator import Backend, Communicator, Group, PeerFailed, Rendezvous
 
 _MIN_WAIT_S = 1e-3
 
@@ -80,8 +89,10 @@ class GlooCommunicator(Communicator):
             raise ValueError(
                 f"gloo {what} needs a contiguous tensor, got shape {tuple(tensor.shape)} strides {tensor.stride()}"
             )
+        timeout = _td(self.timeout_s)
         try:
-            issue().wait(_td(self.timeout_s))
+            self.pg.set_timeout(timeout)
+            issue().wait(timeout)
         except RuntimeError as e:
             msg = str(e).split("\n")[0]
             self.failed = msg
@@ -89,8 +100,11 @@ class GlooCommunicator(Communicator):
                 f"device {self.device}: gloo {what} (group {self.group}, rank {self.rank}, "
                 f"peer/root {peer}, {tuple(tensor.shape)})"
             )
-            if "timed out" in msg.lower() or "timeout" in msg.lower():
+            low = msg.lower()
+            if "timed out" in low or "timeout" in low:
                 raise ReshardTimeout(f"{where} did not complete within {self.timeout_s:.2f}s: {msg}") from None
+            if "closed by peer" in low or "connection reset" in low or "broken pipe" in low:
+                raise PeerFailed(f"{where}: a peer went away: {msg}") from None
             raise ReshardError(f"{where} failed: {msg}") from None
 
     def close(self) -> None:
@@ -131,7 +145,6 @@ class GlooBackend(Backend):
         self._master = None
         self._token = uuid.uuid4().hex[:8]
         self._counter = itertools.count(1)
-        self._clients: dict[tuple[str, int], object] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -164,29 +177,66 @@ class GlooBackend(Backend):
 
     # ---------------------------------------------------------------- actor side
 
-    def _client(self, host: str, port: int, timeout_s: float):
-        key = (host, port)
-        with self._lock:
-            store = self._clients.get(key)
-            if store is None:
-                import torch.distributed as dist
-
-                store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
-                self._clients[key] = store
-            return store
-
     def connect(self, rendezvous: Rendezvous, device: int, timeout_s: float) -> GlooCommunicator:
+        return self.connect_many([rendezvous], device, timeout_s)[0]
+
+    def connect_many(self, rendezvous: list[Rendezvous], device: int, timeout_s: float) -> list[GlooCommunicator]:
+        """This device's communicators for ``rendezvous``, created concurrently (one thread per
+        group, connections set up eagerly); raises ``ReshardTimeout`` if some peer does not join
+        within ``timeout_s`` (then nothing is kept)."""
+        for r in rendezvous:
+            if device not in r.group:
+                raise ValueError(f"device {device} is not a member of group {tuple(r.group)}")
+        deadline = time.monotonic() + timeout_s
+        out: list = [None] * len(rendezvous)
+        errors: list = [None] * len(rendezvous)
+
+        def make(i: int, r: Rendezvous) -> None:
+            try:
+                out[i] = self._create(r, device, timeout_s)
+            except BaseException as e:  # reported below
+                errors[i] = e
+
+        if len(rendezvous) == 1:
+            make(0, rendezvous[0])
+        else:
+            threads = [
+                threading.Thread(target=make, args=(i, r), name="reshard-gloo-connect", daemon=True)
+                for i, r in enumerate(rendezvous)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(max(deadline - time.monotonic(), 0) + 1.0)
+        missing = [tuple(r.group) for r, c, e in zip(rendezvous, out, errors, strict=True) if c is None and e is None]
+        failed = [(tuple(r.group), e) for r, e in zip(rendezvous, errors, strict=True) if e is not None]
+        if missing or failed:
+            for c in out:
+                if c is not None:
+                    c.abort()
+            detail = "; ".join(f"{g}: {str(e).splitlines()[0] if str(e) else type(e).__name__}" for g, e in failed[:3])
+            groups = missing + [g for g, _ in failed]
+            if missing or all("timeout" in str(e).lower() or "timed out" in str(e).lower() for _, e in failed):
+                raise ReshardTimeout(
+                    f"device {device}: gloo groups {groups} not connected within {timeout_s:.2f}s "
+                    f"(a peer did not join: dead, failed earlier or stuck){'; ' + detail if detail else ''}"
+                )
+            raise ReshardError(f"device {device}: creating gloo groups {groups} failed: {detail}")
+        return out
+
+    def _create(self, rendezvous: Rendezvous, device: int, timeout_s: float) -> GlooCommunicator:
         import torch.distributed as dist
         from torch.distributed import ProcessGroupGloo
 
         group = tuple(rendezvous.group)
-        if device not in group:
-            raise ValueError(f"device {device} is not a member of group {group}")
         info = rendezvous.info
-        store = dist.PrefixStore(info["prefix"], self._client(info["host"], int(info["port"]), timeout_s))
+        # one store connection per group: a blocking wait on a shared client would hold up the
+        # other groups being created concurrently
+        client = dist.TCPStore(info["host"], int(info["port"]), is_master=False, timeout=_td(timeout_s))
+        store = dist.PrefixStore(info["prefix"], client)
         opts = ProcessGroupGloo._Options()
         hostname = os.environ.get("RESHARD_GLOO_HOSTNAME") or _node_ip()
-        opts._devices = [ProcessGroupGloo.create_device(hostname=hostname, lazy_init=True)]
+        opts._devices = [ProcessGroupGloo.create_device(hostname=hostname, lazy_init=False)]
         opts._timeout = _td(timeout_s)
         rank = group.index(device)
         pg = ProcessGroupGloo(store, rank, len(group), opts)

@@ -166,7 +166,7 @@ class GroupCache:
         if not todo:
             return
         many = getattr(self.backend, "connect_many", None)
-        if many is not None and len(todo) > 1:
+        if many is not None:
             comms = many([e.rendezvous for e in todo], self.device, timeout)
         else:
             comms = [self.backend.connect(e.rendezvous, self.device, timeout) for e in todo]

@@ -15,6 +15,17 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(items):
+    """Functions defined in test modules run inside the actors (``DeviceMesh.call``): pickle them
+    by value, since the actors cannot import the test modules."""
+    import sys
+
+    from ray import cloudpickle
+
+    for name in {item.module.__name__ for item in items if item.get_closest_marker("dist")}:
+        cloudpickle.register_pickle_by_value(sys.modules[name])
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -1,0 +1,279 @@
+"""Misuse raises clear ValueError/TypeError; runtime failures raise ReshardError subclasses in
+bounded time, leave the source intact, free partial results, and leave the runtime usable."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from dist_helpers import assert_bit_exact, assert_shards, pl, random_array
+
+from reshard import (
+    DeviceMesh,
+    Layout,
+    MeshClosed,
+    ReshardError,
+    ReshardTimeout,
+    Shard,
+    WorkerDied,
+    distribute,
+    plan_reshard,
+    reshard,
+)
+from reshard.runtime import runtime
+from topology import Mesh
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def spare(ray_cluster):
+    """Two devices of their own, for the tests that kill a device."""
+    mesh = DeviceMesh.create((1, 2), startup_timeout_s=180)
+    yield mesh
+    mesh.shutdown()
+
+
+def _still_works(view, seed=0):
+    src = view([0, 1, 4, 5], (2, 2))
+    dst = view([2, 3, 6], (3,))
+    x = random_array((7, 5), "float32", seed)
+    y = reshard(distribute(x, Layout(src, pl("S0 S1"))), src, Layout(dst, pl("S1")))
+    assert_bit_exact(y.to_numpy(), x)
+
+
+# --------------------------------------------------------------------------------------- misuse
+
+
+def test_wrong_number_of_placements(view):
+    a = view([0, 1, 4, 5], (2, 2))
+    with pytest.raises(ValueError, match=r"needs 2 placements .* got 1"):
+        Layout(a, (Shard(0),))
+    with pytest.raises(ValueError, match="needs 2 placements"):
+        Layout(a, pl("S0 R R"))
+
+
+def test_shard_dim_out_of_range_and_shape_mismatch(view):
+    a = view([0, 1, 4, 5], (2, 2))
+    x = np.zeros((4, 4), np.float32)
+    with pytest.raises(ValueError, match=r"shards dim 2 but the tensor of shape \(4, 4\) has 2 dims"):
+        distribute(x, Layout(a, pl("S2 R")))
+    t = distribute(x, Layout(a, pl("S0 R")))
+    with pytest.raises(ValueError, match="shards dim 5"):
+        reshard(t, a, Layout(a, pl("S5 R")))
+    with pytest.raises(ValueError, match=r"shape \(2, 2\) has 4 positions but 3 devices"):
+        DeviceMesh.from_devices(a.device_ids[:3], (2, 2))
+    _still_works(view)
+
+
+def test_negative_dims():
+    with pytest.raises(ValueError, match="negative dims"):
+        Shard(-1)
+    with pytest.raises(TypeError, match="int tensor dim"):
+        Shard(1.0)
+
+
+def test_tensor_with_a_mesh_that_is_not_its_own(view):
+    a = view([0, 1, 4, 5], (2, 2))
+    b = view([2, 3, 6, 7], (2, 2))
+    t = distribute(np.ones((4, 4), np.int32), Layout(a, pl("S0 R")))
+    with pytest.raises(ValueError, match=r"src_mesh DeviceMesh\(2, 2\).*\[2, 3, 6, 7\].*lives on DeviceMesh\(2, 2\)"):
+        reshard(t, b, Layout(b, pl("R R")))
+    with pytest.raises(TypeError, match="src_mesh must be a DeviceMesh"):
+        reshard(t, a.mesh, Layout(b, pl("R R")))
+    with pytest.raises(ValueError, match="not a live DeviceMesh"):
+        reshard(t, a, Layout(Mesh((2, 2), [900, 901, 902, 903]), pl("R R")))
+    y = reshard(t, a, Layout(b, pl("R S1")))
+    assert_bit_exact(y.to_numpy(), np.ones((4, 4), np.int32))
+
+
+@pytest.mark.parametrize("bad", ["complex64", "uint16", "torch.int16", "list"])
+def test_unsupported_dtypes(view, bad):
+    import torch
+
+    a = view([0, 1], (2,))
+    array = {
+        "complex64": np.zeros(3, np.complex64),
+        "uint16": np.zeros(3, np.uint16),
+        "torch.int16": torch.zeros(3, dtype=torch.int16),
+        "list": [1, 2, 3],
+    }[bad]
+    with pytest.raises(TypeError, match="unsupported dtype|numpy array or a torch tensor"):
+        distribute(array, Layout(a, pl("S0")))
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0), ()])
+def test_zero_size_meshes(ray_cluster, shape):
+    with pytest.raises(ValueError, match="positive ints"):
+        DeviceMesh.create(shape)
+
+
+def test_devices_per_host_must_divide(pool):
+    with pytest.raises(ValueError, match=r"devices_per_host=4 must be a positive int dividing the mesh size 6.*e\.g\."):
+        DeviceMesh.create((2, 3), devices_per_host=4)
+    with pytest.raises(ValueError, match="devices_per_host=3"):
+        DeviceMesh.from_devices(pool.device_ids[:4], (4,), devices_per_host=3)
+
+
+def test_bad_strategy_and_timeout(view):
+    a = view([0, 1], (2,))
+    t = distribute(np.arange(4), Layout(a, pl("S0")))
+    with pytest.raises(ValueError, match="unknown strategy 'nope'"):
+        reshard(t, a, Layout(a, pl("R")), strategy="nope")
+    with pytest.raises(ValueError, match="timeout_s"):
+        reshard(t, a, Layout(a, pl("R")), timeout_s=0)
+    t.free()
+    with pytest.raises(ValueError, match="was freed"):
+        reshard(t, a, Layout(a, pl("R")))
+
+
+# --------------------------------------------------------------------------------------- shutdown
+
+
+def test_shut_down_meshes(view, ray_cluster):
+    a = view([0, 1], (2,))
+    x = random_array((6, 4), "float32", 1)
+    t = distribute(x, Layout(a, pl("S0")))
+    v = view([2, 3], (2,))
+    layout = Layout(v, pl("S1"))
+    v.shutdown()
+    with pytest.raises(MeshClosed, match="shut down"):
+        reshard(t, a, layout)
+    # a mesh that owns its actors
+    own = DeviceMesh.create((1,), startup_timeout_s=180)
+    on_own = distribute(x, Layout(own, pl("R")))
+    own_layout = Layout(own, pl("R"))
+    own.shutdown()
+    own.shutdown()  # idempotent
+    with pytest.raises(MeshClosed, match="shut down"):
+        reshard(t, a, own_layout)
+    with pytest.raises(MeshClosed):
+        on_own.to_numpy()
+    with pytest.raises(MeshClosed):
+        reshard(on_own, own, Layout(a, pl("R")))
+    with pytest.raises(MeshClosed):
+        distribute(x, own_layout)
+    with pytest.raises(MeshClosed):
+        DeviceMesh.from_devices(own.device_ids, (1,))
+    with pytest.raises(MeshClosed):
+        own.call(lambda ctx: ctx.device)
+    assert_shards(t, x)
+    _still_works(view, 2)
+
+
+# --------------------------------------------------------------------------------------- failures
+
+
+def _exit_at_first_communication(ctx):
+    from reshard.lowering import OpKind
+
+    def hook(ctx, op):
+        if op.kind is not OpKind.COPY:
+            os._exit(1)
+
+    ctx.before_op = hook
+
+
+def _slow_ops(ctx, seconds):
+    def hook(ctx, op):
+        time.sleep(seconds)
+
+    ctx.before_op = hook
+
+
+def _stall_once(ctx, seconds):
+    def hook(ctx, op):
+        ctx.before_op = None
+        time.sleep(seconds)
+
+    ctx.before_op = hook
+
+
+def _groups_and_buffers(pool, indices):
+    stats = pool.stats()
+    return {i: (set(stats[i]["group_entries"]), set(stats[i]["buffers"])) for i in indices}
+
+
+def test_worker_exits_mid_reshard(pool, view, spare):
+    victim = spare.device_ids[0]
+    src = view([0, 1], (2,))
+    dst = DeviceMesh.from_devices([victim, pool.device_ids[2], pool.device_ids[3]], (3,))
+    x = random_array((600, 64), "float32", 2)
+    t = distribute(x, Layout(src, pl("S0")))
+    dst_layout = Layout(dst, pl("S1"))
+    before = _groups_and_buffers(pool, [0, 1, 2, 3])
+    DeviceMesh.from_devices([victim], (1,)).call(_exit_at_first_communication)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied, match=rf"\[{victim}\] died.*source tensor is intact"):
+        reshard(t, src, dst_layout, timeout_s=20)
+    assert time.monotonic() - t0 < 15
+    assert_shards(t, x)  # the source is intact and usable
+    lowered = runtime().lower(plan_reshard(x.shape, "float32", t.layout, dst_layout))
+    after = _groups_and_buffers(pool, [0, 1, 2, 3])
+    for i in range(4):
+        groups, buffers = after[i]
+        assert buffers <= before[i][1], "partial destination shards must be freed"
+        assert not any(victim in g for g in groups)
+        assert not set(lowered.groups) & groups, "survivors must drop the groups of the failed run"
+    with pytest.raises(WorkerDied, match="died"):
+        reshard(t, src, dst_layout)
+    y = reshard(t, src, Layout(view([2, 3, 4], (3,)), pl("S1")))  # the same survivors, new groups
+    assert_bit_exact(y.to_numpy(), x)
+    _still_works(view, 3)
+
+
+def test_worker_killed_during_big_reshard(pool, view, spare, ray_cluster):
+    victim = spare.device_ids[1]
+    src = view([4, 5], (2,))
+    dst = DeviceMesh.from_devices([pool.device_ids[6], victim], (2,))
+    x = random_array((1024, 2048), "float32", 3)  # 8 MiB
+    t = distribute(x, Layout(src, pl("S0")))
+    DeviceMesh.from_devices([victim], (1,)).call(_slow_ops, 0.5)  # the kill lands while the victim is mid-run
+    killer = threading.Timer(1.0, ray_cluster.kill, args=(spare.actor(1),))
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerDied, match=rf"\[{victim}\] died"):
+            reshard(t, src, Layout(dst, pl("R")), strategy="broadcast", timeout_s=30)
+    finally:
+        killer.join()
+    assert time.monotonic() - t0 < 20
+    assert_shards(t, x)
+    y = reshard(t, src, Layout(view([6, 7], (2,)), pl("R")), strategy="broadcast")
+    assert_bit_exact(y.to_numpy(), x)
+    _still_works(view, 4)
+
+
+def test_timeout_is_bounded_and_recoverable(pool, view):
+    src = view([0, 1], (2,))
+    dst = view([2, 3], (2,))
+    x = random_array((64, 32), "int32", 5)
+    t = distribute(x, Layout(src, pl("S0")))
+    layout = Layout(dst, pl("R"))
+    pool.call(_stall_once, 3.0, devices=[2])
+    t0 = time.monotonic()
+    with pytest.raises(ReshardTimeout, match="timeout_s=1s"):
+        reshard(t, src, layout, timeout_s=1.0)
+    assert time.monotonic() - t0 < 2.5
+    y = reshard(t, src, layout, timeout_s=30)
+    assert_bit_exact(y.to_numpy(), x)
+    assert_shards(t, x)
+    stats = pool.stats()
+    assert all(s["staging_bytes"] <= 1 << 20 for s in stats)
+    _still_works(view, 5)
+
+
+def test_error_inside_actor_is_a_reshard_error(pool, view):
+    """A program that cannot run (its source shard is gone) fails cleanly, the runtime lives on."""
+    src = view([0, 1], (2,))
+    dst = view([4, 5], (2,))
+    t = distribute(np.arange(10, dtype=np.int64), Layout(src, pl("S0")))
+    src.call(lambda ctx, name: ctx.buffers.pop(name) is not None, t.name, devices=[1])
+    t0 = time.monotonic()
+    with pytest.raises(ReshardError, match="source shard .* is missing"):
+        reshard(t, src, Layout(dst, pl("R")), timeout_s=5)
+    assert time.monotonic() - t0 < 5
+    _still_works(view, 6)
