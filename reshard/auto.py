@@ -73,21 +73,23 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
     cluster = resolve_cluster(problem.cluster, problem.src, problem.dst)
     hosts = device_hosts(problem.src, problem.dst)
     ctx = _Context(problem, cluster, hosts)
-    serial = _hier(ctx, split=True, serial=True)
+    serial, shapes = _hier(ctx, split=True, serial=True)
     first = ("serial/color", _order(serial, "color"))
     if len(first[1]) > MAX_SIMULATED_TRANSFERS:
         c = Candidate(first[0], first[1], None)
         return c, [c]
-    items = _hier(ctx, split=True)
+    items, _ = _hier(ctx, split=True)
     makers = [
         ("hier/color", lambda: _order(items, "color")),
         ("hier/lpt", lambda: _order(items, "lpt")),
         ("serial/lpt", lambda: _order(serial, "lpt")),
         ("hier/nic", lambda: _order(items, "nic")),
         ("hier/task", lambda: _order(items, "task")),
-        ("whole/color", lambda: _order(_hier(ctx, split=False), "color")),
-        ("star/color", lambda: _order(_hier(ctx, split=True, modes=("star",)), "color")),
     ]
+    if "split" in shapes:  # else identical to hier
+        makers.append(("whole/color", lambda: _order(_hier(ctx, split=False)[0], "color")))
+    if "ring" in shapes:
+        makers.append(("star/color", lambda: _order(_hier(ctx, split=True, modes=("star",))[0], "color")))
     work = sum(len(t.senders) * len(t.receivers) for t in problem.tasks)
     if work <= MAX_BASELINE_WORK:
         makers[1:1] = [(name, lambda name=name: STRATEGIES[name](problem)) for name in BASELINES]
@@ -146,7 +148,7 @@ class _Context:
         return [SimTransfer(_SIM_KIND[t.kind], t.src, t.dsts, box_volume(t.box) * self.item) for t in transfers]
 
 
-def _hier(ctx: _Context, *, split: bool, modes: tuple[str, ...] = ("ring", "star"), serial=False) -> list[_Item]:
+def _hier(ctx: _Context, *, split: bool, modes=("ring", "star"), serial=False) -> tuple[list[_Item], set[str]]:
     """Transfers of every task, before ordering: sender hosts and delivery shapes chosen greedily
     (largest tasks first) against the NIC loads so far; ``serial``: one sending device per host."""
     problem, hosts = ctx.problem, ctx.hosts
@@ -162,6 +164,7 @@ def _hier(ctx: _Context, *, split: bool, modes: tuple[str, ...] = ("ring", "star
     exits: dict[int, int] = {}
     sent: dict[int, float] = defaultdict(float)  # network bytes each device sends
     plan = []
+    shapes: set[str] = set()  # "split", "ring", "star": what the greedy used
     local_items: list[_Item] = []
     network = []
     total = sum(t.size_bytes for t in tasks) or 1
@@ -219,6 +222,9 @@ def _hier(ctx: _Context, *, split: bool, modes: tuple[str, ...] = ("ring", "star
                     if best is None or score < best[0]:
                         best = (score, mode, alloc)
             _, mode, alloc = best
+            if len(alloc) > 1:
+                shapes.add("split")
+            shapes.add(mode)
         mult = 1 if mode == "ring" else len(remote)
         receivers_key = (
             tuple(remote[remote_hosts[0]]) if len(remote) == 1 else tuple(d for h in remote_hosts for d in remote[h])
@@ -264,7 +270,7 @@ def _hier(ctx: _Context, *, split: bool, modes: tuple[str, ...] = ("ring", "star
     items += local_items
     for it in items:
         it.devices = (it.src,) if it.kind is TransferKind.COPY else (it.src, *it.dsts)
-    return items
+    return items, shapes
 
 
 def _entries(receivers: list[int], sent: dict[int, float]) -> tuple[list[int], list[int]]:

@@ -59,6 +59,7 @@ from topology.cluster import Cluster
 
 NCCL_CHUNK_BYTES = 512 * 1024  # Simple protocol: a 4 MiB channel buffer in 8 steps
 NCCL_BROADCAST_OVERHEAD_US = 10.0
+EXACT_FLOWS = 64  # max-min is recomputed exactly over up to this many connected flows
 
 
 class SimKind(enum.IntEnum):
@@ -259,7 +260,7 @@ def simulate_transfers(
     now = 0.0
     while heap:
         now = heap[0][0]
-        horizon = now + 1e-12 * max(1.0, now)
+        horizon = now + 1e-9 * max(now, 1e-6)  # events this close are simultaneous
         changed: set[int] = set()
         while heap and heap[0][0] <= horizon:
             _, _, kind, f, version = heapq.heappop(heap)
@@ -330,11 +331,16 @@ def _binomial_tree(i: int, t: SimTransfer, size: int, hop) -> list[_Flow]:
 
 
 def _reallocate(changed: set[int], res_flows: list[set[_Flow]], cap: list[float], now: float, push) -> None:
-    """Max-min fair rates for every flow connected (through shared ports) to a changed port."""
+    """Max-min fair rates, by progressive filling, for the flows that a change of ``changed`` affects.
+
+    Exact over the flows connected (through shared ports) to a changed port while there are at most
+    ``EXACT_FLOWS`` of them; beyond that over the flows on the changed ports only, the others keeping
+    their rates (a feasible, slightly conservative allocation that keeps large programs fast).
+    """
     comp: set[_Flow] = set()
     seen = set(changed)
     stack = list(changed)
-    while stack:
+    while stack and len(comp) <= EXACT_FLOWS:
         r = stack.pop()
         for f in res_flows[r]:
             if f not in comp:
@@ -343,6 +349,9 @@ def _reallocate(changed: set[int], res_flows: list[set[_Flow]], cap: list[float]
                     if r2 not in seen:
                         seen.add(r2)
                         stack.append(r2)
+    exact = not stack and len(comp) <= EXACT_FLOWS
+    if not exact:
+        comp = {f for r in changed for f in res_flows[r]}
     if not comp:
         return
     rem: dict[int, float] = {}
@@ -355,6 +364,8 @@ def _reallocate(changed: set[int], res_flows: list[set[_Flow]], cap: list[float]
             cnt[r] = cnt.get(r, 0) + 1
     for r in cnt:
         rem[r] = cap[r]
+        if not exact and r not in changed:
+            rem[r] -= sum(f.rate for f in res_flows[r] if f not in comp)
     heap = [(rem[r] / c, r) for r, c in cnt.items()]
     heapq.heapify(heap)
     fixed: set[_Flow] = set()
@@ -365,7 +376,7 @@ def _reallocate(changed: set[int], res_flows: list[set[_Flow]], cap: list[float]
             continue
         rate = max(share, 1.0)
         for f in res_flows[r]:
-            if f in fixed:
+            if f in fixed or f not in comp:
                 continue
             fixed.add(f)
             for r2 in f.res:

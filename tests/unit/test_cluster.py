@@ -1,0 +1,137 @@
+"""topology.Cluster: presets, validation, meshes on a cluster, from_ray (with a stand-in ray module)."""
+
+import math
+import subprocess
+import sys
+import types
+
+import pytest
+
+from topology import PRESETS, Cluster, Mesh
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    "name, devices, nic_gbit",
+    [("p3.8xlarge", 4, 10), ("p3.16xlarge", 8, 25), ("dgx-a100", 8, 8 * 200), ("dgx-h100", 8, 8 * 400)],
+)
+def test_presets_describe_the_machines(name, devices, nic_gbit):
+    c = Cluster.preset(name, 3)
+    assert (c.name, c.num_hosts, c.devices_per_host, c.num_devices) == (name, 3, devices, 3 * devices)
+    assert c.nic_GBps == pytest.approx(nic_gbit / 8)
+    assert c.nic_Bps == pytest.approx(nic_gbit / 8 * 1e9)
+    assert c.intra_host_GBps > c.nic_GBps / devices  # NVLink beats each device's share of the NIC
+    assert c.backend == "nccl"
+    assert name in str(c)
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown cluster preset 'p4d'") as err:
+        Cluster.preset("p4d", 2)
+    for name in PRESETS:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("field", ["nic_GBps", "intra_host_GBps"])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "fast"])
+def test_bandwidth_must_be_positive_and_finite(field, value):
+    kwargs = {"nic_GBps": 1.0, "intra_host_GBps": 10.0, field: value}
+    with pytest.raises(ValueError, match=field):
+        Cluster.homogeneous(2, 4, kwargs["nic_GBps"], kwargs["intra_host_GBps"])
+
+
+def test_other_fields_are_validated():
+    with pytest.raises(ValueError, match="num_hosts"):
+        Cluster.homogeneous(0, 4, 1, 10)
+    with pytest.raises(ValueError, match="devices_per_host"):
+        Cluster.homogeneous(2, 1.5, 1, 10)
+    with pytest.raises(ValueError, match="latency_us"):
+        Cluster.homogeneous(2, 4, 1, 10, latency_us=-1)
+    with pytest.raises(ValueError, match="backend"):
+        Cluster.homogeneous(2, 4, 1, 10, backend="mpi")
+    with pytest.raises(ValueError, match="host_names"):
+        Cluster(2, 4, 1.0, 10.0, host_names=("a",))
+
+
+def test_homogeneous_keeps_the_positional_api():
+    c = Cluster(4, 2, 1.0, 10.0, 7.0, "lab")
+    assert (c.latency_us, c.name, c.backend) == (7.0, "lab", "nccl")
+    assert Cluster.homogeneous(4, 2, 1, 10, latency_us=7, name="lab") == c
+    assert hash(c) == hash(Cluster.homogeneous(4, 2, 1, 10, latency_us=7, name="lab"))
+
+
+def test_mesh_axis0_enumerates_hosts():
+    c = Cluster.preset("p3.8xlarge", 4)
+    m = c.mesh((2, 2), hosts=[1, 3], devices=[0, 2])
+    assert m.device_ids == (4, 6, 12, 14)
+    assert m.host_ids == (1, 1, 3, 3)
+    m3 = c.mesh((2, 2, 2), hosts=[0, 2])
+    assert m3.device_ids == (0, 1, 2, 3, 8, 9, 10, 11)
+    assert c.mesh((4, 4)).hosts == (0, 1, 2, 3)
+
+
+def test_meshes_larger_than_the_cluster_are_refused_with_the_numbers():
+    c = Cluster.preset("p3.8xlarge", 2)
+    with pytest.raises(ValueError, match=r"needs 3 hosts .* has 2 hosts"):
+        c.mesh((3, 4))
+    with pytest.raises(ValueError, match=r"asks for 8 devices per host .* has 4 devices per host"):
+        c.mesh((2, 8))
+    with pytest.raises(ValueError, match=r"hosts=\(0, 5\) must be distinct host indices in \[0, 2\)"):
+        c.mesh((2, 2), hosts=[0, 5])
+    with pytest.raises(ValueError, match="local indices 0..3"):
+        c.mesh((1, 2), hosts=[0], devices=[0, 4])
+    with pytest.raises(ValueError, match="needs 2 hosts on axis 0"):
+        c.mesh((2, 2), hosts=[0])
+
+
+def test_check_meshes_and_for_meshes():
+    a = Mesh((2, 4))  # hosts 0, 1
+    b = Mesh((3, 2), range(8, 14))  # hosts 4, 5, 6 (device // 2)
+    c = Cluster.for_meshes(a, b)
+    assert (c.num_hosts, c.devices_per_host, c.name) == (7, 4, "default")
+    c.check_meshes(a, b)
+    with pytest.raises(ValueError, match=r"uses host 6 but cluster 'p3.8xlarge' has 4 hosts"):
+        Cluster.preset("p3.8xlarge", 4).check_meshes(a, b)
+    crowded = Mesh((1, 8), range(8), [0] * 8)
+    with pytest.raises(ValueError, match="8 distinct devices on host 0 .* 4 devices per host"):
+        Cluster.preset("p3.8xlarge", 4).check_meshes(crowded)
+
+
+def _fake_ray(nodes, initialized=True):
+    ray = types.ModuleType("ray")
+    ray.is_initialized = lambda: initialized
+    ray.nodes = lambda: nodes
+    return ray
+
+
+def test_from_ray_describes_gpu_nodes(monkeypatch):
+    nodes = [
+        {"NodeID": "a", "Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}},
+        {"NodeID": "b", "Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}},
+        {"NodeID": "dead", "Alive": False, "Resources": {"CPU": 96.0, "GPU": 8.0}},
+    ]
+    monkeypatch.setitem(sys.modules, "ray", _fake_ray(nodes))
+    c = Cluster.from_ray(nic_GBps=50)
+    assert (c.num_hosts, c.devices_per_host, c.backend, c.host_names, c.nic_GBps) == (2, 8, "nccl", ("a", "b"), 50.0)
+
+
+def test_from_ray_on_one_cpu_machine_is_one_gloo_host(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", _fake_ray([{"NodeID": "n", "Alive": True, "Resources": {"CPU": 2.0}}]))
+    c = Cluster.from_ray()
+    assert (c.num_hosts, c.devices_per_host, c.backend, c.name) == (1, 2, "gloo", "ray")
+
+
+def test_from_ray_needs_a_connection(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", _fake_ray([], initialized=False))
+    with pytest.raises(RuntimeError, match="ray.init"):
+        Cluster.from_ray()
+
+
+def test_topology_and_planning_stay_pure():
+    code = (
+        "import sys, topology, topology.simulator, reshard, reshard.auto, reshard.baselines, reshard.cost\n"
+        "bad = sorted(m for m in ('ray', 'torch', 'cupy') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
