@@ -1,0 +1,179 @@
+"""Runtime mechanics: memory bound, cache bounds, the ``call`` extension point, concurrency and the
+ShardedTensor API."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from dist_helpers import assert_bit_exact, assert_shards, pl, random_array
+
+from reshard import DeviceMesh, Layout, distribute, plan_reshard, reshard
+from reshard.lowering import lower_plan
+from reshard.regions import box_shape, box_volume, layout_regions
+from reshard.runtime import ensure_groups, runtime, runtime_stats
+
+pytestmark = pytest.mark.dist
+
+
+def _largest_slice_bytes(plan, device: int) -> int:
+    """The largest unit slice ``device`` sends or receives over a link."""
+    sizes = [plan.transfer_bytes(t) for t in plan.transfers if t.kind.name != "COPY" and device in t.group]
+    return max(sizes, default=0)
+
+
+@pytest.mark.parametrize("shape", [(32, 24, 16), (256, 128, 96)], ids=["staging kept", "staging trimmed"])
+def test_memory_bound(view, pool, shape):
+    """No device holds more than its destination shard plus one staging buffer the size of its
+    largest unit slice (plus its source shard)."""
+    src = view([0, 1, 2, 3], (2, 2))
+    dst = view([4, 5, 6, 7], (2, 2))
+    x = random_array(shape, "float32", 11)
+    t = distribute(x, Layout(src, pl("S2 S1")))  # every slice is strided on both sides
+    layout = Layout(dst, pl("S0 S1"))
+    y = reshard(t, src, layout, strategy="send_recv")
+    assert_bit_exact(y.to_numpy(), x)
+    plan = plan_reshard(shape, "float32", t.layout, layout, strategy="send_recv")
+    program = lower_plan(plan)
+    stats = pool.stats()
+    staged = 0
+    for mesh, tensor in ((src, t), (dst, y)):
+        for device, box in zip(mesh.device_ids, layout_regions(tensor.layout, shape), strict=True):
+            s = stats[pool.index_of(device)]
+            assert s["buffers"][tensor.name] == box_volume(box) * 4
+            assert s["staging_bytes"] <= 1 << 20  # an idle actor keeps at most staging_keep_bytes
+    for device, box in zip(dst.device_ids, layout_regions(layout, shape), strict=True):
+        s = stats[pool.index_of(device)]
+        dst_bytes = box_volume(box) * 4
+        assert s["last_run_peak_bytes"] <= dst_bytes + _largest_slice_bytes(plan, device)
+        staged += s["last_run_peak_bytes"] > dst_bytes
+        assert program.for_device(device).staging_numel * 4 <= _largest_slice_bytes(plan, device)
+    for device in src.device_ids:  # senders: staging only, never a full copy
+        s = stats[pool.index_of(device)]
+        assert s["last_run_peak_bytes"] <= _largest_slice_bytes(plan, device)
+    assert staged, "this layout pair must exercise the staging path"
+    if shape == (256, 128, 96):
+        assert all(stats[pool.index_of(d)]["staging_bytes"] == 0 for d in dst.device_ids)
+
+
+def test_communicator_and_program_cache_bounds(view, pool):
+    mesh = view(range(8), (2, 4))
+    mesh.configure(max_communicators=3, max_programs=2)
+    try:
+        x = random_array((16, 12), "int32", 12)
+        t = distribute(x, Layout(mesh, pl("S0 S1")))
+        layouts = [pl("S1 S0"), pl("R S0"), pl("S1 R"), pl("S0 S0")]
+        for spec in layouts:
+            layout = Layout(mesh, spec)
+            y = reshard(t, mesh, layout, strategy="send_recv")
+            assert_bit_exact(y.to_numpy(), x)
+            lowered = runtime().lower(plan_reshard(x.shape, "int32", t.layout, layout, strategy="send_recv"))
+            for i, s in enumerate(pool.stats()):
+                needed = sum(1 for g in lowered.groups if pool.device_ids[i] in g)
+                assert len(s["group_entries"]) <= max(3, needed), (i, s["group_entries"], needed)
+                assert len(s["programs"]) <= 2
+        shipped = runtime_stats()["programs_shipped"]
+        reshard(t, mesh, Layout(mesh, layouts[0]), strategy="send_recv")  # evicted: shipped again
+        assert runtime_stats()["programs_shipped"] > shipped
+    finally:
+        mesh.configure(max_communicators=64, max_programs=256)
+
+
+def _transfer(ctx, group, root, n):
+    import torch
+
+    comm = ctx.communicator(group)
+    peer = 1 - comm.rank
+    if ctx.device == root:
+        comm.send(torch.arange(n, dtype=torch.float32), peer)
+        return None
+    t = torch.empty(n, dtype=torch.float32)
+    comm.recv(t, peer)
+    return float(t.sum())
+
+
+def test_call_and_raw_transfer(pool):
+    a, b = pool.device_ids[1], pool.device_ids[6]
+    ensure_groups([(b, a)])
+    out = pool.call(_transfer, (a, b), a, 1000, devices=[1, 6])
+    assert out == [None, float(sum(range(1000)))]
+    assert pool.call(lambda ctx: (ctx.device, str(ctx.torch_device)), devices=[3]) == [(pool.device_ids[3], "cpu")]
+
+
+def _run_local_program(ctx, program):
+    import torch
+
+    src = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    dst = torch.empty(3, 4, dtype=torch.int64)
+    ctx.run_program(program, src, dst)
+    return bool(torch.equal(src, dst))
+
+
+def test_context_runs_a_device_program(view):
+    mesh = view([2], (1,))
+    layout = Layout(mesh, pl("R"))
+    program = lower_plan(plan_reshard((3, 4), "int64", layout, Layout(mesh, pl("S0"))))
+    assert mesh.call(_run_local_program, program.for_device(mesh.device_ids[0])) == [True]
+
+
+def test_concurrent_reshards(view):
+    a = view([0, 1, 4, 5], (2, 2))
+    b = view([2, 3, 6, 7], (2, 2))
+    c = view([1, 2, 3], (3,))
+    x = random_array((9, 7), "float64", 13)
+    t = distribute(x, Layout(a, pl("S0 S1")))
+    errors = []
+
+    def worker(dst_layout):
+        try:
+            for _ in range(4):
+                assert_bit_exact(reshard(t, a, dst_layout).to_numpy(), x)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=worker, args=(lay,))
+        for lay in (Layout(b, pl("S1 S0")), Layout(c, pl("S0")), Layout(a, pl("R R")))
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+
+
+def test_sharded_tensor_api(view):
+    import torch
+
+    a = view([0, 1, 4, 5], (2, 2))
+    x = random_array((5, 3), "bfloat16", 14)
+    t = distribute(x, Layout(a, pl("S0 R")))
+    assert t.shape == (5, 3) and t.dtype == "bfloat16" and t.mesh is a and t.layout == Layout(a, pl("S0 R"))
+    assert "bfloat16[5, 3]" in repr(t)
+    with pytest.raises(TypeError, match="to_torch"):
+        t.to_numpy()
+    with pytest.raises(TypeError, match="as_torch=True"):
+        t.local_shards()
+    assert torch.equal(t.to_torch().view(torch.int16), x.view(torch.int16))
+    shards = t.local_shards(as_torch=True)
+    assert [tuple(s.shape) for s in shards.values()] == [(3, 3), (3, 3), (2, 3), (2, 3)]
+    assert_shards(t, x)
+    t.free()
+    t.free()
+    with pytest.raises(ValueError, match="freed"):
+        t.to_torch()
+    y = distribute(np.arange(3, dtype=np.uint8), Layout(a, pl("S0 S0")))  # chunks [0:2] [2:3], then halves
+    shards = y.local_shards()
+    assert [s.tolist() for s in shards.values()] == [[0], [1], [2], []]
+
+
+def test_views_keep_device_hosts(pool):
+    v = DeviceMesh.from_devices([pool.device_ids[i] for i in (0, 1, 4, 5)], (2, 2))
+    assert v.host_ids == (pool.host_ids[0], pool.host_ids[0], pool.host_ids[4], pool.host_ids[4])
+    w = DeviceMesh.from_devices(v, (4,), devices_per_host=2)
+    assert w.host_ids[0] == w.host_ids[1] != w.host_ids[2] == w.host_ids[3]
+    assert not w.owned and pool.owned
+    assert box_shape(((0, 2), (1, 3))) == (2, 2)
+    v.shutdown()
+    w.shutdown()
