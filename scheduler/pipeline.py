@@ -1,0 +1,740 @@
+"""Pipeline runtime: run a `Schedule` on stage meshes, moving activations and gradients between
+stages with the reshard machinery, communication overlapped with compute.
+
+Runtime layer (imports ray; the actors import torch). Usage::
+
+    from scheduler.pipeline import Pipeline, Stage
+    from scheduler import eager_one_f_one_b
+
+    stages = [
+        Stage(mesh0, forward=f0, out_shape=(B, H), out_layout=Layout(mesh0, (Replicate(), Replicate()))),
+        Stage(mesh1, forward=f1, in_shape=(B, H), in_layout=Layout(mesh1, (Replicate(), Replicate())),
+              setup=init_params),
+    ]
+    with Pipeline(stages) as pipe:
+        result = pipe.run(eager_one_f_one_b(2, 8), inputs=microbatches, targets=labels)
+        grads = pipe.apply(lambda ctx: {n: p.grad.numpy() for n, p in ctx.state.items()})
+
+Callables (run on every device of the stage, on its compute thread):
+
+- ``setup(ctx) -> state``: once per device; ``ctx.state`` is the result (parameters, buffers).
+- ``forward(ctx, x) -> y``: ``x`` is this device's shard of the stage input (stage 0: its shard of
+  ``inputs[k]``, or None without inputs); ``y`` its shard of the stage output, of the local shape
+  that ``out_layout`` gives it. The last stage returns the loss (``ctx.target`` holds
+  ``targets[k]``). ``ctx.saved`` is a dict that lives until the microbatch's backward.
+- ``backward(ctx, grad_y) -> grad_x``: shards likewise (``grad_y`` is None on the last stage;
+  stage 0 may return None). Without ``backward`` the runtime differentiates ``forward`` with
+  autograd (``ctx.copy_to_tp`` / ``ctx.reduce_from_tp`` make intra-stage all-reduces differentiable).
+- ``ctx``: ``stage``, ``device``, ``coords`` (position in the stage mesh), ``microbatch``, ``state``,
+  ``saved``, ``target``, ``all_reduce(t, axis=None)``.
+
+How it runs (details in `scheduler.pipeline_plan` and `scheduler.pipeline_worker`): the driver
+validates the schedule, derives one global order of all transfers, and ships every device its
+stage plan; each device runs a compute thread and one communication thread per lane (directed
+stage pair), each lane issuing its transfers in the global order on communicators of its own;
+sends are issued right after the producing compute, receives are posted ahead. Errors surface on
+the driver as `PipelineError` naming stage, device, phase and microbatch; no wait is unbounded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from reshard.dtypes import dtype_name
+from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
+from reshard.layout import Layout
+from reshard.lowering import lower_plan
+from reshard.planner import plan_reshard
+from reshard.regions import box_shape, layout_regions
+
+from .ir import Schedule
+from .pipeline_plan import Lane, PipelinePlan, plan_pipeline
+from .simulate import SimulationResult, simulate
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+class PipelineError(ReshardError):
+    """A pipeline iteration failed. ``stage``, ``device``, ``microbatch``, ``phase`` ("F"/"B")
+    locate the failure when known; ``kind`` is "user" (a stage callable raised), "slow" (a callable
+    ran past the iteration deadline), "transfer", "timeout" or "internal"; ``remote_traceback`` is
+    the actor-side traceback; ``errors`` lists every worker's report."""
+
+    def __init__(self, message: str, *, kind: str = "internal", stage=None, device=None, microbatch=None,
+                 phase=None, remote_traceback: str = "", errors: Sequence[dict] = ()):  # fmt: skip
+        super().__init__(message)
+        self.kind, self.stage, self.device = kind, stage, device
+        self.microbatch, self.phase = microbatch, phase
+        self.remote_traceback = remote_traceback
+        self.errors = list(errors)
+
+
+class PipelineTimeout(PipelineError, ReshardTimeout):
+    """An iteration did not finish within its timeout."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a device mesh, its callables, and the layouts of what crosses its edges.
+
+    ``in_shape``/``in_layout``: the global shape of one microbatch's stage input and its layout on
+    this mesh (stage 0: optional, for ``inputs``). ``out_shape``/``out_layout``: the same for the
+    output (not on the last stage, which returns a loss). ``dtype`` of both.
+    """
+
+    mesh: Any
+    forward: Callable
+    backward: Callable | None = None
+    setup: Callable | None = None
+    in_shape: tuple[int, ...] | None = None
+    in_layout: Layout | None = None
+    out_shape: tuple[int, ...] | None = None
+    out_layout: Layout | None = None
+    dtype: str = "float32"
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One bar of the measured timeline, seconds from the iteration start."""
+
+    stage: int
+    kind: str  # "forward", "backward", "send"
+    label: str
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class IterationResult:
+    """What one iteration did, measured on the actors.
+
+    iteration_s: earliest compute/transfer start to latest end over all devices. driver_s: the
+    driver's wall time for `run` (adds Ray round trips). peak_activations[i]: the most microbatch
+    contexts stage i held at once (forward run, backward not yet), max over its devices.
+    forward_s / backward_s: per stage, the measured compute durations. transfer_s: {(src, dst):
+    measured send durations (the sender's side, max over its devices per transfer)}.
+    """
+
+    schedule: Schedule
+    overlap: bool
+    iteration_s: float
+    driver_s: float
+    losses: list[float]
+    peak_activations: tuple[int, ...]
+    forward_s: list[list[float]]
+    backward_s: list[list[float]]
+    transfer_s: dict[Lane, list[float]]
+    events: list[TimelineEvent] = field(default_factory=list)
+
+    def simulate_inputs(self, *, skip_lanes: bool = False) -> dict:
+        """Mean measured durations as `scheduler.simulate` keyword arguments."""
+        n = self.schedule.n_stages
+
+        def med(xs: Sequence[float]) -> float:
+            return statistics.fmean(xs) if xs else 0.0
+
+        kwargs = {
+            "forward_s": [med(self.forward_s[s]) for s in range(n)],
+            "backward_s": [med(self.backward_s[s]) for s in range(n)],
+            "transfer_s": [med(self.transfer_s.get((b, b + 1), [])) for b in range(n - 1)],
+            "backward_transfer_s": [med(self.transfer_s.get((b + 1, b), [])) for b in range(n - 1)],
+        }
+        if self.schedule.skips and not skip_lanes:
+            kwargs["skip_transfer_s"] = {
+                (i, j): max(med(self.transfer_s.get((i, j), [])), med(self.transfer_s.get((j, i), [])))
+                for i, j in self.schedule.skips
+            }
+        return kwargs
+
+    def predicted(self) -> SimulationResult:
+        """`scheduler.simulate` of this schedule with this run's measured durations and overlap."""
+        return simulate(self.schedule, overlap=self.overlap, **self.simulate_inputs())
+
+    def to_dict(self) -> dict:
+        return {
+            "schedule": self.schedule.name,
+            "n_stages": self.schedule.n_stages,
+            "n_microbatches": self.schedule.n_microbatches,
+            "overlap": self.overlap,
+            "iteration_s": self.iteration_s,
+            "driver_s": self.driver_s,
+            "losses": self.losses,
+            "peak_activations": list(self.peak_activations),
+            "analytic_peak_activations": list(self.schedule.peak_activations),
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "transfer_s": {f"{a}->{b}": v for (a, b), v in sorted(self.transfer_s.items())},
+            "events": [[e.stage, e.kind, e.label, e.start_s, e.end_s] for e in self.events],
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# how the driver reaches device actors: the runtime's DeviceMesh and its backend
+
+
+class _Devices:
+    """Device id -> its actor (from the stage meshes), async ``call``, and fresh rendezvous."""
+
+    def __init__(self, meshes: Sequence[Any]):
+        from reshard.runtime.driver import runtime
+
+        self.meshes = list(meshes)
+        self.actors: dict[int, Any] = {}
+        for m in self.meshes:
+            check = getattr(m, "check_open", None)
+            if check is None or not hasattr(m, "actor"):
+                raise TypeError(f"stage meshes must be reshard.DeviceMesh objects, got {type(m).__name__}")
+            check()
+            for i, d in enumerate(m.device_ids):
+                self.actors[d] = m.actor(i)
+        names = {m.backend for m in self.meshes}
+        if len(names) != 1:
+            raise ValueError(f"stage meshes use different communicator backends {sorted(names)}; use one")
+        self.backend_name = names.pop()
+        self.backend = runtime().backends[self.backend_name]
+
+    def check_open(self) -> None:
+        for m in self.meshes:
+            m.check_open()
+
+    def call_async(self, device: int, fn: Callable, *args):
+        return self.actors[device].call.remote(fn, *args)
+
+    def rendezvous(self, groups: Sequence[tuple[int, ...]]) -> list:
+        """Fresh rendezvous information for each group (a new communicator, never a cached one)."""
+        members = sorted({d for g in groups for d in g})
+        return self.backend.rendezvous([tuple(g) for g in groups], {d: self.actors[d] for d in members})
+
+    def get(self, refs, timeout_s: float):
+        import ray
+
+        return ray.get(refs, timeout=timeout_s)
+
+
+# actor-side entry points (run as fn(ctx, ...) inside the device actor)
+
+
+def _install(ctx, spec) -> None:
+    from . import pipeline_worker
+
+    pipeline_worker.install(ctx, spec)
+
+
+def _start(ctx, pipeline_id: str, device: int, spec) -> None:
+    from . import pipeline_worker
+
+    pipeline_worker.worker(pipeline_id, device).start(spec)
+
+
+def _poll(ctx, pipeline_id: str, device: int, wait_s: float) -> dict:
+    from . import pipeline_worker
+
+    return pipeline_worker.worker(pipeline_id, device).poll(wait_s)
+
+
+def _abort(ctx, pipeline_id: str, device: int) -> None:
+    from . import pipeline_worker
+
+    pipeline_worker.worker(pipeline_id, device).abort()
+
+
+def _apply(ctx, pipeline_id: str, device: int, fn: Callable, args: tuple) -> Any:
+    from . import pipeline_worker
+
+    w = pipeline_worker.worker(pipeline_id, device)
+    if w.iteration is not None and not w.iteration.finished.is_set():
+        raise RuntimeError(f"stage {w.spec.stage} device {device} is running an iteration")
+    return fn(w.ctx, *args)
+
+
+def _uninstall(ctx, pipeline_id: str, device: int) -> None:
+    from . import pipeline_worker
+
+    pipeline_worker.uninstall(pipeline_id, device)
+
+
+# ----------------------------------------------------------------------------------------------
+# the driver
+
+
+_ERROR_RANK = {"user": 0, "slow": 1, "transfer": 2, "timeout": 3, "internal": 4}
+
+
+class Pipeline:
+    """Stages on device meshes, ready to run schedules (see the module doc).
+
+    strategy: the reshard planner for every boundary (`reshard.STRATEGIES`). timeout_s: default
+    bound on one iteration (and on setup calls).
+    """
+
+    def __init__(self, stages: Sequence[Stage], *, strategy: str = "auto", timeout_s: float = 120.0):
+        stages = list(stages)
+        if not stages:
+            raise ValueError("a pipeline needs at least one stage, got 0")
+        for i, s in enumerate(stages):
+            if not isinstance(s, Stage):
+                raise TypeError(f"stages[{i}] must be a scheduler.pipeline.Stage, got {type(s).__name__}")
+            if not callable(s.forward):
+                raise TypeError(f"stage {i}: forward must be callable, got {s.forward!r}")
+            for name in ("backward", "setup"):
+                fn = getattr(s, name)
+                if fn is not None and not callable(fn):
+                    raise TypeError(f"stage {i}: {name} must be callable or None, got {fn!r}")
+        if not (isinstance(timeout_s, int | float) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.stages = tuple(_check_stage(i, s, len(stages)) for i, s in enumerate(stages))
+        _check_boundaries(self.stages)
+        self.n_stages = len(stages)
+        self.strategy = strategy
+        self.timeout_s = float(timeout_s)
+        self.pipeline_id = uuid.uuid4().hex[:12]
+        self.meshes = [getattr(s.mesh, "mesh", s.mesh) for s in self.stages]
+        seen: dict[int, int] = {}
+        for i, m in enumerate(self.meshes):
+            for d in m.device_ids:
+                if d in seen:
+                    raise ValueError(
+                        f"stages {seen[d]} and {i} share device {d}; pipeline stages must sit on disjoint meshes"
+                    )
+                seen[d] = i
+        self.stage_of = seen
+        self.devices = [d for m in self.meshes for d in m.device_ids]
+        self._lane_programs = self._lower_lanes()
+        self._backend: _Devices | None = None
+        self._installed = False
+        self._closed = False
+        self._plans: dict[tuple[str, tuple, bool], PipelinePlan] = {}
+
+    # -- planning (pure)
+
+    def _lower_lanes(self):
+        """Per lane (a, b): the lowered reshard program, for both directions of every boundary."""
+        out = {}
+        for a in range(self.n_stages - 1):
+            b = a + 1
+            src, dst = self.stages[a], self.stages[b]
+            fwd = plan_reshard(src.out_shape, src.dtype, src.out_layout, dst.in_layout, strategy=self.strategy)
+            bwd = plan_reshard(dst.in_shape, dst.dtype, dst.in_layout, src.out_layout, strategy=self.strategy)
+            out[(a, b)] = lower_plan(fwd)
+            out[(b, a)] = lower_plan(bwd)
+        return out
+
+    def _worker_spec(self, device: int, rendezvous: Sequence[tuple]):
+        from .pipeline_worker import WorkerSpec
+
+        s = self.stage_of[device]
+        stage = self.stages[s]
+        mesh = self.meshes[s]
+        flat = mesh.device_ids.index(device)
+        in_local = _local_shape(stage.in_layout, stage.in_shape, flat)
+        out_local = _local_shape(stage.out_layout, stage.out_shape, flat)
+        send = {lane: prog.for_device(device) for lane, prog in self._lane_programs.items() if lane[0] == s}
+        recv = {lane: prog.for_device(device) for lane, prog in self._lane_programs.items() if lane[1] == s}
+        return WorkerSpec(
+            pipeline_id=self.pipeline_id, stage=s, n_stages=self.n_stages, device=device,
+            coords=mesh.coords(flat), mesh_shape=mesh.shape, mesh_devices=mesh.device_ids,
+            forward=stage.forward, backward=stage.backward, setup=stage.setup, dtype=stage.dtype,
+            in_local_shape=in_local, out_local_shape=out_local, send_programs=send, recv_programs=recv,
+            timeout_s=self.timeout_s, name=stage.name,
+            rendezvous=tuple((ch, g, info) for ch, g, info in rendezvous if device in g),
+        )  # fmt: skip
+
+    def _connect_order(self) -> list[tuple[tuple, tuple[int, ...]]]:
+        """Every (channel, group) communicator of this pipeline, in one global order: each lane
+        (directed stage pair) and each stage mesh (its intra-stage groups) is a channel with
+        communicators of its own."""
+        pairs: dict = {}
+        for lane, program in self._lane_programs.items():
+            pairs[("lane", lane)] = list(program.groups)
+        pairs.update(self._stage_groups())
+        return sorted(((ch, tuple(g)) for ch, gs in pairs.items() for g in gs), key=repr)
+
+    def _stage_groups(self) -> dict:
+        groups: dict = {}
+        for s, mesh in enumerate(self.meshes):
+            if mesh.size == 1:
+                continue
+            gs = {tuple(sorted(mesh.device_ids))}
+            for axis in range(mesh.ndim):
+                for flat in range(mesh.size):
+                    coords = mesh.coords(flat)
+                    members = [
+                        d for f, d in enumerate(mesh.device_ids)
+                        if all(c == o for a, (c, o) in enumerate(zip(mesh.coords(f), coords, strict=True)) if a != axis)
+                    ]  # fmt: skip
+                    if len(members) > 1:
+                        gs.add(tuple(sorted(members)))
+            groups[("stage", s)] = sorted(gs)
+        return groups
+
+    def plan(self, schedule: Schedule, *, overlap: bool = True) -> PipelinePlan:
+        """Validate `schedule` for this pipeline and derive its per-stage plans (cached)."""
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a scheduler.Schedule, got {type(schedule).__name__}")
+        if schedule.n_stages != self.n_stages:
+            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_stages} stages, the pipeline {self.n_stages}")
+        if schedule.skips:
+            raise ValueError(
+                f"schedule {schedule.name!r} has skip connections {list(schedule.skips)}; the pipeline runtime "
+                f"moves one tensor per boundary (simulate skips with scheduler.simulate)"
+            )
+        key = (schedule.name, tuple(map(tuple, schedule.to_dict()["streams"])), bool(overlap))
+        if key not in self._plans:
+            self._plans[key] = plan_pipeline(schedule, overlap=overlap)
+        return self._plans[key]
+
+    # -- setup
+
+    def _ensure_installed(self) -> _Devices:
+        if self._closed:
+            raise ReshardError("this pipeline was closed; build a new one")
+        if self._backend is None:
+            self._backend = _Devices([s.mesh for s in self.stages])
+        self._backend.check_open()
+        if not self._installed:
+            order = self._connect_order()
+            infos = self._backend.rendezvous([g for _, g in order])
+            rendezvous = [(ch, g, r.info) for (ch, g), r in zip(order, infos, strict=True)]
+            refs = [self._backend.call_async(d, _install, self._worker_spec(d, rendezvous)) for d in self.devices]
+            self._get(refs, self.timeout_s, "setting up the stage workers (communicators, setup callables)")
+            self._installed = True
+        return self._backend
+
+    def _get(self, refs, timeout_s: float, what: str):
+        try:
+            return self._backend.get(refs, timeout_s)
+        except ReshardError:
+            raise
+        except Exception as exc:
+            cause = getattr(exc, "cause", None) or exc
+            text = str(cause)
+            if "GetTimeoutError" in type(exc).__name__ or isinstance(exc, TimeoutError):
+                raise PipelineTimeout(f"{what}: no answer within {timeout_s:g} s", kind="timeout") from exc
+            if "ActorDied" in type(exc).__name__ or "ActorError" in type(exc).__name__:
+                raise WorkerDied(f"{what}: a device actor died: {text}") from exc
+            raise PipelineError(f"{what} failed: {type(cause).__name__}: {text}") from exc
+
+    # -- running
+
+    def run(
+        self,
+        schedule: Schedule,
+        *,
+        inputs: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
+        overlap: bool = True,
+        timeout_s: float | None = None,
+    ) -> IterationResult:
+        """Run one training iteration of `schedule` (forwards and backwards of every microbatch).
+
+        inputs: one array per microbatch, the global stage-0 input (``stage0.in_shape``), or None.
+        targets: one array per microbatch handed to the last stage as ``ctx.target``, or None.
+        overlap: False makes each compute wait until its sends finished (blocking sends).
+        Raises `PipelineError` (`PipelineTimeout`) naming stage, device, phase and microbatch.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        plan = self.plan(schedule, overlap=overlap)
+        m = schedule.n_microbatches
+        stage0 = self.stages[0]
+        per_device_inputs = self._shard_inputs(inputs, m, stage0)
+        if targets is not None:
+            targets = [np.ascontiguousarray(np.asarray(t)) for t in targets]
+            if len(targets) != m:
+                raise ValueError(f"targets: expected one per microbatch ({m}), got {len(targets)}")
+        backend = self._ensure_installed()
+        from .pipeline_worker import IterationSpec
+
+        t0 = time.perf_counter()
+        refs = []
+        for d in self.devices:
+            s = self.stage_of[d]
+            spec = IterationSpec(
+                plan=plan.stages[s],
+                overlap=bool(overlap),
+                inputs=per_device_inputs.get(d),
+                targets=targets if s == self.n_stages - 1 else None,
+                timeout_s=timeout_s,
+            )
+            refs.append(backend.call_async(d, _start, self.pipeline_id, d, spec))
+        self._get(refs, min(timeout_s, 60.0), "starting the iteration")
+        statuses = self._wait_all(timeout_s)
+        driver_s = time.perf_counter() - t0
+        errors = [e for st in statuses.values() for e in st["errors"]]
+        if any(st["broken_lanes"] for st in statuses.values()):
+            self._installed = False  # fresh communicators (new rendezvous) before the next run
+        if errors:
+            raise _as_error(errors)
+        return self._result(schedule, bool(overlap), statuses, driver_s)
+
+    def _shard_inputs(self, inputs, m: int, stage0: Stage) -> dict[int, list]:
+        if inputs is None:
+            return {}
+        inputs = list(inputs)
+        if len(inputs) != m:
+            raise ValueError(f"inputs: expected one array per microbatch ({m}), got {len(inputs)}")
+        if stage0.in_layout is None:
+            raise ValueError("inputs given but stage 0 declares no in_shape/in_layout to shard them with")
+        regions = layout_regions(stage0.in_layout, stage0.in_shape)
+        out: dict[int, list] = {d: [] for d in self.meshes[0].device_ids}
+        for k, x in enumerate(inputs):
+            x = np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
+            if tuple(x.shape) != tuple(stage0.in_shape):
+                raise ValueError(f"inputs[{k}] has shape {tuple(x.shape)}, stage 0 in_shape is {stage0.in_shape}")
+            x = x.astype(stage0.dtype, copy=False)
+            for flat, d in enumerate(self.meshes[0].device_ids):
+                box = regions[flat]
+                out[d].append(np.ascontiguousarray(x[tuple(slice(lo, hi) for lo, hi in box)]))
+        return out
+
+    def _wait_all(self, timeout_s: float) -> dict[int, dict]:
+        backend = self._backend
+        deadline = time.monotonic() + timeout_s + 15.0
+        pending = list(self.devices)
+        statuses: dict[int, dict] = {}
+        last: dict[int, dict] = {}
+        aborted = False
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._timeout_error(timeout_s, pending, last)
+            wait_s = min(1.0, max(0.05, remaining))
+            refs = [backend.call_async(d, _poll, self.pipeline_id, d, wait_s) for d in pending]
+            answers = self._get(refs, wait_s + 30.0, "waiting for the iteration")
+            still = []
+            for d, st in zip(pending, answers, strict=True):
+                last[d] = st
+                if st["errors"] and not aborted:
+                    aborted = True
+                    self._get(
+                        [backend.call_async(x, _abort, self.pipeline_id, x) for x in self.devices],
+                        30.0,
+                        "aborting the iteration",
+                    )
+                if st["state"] == "done":
+                    statuses[d] = st
+                else:
+                    still.append(d)
+            pending = still
+        return statuses
+
+    def _timeout_error(self, timeout_s: float, pending: list[int], last: dict[int, dict]) -> PipelineTimeout:
+        self._installed = False  # fresh workers and communicators before the next run
+        where = "; ".join(
+            f"stage {self.stage_of[d]} device {d}: {last.get(d, {}).get('current', 'no answer')}" for d in pending
+        )
+        first = pending[0]
+        errors = [e for st in last.values() for e in st.get("errors", [])]
+        if errors:
+            err = _as_error(errors)
+            return PipelineTimeout(
+                f"{err} (and the iteration did not drain within {timeout_s:g} s: {where})",
+                kind=err.kind, stage=err.stage, device=err.device, microbatch=err.microbatch,
+                phase=err.phase, remote_traceback=err.remote_traceback, errors=errors,
+            )  # fmt: skip
+        return PipelineTimeout(
+            f"pipeline iteration did not finish within {timeout_s:g} s; still running: {where}",
+            kind="timeout",
+            stage=self.stage_of[first],
+            device=first,
+        )
+
+    def _result(self, schedule: Schedule, overlap: bool, statuses: dict[int, dict], driver_s: float):
+        n = self.n_stages
+        t0 = min(
+            [st["start"] for st in statuses.values()]
+            + [e[2] for st in statuses.values() for e in st["events"]]
+            + [t["start"] for st in statuses.values() for t in st["transfers"]]
+        )
+        compute_starts = [e[2] for st in statuses.values() for e in st["events"] if e[0] != "send"]
+        t0 = min(compute_starts + [t0]) if compute_starts else t0
+        t_end = max(
+            [e[3] for st in statuses.values() for e in st["events"]]
+            + [t["end"] for st in statuses.values() for t in st["transfers"]]
+        )
+        peaks = [0] * n
+        fwd: list[list[float]] = [[] for _ in range(n)]
+        bwd: list[list[float]] = [[] for _ in range(n)]
+        events: list[TimelineEvent] = []
+        sends: dict[tuple[Lane, str, int], float] = {}
+        losses: dict[int, float] = {}
+        first_device = {s: self.meshes[s].device_ids[0] for s in range(n)}
+        for d, st in statuses.items():
+            s = st["stage"]
+            peaks[s] = max(peaks[s], st["peak_held"])
+            if s == n - 1:
+                for k, v in st["losses"].items():
+                    losses.setdefault(int(k), v)
+            for kind, label, a, b in st["events"]:
+                if d == first_device[s]:
+                    events.append(TimelineEvent(s, kind, label, a - t0, b - t0))
+                if kind == "forward" and d == first_device[s]:
+                    fwd[s].append(b - a)
+                elif kind == "backward" and d == first_device[s]:
+                    bwd[s].append(b - a)
+            for t in st["transfers"]:
+                if t["role"] != "send":
+                    continue
+                key = ((t["src"], t["dst"]), t["phase"], t["microbatch"])
+                sends[key] = max(sends.get(key, 0.0), t["end"] - t["start"])
+        transfer_s: dict[Lane, list[float]] = {}
+        for (lane, _, _), dur in sorted(sends.items()):
+            transfer_s.setdefault(lane, []).append(dur)
+        events.sort(key=lambda e: (e.stage, e.start_s))
+        return IterationResult(
+            schedule=schedule,
+            overlap=overlap,
+            iteration_s=t_end - t0,
+            driver_s=driver_s,
+            losses=[losses.get(k, math.nan) for k in range(schedule.n_microbatches)],
+            peak_activations=tuple(peaks),
+            forward_s=fwd,
+            backward_s=bwd,
+            transfer_s=transfer_s,
+            events=events,
+        )
+
+    # -- utilities
+
+    def apply(self, fn: Callable, *args, stages: Sequence[int] | None = None) -> list[list[Any]]:
+        """Run ``fn(ctx, *args)`` on every device of the chosen stages (default all), between
+        iterations (read gradients, step an optimizer); results per stage, per device in mesh order."""
+        backend = self._ensure_installed()
+        chosen = range(self.n_stages) if stages is None else list(stages)
+        refs = {
+            (s, d): backend.call_async(d, _apply, self.pipeline_id, d, fn, args)
+            for s in chosen
+            for d in self.meshes[s].device_ids
+        }
+        values = self._get(list(refs.values()), self.timeout_s, "apply")
+        out: list[list[Any]] = [[] for _ in chosen]
+        for (s, _), v in zip(refs, values, strict=True):
+            out[list(chosen).index(s)].append(v)
+        return out
+
+    def close(self) -> None:
+        """Stop the workers' threads and drop their state (the meshes stay up)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._backend is not None and self._installed:
+            try:
+                refs = [self._backend.call_async(d, _uninstall, self.pipeline_id, d) for d in self.devices]
+                self._backend.get(refs, 30.0)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# validation helpers
+
+
+def _check_stage(i: int, s: Stage, n: int) -> Stage:
+    mesh = getattr(s.mesh, "mesh", s.mesh)
+    if not hasattr(mesh, "device_ids"):
+        raise TypeError(f"stage {i}: mesh must be a reshard.DeviceMesh, got {type(s.mesh).__name__}")
+    try:
+        dtype = dtype_name(s.dtype)
+    except TypeError as exc:
+        raise TypeError(f"stage {i}: {exc}") from None
+    changes: dict[str, Any] = {"dtype": dtype}
+    for side in ("in", "out"):
+        shape, layout = getattr(s, f"{side}_shape"), getattr(s, f"{side}_layout")
+        needed = (side == "in" and i > 0) or (side == "out" and i < n - 1)
+        if shape is None and layout is None:
+            if needed:
+                why = (
+                    "every stage after the first takes an input"
+                    if side == "in"
+                    else "every stage but the last has an output"
+                )
+                raise ValueError(f"stage {i}: {side}_shape and {side}_layout are required ({why})")
+            continue
+        if shape is None or layout is None:
+            raise ValueError(f"stage {i}: give both {side}_shape and {side}_layout, or neither")
+        if side == "out" and i == n - 1:
+            raise ValueError(f"stage {i} is the last stage: it returns the loss and has no out_shape/out_layout")
+        try:
+            shape = tuple(int(x) for x in shape)
+        except TypeError:
+            raise TypeError(f"stage {i}: {side}_shape must be a tuple of ints, got {shape!r}") from None
+        if not isinstance(layout, Layout):
+            raise TypeError(f"stage {i}: {side}_layout must be a reshard.Layout, got {type(layout).__name__}")
+        if layout.mesh != mesh:
+            raise ValueError(
+                f"stage {i}: {side}_layout {layout} is on mesh {layout.mesh}, not on the stage's mesh {mesh}"
+            )
+        try:
+            layout.check_shape(shape)
+        except ValueError as exc:
+            raise ValueError(f"stage {i}: {side}_layout does not fit {side}_shape {shape}: {exc}") from None
+        changes[f"{side}_shape"] = shape
+    return _replace(s, **changes)
+
+
+def _check_boundaries(stages: Sequence[Stage]) -> None:
+    for i in range(len(stages) - 1):
+        a, b = stages[i], stages[i + 1]
+        if a.out_shape != b.in_shape:
+            raise ValueError(
+                f"stage {i} produces {a.out_shape} ({a.out_layout}) but stage {i + 1} expects an input of "
+                f"shape {b.in_shape} ({b.in_layout}); make stage {i}'s out_shape equal stage {i + 1}'s in_shape"
+            )
+        if a.dtype != b.dtype:
+            raise ValueError(f"stage {i} produces {a.dtype} but stage {i + 1} expects {b.dtype}")
+
+
+def _replace(s: Stage, **changes) -> Stage:
+    import dataclasses
+
+    return dataclasses.replace(s, **changes)
+
+
+def _local_shape(layout: Layout | None, shape, flat: int):
+    if layout is None:
+        return None
+    return box_shape(layout_regions(layout, tuple(shape))[flat])
+
+
+def _as_error(errors: Sequence[dict]) -> PipelineError:
+    """The root cause among the workers' errors: a user error first, then the earliest."""
+    root = min(errors, key=lambda e: (_ERROR_RANK.get(e["kind"], 9), e["time"]))
+    phase = {"F": "forward", "B": "backward"}.get(root["phase"], "step")
+    where = f"stage {root['stage']} (device {root['device']})"
+    if root["microbatch"] is not None:
+        where += f" {phase} of microbatch {root['microbatch']}"
+    what = {"user": "raised", "slow": "timed out:", "transfer": "transfer failed:", "timeout": "timed out:"}.get(
+        root["kind"], "failed:"
+    )
+    extra = f" [{root['transfer']}]" if "transfer" in root else ""
+    message = f"{where}{extra} {what} {root['type']}: {root['message']}"
+    if len(errors) > 1:
+        message += f" (+{len(errors) - 1} follow-on error(s) on other workers)"
+    message += "\n--- remote traceback ---\n" + root["traceback"]
+    cls = PipelineTimeout if root["kind"] in ("timeout", "slow") else PipelineError
+    return cls(
+        message,
+        kind=root["kind"],
+        stage=root["stage"],
+        device=root["device"],
+        microbatch=root["microbatch"],
+        phase=root["phase"],
+        remote_traceback=root["traceback"],
+        errors=errors,
+    )
