@@ -109,9 +109,14 @@ def _make_pipeline(meshes, forward_s: float, backward_s: float, rows: int, timeo
         layout = Layout(m, (Replicate(), Replicate()))
         stages.append(
             Stage(
-                m, forward, backward, setup,
-                in_shape=None if i == 0 else shape, in_layout=None if i == 0 else layout,
-                out_shape=None if i == n - 1 else shape, out_layout=None if i == n - 1 else layout,
+                m,
+                forward,
+                backward,
+                setup,
+                in_shape=None if i == 0 else shape,
+                in_layout=None if i == 0 else layout,
+                out_shape=None if i == n - 1 else shape,
+                out_layout=None if i == n - 1 else layout,
                 name=f"stage{i}",
             )  # fmt: skip
         )
@@ -245,9 +250,14 @@ def run_real(args, console) -> dict:
         }
     return {
         "config": {
-            "stages": n, "microbatches": m, "forward_s": f_s, "backward_s": b_s,
-            "transfer_ratio_target": args.transfer_ratio, "repeats": args.repeats,
-            "payload_bytes": calibration[-1]["bytes"], "compute": "time.sleep",
+            "stages": n,
+            "microbatches": m,
+            "forward_s": f_s,
+            "backward_s": b_s,
+            "transfer_ratio_target": args.transfer_ratio,
+            "repeats": args.repeats,
+            "payload_bytes": calibration[-1]["bytes"],
+            "compute": "time.sleep",
         },  # fmt: skip
         "calibration": calibration,
         "runs": runs,
@@ -320,8 +330,10 @@ def model_durations(cfg: dict, cluster) -> dict:
 
     n = cfg["stages"]
     per_stage_layers = cfg["layers"] / n
-    f_s = per_stage_layers * _layer_flops(cfg["batch"], cfg["seq"], cfg["hidden"]) / (
-        cluster.devices_per_host * V100_FP16_FLOPS * MFU
+    f_s = (
+        per_stage_layers
+        * _layer_flops(cfg["batch"], cfg["seq"], cfg["hidden"])
+        / (cluster.devices_per_host * V100_FP16_FLOPS * MFU)
     )
     shape = (cfg["batch"] * cfg["seq"], cfg["hidden"])
     skip_shape = (cfg["batch"] * cfg["seq"], cfg["hidden"] * cfg["skip_width"])
@@ -390,8 +402,11 @@ def run_sim(args, console) -> dict:
 def _sim_json(table: dict) -> dict:
     return {
         name: {
-            k: {"iteration_s": r.iteration_s, "bubble_fraction": r.bubble_fraction,
-                "peak_activations": list(r.peak_activations)}  # fmt: skip
+            k: {
+                "iteration_s": r.iteration_s,
+                "bubble_fraction": r.bubble_fraction,
+                "peak_activations": list(r.peak_activations),
+            }  # fmt: skip
             for k, r in row.items()
         }
         for name, row in table.items()
@@ -526,9 +541,7 @@ def draw_timeline(path: Path, real: dict | None, sim: dict | None) -> None:
             table = sim["_tables"][name]
             for sched in ("1F1B", "eager-1F1B"):
                 r = table[sched]["overlap"]
-                events = [
-                    [s, e.kind.value, e.label, e.start_s, e.end_s] for s, row in enumerate(r.events) for e in row
-                ]
+                events = [[s, e.kind.value, e.label, e.start_s, e.end_s] for s, row in enumerate(r.events) for e in row]
                 panels.append((events, len(r.events), f"SIMULATED {name} on {sim['cluster']}, {sched} with overlap: "
                                f"{r.iteration_s * 1e3:.0f} ms", "sim"))  # fmt: skip
     if not panels:
