@@ -291,7 +291,12 @@ def random_stats(cluster_name: str, n: int, seed: int = 0, **size) -> dict:
             plan = plan_reshard(shape, "float32", src, dst, strategy=name, cluster=cluster)
             times[name] = simulate_transfers(sim_transfers(plan), hosts, cluster).makespan_s
         rows.append({"kind": kind, "shape": list(shape), "src": str(src), "dst": str(dst), "lb": lb, **times})
-    stats = {"cluster": cluster_name, "cases": n, "seed": seed}
+    stats = {
+        "cluster": cluster_name,
+        "cases": n,
+        "seed": seed,
+        "log2_bytes": [size.get("min_log2", 26), size.get("max_log2", 31)],
+    }
     for name in STRATEGY_ORDER:
         ratios = [r[name] / r["lb"] for r in rows]
         stats[name] = {"geomean_ratio": _geomean(ratios), "max_ratio": max(ratios)}
@@ -431,6 +436,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--planning-time", action="store_true", help="measure planning times instead")
     ap.add_argument("--random", type=int, default=0, metavar="N", help="also: statistics over N random cases")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--random-log2", type=int, nargs=2, default=(26, 31), metavar=("LO", "HI"),
+        help="random tensor sizes between 2**LO and 2**HI bytes (default 26 31: 64 MiB to 2 GiB)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.hosts < 1:
         ap.error("--hosts must be >= 1")
@@ -451,7 +460,8 @@ def main(argv: list[str]) -> int:
         print_tables(results, title)
         report = {"cluster": _cluster_obj(cluster), "hosts": args.hosts, "cases": results}
         if args.random:
-            report["random"] = random_stats(name, args.random, args.seed)
+            lo, hi = args.random_log2
+            report["random"] = random_stats(name, args.random, args.seed, min_log2=lo, max_log2=hi)
             _print_random(report["random"])
         (args.out / f"simulated_{tag}.json").write_text(json.dumps(report, indent=1))
         plot(
@@ -495,7 +505,9 @@ def _print_planning(t: dict, name: str) -> None:
 def _print_random(s: dict) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{s['cases']} random cases on {s['cluster']} (seed {s['seed']})", title_justify="left")
+    lo, hi = s["log2_bytes"]
+    title = f"{s['cases']} random cases on {s['cluster']} (seed {s['seed']}, 2**{lo} to 2**{hi} bytes)"
+    table = Table(title=title, title_justify="left")
     for col in ("strategy", "geomean vs bound", "max vs bound"):
         table.add_column(col, justify="right")
     for name in STRATEGY_ORDER:

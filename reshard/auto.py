@@ -19,11 +19,18 @@ candidates ("hier") go past the baselines' weaknesses:
   water-filling their send loads. A latency estimate joins the score, so tiny tasks prefer stars
   and one receiver gets a SEND, never a two-rank broadcast.
 - Within a host, the sending device is the one that has sent the least so far (devices run their
-  transfers one at a time), then the one already used for the same receivers (fewer groups).
-- Order: transfers are packed first-fit into rounds where every device takes part in at most one
-  transfer ("nic" variant: every NIC direction, too), largest first, so independent transfers run
-  concurrently; a relay goes in a round after the transfer that feeds it. Every device issues its
-  transfers in round order: one global order, hence deadlock free.
+  transfers one at a time), then the one already used for the same receivers (fewer groups); the
+  "serial" candidates instead send everything a host sends from one device where the boxes allow,
+  so that the device order itself keeps the host's NIC on schedule at run time. A receiver that
+  sends over the network itself would hold up the transfer into its host: it gets the box later,
+  relayed over the intra-host links by a device that took it off the network.
+- Order: transfers are packed first-fit into rounds in which every device takes part in at most
+  one transfer, network transfers first, largest first. "color" first edge-colors the transfers
+  between one sending and one receiving host on the bipartite graph of NIC ports (Koenig: as many
+  colors as the busiest port has transfers), so that a round has every NIC direction carry one
+  transfer; "nic" packs greedily under the same rule, "lpt" without it, "task" in task order. A
+  relay goes in a round after the transfer that feeds it. Every device issues its transfers in
+  round order: one global order, hence deadlock free.
 
 Candidates are simulated within a planning-time budget (``SIMULATION_BUDGET`` transfers in all,
 baselines while ``MAX_BASELINE_WORK`` allows); past ``MAX_SIMULATED_TRANSFERS`` ``auto`` returns
@@ -170,30 +177,42 @@ def _hier(ctx: _Context, *, split: bool, modes=("ring", "star"), serial=False) -
     total = sum(t.size_bytes for t in tasks) or 1
     quantum = total * 1e-4 / max(1, len(set(hosts.values())))
 
+    owners: dict[tuple[int, ...], dict[int, list[int]]] = {}  # senders -> host -> holders there
+    spread: dict[tuple[int, ...], dict[int, list[int]]] = {}  # receivers -> host -> receivers there
+    incoming: dict[tuple[int, ...], int] = defaultdict(int)  # network bytes per receiver tuple
+    intra_work = []
     for i, task in enumerate(tasks):
         size = task.size_bytes
-        by_host: dict[int, list[int]] = {}
-        for s in task.senders:
-            by_host.setdefault(hosts[s], []).append(s)
-        holders = set(task.senders) if shared else ()
-        remote: dict[int, list[int]] = {}
-        intra: dict[int, list[int]] = {}
-        for r in task.receivers:
-            if r in holders:
-                local_items.append(_Item(TransferKind.COPY, task.box, r, (r,), i, size, False))
+        by_host = owners.get(task.senders)
+        if by_host is None:
+            by_host = owners[task.senders] = _by_host(task.senders, hosts)
+        if shared and not set(task.senders).isdisjoint(task.receivers):
+            holders = set(task.senders)
+            for r in task.receivers:
+                if r in holders:
+                    local_items.append(_Item(TransferKind.COPY, task.box, r, (r,), i, size, False))
+            receivers = tuple(r for r in task.receivers if r not in holders)
+            if not receivers:
                 continue
-            h = hosts[r]
-            if h in by_host:
-                intra.setdefault(h, []).append(r)
-            else:
-                remote.setdefault(h, []).append(r)
-                busy[r] += size
-        for h, receivers in intra.items():
-            src = min(by_host[h], key=lambda d: (busy[d], d))
-            busy[src] += size * 0.01  # intra-host bytes are cheap, but spread them too
-            _deliver(ctx, local_items, i, task.box, size, src, receivers, [], network=False)
+        else:
+            receivers = task.receivers
+        by_dst = spread.get(receivers)
+        if by_dst is None:
+            by_dst = spread[receivers] = _by_host(receivers, hosts)
+        remote = {h: rs for h, rs in by_dst.items() if h not in by_host}
+        if len(remote) < len(by_dst):
+            intra_work += [(i, h, rs) for h, rs in by_dst.items() if h in by_host]
         if remote:
             network.append((size * len(remote), i, by_host, remote))
+            incoming[tuple(d for rs in remote.values() for d in rs)] += size
+    for receivers, size in incoming.items():
+        for r in receivers:
+            busy[r] += size
+    for i, h, receivers in intra_work:
+        task = tasks[i]
+        src = min(owners[task.senders][h], key=lambda d: (busy[d], d))
+        busy[src] += task.size_bytes * 0.01  # intra-host bytes are cheap, but spread them too
+        _deliver(ctx, local_items, i, task.box, task.size_bytes, src, receivers, [], network=False)
 
     network.sort(key=lambda x: (-x[0], x[1]))  # largest work first; ties by task index
     for _, i, by_host, remote in network:
@@ -271,6 +290,13 @@ def _hier(ctx: _Context, *, split: bool, modes=("ring", "star"), serial=False) -
     for it in items:
         it.devices = (it.src,) if it.kind is TransferKind.COPY else (it.src, *it.dsts)
     return items, shapes
+
+
+def _by_host(devices: tuple[int, ...], hosts: dict[int, int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for d in devices:
+        out.setdefault(hosts[d], []).append(d)
+    return out
 
 
 def _entries(receivers: list[int], sent: dict[int, float]) -> tuple[list[int], list[int]]:
@@ -419,11 +445,11 @@ def _order(items: list[_Item], how: str) -> tuple[Transfer, ...]:
     n = len(items)
     if how == "task":
         seq = sorted(range(n), key=lambda j: (items[j].task, not items[j].network, j))
+    elif how == "color":
+        color = _edge_colors(items)
+        seq = sorted(range(n), key=lambda j: (not items[j].network, color.get(j, n), -items[j].size, items[j].task, j))
     else:
         seq = sorted(range(n), key=lambda j: (not items[j].network, -items[j].size, items[j].task, j))
-    if how == "color":
-        color = _edge_colors(items)
-        seq.sort(key=lambda j: (not items[j].network, color.get(j, len(items))))
     use_ports = how in ("nic", "color")
     busy: dict[object, int] = defaultdict(int)  # device or NIC port -> bitset of occupied rounds
     round_of = [0] * n

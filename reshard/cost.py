@@ -36,6 +36,7 @@ from reshard.tasks import UnitTask
 from topology.cluster import Cluster
 from topology.simulator import SimKind, SimResult, SimTransfer, simulate_transfers
 
+_CUT_WORK = 2_000_000  # (cut, task group) pairs the bound evaluates at most
 _SIM_KIND = {TransferKind.COPY: SimKind.COPY, TransferKind.SEND: SimKind.P2P, TransferKind.BROADCAST: SimKind.BROADCAST}
 
 
@@ -114,14 +115,32 @@ def lower_bound_s(tasks: tuple[UnitTask, ...], hosts: dict[int, int], cluster: C
                 passes = max(passes, 1)  # the only copy anywhere must leave d
             dev_bytes[-1 - d] += size * passes
     # cuts X of the hosts: bytes needed inside X and held only outside cross it at
-    # min(|X|, |outside|) NIC bandwidths
+    # min(|X|, |outside|) NIC bandwidths. Single hosts and their complements first (PAPER.md's terms)
+    n_hosts = len(bit)
+    host_of_bit = {b: h for h, b in bit.items()}
+    into: dict[int, int] = defaultdict(int)
+    out_of: dict[int, int] = defaultdict(int)
+    for (hs, rs), size in groups.items():
+        need = rs & ~hs
+        if not need:
+            continue
+        if hs & (hs - 1) == 0:  # one holder host
+            out_of[hs] += size
+        while need:
+            low = need & -need
+            into[low] += size
+            need ^= low
+    nic_term = max((*into.values(), *out_of.values()), default=0) / nic if n_hosts > 1 else 0.0
+    # then every task's receiver hosts, the complement of every task's holder hosts and of all holder
+    # hosts together, while that stays cheap (a looser bound is still a bound)
     holder_sets = {hs for hs, _ in groups}
-    cuts = {b for b in bit.values()} | {every ^ b for b in bit.values()} | {rs for _, rs in groups}
-    cuts |= {every ^ hs for hs in holder_sets} | {every ^ _union(holder_sets)}
-    nic_term = 0.0
+    cuts = {rs for _, rs in groups} | {every ^ hs for hs in holder_sets} | {every ^ _union(holder_sets)}
+    cuts -= set(host_of_bit)
+    if len(cuts) * len(groups) > _CUT_WORK:
+        cuts = {every ^ _union(holder_sets)}
     for x in cuts:
         inside = x.bit_count()
-        width = min(inside, len(bit) - inside)
+        width = min(inside, n_hosts - inside)
         if not width:
             continue
         need = sum(size for (hs, rs), size in groups.items() if rs & x and not hs & x)
