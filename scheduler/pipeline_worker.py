@@ -510,7 +510,7 @@ class StageWorker:
                 if last:
                     it.losses[k] = _as_float(y)
                     return None
-                return self._check_out(y, spec.out_local_shape, "forward", k, "output")
+                return self._check_out(y, spec.out_local_shape, "forward", k, "an output")
             mctx = self.saved.pop(k)
             grad = None if last else x
             if spec.backward is None:
@@ -527,7 +527,7 @@ class StageWorker:
                 return None
             if gx is None:
                 raise ValueError("backward returned no gradient for the stage input (None)")
-            return self._check_out(gx, spec.in_local_shape, "backward", k, "input gradient")
+            return self._check_out(gx, spec.in_local_shape, "backward", k, "an input-gradient")
         except StageFailure:
             raise
         except BaseException as exc:  # noqa: BLE001 - the user's callable failed
@@ -535,10 +535,10 @@ class StageWorker:
 
     def _check_out(self, t, shape, what: str, k: int, name: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} returned {type(t).__name__}, expected a torch.Tensor {name} shard")
+            raise TypeError(f"{what} returned {type(t).__name__}, expected {name} shard (a torch.Tensor)")
         if tuple(t.shape) != tuple(shape):
             raise ValueError(
-                f"{what} returned a {name} shard of shape {tuple(t.shape)}; this device's shard of the "
+                f"{what} returned {name} shard of shape {tuple(t.shape)}; this device's shard of the "
                 f"declared layout has shape {tuple(shape)}"
             )
         if t.dtype != self.dtype:

@@ -219,6 +219,8 @@ def fwd_small(ctx, x):
         raise ValueError(f"boom at microbatch {ctx.microbatch}")
     if s.get("sleep") == (ctx.stage, ctx.microbatch):
         time.sleep(2.5)
+    if s.get("bad_shape") == (ctx.stage, ctx.microbatch):
+        return torch.zeros(3, 3)
     if ctx.stage == 1:
         return x.sum()
     return torch.full((2, 3), float(ctx.microbatch))
@@ -287,6 +289,19 @@ def test_backward_error_is_located(small_pipeline):
     assert info.value.phase == "B"
     pipe.apply(set_state, "fail_b", None, stages=[1])
     assert pipe.run(gpipe(2, 4)).peak_activations == (4, 4)
+
+
+def test_output_of_the_wrong_shape_is_located(small_pipeline):
+    from scheduler.pipeline import PipelineError
+
+    pipe = small_pipeline
+    pipe.apply(set_state, "bad_shape", (0, 1), stages=[0])
+    expected = r"stage 0 .* microbatch 1 raised ValueError: forward returned an output shard of shape \(3, 3\)"
+    with pytest.raises(PipelineError, match=expected) as info:
+        pipe.run(eager_one_f_one_b(2, 3))
+    assert "has shape (2, 3)" in str(info.value)
+    pipe.apply(set_state, "bad_shape", None, stages=[0])
+    assert pipe.run(eager_one_f_one_b(2, 3)).losses == [0.0, 6.0, 12.0]
 
 
 def test_slow_callable_times_out_located_then_pipeline_recovers(small_pipeline):
