@@ -12,7 +12,7 @@ the devices of a host:
   only outside it cross into X at most at ``min(|X|, |outside|) * B``. Besides single hosts and
   their complements we take X = every task's receiver hosts and X = the complement of every task's
   holder hosts and of all holder hosts together (e.g. two source hosts feeding eight destination
-  hosts send at 2B, not 8B);
+  hosts send at 2B, not 8B); for very many distinct sets only the last (``_CUT_WORK``);
 - every byte a device needs enters it through its intra-host port or its host's NIC:
   ``need(d) / (I + B)``; and a device that alone holds a box on its host pushes it through its
   intra-host send port (once for its own copy, once more for the host's other receivers) unless
@@ -22,7 +22,8 @@ the devices of a host:
 plus one network latency in front of the NIC terms when anything must cross the network (no byte
 moves before its message's latency). ``B`` = ``cluster.nic_GBps``, ``I`` = ``cluster.intra_host_GBps``.
 The bound is at least PAPER.md's (its two terms are among the cuts), and no plan's simulated
-makespan is below it.
+makespan is below it. It ignores that a device runs one transfer at a time and a ring's pipeline
+fill, so some reshards cannot reach it (a cyclic shift among the devices of a host takes rounds).
 """
 
 from __future__ import annotations
