@@ -6,7 +6,8 @@ ceiling never touches the runtime's communicators, buffers or staging. Per case 
 one ``TCPStore``; every actor of the case joins one raw ``ProcessGroupGloo`` (a world over exactly
 those actors). A measured round posts every send and every receive of the actor at once
 (``isend``-style: gloo work objects) and waits for all of them: each (sender, receiver) pair moves
-its whole byte count as one contiguous message, the best case for gloo on loopback.
+its whole byte count as one contiguous message (no staging, no local copies), into one fresh
+receive buffer per actor.
 """
 
 from __future__ import annotations
@@ -46,15 +47,20 @@ def setup(ctx, key: str, store_port: int, rank: int, world: int, sends, recvs, t
 def transfer(ctx, key: str, sends, recvs) -> float:
     """Post every send and receive of this actor at once, wait for all; return in-actor seconds.
 
-    Receive buffers are allocated fresh (``torch.empty``) each round, as a reshard must allocate
-    its destination; send buffers were made by ``setup``.
+    The receive side allocates ONE fresh buffer (``torch.empty``) per round for all it receives,
+    as a reshard allocates one destination shard, and receives each message into a contiguous
+    slice of it; send buffers were made (and touched) by ``setup``.
     """
     import torch
 
     pg = _GROUPS[key]
     send_bufs, _ = _BUFFERS[key]
     t0 = time.perf_counter()
-    recv_bufs = [torch.empty(n, dtype=torch.uint8) for _, _, n in recvs]
+    whole = torch.empty(sum(n for _, _, n in recvs), dtype=torch.uint8)
+    offsets = [0]
+    for _, _, n in recvs:
+        offsets.append(offsets[-1] + n)
+    recv_bufs = [whole[lo:hi] for lo, hi in zip(offsets, offsets[1:], strict=False)]
     works = [pg.recv([buf], peer, tag) for (peer, tag, _), buf in zip(recvs, recv_bufs, strict=True)]
     works += [pg.send([buf], peer, tag) for (peer, tag, _), buf in zip(sends, send_bufs, strict=True)]
     for w in works:
@@ -70,3 +76,47 @@ def release(ctx, key: str) -> None:
 def teardown(ctx, key: str) -> None:
     _BUFFERS.pop(key, None)
     _GROUPS.pop(key, None)
+
+
+# ------------------------------------------------------------------ driver side
+
+
+class RawTransfer:
+    """Driver handle on one raw-gloo transfer: ``pairs`` maps (sender, receiver) global device ids
+    to bytes; ``actor_of(device)`` gives the actor handle. ``setup()`` (untimed) joins the group and
+    allocates send buffers; each ``run()`` is one timed round (seconds on the driver) and appends
+    the slowest actor's in-actor time to ``in_actor``; ``release()`` frees the buffers."""
+
+    def __init__(self, name: str, pairs: dict, actor_of, store_port: int, timeout_s: float = 300.0):
+        self.rank = {d: i for i, d in enumerate(sorted({d for p in pairs for d in p}))}
+        self.key = f"{name}/" + "-".join(map(str, self.rank))
+        self.sends: dict[int, list] = {d: [] for d in self.rank}
+        self.recvs: dict[int, list] = {d: [] for d in self.rank}
+        for tag, ((s, r), n) in enumerate(sorted(pairs.items())):
+            self.sends[s].append((self.rank[r], tag, n))
+            self.recvs[r].append((self.rank[s], tag, n))
+        self.actors = {d: actor_of(d) for d in self.rank}
+        self.port = store_port
+        self.timeout_s = timeout_s
+        self.in_actor: list[float] = []
+
+    def setup(self) -> None:
+        import ray
+
+        ray.get([a.call.remote(setup, self.key, self.port, self.rank[d], len(self.rank), self.sends[d], self.recvs[d])
+                 for d, a in self.actors.items()], timeout=self.timeout_s)  # fmt: skip
+
+    def run(self) -> float:
+        import ray
+
+        t0 = time.perf_counter()
+        inner = ray.get([a.call.remote(transfer, self.key, self.sends[d], self.recvs[d])
+                         for d, a in self.actors.items()], timeout=self.timeout_s)  # fmt: skip
+        dt = time.perf_counter() - t0
+        self.in_actor.append(max(inner))
+        return dt
+
+    def release(self) -> None:
+        import ray
+
+        ray.get([a.call.remote(release, self.key) for a in self.actors.values()], timeout=30)

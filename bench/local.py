@@ -55,16 +55,18 @@ QUICK_SIZES = ("64KiB", "4MiB")
 NAIVE = "naive"
 CEILING = "raw_gloo"
 RTT = "empty_rtt"
-RTT_PER_ROUND = 5
+RTT_PER_ROUND = 3
 SCHEMA = 1
 
 
 def default_repeats(size_bytes: int) -> int:
     if size_bytes <= 1 << 20:
-        return 10
+        return 7
     if size_bytes <= 16 << 20:
         return 5
-    return 3
+    if size_bytes <= 64 << 20:
+        return 3
+    return 2
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -79,17 +81,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--repeats", type=int, help="timed rounds per method (default: 10 up to 1 MiB, 5 up to 16 MiB, else 3)"
     )
-    p.add_argument("--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, 3 repeats: under a minute")
+    p.add_argument("--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, 2 repeats: about a minute")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
     p.add_argument("--out", help="JSON output path (default bench/results/local-<timestamp>.json + latest.json)")
     p.add_argument("--no-naive", action="store_true", help="skip the naive gather-and-distribute baseline")
     p.add_argument("--no-ceiling", action="store_true", help="skip the raw gloo ceiling")
     p.add_argument("--timeout", type=float, default=300.0, help="per-reshard timeout in seconds (default 300)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--staging-keep", type=parse_size, metavar="SIZE",
+                   help="runtime knob: staging bytes each device keeps between reshards "
+                   "(DeviceMesh.create(staging_keep_bytes=...); runtime default 1 MiB)")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.sizes = args.sizes or ",".join(QUICK_SIZES)
-        args.repeats = args.repeats or 3
+        args.repeats = args.repeats or 2
     args.size_list = [parse_size(s) for s in (args.sizes or ",".join(DEFAULT_SIZES)).split(",") if s.strip()]
     args.case_list = select_cases([c.strip() for c in args.cases.split(",")] if args.cases else None)
     if args.repeats is not None and args.repeats < 1:
@@ -170,6 +175,26 @@ def pair_bytes(plan) -> dict[tuple[int, int], int]:
     return out
 
 
+def program_bytes(program, itemsize: int) -> dict:
+    """CPU-side byte traffic of a lowered program, summed over devices: local copies, bytes that
+    pass through staging (send and receive side), bytes received over communicators."""
+    from reshard.lowering import OpKind
+
+    out = {"copy_bytes": 0, "staged_bytes": 0, "recv_bytes": 0, "ops": 0}
+    for dp in program.devices:
+        for op in dp.ops:
+            n = op.numel * itemsize
+            out["ops"] += 1
+            if op.kind is OpKind.COPY:
+                out["copy_bytes"] += n
+                continue
+            if op.stage:
+                out["staged_bytes"] += n
+            if op.kind is OpKind.RECV or (op.kind is OpKind.BROADCAST and op.group[0] != dp.device):
+                out["recv_bytes"] += n
+    return out
+
+
 def _git_rev() -> str:
     try:
         root = Path(__file__).resolve().parent.parent
@@ -197,7 +222,10 @@ class Suite:
         self.progress = progress
         self.task = task
         self.owns_pool = pool is None
-        self.pool = DeviceMesh.create(POOL_SHAPE, startup_timeout_s=180) if pool is None else pool
+        options = {}
+        if getattr(args, "staging_keep", None) is not None:
+            options["staging_keep_bytes"] = args.staging_keep
+        self.pool = DeviceMesh.create(POOL_SHAPE, startup_timeout_s=180, **options) if pool is None else pool
         if tuple(self.pool.shape) != POOL_SHAPE:
             raise ValueError(f"the local suite needs a pool mesh of shape {POOL_SHAPE}, got {self.pool!r}")
         _check_host_pattern(MeshView(POOL_SHAPE, tuple(range(POOL_SIZE)), POOL_HOST_IDS), self.pool)
@@ -255,9 +283,13 @@ class Suite:
 
     # ---------------------------------------------------------------- one (case, size)
 
-    def run(self, case: Case, size_bytes: int, strategies: list[str], repeats: int, warmed: set[str]) -> dict:
+    def run(
+        self, case: Case, size_bytes: int, strategies: list[str], repeats: int, warmed: set[str], checked: set[str]
+    ) -> dict:
         """Measure one (case, size). ``warmed``: methods already warmed up on this case (plan
-        caching for other shapes is done here, untimed; communicator groups carry over)."""
+        caching for other shapes is done here, untimed; communicator groups carry over);
+        ``checked``: methods whose result was already verified (the first result of each
+        method not in it is verified, outside its timing)."""
         import ray
 
         from bench import ceiling
@@ -278,8 +310,7 @@ class Suite:
 
         # Plans for this shape, computed and lowered before any timing (reshard's caches).
         plans = {s: plan_reshard(shape, args.dtype, src_layout, dst_layout, strategy=s) for s in strategies}
-        for plan in plans.values():
-            runtime().lower(plan)
+        lowered = {s: runtime().lower(plan) for s, plan in plans.items()}
         default = "auto" if "auto" in strategies else strategies[0]
         pairs = pair_bytes(plans[default])
         entry: dict = {
@@ -299,7 +330,12 @@ class Suite:
         }
         for s, plan in plans.items():
             moved = sum(pair_bytes(plan).values())
-            entry["methods"][s] = {"kind": "strategy", "transfers": len(plan.transfers), "moved_bytes": moved}
+            entry["methods"][s] = {
+                "kind": "strategy",
+                "transfers": len(plan.transfers),
+                "moved_bytes": moved,
+                **program_bytes(lowered[s].program, source.dtype.itemsize),
+            }
         if not args.no_naive:
             entry["methods"][NAIVE] = {"kind": "baseline"}
         if not args.no_ceiling:
@@ -333,23 +369,12 @@ class Suite:
             y.free()
             return dt
 
-        rank = {d: i for i, d in enumerate(sorted({d for p in pairs for d in p}))}
-        key = f"{case.name}/" + "-".join(map(str, rank))
-        sends: dict[int, list] = {d: [] for d in rank}
-        recvs: dict[int, list] = {d: [] for d in rank}
-        for tag, ((s, r), n) in enumerate(sorted(pairs.items())):
-            sends[s].append((rank[r], tag, n))
-            recvs[r].append((rank[s], tag, n))
-        ceiling_actors = self.actors(list(rank))
-        in_actor: list[float] = []
+        raw = ceiling.RawTransfer(case.name, pairs, lambda d: self.pool.actor(self.pool.index_of(d)), self.store.port,
+                                  args.timeout)  # fmt: skip
+        in_actor = raw.in_actor
 
         def run_ceiling(check: bool) -> float:
-            t0 = time.perf_counter()
-            inner = ray.get([a.call.remote(ceiling.transfer, key, sends[d], recvs[d])
-                             for d, a in zip(rank, ceiling_actors, strict=True)], timeout=args.timeout)  # fmt: skip
-            dt = time.perf_counter() - t0
-            in_actor.append(max(inner))
-            return dt
+            return raw.run()
 
         def run_rtt(check: bool) -> list[float]:
             out = []
@@ -363,10 +388,8 @@ class Suite:
         if not args.no_naive:
             runners[NAIVE] = run_naive
         if not args.no_ceiling and pairs:
-            # join the raw group (once per device set) and allocate this size's send buffers, untimed
-            ray.get([a.call.remote(ceiling.setup, key, self.store.port, rank[d], len(rank), sends[d], recvs[d])
-                     for d, a in zip(rank, ceiling_actors, strict=True)], timeout=args.timeout)  # fmt: skip
-            self.ceiling_groups.add(key)
+            raw.setup()  # join the raw group (once per device set), allocate send buffers: untimed
+            self.ceiling_groups.add(raw.key)
             runners[CEILING] = run_ceiling
         elif not args.no_ceiling:
             entry["methods"][CEILING]["error"] = "nothing crosses between actors"
@@ -390,11 +413,10 @@ class Suite:
                 if m not in (CEILING, RTT):
                     entry["methods"][m]["verified"] = False
 
-        checked: set[str] = set()
         stats = runtime().stats
         try:
             for m in runners:  # warm-up once per (case, method): plan caching, group creation
-                wkey = CEILING + key if m == CEILING else m
+                wkey = CEILING + raw.key if m == CEILING else m
                 if wkey not in warmed:
                     self.advance(f"{label} warm-up {m}")
                     attempt(m, False, m in (NAIVE, *strategies))
@@ -414,9 +436,9 @@ class Suite:
                     checked.add(m)
         finally:
             x.free()
-            if key in self.ceiling_groups:
+            if raw.key in self.ceiling_groups:
                 try:
-                    ray.get([a.call.remote(ceiling.release, key) for a in ceiling_actors], timeout=30)
+                    raw.release()
                 except Exception:
                     pass
 
@@ -431,8 +453,11 @@ class Suite:
         if in_actor:
             entry["methods"][CEILING]["in_actor_s"] = stats_of(in_actor)
         derive_ratios(entry)
+        for m, v in entry["methods"].items():
+            if v["kind"] in ("strategy", "baseline") and "verified" not in v and m in checked:
+                v["verified_earlier"] = True  # --quick: this method's result was verified at a smaller size
         entry["ok"] = all(
-            v.get("verified") is True and "error" not in v
+            (v.get("verified") is True or v.get("verified_earlier", False)) and "error" not in v
             for v in entry["methods"].values() if v["kind"] in ("strategy", "baseline")
         )  # fmt: skip
         return entry
@@ -574,8 +599,12 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
             suite = Suite(args, console, progress, task, pool=pool)
             for case in args.case_list:
                 warmed: set[str] = set()
+                checked: set[str] = set()  # --quick: verify once per case; else once per size
                 for size in sorted(args.size_list):
-                    entries.append(suite.run(case, size, strategies, args.repeats or default_repeats(size), warmed))
+                    if not args.quick:
+                        checked = set()
+                    repeats = args.repeats or default_repeats(size)
+                    entries.append(suite.run(case, size, strategies, repeats, warmed, checked))
             progress.update(task, description="done")
     finally:
         if suite is not None:
@@ -597,6 +626,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
             "torch": _torch_version(),
         },  # fmt: skip
         "pool": list(POOL_SHAPE),
+        "staging_keep_bytes": args.staging_keep,
         "dtype": args.dtype,
         "sizes": args.size_list,
         "cases": [c.name for c in args.case_list],

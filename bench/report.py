@@ -222,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(data))
     else:
-        render(data)
+        from rich.console import Console
+
+        console = Console()
+        render(data, console if console.is_terminal else Console(width=150))
     return 0
 
 
