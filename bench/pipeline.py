@@ -285,7 +285,9 @@ def run_real(args, console) -> dict:
             "mean_transfer_s": statistics.fmean(x["mean_transfer_s"] for x in rs),
             "mean_backward_transfer_s": statistics.fmean(x["mean_backward_transfer_s"] for x in rs),
         }
-        summary[label]["transfer_over_forward"] = summary[label]["mean_transfer_s"] / summary[label]["mean_forward_s"]
+        summary[label]["transfer_over_forward"] = statistics.median(
+            x["mean_transfer_s"] / x["mean_forward_s"] for x in rs
+        )  # median over runs: one noisy round does not move it
     return {
         "config": {
             "stages": n,
@@ -474,7 +476,7 @@ def print_real(real: dict, console) -> None:
     t = Table(
         title=f"REAL local Ray: {cfg['stages']} stages x {cfg['microbatches']} microbatches, forward "
         f"{cfg['forward_s'] * 1e3:.0f} ms (sleep), backward {cfg['backward_s'] * 1e3:.0f} ms, payload "
-        f"{cfg['payload_bytes'] / 2**20:.1f} MiB (eager overlap: forward transfer = {ratio:.2f} forward step), "
+        f"{cfg['payload_bytes'] / 2**20:.1f} MiB (eager overlap: forward transfer = {ratio:.2f} forward step, median), "
         f"median of {cfg['repeats']} rounds",
     )
     for col in ("config", "iteration ms", "range ms", "vs compute-only (paired)", "predicted ms", "pred. error",
