@@ -627,7 +627,7 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
-        if self._backend is not None and self._installed:
+        if self._backend is not None:  # also after a failure that left workers to be re-installed
             try:
                 refs = [self._backend.call_async(d, _uninstall, self.pipeline_id, d) for d in self.devices]
                 self._backend.get(refs, 30.0)
