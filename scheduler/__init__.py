@@ -16,11 +16,28 @@ from .ir import (
     Send,
     parse_action,
 )
+from .pipeline_plan import PipelinePlan, StagePlan, check_deadlock_free, global_transfer_order, plan_pipeline
 from .simulate import Event, EventKind, SimulationResult, simulate
+from .transfer_costs import Boundary, TransferCosts, transfer_costs
 from .validate import SendSemantics, validate_schedule
+
+_RUNTIME = {"Pipeline", "Stage", "IterationResult", "PipelineError", "PipelineTimeout"}
 
 __all__ = [
     "Action",
+    "Boundary",
+    "IterationResult",
+    "Pipeline",
+    "PipelineError",
+    "PipelinePlan",
+    "PipelineTimeout",
+    "Stage",
+    "StagePlan",
+    "TransferCosts",
+    "check_deadlock_free",
+    "global_transfer_order",
+    "plan_pipeline",
+    "transfer_costs",
     "Compute",
     "Event",
     "EventKind",
@@ -41,3 +58,12 @@ __all__ = [
     "validate_schedule",
     "with_skips",
 ]
+
+
+def __getattr__(name):
+    """The pipeline runtime (ray/torch) loads on first use, so ``import scheduler`` stays pure."""
+    if name in _RUNTIME:
+        from . import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'scheduler' has no attribute {name!r}")

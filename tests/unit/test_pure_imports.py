@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("ray", "torch", "cupy")
-PIPELINE_RUNTIME = {"scheduler.pipeline", "scheduler.pipeline_runtime", "scheduler.pipeline_worker"}
+PIPELINE_RUNTIME = {"scheduler.pipeline", "scheduler.pipeline_worker"}
 
 
 def _is_runtime(path: Path, name: str) -> bool:
