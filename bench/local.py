@@ -13,7 +13,8 @@ so that drifting machine load hits every method alike:
 * ``empty RTT``: one empty ``call`` to every actor of the case, gathered (Ray's floor).
 
 Each method runs once as a warm-up per case (at the case's first size: communicator set-up,
-program shipping); plans for every size are computed and lowered before timing. Then ``repeats``
+program shipping), and again at a later size whose plan uses communicator groups the case has not
+used yet; plans for every size are computed and lowered before timing. Then ``repeats``
 timed rounds per size; the first result of every method at every size is checked bit-exact against
 the source array on every destination device (after its clock stopped). Latency is wall time on
 the driver, from the call until the destination tensor exists (``reshard`` returns).
@@ -201,7 +202,11 @@ def _git_rev() -> str:
         rev = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
         )
-        return rev.stdout.strip() or "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "bench", "reshard", "topology"],
+            cwd=root, capture_output=True, text=True, timeout=5,
+        ).stdout.strip()  # fmt: skip
+        return (rev.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
     except Exception:
         return "unknown"
 
@@ -284,10 +289,10 @@ class Suite:
     # ---------------------------------------------------------------- one (case, size)
 
     def run(
-        self, case: Case, size_bytes: int, strategies: list[str], repeats: int, warmed: set[str], checked: set[str]
+        self, case: Case, size_bytes: int, strategies: list[str], repeats: int, warmed: set, checked: set[str]
     ) -> dict:
-        """Measure one (case, size). ``warmed``: methods already warmed up on this case (plan
-        caching for other shapes is done here, untimed; communicator groups carry over);
+        """Measure one (case, size). ``warmed``: methods (and communicator groups) already warmed
+        up on this case (plan caching for other shapes is done here, untimed);
         ``checked``: methods whose result was already verified (the first result of each
         method not in it is verified, outside its timing)."""
         import ray
@@ -415,9 +420,11 @@ class Suite:
 
         stats = runtime().stats
         try:
-            for m in runners:  # warm-up once per (case, method): plan caching, group creation
+            for m in runners:  # warm-up once per (case, method), and again for communicator groups not used yet
                 wkey = CEILING + raw.key if m == CEILING else m
-                if wkey not in warmed:
+                new_groups = [("group", g) for g in lowered[m].groups] if m in lowered else []
+                if wkey not in warmed or not warmed.issuperset(new_groups):
+                    warmed.update(new_groups)
                     self.advance(f"{label} warm-up {m}")
                     attempt(m, False, m in (NAIVE, *strategies))
                     checked.add(m)
@@ -581,6 +588,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         started_ray = True
     t_start = time.time()
     when = _dt.datetime.now()
+    load_start = os.getloadavg()
     entries: list[dict] = []
     n_methods = len(strategies) + 1 + (not args.no_naive) + (not args.no_ceiling)
     total = sum(n_methods * (1 + (args.repeats or default_repeats(s))) for s in args.size_list) * len(args.case_list)
@@ -598,7 +606,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
             task = progress.add_task("starting device actors", total=total)
             suite = Suite(args, console, progress, task, pool=pool)
             for case in args.case_list:
-                warmed: set[str] = set()
+                warmed: set = set()
                 checked: set[str] = set()  # --quick: verify once per case; else once per size
                 for size in sorted(args.size_list):
                     if not args.quick:
@@ -622,6 +630,8 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
+            "loadavg_start": list(load_start),
+            "loadavg_end": list(os.getloadavg()),
             "ray": ray.__version__,
             "torch": _torch_version(),
         },  # fmt: skip

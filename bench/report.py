@@ -175,11 +175,23 @@ def _tables(data: dict):
     return out
 
 
+def header(data: dict) -> str:
+    m = data.get("machine", {})
+    load = ""
+    if "loadavg_start" in m:
+        load = f"; load average {m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end"
+    return (
+        f"`{data['command']}` at {data['started']} (git {data['git']}), {data['duration_s']:.0f} s; "
+        f"{m.get('cpus')} CPUs, ray {m.get('ray')}, torch {m.get('torch')}{load}; dtype {data['dtype']}"
+    )
+
+
 def render(data: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
+    console.print(header(data), markup=False)
     for title, head, rows in _tables(data):
         table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False)
         for i, h in enumerate(head):
@@ -203,7 +215,7 @@ def render(data: dict, console=None) -> None:
 
 
 def markdown(data: dict) -> str:
-    out = []
+    out = [header(data), ""]
     for title, head, rows in _tables(data):
         out.append(f"**{title}**\n")
         out.append("| " + " | ".join(head) + " |")
