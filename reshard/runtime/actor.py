@@ -128,6 +128,9 @@ class DeviceActor:
         if threads > 0:
             torch.set_num_threads(threads)
         self.ctx = DeviceContext(device, backend, options)
+        setup = getattr(backend, "setup_actor", None)  # optional backend hook
+        if setup is not None:
+            setup()
 
     def ready(self) -> dict:
         import ray

@@ -39,9 +39,10 @@ def torch_dtype(name: str) -> torch.dtype:
 class StagingBuffer:
     """One byte buffer per actor, reused by every staged op of a program.
 
-    ``reserve(nbytes)`` makes it exactly ``nbytes`` unless the current one is big enough and not
-    bigger than ``keep_bytes``; ``trim()`` after a run frees it if it is bigger than ``keep_bytes``,
-    so an idle actor keeps at most ``keep_bytes`` of staging.
+    ``reserve(nbytes)`` at the start of a run makes it exactly ``nbytes`` (reused as is when a
+    repeated program needs the same size), so a run never holds more staging than its largest
+    staged slice; ``trim()`` after a run frees it if it is bigger than ``keep_bytes``, so an idle
+    actor keeps at most ``keep_bytes`` of staging.
     """
 
     def __init__(self, device: torch.device, keep_bytes: int = 1 << 20):
@@ -54,8 +55,7 @@ class StagingBuffer:
         return 0 if self.buf is None else self.buf.numel()
 
     def reserve(self, nbytes: int) -> None:
-        cur = self.nbytes
-        if nbytes <= cur <= max(nbytes, self.keep_bytes):
+        if nbytes == self.nbytes:
             return
         self.buf = None  # free first: never hold two
         if nbytes:

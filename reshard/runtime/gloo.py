@@ -5,14 +5,16 @@ rendezvous is just ``(host, port, prefix)`` with a prefix unique per group AND p
 (a token of this backend instance plus a counter), so a group re-created after a failure never
 reads the keys of its dead predecessor. Nothing blocks: ``rendezvous`` makes no remote call.
 
-Actor side: a raw ``ProcessGroupGloo(prefix_store, rank, size, options)`` per group, over its
-own client ``TCPStore`` connection. ``connect_many`` creates all new groups of a run at its start,
-each in its own thread, with EAGER connection setup bounded by the run's deadline. Why not the
-lazy device: its connection setup runs inside the first ``send``/``broadcast`` call, waits on the
-store for the full store timeout whatever the op's ``wait(timeout)`` says, and can hang against a
-peer that aborted in between. Why threads: eager setup of overlapping groups created one after the
-other in different orders on different actors deadlocks; concurrently it cannot (gloo releases the
-GIL). Once created, a group's pairs are connected, so a peer that dies or aborts makes pending
+Actor side: a raw ``ProcessGroupGloo(prefix_store, rank, size, options)`` per group, over the
+actor's one client ``TCPStore`` connection. ``connect_many`` creates all new groups of a run at its
+start, with EAGER connection setup, one after the other in the order of their first use in the
+program, bounded by the run's deadline. Why not the lazy device: its connection setup runs inside
+the first ``send``/``broadcast`` call, waits on the store for the full store timeout whatever the
+op's ``wait(timeout)`` says, and can hang against a peer that aborted in between. Why first-use
+order: eager setup of overlapping groups in different orders on different actors deadlocks; in one
+global order it cannot. (Creating groups concurrently in threads would also avoid that, but needs a
+store connection per thread, and opening TCPStore connections here sometimes stalls for 5 s.)
+Once created, a group's pairs are connected, so a peer that dies or aborts makes pending
 operations fail at once ("Connection closed by peer").
 
 Operations use the group object's own ``broadcast/send/recv``; before each one the group's timeout
@@ -145,13 +147,27 @@ class GlooBackend(Backend):
         self._master = None
         self._token = uuid.uuid4().hex[:8]
         self._counter = itertools.count(1)
+        self._clients: dict[tuple[str, int], object] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self):
-        return {"host": self.host}
+        # the configuration, plus the master's address once the driver opened it (actors connect
+        # to it while they start, see ``setup_actor``)
+        return {"host": self.host, "master": getattr(self, "_master_host", None) and self._master_address()}
 
     def __setstate__(self, state):
-        self.__init__(**state)
+        self.__init__(host=state["host"])
+        self._warm = state.get("master")
+
+    def setup_driver(self) -> None:
+        """Driver side, before actors start: open the master store."""
+        self._master_address()
+
+    def setup_actor(self, timeout_s: float = 60.0) -> None:
+        """Actor side, at start: connect to the master store now rather than in the first run."""
+        warm = getattr(self, "_warm", None)
+        if warm:
+            self._client(warm[0], int(warm[1]), timeout_s)
 
     # ---------------------------------------------------------------- driver side
 
@@ -177,51 +193,55 @@ class GlooBackend(Backend):
 
     # ---------------------------------------------------------------- actor side
 
+    def _client(self, host: str, port: int, timeout_s: float):
+        """This actor's one connection to the master store (reused: opening TCPStore connections
+        on this kind of machine sometimes stalls for 5 s)."""
+        import torch.distributed as dist
+
+        key = (host, port)
+        with self._lock:
+            store = self._clients.get(key)
+            if store is None:
+                store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
+                self._clients[key] = store
+        return store
+
     def connect(self, rendezvous: Rendezvous, device: int, timeout_s: float) -> GlooCommunicator:
         return self.connect_many([rendezvous], device, timeout_s)[0]
 
     def connect_many(self, rendezvous: list[Rendezvous], device: int, timeout_s: float) -> list[GlooCommunicator]:
-        """This device's communicators for ``rendezvous``, created concurrently (one thread per
-        group, connections set up eagerly); raises ``ReshardTimeout`` if some peer does not join
-        within ``timeout_s`` (then nothing is kept)."""
+        """This device's communicators for ``rendezvous``, created one after the other IN THE GIVEN
+        ORDER with eager connection setup, all within ``timeout_s``. The caller passes a run's groups
+        in the order of their first use in the program: every member of a group then reaches its
+        creation in the same global order, so sequential blocking creation cannot deadlock (it has
+        the dependency structure of the program's first ops, which ``validate_program`` checks).
+        Raises ``ReshardTimeout`` if a peer does not join in time (nothing of the batch is kept)."""
         for r in rendezvous:
             if device not in r.group:
                 raise ValueError(f"device {device} is not a member of group {tuple(r.group)}")
         deadline = time.monotonic() + timeout_s
-        out: list = [None] * len(rendezvous)
-        errors: list = [None] * len(rendezvous)
-
-        def make(i: int, r: Rendezvous) -> None:
-            try:
-                out[i] = self._create(r, device, timeout_s)
-            except BaseException as e:  # reported below
-                errors[i] = e
-
-        if len(rendezvous) == 1:
-            make(0, rendezvous[0])
-        else:
-            threads = [
-                threading.Thread(target=make, args=(i, r), name="reshard-gloo-connect", daemon=True)
-                for i, r in enumerate(rendezvous)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(max(deadline - time.monotonic(), 0) + 1.0)
-        missing = [tuple(r.group) for r, c, e in zip(rendezvous, out, errors, strict=True) if c is None and e is None]
-        failed = [(tuple(r.group), e) for r, e in zip(rendezvous, errors, strict=True) if e is not None]
-        if missing or failed:
+        out: list[GlooCommunicator] = []
+        try:
+            for r in rendezvous:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ReshardTimeout(f"device {device}: no time left to connect gloo group {tuple(r.group)}")
+                try:
+                    out.append(self._create(r, device, left))
+                except ReshardError:
+                    raise
+                except Exception as e:
+                    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    if "timeout" in msg.lower() or "timed out" in msg.lower():
+                        raise ReshardTimeout(
+                            f"device {device}: gloo group {tuple(r.group)} not connected within {left:.2f}s "
+                            f"(a peer did not join: dead, failed earlier or stuck): {msg}"
+                        ) from None
+                    raise ReshardError(f"device {device}: creating gloo group {tuple(r.group)} failed: {msg}") from None
+        except BaseException:
             for c in out:
-                if c is not None:
-                    c.abort()
-            detail = "; ".join(f"{g}: {str(e).splitlines()[0] if str(e) else type(e).__name__}" for g, e in failed[:3])
-            groups = missing + [g for g, _ in failed]
-            if missing or all("timeout" in str(e).lower() or "timed out" in str(e).lower() for _, e in failed):
-                raise ReshardTimeout(
-                    f"device {device}: gloo groups {groups} not connected within {timeout_s:.2f}s "
-                    f"(a peer did not join: dead, failed earlier or stuck){'; ' + detail if detail else ''}"
-                )
-            raise ReshardError(f"device {device}: creating gloo groups {groups} failed: {detail}")
+                c.abort()
+            raise
         return out
 
     def _create(self, rendezvous: Rendezvous, device: int, timeout_s: float) -> GlooCommunicator:
@@ -230,9 +250,8 @@ class GlooBackend(Backend):
 
         group = tuple(rendezvous.group)
         info = rendezvous.info
-        # one store connection per group: a blocking wait on a shared client would hold up the
-        # other groups being created concurrently
-        client = dist.TCPStore(info["host"], int(info["port"]), is_master=False, timeout=_td(timeout_s))
+        client = self._client(info["host"], int(info["port"]), timeout_s)
+        client.set_timeout(_td(timeout_s))
         store = dist.PrefixStore(info["prefix"], client)
         opts = ProcessGroupGloo._Options()
         hostname = os.environ.get("RESHARD_GLOO_HOSTNAME") or _node_ip()

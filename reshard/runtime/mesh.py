@@ -107,7 +107,13 @@ class DeviceMesh:
             backend = "nccl" if gpus >= size else "gloo"
             if 0 < gpus < size:
                 log.warning("Ray reports %s GPU(s) for a mesh of %d devices: using gloo on CPUs", gpus, size)
-        name, instance = make_backend(backend)
+        if isinstance(backend, str) and backend in rt.backends:
+            name, instance = backend, rt.backends[backend]  # one driver-side instance per backend name
+        else:
+            name, instance = make_backend(backend)
+        setup = getattr(instance, "setup_driver", None)  # optional backend hook
+        if setup is not None:
+            setup()
         spec = backend_spec(name)
         dph = default_devices_per_host(probe.shape) if devices_per_host is None else devices_per_host
         ids = rt.new_device_ids(size)
