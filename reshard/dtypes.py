@@ -14,7 +14,9 @@ ITEMSIZE = {
     "bool": 1,
 }
 
-_ALIASES = {"double": "float64", "float": "float32", "half": "float16", "long": "int64", "int": "int32", "bool_": "bool"}
+_ALIASES = {
+    "double": "float64", "float": "float32", "half": "float16", "long": "int64", "int": "int32", "bool_": "bool",
+}  # fmt: skip
 
 
 def dtype_name(dtype) -> str:

@@ -121,8 +121,8 @@ def _group_key(op: Op) -> tuple[int, ...]:
 
 def lower_plan(plan: ReshardPlan) -> Program:
     """One program per device of the source and destination meshes."""
-    src_regions = dict(zip(plan.src.mesh.device_ids, layout_regions(plan.src, plan.shape)))
-    dst_regions = dict(zip(plan.dst.mesh.device_ids, layout_regions(plan.dst, plan.shape)))
+    src_regions = dict(zip(plan.src.mesh.device_ids, layout_regions(plan.src, plan.shape), strict=True))
+    dst_regions = dict(zip(plan.dst.mesh.device_ids, layout_regions(plan.dst, plan.shape), strict=True))
     ops: dict[int, list[Op]] = {d: [] for d in (*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids)}
     staging: dict[int, int] = dict.fromkeys(ops, 0)
 

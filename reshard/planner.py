@@ -11,7 +11,9 @@ from reshard.strategies import STRATEGIES, Problem
 from reshard.tasks import plan_unit_tasks
 
 
-def plan_reshard(shape, dtype, src_layout: Layout, dst_layout: Layout, *, strategy: str = "auto", cluster=None) -> ReshardPlan:
+def plan_reshard(
+    shape, dtype, src_layout: Layout, dst_layout: Layout, *, strategy: str = "auto", cluster=None
+) -> ReshardPlan:
     """Plan moving a ``dtype`` tensor of ``shape`` from ``src_layout`` to ``dst_layout``.
 
     ``strategy`` names a registered planner (``reshard.STRATEGIES``); ``cluster`` (a

@@ -13,8 +13,8 @@ from reshard.regions import box_volume, contains, intersect, layout_regions
 
 def validate_plan(plan: ReshardPlan) -> None:
     """Raise PlanError unless every destination element arrives exactly once from a device holding it."""
-    src_regions = dict(zip(plan.src.mesh.device_ids, layout_regions(plan.src, plan.shape)))
-    dst_regions = dict(zip(plan.dst.mesh.device_ids, layout_regions(plan.dst, plan.shape)))
+    src_regions = dict(zip(plan.src.mesh.device_ids, layout_regions(plan.src, plan.shape), strict=True))
+    dst_regions = dict(zip(plan.dst.mesh.device_ids, layout_regions(plan.dst, plan.shape), strict=True))
     delivered: dict[int, list] = defaultdict(list)
     for step, t in enumerate(plan.transfers):
         src_region = src_regions.get(t.src)
@@ -33,7 +33,9 @@ def validate_plan(plan: ReshardPlan) -> None:
     for device, region in dst_regions.items():
         got = sum(box_volume(b) for b in delivered[device])
         if got != box_volume(region):
-            raise PlanError(f"device {device} receives {got} of the {box_volume(region)} elements of its shard {region}")
+            raise PlanError(
+                f"device {device} receives {got} of the {box_volume(region)} elements of its shard {region}"
+            )
 
 
 def validate_program(program: Program) -> None:
@@ -81,5 +83,7 @@ def _check_progress(program: Program, members) -> None:
                 ready.append(d)
     stuck = {d: ops_of[d][h] for d, h in heads.items() if h < len(ops_of[d])}
     if stuck:
-        lines = "\n".join(f"  device {d} waits at step {op.step} ({op.kind.name} {op.group})" for d, op in sorted(stuck.items()))
+        lines = "\n".join(
+            f"  device {d} waits at step {op.step} ({op.kind.name} {op.group})" for d, op in sorted(stuck.items())
+        )
         raise PlanError(f"program deadlocks:\n{lines}")
