@@ -47,7 +47,7 @@ class DeviceContext:
     def __init__(self, device: int, backend: Backend, options: dict):
         self.device = device
         self.backend = backend
-        kind = getattr(backend, "device_type", "cpu")
+        kind = options.get("device_type") or getattr(backend, "device_type", "cpu")
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
         self.options = dict(options)
         self.buffers: dict[str, torch.Tensor] = {}

@@ -86,6 +86,7 @@ class Runtime:
         self.meshes: dict = {}  # abstract Mesh -> live DeviceMeshes over it (latest last)
         self.closed_meshes: dict = {}  # abstract Mesh -> why it is closed
         self.stats: Counter = Counter()
+        self.last_run: dict = {}
         self._device_ids = itertools.count()
         self._host_ids = itertools.count()
         self._program_ids = itertools.count(1)
@@ -317,6 +318,7 @@ class Runtime:
             self.stats["run_calls"] += len(refs)
         results, errors, pending = gather(refs, timeout_s, settle_s=SETTLE_S)
         if not errors and not pending:
+            self.last_run = results  # per-device run statistics, for diagnostics and benchmarks
             return results
         self._fail(lowered, refs, errors, pending, dst_name)
         raise _classify(errors, pending, what, timeout_s)
