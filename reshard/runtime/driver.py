@@ -120,7 +120,8 @@ class Runtime:
 
         if not ray.is_initialized():
             raise MeshClosed("Ray is not running (ray.shutdown() was called?); create new meshes after ray.init()")
-        session = ray.get_runtime_context().get_job_id()
+        rc = ray.get_runtime_context()
+        session = (rc.get_node_id(), rc.get_job_id())  # job ids restart at 1 in a new cluster
         with self.lock:
             if self._session is None:
                 self._session = session

@@ -43,7 +43,7 @@ def pool(ray_cluster):
     """A 2x4 mesh (2 logical hosts of 4 devices): 8 actors shared by every dist test."""
     from reshard import DeviceMesh
 
-    mesh = DeviceMesh.create((2, 4), startup_timeout_s=180)
+    mesh = DeviceMesh.create((2, 4), backend="gloo", startup_timeout_s=180)
     yield mesh
     mesh.shutdown()
 

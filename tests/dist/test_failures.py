@@ -32,7 +32,7 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def spare(ray_cluster):
     """Two devices of their own, for the tests that kill a device."""
-    mesh = DeviceMesh.create((1, 2), startup_timeout_s=180)
+    mesh = DeviceMesh.create((1, 2), backend="gloo", startup_timeout_s=180)
     yield mesh
     mesh.shutdown()
 
@@ -143,7 +143,7 @@ def test_shut_down_meshes(view, ray_cluster):
     with pytest.raises(MeshClosed, match="shut down"):
         reshard(t, a, layout)
     # a mesh that owns its actors
-    own = DeviceMesh.create((1,), startup_timeout_s=180)
+    own = DeviceMesh.create((1,), backend="gloo", startup_timeout_s=180)
     on_own = distribute(x, Layout(own, pl("R")))
     own_layout = Layout(own, pl("R"))
     own.shutdown()
@@ -231,8 +231,8 @@ def test_worker_killed_during_big_reshard(pool, view, spare, ray_cluster):
     dst = DeviceMesh.from_devices([pool.device_ids[6], victim], (2,))
     x = random_array((1024, 2048), "float32", 3)  # 8 MiB
     t = distribute(x, Layout(src, pl("S0")))
-    DeviceMesh.from_devices([victim], (1,)).call(_slow_ops, 0.5)  # the kill lands while the victim is mid-run
-    killer = threading.Timer(1.0, ray_cluster.kill, args=(spare.actor(1),))
+    DeviceMesh.from_devices([victim], (1,)).call(_slow_ops, 2.0)  # the kill lands while the victim is mid-run
+    killer = threading.Timer(0.7, ray_cluster.kill, args=(spare.actor(1),))
     killer.start()
     t0 = time.monotonic()
     try:
