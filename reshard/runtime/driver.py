@@ -332,6 +332,10 @@ class Runtime:
                     self.mark_dead(d, f"actor died: {_first_line(err)}")
                     # the dead actor's program cache is gone with it
                     self.devices[d].programs.clear()
+                else:  # it may have failed before caching the program: ship it again next time
+                    self.devices[d].programs.pop(lowered.pid, None)
+            for d in pending:
+                self.devices[d].programs.pop(lowered.pid, None)
             drops = self.groups.forget(lowered.groups)
             for d in refs:
                 rec = self.devices[d]
