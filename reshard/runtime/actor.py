@@ -205,6 +205,7 @@ class DeviceActor:
             if prog.src_shape is not None:
                 src = ctx.buffers.get(src_name)
                 if src is None:
+                    self._fail_fast(compiled, timeout_s)
                     raise ReshardError(f"device {ctx.device}: source shard {src_name!r} is missing (tensor freed?)")
             dst = ctx.allocate(prog.dst_shape, compiled.dtype) if prog.dst_shape is not None else None
             ctx.counters["runs"] += 1
@@ -219,6 +220,15 @@ class DeviceActor:
             ctx.buffers[dst_name] = dst
         stats["run_s"] = time.monotonic() - t0
         return stats
+
+    def _fail_fast(self, compiled: CompiledProgram, timeout_s: float) -> None:
+        """This device cannot run its part: join the program's groups anyway and abort them at
+        once, so that peers waiting for it fail now instead of at their deadline."""
+        try:
+            self.ctx.groups.connect(compiled.groups, min(timeout_s, 5.0))
+        except Exception:  # best effort: peers still have their deadline
+            pass
+        self.ctx.groups.abort(compiled.groups)
 
     def cleanup(self, dst_name: str | None, group_drops) -> None:
         """After a failed reshard: free the partial destination shard, drop the failed groups."""

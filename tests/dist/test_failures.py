@@ -274,6 +274,6 @@ def test_error_inside_actor_is_a_reshard_error(pool, view):
     src.call(lambda ctx, name: ctx.buffers.pop(name) is not None, t.name, devices=[1])
     t0 = time.monotonic()
     with pytest.raises(ReshardError, match="source shard .* is missing"):
-        reshard(t, src, Layout(dst, pl("R")), timeout_s=5)
-    assert time.monotonic() - t0 < 5
-    _still_works(view, 6)
+        reshard(t, src, Layout(dst, pl("R")), timeout_s=20)
+    _still_works(view, 6)  # the peers of the failed device did not wait for their deadline
+    assert time.monotonic() - t0 < 10
