@@ -37,6 +37,7 @@ from reshard.serialize import encode_device_program
 from reshard.validate import validate_plan, validate_program
 
 log = logging.getLogger(__name__)
+_RESHIP = object()  # program-cache mirror value: ship this program again with the next run
 
 
 @dataclass
@@ -304,7 +305,7 @@ class Runtime:
             for d in lowered.participants:
                 rec = self.devices[d]
                 blob = None
-                if lowered.pid not in rec.programs:
+                if rec.programs.get(lowered.pid, _RESHIP) is _RESHIP:
                     blob = lowered.blobs[d]
                     self.stats["programs_shipped"] += 1
                 rec.programs[lowered.pid] = None
@@ -332,10 +333,13 @@ class Runtime:
                     self.mark_dead(d, f"actor died: {_first_line(err)}")
                     # the dead actor's program cache is gone with it
                     self.devices[d].programs.clear()
-                else:  # it may have failed before caching the program: ship it again next time
-                    self.devices[d].programs.pop(lowered.pid, None)
+                elif lowered.pid in self.devices[d].programs:
+                    # it may have failed before caching the program: ship it again next time (the
+                    # entry stays, so the mirror still evicts it if the actor did cache it)
+                    self.devices[d].programs[lowered.pid] = _RESHIP
             for d in pending:
-                self.devices[d].programs.pop(lowered.pid, None)
+                if lowered.pid in self.devices[d].programs:
+                    self.devices[d].programs[lowered.pid] = _RESHIP
             drops = self.groups.forget(lowered.groups)
             for d in refs:
                 rec = self.devices[d]
