@@ -31,6 +31,7 @@ from reshard.errors import ReshardError, ReshardTimeout  # noqa: E402
 from reshard.lowering import DeviceProgram  # noqa: E402
 from reshard.runtime.communicator import Backend, Communicator  # noqa: E402
 from reshard.runtime.executor import (  # noqa: E402
+    STAGING_KEEP_BYTES,
     CompiledProgram,
     StagingBuffer,
     compile_program,
@@ -51,7 +52,7 @@ class DeviceContext:
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
         self.options = dict(options)
         self.buffers: dict[str, torch.Tensor] = {}
-        self.staging = StagingBuffer(self.torch_device, int(options.get("staging_keep_bytes", 1 << 20)))
+        self.staging = StagingBuffer(self.torch_device, int(options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))
         self.groups = GroupCache(
             backend, device, int(options.get("max_communicators", 64)), float(options.get("op_timeout_s", 300.0))
         )

@@ -19,6 +19,10 @@ from reshard.errors import ReshardError, ReshardTimeout
 from reshard.lowering import Buffer, DeviceProgram, OpKind
 from reshard.runtime.groups import group_key
 
+#: Default bound on the staging buffer an idle actor keeps for the next run (reused when the next
+#: run needs the same size: no page faults for repeated reshards).
+STAGING_KEEP_BYTES = 64 << 20
+
 TORCH_DTYPES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -118,6 +122,9 @@ class CompiledProgram:
 
 
 def compile_program(program: DeviceProgram, dtype: str) -> CompiledProgram:
+    """Precompute slices and ranks. Local COPY ops involve no peer, so when no op of the program
+    reads the destination shard (no relay), they run after the communication ops: peers waiting
+    for this device's sends are served first. Communication ops keep their global order."""
     steps = []
     groups: dict = {}
     me_dev = program.device
@@ -152,6 +159,8 @@ def compile_program(program: DeviceProgram, dtype: str) -> CompiledProgram:
                 op,
             )  # fmt: skip
         )
+    if not any(s.read_dst for s in steps):
+        steps = [s for s in steps if s.kind is not OpKind.COPY] + [s for s in steps if s.kind is OpKind.COPY]
     return CompiledProgram(program, dtype, tuple(steps), tuple(groups))
 
 

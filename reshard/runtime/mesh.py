@@ -81,7 +81,7 @@ class DeviceMesh:
         max_programs: int = 256,
         op_timeout_s: float = 300.0,
         startup_timeout_s: float = 120.0,
-        staging_keep_bytes: int = 1 << 20,
+        staging_keep_bytes: int = 64 << 20,
         torch_threads: int = 1,
     ) -> DeviceMesh:
         """Start one actor per device of a mesh of ``shape``.
@@ -91,7 +91,9 @@ class DeviceMesh:
         instance; default "nccl" when Ray reports at least one GPU per device, else "gloo".
         ``max_communicators`` bounds each device's communicator cache (LRU, driver-enforced);
         ``max_programs`` its program cache; ``op_timeout_s`` is the gloo context timeout (each op
-        also waits at most the time left to its reshard's deadline).
+        also waits at most the time left to its reshard's deadline); ``staging_keep_bytes`` bounds
+        the staging buffer an idle actor keeps for its next run (a run itself holds exactly its
+        largest staged slice).
         """
         probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)  # validates
         _positive_int("max_communicators", max_communicators)

@@ -24,6 +24,7 @@ from reshard import (
     reshard,
 )
 from reshard.runtime import runtime
+from reshard.runtime.executor import STAGING_KEEP_BYTES
 from topology import Mesh
 
 pytestmark = pytest.mark.dist
@@ -262,7 +263,7 @@ def test_timeout_is_bounded_and_recoverable(pool, view):
     assert_bit_exact(y.to_numpy(), x)
     assert_shards(t, x)
     stats = pool.stats()
-    assert all(s["staging_bytes"] <= 1 << 20 for s in stats)
+    assert all(s["staging_bytes"] <= STAGING_KEEP_BYTES for s in stats)
     _still_works(view, 5)
 
 
