@@ -314,8 +314,11 @@ class Suite:
         label = f"{case.name} {fmt_size(size_bytes)}"
 
         # Plans for this shape, computed and lowered before any timing (reshard's caches).
-        plans = {s: plan_reshard(shape, args.dtype, src_layout, dst_layout, strategy=s) for s in strategies}
-        lowered = {s: runtime().lower(plan) for s, plan in plans.items()}
+        cluster = runtime().planning_cluster(dst_mesh.backend, src_mesh.mesh, dst_mesh.mesh)
+        plans = {
+            s: plan_reshard(shape, args.dtype, src_layout, dst_layout, strategy=s, cluster=cluster) for s in strategies
+        }
+        lowered = {s: runtime().lower(plan, cluster) for s, plan in plans.items()}
         default = "auto" if "auto" in strategies else strategies[0]
         pairs = pair_bytes(plans[default])
         entry: dict = {

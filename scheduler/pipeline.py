@@ -55,6 +55,8 @@ from reshard.layout import Layout
 from reshard.lowering import lower_plan
 from reshard.planner import plan_reshard
 from reshard.regions import box_shape, layout_regions
+from reshard.runtime.driver import runtime
+from reshard.validate import validate_plan, validate_program
 
 from .ir import Schedule
 from .pipeline_plan import Lane, PipelinePlan, plan_pipeline
@@ -187,8 +189,6 @@ class _Devices:
     """Device id -> its actor (from the stage meshes), async ``call``, and fresh rendezvous."""
 
     def __init__(self, meshes: Sequence[Any]):
-        from reshard.runtime.driver import runtime
-
         self.meshes = list(meshes)
         self.actors: dict[int, Any] = {}
         for m in self.meshes:
@@ -324,10 +324,16 @@ class Pipeline:
         for a in range(self.n_stages - 1):
             b = a + 1
             src, dst = self.stages[a], self.stages[b]
-            fwd = plan_reshard(src.out_shape, src.dtype, src.out_layout, dst.in_layout, strategy=self.strategy)
-            bwd = plan_reshard(dst.in_shape, dst.dtype, dst.in_layout, src.out_layout, strategy=self.strategy)
-            out[(a, b)] = lower_plan(fwd)
-            out[(b, a)] = lower_plan(bwd)
+            cluster = runtime().planning_cluster(dst.mesh.backend, src.mesh.mesh, dst.mesh.mesh)
+            for lane, plan in (
+                ((a, b), plan_reshard(src.out_shape, src.dtype, src.out_layout, dst.in_layout,
+                                      strategy=self.strategy, cluster=cluster)),
+                ((b, a), plan_reshard(dst.in_shape, dst.dtype, dst.in_layout, src.out_layout,
+                                      strategy=self.strategy, cluster=cluster)),
+            ):  # fmt: skip
+                validate_plan(plan)
+                out[lane] = lower_plan(plan)
+                validate_program(out[lane])
         return out
 
     def _worker_spec(self, device: int, rendezvous: Sequence[tuple]):

@@ -21,6 +21,7 @@ reshard; it decides, ships small messages and waits with deadlines:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -35,6 +36,7 @@ from reshard.runtime.communicator import PeerFailed
 from reshard.runtime.groups import GroupTable, group_key
 from reshard.serialize import encode_device_program
 from reshard.validate import validate_plan, validate_program
+from topology.cluster import Cluster
 
 log = logging.getLogger(__name__)
 _RESHIP = object()  # program-cache mirror value: ship this program again with the next run
@@ -94,6 +96,8 @@ class Runtime:
         self._names = itertools.count(1)
         self._node_hosts: dict[str, int] = {}
         self._session = None
+        self._live_cluster: Cluster | None = None
+        self._clusters: dict = {}
 
     # ---------------------------------------------------------------- ids and session
 
@@ -213,8 +217,26 @@ class Runtime:
 
     # ---------------------------------------------------------------- programs
 
-    def lower(self, plan: ReshardPlan) -> Lowered:
-        key = (plan.shape, plan.dtype, plan.src, plan.dst, plan.strategy)
+    def planning_cluster(self, backend: str, *meshes) -> Cluster:
+        """The cost model "auto" plans for: the meshes' hosts with the live Ray cluster's link
+        figures (``Cluster.from_ray``) and the collective library that will run the plan."""
+        key = (backend, *(m.host_ids for m in meshes))
+        with self.lock:
+            hit = self._clusters.get(key)
+            if hit is None:
+                if self._live_cluster is None:
+                    self._live_cluster = Cluster.from_ray()
+                live = self._live_cluster
+                sized = Cluster.for_meshes(*meshes, nic_GBps=live.nic_GBps, intra_host_GBps=live.intra_host_GBps)
+                hit = dataclasses.replace(
+                    sized, latency_us=live.latency_us, intra_host_latency_us=live.intra_host_latency_us,
+                    backend=backend, name="ray",
+                )  # fmt: skip
+                self._clusters[key] = hit
+            return hit
+
+    def lower(self, plan: ReshardPlan, cluster: Cluster | None = None) -> Lowered:
+        key = (plan.shape, plan.dtype, plan.src, plan.dst, plan.strategy, cluster)
         with self.lock:
             hit = self.lowered.get(key)
             if hit is not None:

@@ -203,9 +203,12 @@ def distribute(array, layout: Layout, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
 
 def reshard(
     tensor: ShardedTensor, src_mesh: DeviceMesh, dst_layout: Layout, *, strategy: str = "auto",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float = DEFAULT_TIMEOUT_S, cluster=None,
 ) -> ShardedTensor:  # fmt: skip
     """Move ``tensor`` (on ``src_mesh``, its own mesh) to ``dst_layout`` (on a DeviceMesh).
+
+    Plans are made for ``cluster`` (a ``topology.Cluster``); by default for the meshes' hosts with
+    the live Ray cluster's figures and the meshes' backend (``Runtime.planning_cluster``).
 
     Returns a new ShardedTensor; the source stays intact. Raises ValueError/TypeError for misuse,
     ``WorkerDied`` / ``ReshardTimeout`` / ``ReshardError`` if the run fails (within about
@@ -230,8 +233,10 @@ def reshard(
         raise ValueError(
             f"reshard from a {tensor.mesh.backend} mesh to a {dmesh.backend} mesh: both meshes must use one backend"
         )
-    plan = plan_reshard(tensor.shape, tensor.dtype, tensor.layout, dst_layout, strategy=strategy)
-    lowered = rt.lower(plan)
+    if cluster is None:
+        cluster = rt.planning_cluster(dmesh.backend, tensor.mesh.mesh, dmesh.mesh)
+    plan = plan_reshard(tensor.shape, tensor.dtype, tensor.layout, dst_layout, strategy=strategy, cluster=cluster)
+    lowered = rt.lower(plan, cluster)
     name = rt.new_buffer_name()
     what = f"reshard {tensor.dtype}{list(tensor.shape)} {tensor.layout} -> {dst_layout} (strategy {strategy!r})"
     rt.execute(lowered, tensor.name, name, float(timeout_s), what)
