@@ -189,7 +189,7 @@ def test_target_eager_hides_forward_transfers():
 
 
 @pytest.mark.sim
-def test_large_pipeline_simulates_fast():
+def test_large_pipeline_simulates_exactly():
     eager = simulate(eager_one_f_one_b(64, 256), forward_s=1.0, backward_s=2.0, transfer_s=0.5)
     one = simulate(one_f_one_b(64, 256), forward_s=1.0, backward_s=2.0, transfer_s=0.5)
     assert eager.iteration_s == pytest.approx((256 + 63) * 3.0 + 2 * 63 * 0.5)
