@@ -3,6 +3,7 @@
 State (``DeviceContext``, also what ``call(fn, ...)`` hands to ``fn``):
   ``buffers``   named torch tensors (this device's shards), on ``torch_device``
   ``staging``   one reusable byte buffer for non-contiguous slices
+  ``pool``      freed shards kept for reuse (``BufferPool``, bounded by ``buffer_pool_bytes``)
   ``groups``    the communicator cache (``GroupCache``), lazily connected, driver-bounded
   ``programs``  decoded ``DeviceProgram``s by program id (shipped once, then run by id)
   ``backend``   this actor's ``Backend`` instance
@@ -21,6 +22,7 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import sys  # noqa: E402
 import time  # noqa: E402
 from collections import OrderedDict  # noqa: E402
 
@@ -42,6 +44,72 @@ from reshard.runtime.groups import GroupCache, group_key  # noqa: E402
 from reshard.serialize import decode_device_program  # noqa: E402
 
 
+#: Default bound on the idle bytes of freed shards a device keeps for reuse (``BufferPool``).
+BUFFER_POOL_BYTES = 256 << 20
+
+
+class BufferPool:
+    """Freed shards kept for reuse, so that a new destination shard of a size seen before does
+    not pay fresh-memory page faults. Keyed by byte size, least recently freed evicted first;
+    the idle bytes never exceed ``limit_bytes`` (0 disables the pool). Buffers in the pool are
+    idle: a run takes its destination from here (or allocates), and only live buffers count
+    towards a run's memory bound."""
+
+    def __init__(self, device: torch.device, limit_bytes: int):
+        self.device = device
+        self.limit_bytes = int(limit_bytes)
+        self.idle: OrderedDict = OrderedDict()  # (nbytes, serial) -> flat uint8 tensor
+        self.by_size: dict[int, list[int]] = {}
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._serial = 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        serials = self.by_size.get(nbytes)
+        if not serials:
+            self.misses += 1
+            return None
+        serial = serials.pop()
+        if not serials:
+            del self.by_size[nbytes]
+        self.nbytes -= nbytes
+        self.hits += 1
+        return self.idle.pop((nbytes, serial))
+
+    def put(self, t: torch.Tensor, refs: int) -> bool:
+        """Keep ``t`` if nothing else references it (``refs``: the caller's own references) and
+        it owns its whole storage; evict the oldest entries to stay within the bound."""
+        nbytes = t.numel() * t.element_size()
+        if not 0 < nbytes <= self.limit_bytes or t.device != self.device or not t.is_contiguous():
+            return False
+        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != nbytes:
+            return False
+        base = t._base
+        if sys.getrefcount(t) > refs + 2 or (base is not None and sys.getrefcount(base) > 3):
+            return False  # a view or an array of it is still alive elsewhere
+        flat = base if base is not None and base.dtype == torch.uint8 and base.dim() == 1 else None
+        if flat is None:
+            flat = t.reshape(-1).view(torch.uint8)
+        self._serial += 1
+        self.idle[(nbytes, self._serial)] = flat
+        self.by_size.setdefault(nbytes, []).append(self._serial)
+        self.nbytes += nbytes
+        while self.nbytes > self.limit_bytes:
+            (n, serial), _ = self.idle.popitem(last=False)
+            lst = self.by_size[n]
+            lst.remove(serial)
+            if not lst:
+                del self.by_size[n]
+            self.nbytes -= n
+        return True
+
+    def clear(self) -> None:
+        self.idle.clear()
+        self.by_size.clear()
+        self.nbytes = 0
+
+
 class DeviceContext:
     """Everything a device actor owns; the first argument of functions run through ``call``."""
 
@@ -56,6 +124,7 @@ class DeviceContext:
         self.groups = GroupCache(
             backend, device, int(options.get("max_communicators", 64)), float(options.get("op_timeout_s", 300.0))
         )
+        self.pool = BufferPool(self.torch_device, int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES)))
         self.programs: OrderedDict[int, CompiledProgram] = OrderedDict()
         self.before_op = None
         self.peak_bytes = 0  # destination + staging bytes of the last run
@@ -100,7 +169,24 @@ class DeviceContext:
         self.peak_bytes = nbytes
 
     def allocate(self, shape, dtype: str) -> torch.Tensor:
-        return torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=self.torch_device)
+        """A new shard: a pooled buffer of the same byte size if there is one, else fresh memory."""
+        tdtype = torch_dtype(dtype)
+        shape = tuple(shape)
+        numel = 1
+        for n in shape:
+            numel *= n
+        flat = self.pool.take(numel * tdtype.itemsize) if numel else None
+        if flat is None:
+            return torch.empty(shape, dtype=tdtype, device=self.torch_device)
+        return flat.view(tdtype).view(shape)
+
+    def release(self, name: str) -> bool:
+        """Drop shard ``name``; its memory goes to the pool when nothing else references it."""
+        t = self.buffers.pop(name, None)
+        if t is None:
+            return False
+        self.pool.put(t, 1)
+        return True
 
     def memory(self) -> dict:
         sizes = {k: v.numel() * v.element_size() for k, v in self.buffers.items()}
@@ -109,6 +195,10 @@ class DeviceContext:
             "buffer_bytes": sum(sizes.values()),
             "staging_bytes": self.staging.nbytes,
             "last_run_peak_bytes": self.peak_bytes,
+            "pool_bytes": self.pool.nbytes,  # idle freed shards kept for reuse (not live)
+            "pool_limit_bytes": self.pool.limit_bytes,
+            "pool_hits": self.pool.hits,
+            "pool_misses": self.pool.misses,
         }
 
     # ---------------------------------------------------------------- driver updates
@@ -151,7 +241,10 @@ class DeviceActor:
         """Keep ``array[box]`` (a read-only object-store array) as shard ``name``."""
         shape = tuple(hi - lo for lo, hi in box)
         wire = torch.int16 if dtype == "bfloat16" else torch_dtype(dtype)
-        host = torch.empty(shape, dtype=wire)
+        if self.ctx.torch_device.type == "cpu":
+            host = self.ctx.allocate(shape, "int16" if dtype == "bfloat16" else dtype)
+        else:
+            host = torch.empty(shape, dtype=wire)
         host.numpy()[...] = array[tuple(slice(lo, hi) for lo, hi in box)]
         t = host.view(torch.bfloat16) if dtype == "bfloat16" else host
         if t.device != self.ctx.torch_device:
@@ -171,7 +264,7 @@ class DeviceActor:
     def free(self, *names: str) -> int:
         n = 0
         for name in names:
-            n += self.ctx.buffers.pop(name, None) is not None
+            n += self.ctx.release(name)
         return n
 
     def _buffer(self, name: str) -> torch.Tensor:
@@ -186,11 +279,14 @@ class DeviceActor:
         """Apply driver updates only (group set-up for ``ensure_groups``, cache drops)."""
         self.ctx.apply(updates)
 
-    def run(self, pid: int, blob: bytes | None, updates, src_name: str | None, dst_name: str, timeout_s: float) -> dict:
-        """Run program ``pid`` (decoding ``blob`` first if given): source shard ``src_name``,
-        new destination shard ``dst_name``. Returns run statistics."""
-        ctx = self.ctx
+    def run(self, msg: tuple) -> tuple:
+        """Run a program. ``msg`` is ``(pid, blob, updates, src_name, dst_name, timeout_s)``: run
+        program ``pid`` (decoding ``blob`` first if given, applying the driver's ``updates`` if
+        any) over source shard ``src_name`` into a new destination shard ``dst_name``. Returns
+        ``(run_s, elapsed_s, comm_s, peak_bytes)`` (the driver expands it, see ``Runtime.last_run``)."""
         t0 = time.monotonic()
+        pid, blob, updates, src_name, dst_name, timeout_s = msg
+        ctx = self.ctx
         try:
             ctx.apply(updates)
             if blob is not None:
@@ -219,8 +315,7 @@ class DeviceActor:
             raise ReshardError(f"device {ctx.device}: {type(e).__name__}: {e}") from e
         if dst is not None:
             ctx.buffers[dst_name] = dst
-        stats["run_s"] = time.monotonic() - t0
-        return stats
+        return (time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], stats["peak_bytes"])
 
     def _fail_fast(self, compiled: CompiledProgram, timeout_s: float) -> None:
         """This device cannot run its part: join the program's groups anyway and abort them at
@@ -234,7 +329,7 @@ class DeviceActor:
     def cleanup(self, dst_name: str | None, group_drops) -> None:
         """After a failed reshard: free the partial destination shard, drop the failed groups."""
         if dst_name is not None:
-            self.ctx.buffers.pop(dst_name, None)
+            self.ctx.release(dst_name)
         self.ctx.groups.abort([g for g, gen in group_drops if self.ctx.groups.generation(g) == gen])
         self.ctx.staging.trim()
 
@@ -259,4 +354,5 @@ class DeviceActor:
     def close(self) -> None:
         self.ctx.groups.close_all()
         self.ctx.buffers.clear()
+        self.ctx.pool.clear()
         self.ctx.staging.buf = None

@@ -65,6 +65,14 @@ class DeviceRecord:
         self.group_drops, self.program_drops = [], []
         return out
 
+    def take_run_updates(self, group_sets) -> dict | None:
+        """The updates for a run call, or None when there are none (the common repeated run)."""
+        if not (self.group_drops or self.program_drops or group_sets):
+            return None
+        out = {"group_drops": self.group_drops, "program_drops": self.program_drops, "group_sets": group_sets or []}
+        self.group_drops, self.program_drops = [], []
+        return out
+
 
 @dataclass(frozen=True)
 class Lowered:
@@ -89,7 +97,7 @@ class Runtime:
         self.meshes: dict = {}  # abstract Mesh -> live DeviceMeshes over it (latest last)
         self.closed_meshes: dict = {}  # abstract Mesh -> why it is closed
         self.stats: Counter = Counter()
-        self.last_run: dict = {}
+        self._last_raw: dict = {}  # device -> (run_s, elapsed_s, comm_s, peak_bytes) of the last run
         self._device_ids = itertools.count()
         self._host_ids = itertools.count()
         self._program_ids = itertools.count(1)
@@ -220,7 +228,8 @@ class Runtime:
     def planning_cluster(self, backend: str, *meshes) -> Cluster:
         """The cost model "auto" plans for: the meshes' hosts with the live Ray cluster's link
         figures (``Cluster.from_ray``) and the collective library that will run the plan."""
-        key = (backend, *(m.host_ids for m in meshes))
+        key = (backend, *meshes)  # the devices matter, not only the hosts: devices per host
+
         with self.lock:
             hit = self._clusters.get(key)
             if hit is None:
@@ -318,7 +327,8 @@ class Runtime:
     # ---------------------------------------------------------------- execution
 
     def execute(self, lowered: Lowered, src_name: str | None, dst_name: str, timeout_s: float, what: str) -> dict:
-        """Run a lowered program: one ``run`` call per participant; returns per-device stats."""
+        """Run a lowered program: one ``run`` call per participant (one packed argument; updates
+        only when there are any); returns per-device raw stats (see ``last_run``)."""
         with self.lock:
             self.check_devices(lowered.participants, what)
             sets: dict[int, dict] = {}
@@ -335,17 +345,27 @@ class Runtime:
                 while len(rec.programs) > rec.max_programs:
                     old, _ = rec.programs.popitem(last=False)
                     rec.program_drops.append(old)
-                updates = rec.take_updates()
-                updates["group_sets"] = sets.get(d, {}).get("group_sets", [])
-                refs[d] = rec.actor.run.remote(lowered.pid, blob, updates, src_name, dst_name, timeout_s)
+                updates = rec.take_run_updates(sets[d].get("group_sets") if d in sets else None)
+                # one packed argument per call: Ray serializes one small tuple
+                refs[d] = rec.actor.run.remote((lowered.pid, blob, updates, src_name, dst_name, timeout_s))
             self.stats["runs"] += 1
             self.stats["run_calls"] += len(refs)
         results, errors, pending = gather(refs, timeout_s, settle_s=SETTLE_S)
         if not errors and not pending:
-            self.last_run = results  # per-device run statistics, for diagnostics and benchmarks
+            self._last_raw = results
             return results
         self._fail(lowered, refs, errors, pending, dst_name)
         raise _classify(errors, pending, what, timeout_s)
+
+    @property
+    def last_run(self) -> dict:
+        """Per-device statistics of the last successful run (for diagnostics and benchmarks):
+        ``run_s`` (the actor's whole call), ``elapsed_s`` (its program), ``comm_s`` (inside
+        communication calls), ``peak_bytes`` (destination + staging bytes it held)."""
+        return {
+            d: {"run_s": r[0], "elapsed_s": r[1], "comm_s": r[2], "peak_bytes": r[3]}
+            for d, r in self._last_raw.items()
+        }
 
     def _fail(self, lowered: Lowered, refs, errors, pending, dst_name) -> None:
         with self.lock:
@@ -391,6 +411,10 @@ class Runtime:
 #: its own deadline, and the cleanup calls queue behind it).
 SETTLE_S = 2.0
 
+#: While waiting for all of a run's calls at once, how often the driver checks whether one of
+#: the finished ones failed (then it switches to collecting outcomes one by one).
+FAILURE_POLL_S = 0.25
+
 
 def gather(refs: dict, timeout_s: float, *, settle_s: float | None = None):
     """Wait for ``refs`` (key -> ObjectRef) until all are done or ``timeout_s`` passed; with
@@ -404,11 +428,35 @@ def gather(refs: dict, timeout_s: float, *, settle_s: float | None = None):
     deadline = time.monotonic() + timeout_s
     by_ref = {r: d for d, r in refs.items()}
     results, errors = {}, {}
-    while by_ref:
+    # Fast path: wait for all at once (in slices, so that a failure is noticed within
+    # FAILURE_POLL_S), then fetch every result with one ray.get.
+    done: list = []
+    waiting = list(by_ref)
+    while waiting:
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=left)
+        ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, FAILURE_POLL_S))
+        done.extend(ready)
+        if waiting and done:
+            try:
+                ray.get(done, timeout=max(1.0, left))
+            except Exception:  # something failed: classify one by one below
+                break
+    if not waiting:
+        try:
+            values = ray.get(done, timeout=max(1.0, deadline - time.monotonic()))
+        except Exception:
+            values = None
+        if values is not None:
+            return {by_ref[r]: v for r, v in zip(done, values, strict=True)}, {}, []
+    while by_ref:
+        left = deadline - time.monotonic()
+        # past the deadline: still collect what has finished, without waiting
+        ready, _ = ray.wait(list(by_ref), num_returns=1 if left > 0 else len(by_ref), timeout=max(left, 0.0))
+        if not ready:
+            break
+        left = max(left, 0.0)
         for r in ready:
             d = by_ref.pop(r)
             try:

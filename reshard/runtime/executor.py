@@ -30,6 +30,7 @@ TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "int64": torch.int64,
     "int32": torch.int32,
+    "int16": torch.int16,
     "int8": torch.int8,
     "uint8": torch.uint8,
     "bool": torch.bool,

@@ -82,6 +82,7 @@ class DeviceMesh:
         op_timeout_s: float = 300.0,
         startup_timeout_s: float = 120.0,
         staging_keep_bytes: int = 64 << 20,
+        buffer_pool_bytes: int = 256 << 20,
         torch_threads: int = 1,
     ) -> DeviceMesh:
         """Start one actor per device of a mesh of ``shape``.
@@ -93,11 +94,17 @@ class DeviceMesh:
         ``max_programs`` its program cache; ``op_timeout_s`` is the gloo context timeout (each op
         also waits at most the time left to its reshard's deadline); ``staging_keep_bytes`` bounds
         the staging buffer an idle actor keeps for its next run (a run itself holds exactly its
-        largest staged slice).
+        largest staged slice). ``buffer_pool_bytes`` bounds, per device, the idle memory of freed
+        shards (``ShardedTensor.free()``) kept for reuse: a new shard of a byte size freed before
+        reuses that memory instead of page-faulting fresh memory in (least recently freed evicted
+        first; 0 disables the pool). Idle pool bytes are reported apart from live buffers
+        (``pool_bytes`` in the actors' ``stats()``).
         """
         probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)  # validates
         _positive_int("max_communicators", max_communicators)
         _positive_int("max_programs", max_programs)
+        if int(buffer_pool_bytes) < 0:
+            raise ValueError(f"buffer_pool_bytes must be >= 0 (0 disables the pool), got {buffer_pool_bytes}")
         if not op_timeout_s > 0 or not startup_timeout_s > 0:
             raise ValueError("op_timeout_s and startup_timeout_s must be positive seconds")
         ensure_ray()
@@ -125,6 +132,7 @@ class DeviceMesh:
             "max_communicators": max_communicators,
             "op_timeout_s": float(op_timeout_s),
             "staging_keep_bytes": int(staging_keep_bytes),
+            "buffer_pool_bytes": int(buffer_pool_bytes),
             "torch_threads": int(torch_threads),
             "device_type": spec.device_type,
         }

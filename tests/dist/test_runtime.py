@@ -27,7 +27,8 @@ def _largest_slice_bytes(plan, device: int) -> int:
 @pytest.mark.parametrize("shape", [(32, 24, 16), (256, 128, 96)], ids=["staging kept", "staging trimmed"])
 def test_memory_bound(view, pool, shape):
     """No device holds more than its destination shard plus one staging buffer the size of its
-    largest unit slice (plus its source shard)."""
+    largest unit slice (plus its source shard) live during a reshard; the idle bytes of freed
+    shards kept for reuse are reported apart and stay within ``buffer_pool_bytes``."""
     src = view([0, 1, 2, 3], (2, 2))
     dst = view([4, 5, 6, 7], (2, 2))
     keep = 1 << 20  # so that the big case's staging is trimmed after the run
@@ -72,6 +73,29 @@ def _memory_case(pool, src, dst, shape, keep):
         need = program.for_device(d).staging_numel * 4
         # kept for the next run when within the bound, freed otherwise
         assert stats[pool.index_of(d)]["staging_bytes"] == (need if need <= keep else 0)
+    for s in stats:  # the pool's idle bytes: reported apart from live buffers, bounded
+        assert 0 <= s["pool_bytes"] <= s["pool_limit_bytes"]
+
+    # A repeated reshard after freeing its result reuses the freed memory: same live bound, the
+    # destination shard comes out of the pool (which holds it idle between the two runs).
+    before = {s["device"]: s for s in pool.stats()}
+    y.free()
+    idle = {s["device"]: s["pool_bytes"] for s in pool.stats()}
+    for device, box in zip(dst.device_ids, layout_regions(layout, shape), strict=True):
+        assert idle[device] >= box_volume(box) * 4  # the freed shard went idle into the pool
+    y2 = reshard(t, src, layout, strategy="send_recv")
+    assert_bit_exact(y2.to_numpy(), x)
+    after = {s["device"]: s for s in pool.stats()}
+    for device, box in zip(dst.device_ids, layout_regions(layout, shape), strict=True):
+        s = after[device]
+        dst_bytes = box_volume(box) * 4
+        assert s["last_run_peak_bytes"] <= dst_bytes + _largest_slice_bytes(plan, device)
+        assert s["pool_hits"] > before[device]["pool_hits"]  # destination taken from the pool
+        assert s["buffers"][y2.name] == dst_bytes
+        assert s["pool_bytes"] == idle[device] - dst_bytes
+        assert s["pool_bytes"] <= s["pool_limit_bytes"]
+    y2.free()
+    t.free()
 
 
 def test_communicator_and_program_cache_bounds(view, pool):
