@@ -91,7 +91,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--staging-keep", type=parse_size, metavar="SIZE",
                    help="runtime knob: staging bytes each device keeps between reshards "
-                   "(DeviceMesh.create(staging_keep_bytes=...); runtime default 1 MiB)")  # fmt: skip
+                   "(DeviceMesh.create(staging_keep_bytes=...); runtime default 64 MiB)")  # fmt: skip
+    p.add_argument("--buffer-pool", type=parse_size, metavar="SIZE",
+                   help="runtime knob: idle bytes of freed shards each device keeps for reuse "
+                   "(DeviceMesh.create(buffer_pool_bytes=...); runtime default 256 MiB; 0 disables)")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.sizes = args.sizes or ",".join(QUICK_SIZES)
@@ -230,6 +233,8 @@ class Suite:
         options = {}
         if getattr(args, "staging_keep", None) is not None:
             options["staging_keep_bytes"] = args.staging_keep
+        if getattr(args, "buffer_pool", None) is not None:
+            options["buffer_pool_bytes"] = args.buffer_pool
         self.pool = DeviceMesh.create(POOL_SHAPE, startup_timeout_s=180, **options) if pool is None else pool
         if tuple(self.pool.shape) != POOL_SHAPE:
             raise ValueError(f"the local suite needs a pool mesh of shape {POOL_SHAPE}, got {self.pool!r}")
@@ -640,6 +645,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         },  # fmt: skip
         "pool": list(POOL_SHAPE),
         "staging_keep_bytes": args.staging_keep,
+        "buffer_pool_bytes": getattr(args, "buffer_pool", None),
         "dtype": args.dtype,
         "sizes": args.size_list,
         "cases": [c.name for c in args.case_list],
