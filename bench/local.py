@@ -508,7 +508,12 @@ def _split(wall: float, per_device: dict) -> dict:
     transport, the driver's own planning/bookkeeping, gather); ``actor_setup``: run minus program
     (decode, allocate the destination); ``copy_stage``: program minus communication (local copies,
     staging); ``comm``: time inside gloo calls (including waiting for peers)."""
-    stats = [v for v in per_device.values() if isinstance(v, dict) and "run_s" in v]
+    # the runtime returns (run_s, elapsed_s, comm_s, peak_bytes) per device (Runtime.last_run)
+    stats = [
+        v if isinstance(v, dict) else {"run_s": v[0], "elapsed_s": v[1], "comm_s": v[2]}
+        for v in (per_device or {}).values()
+        if (isinstance(v, dict) and "run_s" in v) or (isinstance(v, tuple) and len(v) >= 3)
+    ]
     if not stats:
         return {"wall": wall}
     slow = max(stats, key=lambda v: v["run_s"])

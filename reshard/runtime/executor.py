@@ -104,14 +104,41 @@ def _slices(box) -> tuple | None:
     return tuple(slice(lo, hi) for lo, hi in box)
 
 
+#: Local COPY bytes from which a program's copies run on a helper thread while its communication
+#: proceeds (below, the thread hand-off costs more than it saves).
+OVERLAP_COPY_BYTES = 1 << 20
+
+_copy_pool = None
+
+
+def _copier():
+    """This process's one helper thread for local copies (torch releases the GIL in ``copy_``)."""
+    global _copy_pool
+    if _copy_pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _copy_pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-copy")
+    return _copy_pool
+
+
+def _run_copies(steps, src, dst) -> None:
+    for s in steps:
+        dst[s.write].copy_(src[s.read])
+
+
 @dataclass(frozen=True, slots=True)
 class CompiledProgram:
-    """A ``DeviceProgram`` with slices and ranks precomputed, plus its dtype."""
+    """A ``DeviceProgram`` with slices and ranks precomputed, plus its dtype.
+
+    ``copies`` (when set) are the local COPY ops that may run concurrently with the communication
+    ops in ``steps`` (no op reads the destination, and they write boxes no other op writes)."""
 
     program: DeviceProgram
     dtype: str
     steps: tuple[_Step, ...]
     groups: tuple[tuple[int, ...], ...]  # communicator keys, in order of first use
+    copies: tuple[_Step, ...] = ()
+    copy_numel: int = 0
 
     @property
     def device(self) -> int:
@@ -161,7 +188,13 @@ def compile_program(program: DeviceProgram, dtype: str) -> CompiledProgram:
             )  # fmt: skip
         )
     if not any(s.read_dst for s in steps):
-        steps = [s for s in steps if s.kind is not OpKind.COPY] + [s for s in steps if s.kind is OpKind.COPY]
+        comm = [s for s in steps if s.kind is not OpKind.COPY]
+        copies = [s for s in steps if s.kind is OpKind.COPY]
+        copy_numel = sum(s.numel for s in copies)
+        if comm and copies and copy_numel * ITEMSIZE[dtype] >= OVERLAP_COPY_BYTES:
+            # big local copies: on the helper thread while this device communicates
+            return CompiledProgram(program, dtype, tuple(comm + copies), tuple(groups), tuple(copies), copy_numel)
+        steps = comm + copies
     return CompiledProgram(program, dtype, tuple(steps), tuple(groups))
 
 
@@ -185,7 +218,24 @@ def run_program(
     groups = ctx.groups if groups is None else groups
     before = ctx.before_op
     comm_s = 0.0
-    for s in compiled.steps:
+    steps = compiled.steps
+    if compiled.copies and before is None and dst.device.type == "cpu":
+        # local copies on the helper thread, communication here; joined before returning or raising
+        steps = steps[: len(steps) - len(compiled.copies)]
+        copying = _copier().submit(_run_copies, compiled.copies, src, dst)
+        try:
+            comm_s = _communicate(ctx, compiled, steps, src, dst, deadline, timeout_s, groups, staging, dtype, None)
+        finally:
+            copying.result()  # re-raises a copy error; never leaves a thread writing dst
+    else:
+        comm_s = _communicate(ctx, compiled, steps, src, dst, deadline, timeout_s, groups, staging, dtype, before)
+    return {"elapsed_s": time.monotonic() - t0, "comm_s": comm_s, "ops": len(compiled.steps), "peak_bytes": peak}
+
+
+def _communicate(ctx, compiled, steps, src, dst, deadline, timeout_s, groups, staging, dtype, before) -> float:
+    prog = compiled.program
+    comm_s = 0.0
+    for s in steps:
         if before is not None:
             before(ctx, s.op)
         kind = s.kind
@@ -225,7 +275,7 @@ def run_program(
             else:
                 comm.broadcast(t, s.root)
         comm_s += time.monotonic() - c0
-    return {"elapsed_s": time.monotonic() - t0, "comm_s": comm_s, "ops": len(compiled.steps), "peak_bytes": peak}
+    return comm_s
 
 
 def _contiguous(view: torch.Tensor, s: _Step, device: int) -> torch.Tensor:
