@@ -43,7 +43,6 @@ from reshard.runtime.executor import (  # noqa: E402
 from reshard.runtime.groups import GroupCache, group_key  # noqa: E402
 from reshard.serialize import decode_device_program  # noqa: E402
 
-
 #: Default bound on the idle bytes of freed shards a device keeps for reuse (``BufferPool``).
 BUFFER_POOL_BYTES = 256 << 20
 
