@@ -95,7 +95,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--buffer-pool", type=parse_size, metavar="SIZE",
                    help="runtime knob: idle bytes of freed shards each device keeps for reuse "
                    "(DeviceMesh.create(buffer_pool_bytes=...); runtime default 256 MiB; 0 disables)")  # fmt: skip
+    p.add_argument("--backend", choices=("gloo", "nccl"),
+                   help="communicator backend of the device pool (default: nccl when Ray reports a GPU per "
+                   "device, else gloo); with nccl the raw-gloo ceiling is skipped")  # fmt: skip
     args = p.parse_args(argv)
+    if args.backend == "nccl":
+        args.no_ceiling = True
     if args.quick:
         args.sizes = args.sizes or ",".join(QUICK_SIZES)
         args.repeats = args.repeats or 2
@@ -235,6 +240,8 @@ class Suite:
             options["staging_keep_bytes"] = args.staging_keep
         if getattr(args, "buffer_pool", None) is not None:
             options["buffer_pool_bytes"] = args.buffer_pool
+        if getattr(args, "backend", None) is not None:
+            options["backend"] = args.backend
         self.pool = DeviceMesh.create(POOL_SHAPE, startup_timeout_s=180, **options) if pool is None else pool
         if tuple(self.pool.shape) != POOL_SHAPE:
             raise ValueError(f"the local suite needs a pool mesh of shape {POOL_SHAPE}, got {self.pool!r}")

@@ -124,6 +124,13 @@ class DeviceMesh:
         if setup is not None:
             setup()
         spec = backend_spec(name)
+        need = size * spec.gpus_per_device
+        have = ray.cluster_resources().get("GPU", 0)
+        if need > have:
+            raise ValueError(
+                f"DeviceMesh.create({probe.shape}) with backend {name!r} needs {need:g} GPU(s), one per device, "
+                f"but the Ray cluster has {have:g}; use backend='gloo' for CPU devices or a smaller mesh"
+            )
         dph = default_devices_per_host(probe.shape) if devices_per_host is None else devices_per_host
         ids = rt.new_device_ids(size)
         host_base = rt.new_host_ids(size // dph)

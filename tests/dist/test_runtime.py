@@ -218,3 +218,12 @@ def test_views_keep_device_hosts(pool):
     assert box_shape(((0, 2), (1, 3))) == (2, 2)
     v.shutdown()
     w.shutdown()
+
+
+def test_nccl_mesh_without_enough_gpus_is_refused_at_once(ray_cluster):
+    import ray
+
+    if ray.cluster_resources().get("GPU", 0) >= 2:
+        pytest.skip("this Ray cluster has GPUs for an NCCL mesh")
+    with pytest.raises(ValueError, match=r"backend 'nccl' needs 2 GPU\(s\).*backend='gloo'"):
+        DeviceMesh.create((2,), backend="nccl")
