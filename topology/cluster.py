@@ -139,11 +139,16 @@ class Cluster:
         over TCP between CPU processes); pass the real ones when known. ``host_names`` holds the
         Ray node ids. Requires ``ray.init()`` to have been called.
         """
-        import ray  # the runtime layer; imported here only, so this module stays pure
+        from topology.runtime import alive_ray_nodes  # the runtime layer, loaded only here
 
-        if not ray.is_initialized():
-            raise RuntimeError("Cluster.from_ray() describes the connected Ray cluster: call ray.init() first")
-        nodes = [n for n in ray.nodes() if n.get("Alive", n.get("alive", False))]
+        return cls.from_nodes(
+            alive_ray_nodes(), nic_GBps=nic_GBps, intra_host_GBps=intra_host_GBps, latency_us=latency_us
+        )
+
+    @classmethod
+    def from_nodes(cls, nodes, *, nic_GBps=None, intra_host_GBps=None, latency_us=None) -> Cluster:
+        """A cluster of the alive nodes in ``nodes`` (``ray.nodes()`` records); see ``from_ray``."""
+        nodes = [n for n in nodes if n.get("Alive", n.get("alive", False))]
         if not nodes:
             raise RuntimeError("the connected Ray cluster reports no alive node")
         gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]

@@ -227,3 +227,13 @@ def test_nccl_mesh_without_enough_gpus_is_refused_at_once(ray_cluster):
         pytest.skip("this Ray cluster has GPUs for an NCCL mesh")
     with pytest.raises(ValueError, match=r"backend 'nccl' needs 2 GPU\(s\).*backend='gloo'"):
         DeviceMesh.create((2,), backend="nccl")
+
+
+def test_cluster_from_the_live_ray_cluster(ray_cluster):
+    import ray
+
+    from topology import Cluster
+
+    cluster = Cluster.from_ray()
+    assert cluster.num_hosts == len([n for n in ray.nodes() if n["Alive"]])
+    assert cluster.backend == ("nccl" if ray.cluster_resources().get("GPU", 0) else "gloo")

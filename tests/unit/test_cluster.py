@@ -3,7 +3,6 @@
 import math
 import subprocess
 import sys
-import types
 
 import pytest
 
@@ -98,34 +97,27 @@ def test_check_meshes_and_for_meshes():
         Cluster.preset("p3.8xlarge", 4).check_meshes(crowded)
 
 
-def _fake_ray(nodes, initialized=True):
-    ray = types.ModuleType("ray")
-    ray.is_initialized = lambda: initialized
-    ray.nodes = lambda: nodes
-    return ray
-
-
-def test_from_ray_describes_gpu_nodes(monkeypatch):
+def test_from_nodes_describes_gpu_nodes():
     nodes = [
         {"NodeID": "a", "Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}},
         {"NodeID": "b", "Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}},
         {"NodeID": "dead", "Alive": False, "Resources": {"CPU": 96.0, "GPU": 8.0}},
     ]
-    monkeypatch.setitem(sys.modules, "ray", _fake_ray(nodes))
-    c = Cluster.from_ray(nic_GBps=50)
+    c = Cluster.from_nodes(nodes, nic_GBps=50)
     assert (c.num_hosts, c.devices_per_host, c.backend, c.host_names, c.nic_GBps) == (2, 8, "nccl", ("a", "b"), 50.0)
 
 
-def test_from_ray_on_one_cpu_machine_is_one_gloo_host(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ray", _fake_ray([{"NodeID": "n", "Alive": True, "Resources": {"CPU": 2.0}}]))
-    c = Cluster.from_ray()
+def test_from_nodes_on_one_cpu_machine_is_one_gloo_host():
+    c = Cluster.from_nodes([{"NodeID": "n", "Alive": True, "Resources": {"CPU": 2.0}}])
     assert (c.num_hosts, c.devices_per_host, c.backend, c.name) == (1, 2, "gloo", "ray")
+    with pytest.raises(RuntimeError, match="no alive node"):
+        Cluster.from_nodes([{"NodeID": "n", "Alive": False, "Resources": {"CPU": 2.0}}])
 
 
-def test_from_ray_needs_a_connection(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ray", _fake_ray([], initialized=False))
-    with pytest.raises(RuntimeError, match="ray.init"):
-        Cluster.from_ray()
+def test_from_ray_needs_a_connection():
+    code = "from topology import Cluster\nCluster.from_ray()\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode != 0 and "call ray.init() first" in run.stderr
 
 
 def test_topology_and_planning_stay_pure():
