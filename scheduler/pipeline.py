@@ -39,7 +39,6 @@ the driver as `PipelineError` naming stage, device, phase and microbatch; no wai
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 import uuid
@@ -61,9 +60,6 @@ from reshard.validate import validate_plan, validate_program
 from .ir import Schedule
 from .pipeline_plan import Lane, PipelinePlan, plan_pipeline
 from .simulate import SimulationResult, simulate
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 class PipelineError(ReshardError):

@@ -18,21 +18,17 @@ shard, and on any failure aborts the program's communicators and frees the parti
 from __future__ import annotations
 
 import os
+import sys
+import time
+from collections import OrderedDict
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import numpy as np
+import torch
 
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections import OrderedDict  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from reshard.errors import ReshardError, ReshardTimeout  # noqa: E402
-from reshard.lowering import DeviceProgram  # noqa: E402
-from reshard.runtime.communicator import Backend, Communicator  # noqa: E402
-from reshard.runtime.executor import (  # noqa: E402
+from reshard.errors import ReshardError, ReshardTimeout
+from reshard.lowering import DeviceProgram
+from reshard.runtime.communicator import Backend, Communicator
+from reshard.runtime.executor import (
     STAGING_KEEP_BYTES,
     CompiledProgram,
     StagingBuffer,
@@ -40,8 +36,8 @@ from reshard.runtime.executor import (  # noqa: E402
     run_program,
     torch_dtype,
 )
-from reshard.runtime.groups import GroupCache, group_key  # noqa: E402
-from reshard.serialize import decode_device_program  # noqa: E402
+from reshard.runtime.groups import GroupCache, group_key
+from reshard.serialize import decode_device_program
 
 #: Default bound on the idle bytes of freed shards a device keeps for reuse (``BufferPool``).
 BUFFER_POOL_BYTES = 256 << 20

@@ -15,19 +15,14 @@ view; shutting the owner down closes every view over its devices (``MeshClosed``
 
 from __future__ import annotations
 
-import os
+import logging
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import ray
 
-import logging  # noqa: E402
-
-import ray  # noqa: E402
-
-from reshard.errors import MeshClosed, ReshardTimeout, WorkerDied  # noqa: E402
-from reshard.runtime.backends import backend_spec, make_backend  # noqa: E402
-from reshard.runtime.driver import DeviceRecord, gather, runtime  # noqa: E402
-from topology.mesh import Mesh, default_devices_per_host  # noqa: E402
+from reshard.errors import MeshClosed, ReshardTimeout, WorkerDied
+from reshard.runtime.backends import backend_spec, make_backend
+from reshard.runtime.driver import DeviceRecord, gather, runtime
+from topology.mesh import Mesh, default_devices_per_host
 
 log = logging.getLogger(__name__)
 

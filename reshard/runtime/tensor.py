@@ -12,21 +12,16 @@ tensor raise TypeError; use ``to_torch()`` / ``local_shards(as_torch=True)``.
 
 from __future__ import annotations
 
-import os
+import numpy as np
+import ray
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-from reshard.dtypes import dtype_name  # noqa: E402
-from reshard.errors import ReshardTimeout, WorkerDied  # noqa: E402
-from reshard.layout import Layout  # noqa: E402
-from reshard.planner import plan_reshard  # noqa: E402
-from reshard.regions import box_volume, layout_regions  # noqa: E402
-from reshard.runtime.driver import gather, runtime  # noqa: E402
-from reshard.runtime.mesh import DeviceMesh  # noqa: E402
+from reshard.dtypes import dtype_name
+from reshard.errors import ReshardTimeout, WorkerDied
+from reshard.layout import Layout
+from reshard.planner import plan_reshard
+from reshard.regions import box_volume, layout_regions
+from reshard.runtime.driver import gather, runtime
+from reshard.runtime.mesh import DeviceMesh
 
 DEFAULT_TIMEOUT_S = 60.0
 
