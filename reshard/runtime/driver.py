@@ -229,7 +229,6 @@ class Runtime:
         """The cost model "auto" plans for: the meshes' hosts with the live Ray cluster's link
         figures (``Cluster.from_ray``) and the collective library that will run the plan."""
         key = (backend, *meshes)  # the devices matter, not only the hosts: devices per host
-
         with self.lock:
             hit = self._clusters.get(key)
             if hit is None:
