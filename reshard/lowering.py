@@ -19,6 +19,8 @@ class OpKind(enum.IntEnum):
     SEND = 1  # read, send to group[1]
     RECV = 2  # receive from group[0], write
     BROADCAST = 3  # broadcast over group from group[0]; the root reads, the others write
+    PULL = 4  # copy ``read`` of group[0]'s SRC shard into this device's DST slice ``write``, through
+    #           shared memory (group is (holder, self); the holder runs no op, see ``reshard.pulls``)
 
 
 class Buffer(enum.IntEnum):

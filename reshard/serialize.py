@@ -11,7 +11,7 @@ from reshard.plan import ReshardPlan, Transfer, TransferKind
 from reshard.tasks import UnitTask
 from topology.mesh import Mesh
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: OpKind.PULL
 
 
 def _box(obj) -> tuple:

@@ -50,8 +50,12 @@ def validate_program(program: Program) -> None:
             if p.device not in op.group:
                 raise PlanError(f"device {p.device} runs step {op.step} of group {op.group} it is not in")
             members[op.step][p.device] = op
+    src_shapes = {p.device: p.src_shape for p in program.devices}
     for step, ops in members.items():
         first = next(iter(ops.values()))
+        if first.kind is OpKind.PULL:
+            _check_pulls(step, ops, src_shapes)
+            continue
         if set(ops) != set(first.group):
             raise PlanError(f"step {step}: group {first.group} but ops only on devices {sorted(ops)}")
         kinds = sorted(op.kind for op in ops.values())
@@ -66,6 +70,23 @@ def validate_program(program: Program) -> None:
     _check_progress(program, members)
 
 
+def _check_pulls(step: int, ops: dict, src_shapes: dict) -> None:
+    """Every op of a pulled step is a PULL of one box of one holder's source shard, by a device
+    other than the holder (which runs nothing at that step)."""
+    first = next(iter(ops.values()))
+    holder = first.group[0]
+    for device, op in ops.items():
+        if op.kind is not OpKind.PULL or op.group != (holder, device) or op.read != first.read:
+            raise PlanError(f"step {step}: pulls and other ops mixed: {[str(o) for o in ops.values()]}")
+    if holder in ops:
+        raise PlanError(f"step {step}: device {holder} pulls from itself")
+    shape = src_shapes.get(holder)
+    if shape is None or len(first.read) != len(shape) or any(
+        not 0 <= lo <= hi <= n for (lo, hi), n in zip(first.read, shape, strict=True)
+    ):
+        raise PlanError(f"step {step}: pull of {first.read} lies outside device {holder}'s source shard {shape}")
+
+
 def _check_progress(program: Program, members) -> None:
     heads = {p.device: 0 for p in program.devices}
     ops_of = {p.device: p.ops for p in program.devices}
@@ -74,6 +95,11 @@ def _check_progress(program: Program, members) -> None:
     while ready:
         device = ready.pop()
         op = ops_of[device][heads[device]]
+        if op.kind is OpKind.PULL:  # waits for nobody
+            heads[device] += 1
+            if heads[device] < len(ops_of[device]):
+                ready.append(device)
+            continue
         arrived[op.step].add(device)
         if len(arrived[op.step]) < len(members[op.step]):
             continue
