@@ -47,8 +47,8 @@ def to_pulls(program: Program, domain_of: Mapping[int, Hashable | None]) -> Prog
             root = pulled.get(op.step)
             if root is None:
                 ops.append(op)
-            elif p.device != root.group[0]:
-                ops.append(Op(OpKind.PULL, op.step, (root.group[0], p.device), op.shape, Buffer.SRC, root.read, op.write))
+            elif p.device != (holder := root.group[0]):
+                ops.append(Op(OpKind.PULL, op.step, (holder, p.device), op.shape, Buffer.SRC, root.read, op.write))
         staging = max((op.numel for op in ops if op.stage), default=0)
         devices.append(DeviceProgram(p.device, p.src_shape, p.dst_shape, tuple(ops), staging))
     return Program(program.dtype, program.shape, tuple(devices))

@@ -81,8 +81,10 @@ def _check_pulls(step: int, ops: dict, src_shapes: dict) -> None:
     if holder in ops:
         raise PlanError(f"step {step}: device {holder} pulls from itself")
     shape = src_shapes.get(holder)
-    if shape is None or len(first.read) != len(shape) or any(
-        not 0 <= lo <= hi <= n for (lo, hi), n in zip(first.read, shape, strict=True)
+    if (
+        shape is None
+        or len(first.read) != len(shape)
+        or any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(first.read, shape, strict=True))
     ):
         raise PlanError(f"step {step}: pull of {first.read} lies outside device {holder}'s source shard {shape}")
 
