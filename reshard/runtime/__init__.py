@@ -3,7 +3,8 @@
 Modules: ``mesh`` (DeviceMesh), ``tensor`` (ShardedTensor, distribute, reshard), ``driver``
 (driver-side bookkeeping, dispatch, failure handling), ``actor`` (the device actor and its
 context), ``executor`` (DeviceProgram interpreter), ``groups`` (communicator caches),
-``communicator`` (interfaces), ``backends`` (registry), ``gloo`` (CPU backend); ``nccl`` (GPU
+``communicator`` (interfaces), ``backends`` (registry), ``gloo`` (CPU backend),
+``shared_memory`` (shards in shared memory, peers' shards mapped for pulls); ``nccl`` (GPU
 backend) is loaded by name when a mesh asks for it.
 """
 
@@ -16,7 +17,7 @@ from reshard.runtime.backends import BACKENDS, register_backend  # noqa: E402
 from reshard.runtime.communicator import Backend, Communicator, Rendezvous  # noqa: E402
 from reshard.runtime.driver import runtime  # noqa: E402
 from reshard.runtime.mesh import DeviceMesh  # noqa: E402
-from reshard.runtime.tensor import ShardedTensor, distribute, reshard  # noqa: E402
+from reshard.runtime.tensor import ShardedTensor, distribute, lowered_reshard, reshard  # noqa: E402
 
 
 def ensure_groups(groups, *, timeout_s: float = 60.0) -> None:
@@ -32,5 +33,5 @@ def runtime_stats() -> dict:
 
 __all__ = [
     "BACKENDS", "Backend", "Communicator", "DeviceMesh", "Rendezvous", "ShardedTensor", "distribute",
-    "ensure_groups", "register_backend", "reshard", "runtime_stats",
+    "ensure_groups", "lowered_reshard", "register_backend", "reshard", "runtime_stats",
 ]  # fmt: skip

@@ -4,6 +4,8 @@ State (``DeviceContext``, also what ``call(fn, ...)`` hands to ``fn``):
   ``buffers``   named torch tensors (this device's shards), on ``torch_device``
   ``staging``   one reusable byte buffer for non-contiguous slices
   ``pool``      freed shards kept for reuse (``BufferPool``, bounded by ``buffer_pool_bytes``)
+  ``shared``    this actor's shared-memory allocations (``SharedShards``; None: plain memory)
+  ``peers``     peers' shards mapped for PULL ops (``PeerShards``)
   ``groups``    the communicator cache (``GroupCache``), lazily connected, driver-bounded
   ``programs``  decoded ``DeviceProgram``s by program id (shipped once, then run by id)
   ``backend``   this actor's ``Backend`` instance
@@ -37,6 +39,7 @@ from reshard.runtime.executor import (
     torch_dtype,
 )
 from reshard.runtime.groups import GroupCache, group_key
+from reshard.runtime.shared_memory import PeerShards, SharedShards
 from reshard.serialize import decode_device_program
 
 #: Default bound on the idle bytes of freed shards a device keeps for reuse (``BufferPool``).
@@ -120,6 +123,9 @@ class DeviceContext:
             backend, device, int(options.get("max_communicators", 64)), float(options.get("op_timeout_s", 300.0))
         )
         self.pool = BufferPool(self.torch_device, int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES)))
+        shared = options.get("shared_memory", False) and self.torch_device.type == "cpu"
+        self.shared = SharedShards() if shared else None
+        self.peers = PeerShards(device)
         self.programs: OrderedDict[int, CompiledProgram] = OrderedDict()
         self.before_op = None
         self.peak_bytes = 0  # destination + staging bytes of the last run
@@ -131,12 +137,15 @@ class DeviceContext:
         """This device's communicator for ``group`` (set up by ``reshard.runtime.ensure_groups``)."""
         return self.groups.get(group_key(group))
 
-    def run_program(self, program, src, dst, *, dtype: str | None = None, timeout_s: float = 60.0, groups=None) -> dict:
+    def run_program(
+        self, program, src, dst, *, dtype: str | None = None, timeout_s: float = 60.0, groups=None, peers=None
+    ) -> dict:
         """Run one ``DeviceProgram`` (or ``CompiledProgram``) over ``src``/``dst`` tensors.
 
         ``dtype`` defaults to that of ``src`` or ``dst``. ``groups`` (``.get(key)``) overrides the
         communicator cache. On failure the program's communicators are aborted (peers fail fast)
-        and the error is raised."""
+        and the error is raised. ``peers`` maps each holder of the program's PULL ops to its
+        source shard (mapped through ``self.peers``)."""
         if isinstance(program, DeviceProgram):
             if dtype is None:
                 t = src if src is not None else dst
@@ -152,7 +161,7 @@ class DeviceContext:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ReshardTimeout(f"device {self.device}: timeout_s={timeout_s:g}s passed while connecting groups")
-            return run_program(self, program, src, dst, left, groups)
+            return run_program(self, program, src, dst, left, groups, peers)
         except BaseException:
             if own_groups:
                 self.groups.abort(program.groups)
@@ -172,8 +181,14 @@ class DeviceContext:
             numel *= n
         flat = self.pool.take(numel * tdtype.itemsize) if numel else None
         if flat is None:
-            return torch.empty(shape, dtype=tdtype, device=self.torch_device)
+            if self.shared is None or not numel:
+                return torch.empty(shape, dtype=tdtype, device=self.torch_device)
+            flat = self.shared.allocate(numel * tdtype.itemsize)
         return flat.view(tdtype).view(shape)
+
+    def descriptor(self, t: torch.Tensor | None):
+        """How peers on this machine map shard ``t`` (None: they cannot, it is not shared)."""
+        return None if self.shared is None else self.shared.descriptor(t)
 
     def release(self, name: str) -> bool:
         """Drop shard ``name``; its memory goes to the pool when nothing else references it."""
@@ -232,8 +247,9 @@ class DeviceActor:
 
     # ---------------------------------------------------------------- tensors
 
-    def load(self, name: str, array: np.ndarray, box, dtype: str) -> int:
-        """Keep ``array[box]`` (a read-only object-store array) as shard ``name``."""
+    def load(self, name: str, array: np.ndarray, box, dtype: str):
+        """Keep ``array[box]`` (a read-only object-store array) as shard ``name``; returns its
+        shared-memory descriptor (``DeviceContext.descriptor``)."""
         shape = tuple(hi - lo for lo, hi in box)
         wire = torch.int16 if dtype == "bfloat16" else torch_dtype(dtype)
         if self.ctx.torch_device.type == "cpu":
@@ -245,7 +261,7 @@ class DeviceActor:
         if t.device != self.ctx.torch_device:
             t = t.to(self.ctx.torch_device)
         self.ctx.buffers[name] = t
-        return t.numel() * t.element_size()
+        return self.ctx.descriptor(t)
 
     def fetch(self, name: str) -> np.ndarray:
         """Shard ``name`` as a numpy array (bfloat16 as its int16 bit pattern)."""
@@ -275,13 +291,16 @@ class DeviceActor:
         self.ctx.apply(updates)
 
     def run(self, msg: tuple) -> tuple:
-        """Run a program. ``msg`` is ``(pid, blob, updates, src_name, dst_name, timeout_s)``: run
-        program ``pid`` (decoding ``blob`` first if given, applying the driver's ``updates`` if
-        any) over source shard ``src_name`` into a new destination shard ``dst_name``. Returns
-        ``(run_s, elapsed_s, comm_s, peak_bytes)`` (the driver expands it, see ``Runtime.last_run``)."""
+        """Run a program. ``msg`` is ``(pid, blob, updates, src_name, dst_name, timeout_s, pulls)``:
+        run program ``pid`` (decoding ``blob`` first if given, applying the driver's ``updates`` if
+        any) over source shard ``src_name`` into a new destination shard ``dst_name``; ``pulls``
+        maps each device this one pulls from to its source shard's descriptor. Returns ``(run_s,
+        elapsed_s, comm_s, peak_bytes, descriptor of the destination shard)`` (the driver expands
+        the statistics, see ``Runtime.last_run``)."""
         t0 = time.monotonic()
-        pid, blob, updates, src_name, dst_name, timeout_s = msg
+        pid, blob, updates, src_name, dst_name, timeout_s, pulls = msg
         ctx = self.ctx
+        dst = None
         try:
             ctx.apply(updates)
             if blob is not None:
@@ -299,18 +318,24 @@ class DeviceActor:
                 if src is None:
                     self._fail_fast(compiled, timeout_s)
                     raise ReshardError(f"device {ctx.device}: source shard {src_name!r} is missing (tensor freed?)")
+            peers = None
+            if pulls:
+                tdtype = torch_dtype(compiled.dtype)
+                peers = {h: ctx.peers.get(h, desc, tdtype) for h, desc in pulls.items()}
             dst = ctx.allocate(prog.dst_shape, compiled.dtype) if prog.dst_shape is not None else None
             ctx.counters["runs"] += 1
-            stats = ctx.run_program(compiled, src, dst, timeout_s=timeout_s)
+            stats = ctx.run_program(compiled, src, dst, timeout_s=timeout_s, peers=peers)
         except ReshardError:
             ctx.counters["failed_runs"] += 1
             raise
         except Exception as e:
             ctx.counters["failed_runs"] += 1
             raise ReshardError(f"device {ctx.device}: {type(e).__name__}: {e}") from e
+        desc = None
         if dst is not None:
             ctx.buffers[dst_name] = dst
-        return (time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], stats["peak_bytes"])
+            desc = ctx.descriptor(dst)
+        return (time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], stats["peak_bytes"], desc)
 
     def _fail_fast(self, compiled: CompiledProgram, timeout_s: float) -> None:
         """This device cannot run its part: join the program's groups anyway and abort them at
@@ -350,4 +375,5 @@ class DeviceActor:
         self.ctx.groups.close_all()
         self.ctx.buffers.clear()
         self.ctx.pool.clear()
+        self.ctx.peers.clear()
         self.ctx.staging.buf = None

@@ -30,13 +30,16 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from reshard.errors import MeshClosed, ReshardError, ReshardTimeout, WorkerDied
+from reshard.layout import Layout
 from reshard.lowering import Program, lower_plan
 from reshard.plan import ReshardPlan
+from reshard.pulls import pull_sources, to_pulls
 from reshard.runtime.communicator import PeerFailed
 from reshard.runtime.groups import GroupTable, group_key
 from reshard.serialize import encode_device_program
 from reshard.validate import validate_plan, validate_program
 from topology.cluster import Cluster
+from topology.mesh import Mesh
 
 log = logging.getLogger(__name__)
 _RESHIP = object()  # program-cache mirror value: ship this program again with the next run
@@ -54,6 +57,7 @@ class DeviceRecord:
     max_communicators: int
     max_programs: int
     owner: str  # description of the mesh that created it, for messages
+    shared_memory: bool = False  # allocates its shards in shared memory (peers on its node may pull)
     state: str = "alive"  # alive | closed | dead
     reason: str = ""
     programs: OrderedDict = field(default_factory=OrderedDict)  # mirror of the actor's program cache
@@ -84,6 +88,7 @@ class Lowered:
     blobs: dict  # device -> msgpack bytes of its DeviceProgram
     groups: tuple  # every communicator key the program uses
     participants: tuple  # devices that get a run call (ops or a destination shard)
+    pulls_from: dict  # device -> the devices whose source shards it pulls (``reshard.pulls``)
 
 
 class Runtime:
@@ -106,6 +111,7 @@ class Runtime:
         self._session = None
         self._live_cluster: Cluster | None = None
         self._clusters: dict = {}
+        self._pull_layouts: dict = {}
 
     # ---------------------------------------------------------------- ids and session
 
@@ -243,8 +249,47 @@ class Runtime:
                 self._clusters[key] = hit
             return hit
 
-    def lower(self, plan: ReshardPlan, cluster: Cluster | None = None) -> Lowered:
-        key = (plan.shape, plan.dtype, plan.src, plan.dst, plan.strategy, cluster)
+    def memory_domains(self, src_mesh, dst_mesh, shared: dict) -> dict:
+        """``{device: Ray node}`` of the devices that may take part in pulls between ``src_mesh``
+        and ``dst_mesh``: devices that keep their shards in shared memory, and of the source
+        devices only those whose shard is in it (``shared``: its descriptor)."""
+        with self.lock:
+            out = {}
+            for d in (*src_mesh.device_ids, *dst_mesh.device_ids):
+                rec = self.devices[d]
+                if rec.shared_memory and (d in shared or d not in src_mesh.device_ids):
+                    out[d] = rec.node_id
+        return out
+
+    def planning_layouts(self, src: Layout, dst: Layout, domain_of: dict) -> tuple[Layout, Layout]:
+        """``src``/``dst`` with every device of a shared-memory domain on one host (its Ray node's):
+        what "auto" should plan for when those transfers become pulls (no relays through a
+        logical host that is not a real one). Unchanged without domains."""
+        if not domain_of:
+            return src, dst
+        key = (src, dst, tuple(sorted(domain_of.items())))
+        with self.lock:
+            hit = self._pull_layouts.get(key)
+            if hit is None:
+
+                def remap(layout: Layout) -> Layout:
+                    m = layout.mesh
+                    hosts = [
+                        self.host_of_node(domain_of[d]) if d in domain_of else h
+                        for d, h in zip(m.device_ids, m.host_ids, strict=True)
+                    ]
+                    return Layout(Mesh(m.shape, m.device_ids, hosts, axis_names=m.axis_names), layout.placements)
+
+                hit = self._pull_layouts[key] = (remap(src), remap(dst))
+                if len(self._pull_layouts) > self.max_lowered:
+                    self._pull_layouts.pop(next(iter(self._pull_layouts)))
+            return hit
+
+    def lower(self, plan: ReshardPlan, cluster: Cluster | None = None, domain_of: dict | None = None) -> Lowered:
+        """Lower, validate and encode ``plan`` (cached). ``domain_of`` maps devices to their
+        shared-memory domain: transfers inside one become pulls (``reshard.pulls``)."""
+        domains = tuple(sorted(domain_of.items())) if domain_of else ()
+        key = (plan.shape, plan.dtype, plan.src, plan.dst, plan.strategy, cluster, domains)
         with self.lock:
             hit = self.lowered.get(key)
             if hit is not None:
@@ -253,17 +298,20 @@ class Runtime:
         validate_plan(plan)
         program = lower_plan(plan)
         validate_program(program)
-        blobs, groups = {}, {}
+        if domains:
+            program = to_pulls(program, domain_of)
+            validate_program(program)
+        blobs = {}
         participants = []
         for p in program.devices:
             if p.ops or p.dst_shape is not None:
                 participants.append(p.device)
                 blobs[p.device] = encode_device_program(p, program.dtype)
-            for op in p.ops:
-                if len(op.group) > 1:
-                    groups.setdefault(group_key(op.group), None)
+        groups = program.groups  # communicators only: COPY and PULL ops need none
         with self.lock:
-            lowered = Lowered(next(self._program_ids), plan, program, blobs, tuple(groups), tuple(participants))
+            lowered = Lowered(
+                next(self._program_ids), plan, program, blobs, tuple(groups), tuple(participants), pull_sources(program)
+            )
             self.lowered[key] = lowered
             while len(self.lowered) > self.max_lowered:
                 self.lowered.popitem(last=False)
@@ -325,9 +373,13 @@ class Runtime:
 
     # ---------------------------------------------------------------- execution
 
-    def execute(self, lowered: Lowered, src_name: str | None, dst_name: str, timeout_s: float, what: str) -> dict:
+    def execute(
+        self, lowered: Lowered, src_name: str | None, dst_name: str, timeout_s: float, what: str, shared=None
+    ) -> dict:
         """Run a lowered program: one ``run`` call per participant (one packed argument; updates
-        only when there are any); returns per-device raw stats (see ``last_run``)."""
+        only when there are any); ``shared`` maps source devices to their shards' shared-memory
+        descriptors, for the devices that pull. Returns per-device raw results (see ``last_run``;
+        the last item is the destination shard's descriptor)."""
         with self.lock:
             self.check_devices(lowered.participants, what)
             sets: dict[int, dict] = {}
@@ -346,7 +398,9 @@ class Runtime:
                     rec.program_drops.append(old)
                 updates = rec.take_run_updates(sets[d].get("group_sets") if d in sets else None)
                 # one packed argument per call: Ray serializes one small tuple
-                refs[d] = rec.actor.run.remote((lowered.pid, blob, updates, src_name, dst_name, timeout_s))
+                holders = lowered.pulls_from.get(d)
+                pulls = {h: shared[h] for h in holders} if holders else None
+                refs[d] = rec.actor.run.remote((lowered.pid, blob, updates, src_name, dst_name, timeout_s, pulls))
             self.stats["runs"] += 1
             self.stats["run_calls"] += len(refs)
         results, errors, pending = gather(refs, timeout_s, settle_s=SETTLE_S)

@@ -1,6 +1,7 @@
 """Actor-side interpreter of ``DeviceProgram``s: runs the ops in program order, nothing else.
 
-COPY copies a slice of SRC (or DST, for a relay) into a DST slice. SEND/RECV/BROADCAST look up the
+COPY copies a slice of SRC (or DST, for a relay) into a DST slice; PULL copies a slice of a peer's
+source shard (mapped shared memory, ``peers``) into a DST slice. SEND/RECV/BROADCAST look up the
 communicator of ``group_key(op.group)``; the root's rank is the index of ``op.group[0]`` in it.
 A slice that is not contiguous in its buffer (``op.stage``) passes through ONE reusable staging
 buffer (raw bytes, viewed as the op's dtype and shape): the executor never allocates a full-size
@@ -104,6 +105,8 @@ def _slices(box) -> tuple | None:
     return tuple(slice(lo, hi) for lo, hi in box)
 
 
+_LOCAL = (OpKind.COPY, OpKind.PULL)  # ops that involve no communicator
+
 #: Local COPY bytes from which a program's copies run on a helper thread while its communication
 #: proceeds (below, the thread hand-off costs more than it saves).
 OVERLAP_COPY_BYTES = 1 << 20
@@ -121,16 +124,16 @@ def _copier():
     return _copy_pool
 
 
-def _run_copies(steps, src, dst) -> None:
+def _run_copies(steps, src, dst, peers) -> None:
     for s in steps:
-        dst[s.write].copy_(src[s.read])
+        dst[s.write].copy_((peers[s.op.group[0]] if s.kind is OpKind.PULL else src)[s.read])
 
 
 @dataclass(frozen=True, slots=True)
 class CompiledProgram:
     """A ``DeviceProgram`` with slices and ranks precomputed, plus its dtype.
 
-    ``copies`` (when set) are the local COPY ops that may run concurrently with the communication
+    ``copies`` (when set) are the local COPY and PULL ops that may run concurrently with the communication
     ops in ``steps`` (no op reads the destination, and they write boxes no other op writes)."""
 
     program: DeviceProgram
@@ -150,15 +153,15 @@ class CompiledProgram:
 
 
 def compile_program(program: DeviceProgram, dtype: str) -> CompiledProgram:
-    """Precompute slices and ranks. Local COPY ops involve no peer, so when no op of the program
-    reads the destination shard (no relay), they run after the communication ops: peers waiting
-    for this device's sends are served first. Communication ops keep their global order."""
+    """Precompute slices and ranks. Local COPY and PULL ops wait for no peer, so when no op of the
+    program reads the destination shard (no relay), they run after the communication ops: peers
+    waiting for this device's sends are served first. Communication ops keep their global order."""
     steps = []
     groups: dict = {}
     me_dev = program.device
     for op in program.ops:
         key = group_key(op.group)
-        if op.kind is not OpKind.COPY:
+        if op.kind not in _LOCAL:
             groups.setdefault(key, None)
         root = key.index(op.group[0])
         me = key.index(me_dev)
@@ -188,8 +191,8 @@ def compile_program(program: DeviceProgram, dtype: str) -> CompiledProgram:
             )  # fmt: skip
         )
     if not any(s.read_dst for s in steps):
-        comm = [s for s in steps if s.kind is not OpKind.COPY]
-        copies = [s for s in steps if s.kind is OpKind.COPY]
+        comm = [s for s in steps if s.kind not in _LOCAL]
+        copies = [s for s in steps if s.kind in _LOCAL]
         copy_numel = sum(s.numel for s in copies)
         if comm and copies and copy_numel * ITEMSIZE[dtype] >= OVERLAP_COPY_BYTES:
             # big local copies: on the helper thread while this device communicates
@@ -199,12 +202,19 @@ def compile_program(program: DeviceProgram, dtype: str) -> CompiledProgram:
 
 
 def run_program(
-    ctx, compiled: CompiledProgram, src: torch.Tensor | None, dst: torch.Tensor | None, timeout_s: float, groups=None
+    ctx,
+    compiled: CompiledProgram,
+    src: torch.Tensor | None,
+    dst: torch.Tensor | None,
+    timeout_s: float,
+    groups=None,
+    peers: dict | None = None,
 ) -> dict:
     """Run one device's program: read ``src`` (this device's source shard), write ``dst`` (its
     destination shard, already allocated). ``groups`` (default ``ctx.groups``) maps a group key to
-    a communicator through ``.get(key)``. Raises ``ReshardError``/``ReshardTimeout``; the caller
-    aborts the program's communicators on failure."""
+    a communicator through ``.get(key)``; ``peers`` maps a device to its source shard as mapped
+    here, for PULL ops. Raises ``ReshardError``/``ReshardTimeout``; the caller aborts the
+    program's communicators on failure."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     dtype = torch_dtype(compiled.dtype)
@@ -216,23 +226,28 @@ def run_program(
     peak = (0 if dst is None else dst.numel() * dst.element_size()) + staging.nbytes
     ctx.note_peak(peak)
     groups = ctx.groups if groups is None else groups
+    peers = _check_peers(compiled, peers or {}, dtype)
     before = ctx.before_op
     comm_s = 0.0
     steps = compiled.steps
     if compiled.copies and before is None and dst.device.type == "cpu":
         # local copies on the helper thread, communication here; joined before returning or raising
         steps = steps[: len(steps) - len(compiled.copies)]
-        copying = _copier().submit(_run_copies, compiled.copies, src, dst)
+        copying = _copier().submit(_run_copies, compiled.copies, src, dst, peers)
         try:
-            comm_s = _communicate(ctx, compiled, steps, src, dst, deadline, timeout_s, groups, staging, dtype, None)
+            comm_s = _communicate(
+                ctx, compiled, steps, src, dst, peers, deadline, timeout_s, groups, staging, dtype, None
+            )
         finally:
             copying.result()  # re-raises a copy error; never leaves a thread writing dst
     else:
-        comm_s = _communicate(ctx, compiled, steps, src, dst, deadline, timeout_s, groups, staging, dtype, before)
+        comm_s = _communicate(
+            ctx, compiled, steps, src, dst, peers, deadline, timeout_s, groups, staging, dtype, before
+        )
     return {"elapsed_s": time.monotonic() - t0, "comm_s": comm_s, "ops": len(compiled.steps), "peak_bytes": peak}
 
 
-def _communicate(ctx, compiled, steps, src, dst, deadline, timeout_s, groups, staging, dtype, before) -> float:
+def _communicate(ctx, compiled, steps, src, dst, peers, deadline, timeout_s, groups, staging, dtype, before) -> float:
     prog = compiled.program
     comm_s = 0.0
     for s in steps:
@@ -242,6 +257,9 @@ def _communicate(ctx, compiled, steps, src, dst, deadline, timeout_s, groups, st
         if kind is OpKind.COPY:
             buf = dst if s.read_dst else src
             dst[s.write].copy_(buf[s.read])
+            continue
+        if kind is OpKind.PULL:
+            dst[s.write].copy_(peers[s.op.group[0]][s.read])
             continue
         left = deadline - time.monotonic()
         if left <= 0:
@@ -276,6 +294,21 @@ def _communicate(ctx, compiled, steps, src, dst, deadline, timeout_s, groups, st
                 comm.broadcast(t, s.root)
         comm_s += time.monotonic() - c0
     return comm_s
+
+
+def _check_peers(compiled: CompiledProgram, peers: dict, dtype: torch.dtype) -> dict:
+    """Every holder the program pulls from is mapped, with the dtype of the program."""
+    for s in compiled.steps:
+        if s.kind is OpKind.PULL:
+            holder = s.op.group[0]
+            t = peers.get(holder)
+            if t is None or t.dtype != dtype:
+                got = "nothing" if t is None else f"a {t.dtype} shard"
+                raise ReshardError(
+                    f"device {compiled.device}: step {s.step} pulls from device {holder}'s source shard but {got} "
+                    "was mapped for it"
+                )
+    return peers
 
 
 def _contiguous(view: torch.Tensor, s: _Step, device: int) -> torch.Tensor:

@@ -11,6 +11,13 @@ actors, disjoint or overlapping. Devices keep their host unless ``devices_per_ho
 view; shutting the owner down closes every view over its devices (``MeshClosed``).
 
 ``mesh.mesh`` is the abstract mesh, so ``Layout(device_mesh, placements)`` works.
+
+Shared memory (CPU devices, default on): the actors allocate their shards in shared memory, and
+a reshard moves every slice whose sender and receivers run on one machine as a PULL: the
+receiver copies it straight out of the sender's source shard (``reshard.pulls``), whatever
+logical hosts the meshes declare. Only the rest goes through the backend. ``shared_memory=False``
+on ``create`` keeps shards private (everything through the backend, as between machines);
+``reshard(..., shared_memory=False)`` does so for one call.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class DeviceMesh:
         staging_keep_bytes: int = 64 << 20,
         buffer_pool_bytes: int = 256 << 20,
         torch_threads: int = 1,
+        shared_memory: bool = True,
     ) -> DeviceMesh:
         """Start one actor per device of a mesh of ``shape``.
 
@@ -93,7 +101,9 @@ class DeviceMesh:
         shards (``ShardedTensor.free()``) kept for reuse: a new shard of a byte size freed before
         reuses that memory instead of page-faulting fresh memory in (least recently freed evicted
         first; 0 disables the pool). Idle pool bytes are reported apart from live buffers
-        (``pool_bytes`` in the actors' ``stats()``).
+        (``pool_bytes`` in the actors' ``stats()``). ``shared_memory`` (CPU devices only; see the
+        module docstring): shards live in shared memory and actors of one machine pull slices from
+        each other instead of messaging; False sends everything through the backend.
         """
         probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)  # validates
         _positive_int("max_communicators", max_communicators)
@@ -137,6 +147,7 @@ class DeviceMesh:
             "buffer_pool_bytes": int(buffer_pool_bytes),
             "torch_threads": int(torch_threads),
             "device_type": spec.device_type,
+            "shared_memory": bool(shared_memory) and spec.device_type == "cpu",
         }
         actor_cls = _actor_class()
         actors = [
@@ -163,8 +174,9 @@ class DeviceMesh:
             hosts = [rt.host_of_node(n) for n in nodes]
         mesh = Mesh(probe.shape, ids, hosts, axis_names=axis_names)
         owner = f"DeviceMesh{probe.shape} devices {ids[0]}..{ids[-1]}"
+        shared = options["shared_memory"]
         records = [
-            DeviceRecord(d, a, h, name, n, max_communicators, max_programs, owner)
+            DeviceRecord(d, a, h, name, n, max_communicators, max_programs, owner, shared)
             for d, a, h, n in zip(ids, actors, hosts, nodes, strict=True)
         ]
         rt.add_devices(records, instance)
@@ -233,6 +245,11 @@ class DeviceMesh:
         return self.mesh.host_ids
 
     @property
+    def shared_memory(self) -> bool:
+        """Whether every device keeps its shards in shared memory (peers on its machine pull)."""
+        return all(r.shared_memory for r in self._records)
+
+    @property
     def actors(self) -> tuple:
         """Actor handles, by flat mesh index."""
         return tuple(r.actor for r in self._records)
@@ -252,7 +269,8 @@ class DeviceMesh:
         state = " closed" if self._closed else ""
         kind = "" if self.owned else " view"
         devices, hosts = list(self.device_ids), list(self.host_ids)
-        return f"DeviceMesh{self.shape}{kind}(devices={devices}, hosts={hosts}, {self.backend}{state})"
+        memory = ", shared memory" if self.shared_memory else ""
+        return f"DeviceMesh{self.shape}{kind}(devices={devices}, hosts={hosts}, {self.backend}{memory}{state})"
 
     def check_open(self) -> None:
         """Raise MeshClosed (shut down) or WorkerDied (a device died) unless usable."""

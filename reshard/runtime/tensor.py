@@ -32,12 +32,15 @@ class ShardedTensor:
     ``shape`` (tuple), ``dtype`` (canonical name, e.g. "float32"), ``layout``, ``mesh`` (the
     DeviceMesh), ``name`` (the actors' buffer name)."""
 
-    def __init__(self, mesh: DeviceMesh, layout: Layout, shape: tuple[int, ...], dtype: str, name: str):
+    def __init__(
+        self, mesh: DeviceMesh, layout: Layout, shape: tuple[int, ...], dtype: str, name: str, shared=None
+    ):
         self.mesh = mesh
         self.layout = layout
         self.shape = tuple(shape)
         self.dtype = dtype
         self.name = name
+        self._shared = dict(shared or {})  # device -> shared-memory descriptor of its shard
         self._freed = False
 
     def __repr__(self) -> str:
@@ -193,17 +196,44 @@ def distribute(array, layout: Layout, *, timeout_s: float = DEFAULT_TIMEOUT_S) -
                 f"distribute onto {layout}: devices at flat indices {pending} did not finish in {timeout_s:g}s"
             )
         raise next(iter(errors.values()))[1]
-    return ShardedTensor(dmesh, layout, shape, dtype, name)
+    shared = {dmesh.device_ids[i]: desc for i, desc in results.items() if desc is not None}
+    return ShardedTensor(dmesh, layout, shape, dtype, name, shared)
+
+
+def lowered_reshard(
+    tensor: ShardedTensor, dst_layout: Layout, *, strategy: str = "auto", cluster=None, shared_memory: bool = True
+):
+    """What ``reshard(tensor, tensor.mesh, dst_layout, ...)`` runs: the ``Lowered`` program (plan,
+    per-device programs with their PULL ops, groups), planned and cached as ``reshard`` does.
+
+    Plans are made for ``cluster`` (a ``topology.Cluster``); by default for the meshes' hosts with
+    the live Ray cluster's figures and the meshes' backend (``Runtime.planning_cluster``), where
+    the devices of one machine count as one host when they share memory (their transfers become
+    pulls, ``reshard.pulls``). ``shared_memory=False``: no pulls, everything through the backend."""
+    rt = runtime()
+    dmesh = rt.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
+    if dmesh.backend != tensor.mesh.backend:
+        raise ValueError(
+            f"reshard from a {tensor.mesh.backend} mesh to a {dmesh.backend} mesh: both meshes must use one backend"
+        )
+    domain_of = rt.memory_domains(tensor.mesh, dmesh, tensor._shared) if shared_memory else {}
+    src_l, dst_l = tensor.layout, dst_layout
+    if cluster is None:
+        src_l, dst_l = rt.planning_layouts(src_l, dst_l, domain_of)
+        cluster = rt.planning_cluster(dmesh.backend, src_l.mesh, dst_l.mesh)
+    plan = plan_reshard(tensor.shape, tensor.dtype, src_l, dst_l, strategy=strategy, cluster=cluster)
+    return rt.lower(plan, cluster, domain_of)
 
 
 def reshard(
     tensor: ShardedTensor, src_mesh: DeviceMesh, dst_layout: Layout, *, strategy: str = "auto",
-    timeout_s: float = DEFAULT_TIMEOUT_S, cluster=None,
+    timeout_s: float = DEFAULT_TIMEOUT_S, cluster=None, shared_memory: bool = True,
 ) -> ShardedTensor:  # fmt: skip
     """Move ``tensor`` (on ``src_mesh``, its own mesh) to ``dst_layout`` (on a DeviceMesh).
 
-    Plans are made for ``cluster`` (a ``topology.Cluster``); by default for the meshes' hosts with
-    the live Ray cluster's figures and the meshes' backend (``Runtime.planning_cluster``).
+    Planning: see ``lowered_reshard`` (``cluster`` overrides the cost model "auto" plans for).
+    Slices between actors of one machine are pulled through shared memory (see
+    ``DeviceMesh``); ``shared_memory=False`` sends everything through the backend instead.
 
     Returns a new ShardedTensor; the source stays intact. Raises ValueError/TypeError for misuse,
     ``WorkerDied`` / ``ReshardTimeout`` / ``ReshardError`` if the run fails (within about
@@ -222,17 +252,11 @@ def reshard(
             "pass tensor.mesh as src_mesh"
         )
     tensor._check("reshard source")
+    lowered = lowered_reshard(tensor, dst_layout, strategy=strategy, cluster=cluster, shared_memory=shared_memory)
     rt = runtime()
     dmesh = rt.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
-    if dmesh.backend != tensor.mesh.backend:
-        raise ValueError(
-            f"reshard from a {tensor.mesh.backend} mesh to a {dmesh.backend} mesh: both meshes must use one backend"
-        )
-    if cluster is None:
-        cluster = rt.planning_cluster(dmesh.backend, tensor.mesh.mesh, dmesh.mesh)
-    plan = plan_reshard(tensor.shape, tensor.dtype, tensor.layout, dst_layout, strategy=strategy, cluster=cluster)
-    lowered = rt.lower(plan, cluster)
     name = rt.new_buffer_name()
     what = f"reshard {tensor.dtype}{list(tensor.shape)} {tensor.layout} -> {dst_layout} (strategy {strategy!r})"
-    rt.execute(lowered, tensor.name, name, float(timeout_s), what)
-    return ShardedTensor(dmesh, dst_layout, tensor.shape, tensor.dtype, name)
+    results = rt.execute(lowered, tensor.name, name, float(timeout_s), what, tensor._shared)
+    shared = {d: r[4] for d, r in results.items() if r[4] is not None}
+    return ShardedTensor(dmesh, dst_layout, tensor.shape, tensor.dtype, name, shared)

@@ -32,8 +32,8 @@ pytestmark = pytest.mark.dist
 
 @pytest.fixture(scope="module")
 def spare(ray_cluster):
-    """Two devices of their own, for the tests that kill a device."""
-    mesh = DeviceMesh.create((1, 2), backend="gloo", startup_timeout_s=180)
+    """Four devices of their own, for the tests that kill a device (one victim per test run)."""
+    mesh = DeviceMesh.create((1, 4), backend="gloo", startup_timeout_s=180)
     yield mesh
     mesh.shutdown()
 
@@ -198,8 +198,14 @@ def _groups_and_buffers(pool, indices):
     return {i: (set(stats[i]["group_entries"]), set(stats[i]["buffers"])) for i in indices}
 
 
-def test_worker_exits_mid_reshard(pool, view, spare):
-    victim = spare.device_ids[0]
+#: The failure tests run both ways: pulls through shared memory (the default) and gloo only, whose
+#: failure path also aborts communicators and drops the failed run's groups on the survivors.
+TRANSPORTS = pytest.mark.parametrize(("shared_memory", "spare_base"), [(True, 0), (False, 2)], ids=["pull", "gloo"])
+
+
+@TRANSPORTS
+def test_worker_exits_mid_reshard(pool, view, spare, shared_memory, spare_base):
+    victim = spare.device_ids[spare_base]
     src = view([0, 1], (2,))
     dst = DeviceMesh.from_devices([victim, pool.device_ids[2], pool.device_ids[3]], (3,))
     x = random_array((600, 64), "float32", 2)
@@ -209,7 +215,7 @@ def test_worker_exits_mid_reshard(pool, view, spare):
     DeviceMesh.from_devices([victim], (1,)).call(_exit_at_first_communication)
     t0 = time.monotonic()
     with pytest.raises(WorkerDied, match=rf"\[{victim}\] died.*source tensor is intact"):
-        reshard(t, src, dst_layout, timeout_s=20)
+        reshard(t, src, dst_layout, timeout_s=20, shared_memory=shared_memory)
     assert time.monotonic() - t0 < 15
     assert_shards(t, x)  # the source is intact and usable
     lowered = runtime().lower(plan_reshard(x.shape, "float32", t.layout, dst_layout))
@@ -220,35 +226,37 @@ def test_worker_exits_mid_reshard(pool, view, spare):
         assert not any(victim in g for g in groups)
         assert not set(lowered.groups) & groups, "survivors must drop the groups of the failed run"
     with pytest.raises(WorkerDied, match="died"):
-        reshard(t, src, dst_layout)
-    y = reshard(t, src, Layout(view([2, 3, 4], (3,)), pl("S1")))  # the same survivors, new groups
+        reshard(t, src, dst_layout, shared_memory=shared_memory)
+    y = reshard(t, src, Layout(view([2, 3, 4], (3,)), pl("S1")), shared_memory=shared_memory)  # the same survivors
     assert_bit_exact(y.to_numpy(), x)
     _still_works(view, 3)
 
 
-def test_worker_killed_during_big_reshard(pool, view, spare, ray_cluster):
-    victim = spare.device_ids[1]
+@TRANSPORTS
+def test_worker_killed_during_big_reshard(pool, view, spare, ray_cluster, shared_memory, spare_base):
+    victim = spare.device_ids[spare_base + 1]
     src = view([4, 5], (2,))
     dst = DeviceMesh.from_devices([pool.device_ids[6], victim], (2,))
     x = random_array((1024, 2048), "float32", 3)  # 8 MiB
     t = distribute(x, Layout(src, pl("S0")))
     DeviceMesh.from_devices([victim], (1,)).call(_slow_ops, 2.0)  # the kill lands while the victim is mid-run
-    killer = threading.Timer(0.7, ray_cluster.kill, args=(spare.actor(1),))
+    killer = threading.Timer(0.7, ray_cluster.kill, args=(spare.actor(spare_base + 1),))
     killer.start()
     t0 = time.monotonic()
     try:
         with pytest.raises(WorkerDied, match=rf"\[{victim}\] died"):
-            reshard(t, src, Layout(dst, pl("R")), strategy="broadcast", timeout_s=30)
+            reshard(t, src, Layout(dst, pl("R")), strategy="broadcast", timeout_s=30, shared_memory=shared_memory)
     finally:
         killer.join()
     assert time.monotonic() - t0 < 20
     assert_shards(t, x)
-    y = reshard(t, src, Layout(view([6, 7], (2,)), pl("R")), strategy="broadcast")
+    y = reshard(t, src, Layout(view([6, 7], (2,)), pl("R")), strategy="broadcast", shared_memory=shared_memory)
     assert_bit_exact(y.to_numpy(), x)
     _still_works(view, 4)
 
 
-def test_timeout_is_bounded_and_recoverable(pool, view):
+@TRANSPORTS
+def test_timeout_is_bounded_and_recoverable(pool, view, shared_memory, spare_base):
     src = view([0, 1], (2,))
     dst = view([2, 3], (2,))
     x = random_array((64, 32), "int32", 5)
@@ -257,9 +265,9 @@ def test_timeout_is_bounded_and_recoverable(pool, view):
     pool.call(_stall_once, 3.0, devices=[2])
     t0 = time.monotonic()
     with pytest.raises(ReshardTimeout, match="timeout_s=1s"):
-        reshard(t, src, layout, timeout_s=1.0)
+        reshard(t, src, layout, timeout_s=1.0, shared_memory=shared_memory)
     assert time.monotonic() - t0 < 2.5
-    y = reshard(t, src, layout, timeout_s=30)
+    y = reshard(t, src, layout, timeout_s=30, shared_memory=shared_memory)
     assert_bit_exact(y.to_numpy(), x)
     assert_shards(t, x)
     stats = pool.stats()
@@ -267,14 +275,20 @@ def test_timeout_is_bounded_and_recoverable(pool, view):
     _still_works(view, 5)
 
 
-def test_error_inside_actor_is_a_reshard_error(pool, view):
-    """A program that cannot run (its source shard is gone) fails cleanly, the runtime lives on."""
+@pytest.mark.parametrize(
+    "shared_memory, error",
+    [(True, "device 1's source shard is gone"), (False, "source shard .* is missing")],
+    ids=["pull", "backend"],
+)
+def test_error_inside_actor_is_a_reshard_error(pool, view, shared_memory, error):
+    """A program that cannot run (its source shard is gone) fails cleanly, the runtime lives on:
+    the holder's own check when it would send, the puller's when it would map the shard."""
     src = view([0, 1], (2,))
     dst = view([4, 5], (2,))
     t = distribute(np.arange(10, dtype=np.int64), Layout(src, pl("S0")))
     src.call(lambda ctx, name: ctx.buffers.pop(name) is not None, t.name, devices=[1])
     t0 = time.monotonic()
-    with pytest.raises(ReshardError, match="source shard .* is missing"):
-        reshard(t, src, Layout(dst, pl("R")), timeout_s=20)
+    with pytest.raises(ReshardError, match=error):
+        reshard(t, src, Layout(dst, pl("R")), timeout_s=20, shared_memory=shared_memory)
     _still_works(view, 6)  # the peers of the failed device did not wait for their deadline
     assert time.monotonic() - t0 < 10

@@ -33,13 +33,18 @@ CASES = [
 ]
 
 
-def _run_case(view, case, dtype="float32", strategy="auto", seed=0):
+#: Every bit-exactness test runs both ways: slices pulled through shared memory where sender and
+#: receivers share a machine (the default), and everything through gloo (``shared_memory=False``).
+TRANSPORTS = pytest.mark.parametrize("shared_memory", [True, False], ids=["pull", "gloo"])
+
+
+def _run_case(view, case, dtype="float32", strategy="auto", seed=0, shared_memory=True):
     _, si, ss, sp, di, ds, dp, shape = case
     src = view(list(si), ss)
     dst = view(list(di), ds)
     x = random_array(shape, dtype, seed)
     t = distribute(x, Layout(src, pl(sp)))
-    y = reshard(t, src, Layout(dst, pl(dp)), strategy=strategy)
+    y = reshard(t, src, Layout(dst, pl(dp)), strategy=strategy, shared_memory=shared_memory)
     assert y.shape == tuple(shape) and y.dtype == dtype and y.mesh is dst
     assert_bit_exact(read(y), x)
     assert_shards(y, x)
@@ -47,15 +52,17 @@ def _run_case(view, case, dtype="float32", strategy="auto", seed=0):
     return t, y
 
 
+@TRANSPORTS
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_layout_pairs(view, case):
-    _run_case(view, case)
+def test_layout_pairs(view, case, shared_memory):
+    _run_case(view, case, shared_memory=shared_memory)
 
 
+@TRANSPORTS
 @pytest.mark.parametrize("dtype", sorted(ITEMSIZE))
 @pytest.mark.parametrize("case", [CASES[0], CASES[-1]], ids=["broadcast", "staged"])
-def test_every_dtype(view, case, dtype):
-    _run_case(view, case, dtype, seed=len(dtype))
+def test_every_dtype(view, case, dtype, shared_memory):
+    _run_case(view, case, dtype, seed=len(dtype), shared_memory=shared_memory)
 
 
 def _strategy_cases():
@@ -63,9 +70,10 @@ def _strategy_cases():
     return [(s, c) for s in sorted(STRATEGIES) for c in picks]
 
 
+@TRANSPORTS
 @pytest.mark.parametrize(("strategy", "case"), _strategy_cases(), ids=lambda v: v if isinstance(v, str) else v[0])
-def test_every_strategy(view, strategy, case):
-    _run_case(view, case, "int32", strategy=strategy)
+def test_every_strategy(view, strategy, case, shared_memory):
+    _run_case(view, case, "int32", strategy=strategy, shared_memory=shared_memory)
 
 
 @pytest.mark.parametrize(
@@ -73,13 +81,14 @@ def test_every_strategy(view, strategy, case):
     [((), "R R", "R R"), ((0,), "S0 R", "R S0"), ((4, 0), "S0 S1", "S1 R"), ((0, 3, 2), "R S2", "S1 S0")],
     ids=["0-d", "empty 1-D", "empty inner", "empty outer"],
 )
-def test_zero_d_and_empty(view, shape, sp, dp):
+@TRANSPORTS
+def test_zero_d_and_empty(view, shape, sp, dp, shared_memory):
     src = view([0, 1, 4, 5], (2, 2))
     dst = view([2, 6, 3, 7], (2, 2))
     x = random_array(shape, "float64", 3)
     t = distribute(x, Layout(src, pl(sp)))
     for d in (dst, src):  # cross-mesh and same-mesh
-        y = reshard(t, src, Layout(d, pl(dp)))
+        y = reshard(t, src, Layout(d, pl(dp)), shared_memory=shared_memory)
         assert_bit_exact(y.to_numpy(), x)
         assert_shards(y, x)
 
@@ -96,38 +105,41 @@ def test_zero_d_torch_scalar(view):
 
 
 @pytest.mark.parametrize(("sp", "dp"), [("S0 S1", "S1 S0"), ("S0 S1", "R R"), ("S0 R", "S0 R"), ("R R", "S1 S0")])
-def test_same_mesh(view, sp, dp):
+@TRANSPORTS
+def test_same_mesh(view, sp, dp, shared_memory):
     mesh = view([0, 1, 4, 5], (2, 2))
     x = random_array((5, 6), "int64", 4)
     t = distribute(x, Layout(mesh, pl(sp)))
-    y = reshard(t, mesh, Layout(mesh, pl(dp)))
+    y = reshard(t, mesh, Layout(mesh, pl(dp)), shared_memory=shared_memory)
     assert_bit_exact(y.to_numpy(), x)
     assert_shards(y, x)
     assert_shards(t, x)
 
 
-def test_repeated_reshard_ships_programs_once(view, pool):
+@TRANSPORTS
+def test_repeated_reshard_ships_programs_once(view, pool, shared_memory):
     src = view([0, 1, 2, 3], (2, 2))
     dst = view([4, 5, 6], (1, 3))
     x = random_array((10, 9), "float32", 5)
     t = distribute(x, Layout(src, pl("S0 S1")))
     layout = Layout(dst, pl("R S0"))
-    reshard(t, src, layout, strategy="broadcast")
+    reshard(t, src, layout, strategy="broadcast", shared_memory=shared_memory)
     before = runtime_stats()
     received = [s["programs_received"] for s in pool.stats()]
     for _ in range(3):
-        y = reshard(t, src, layout, strategy="broadcast")
+        y = reshard(t, src, layout, strategy="broadcast", shared_memory=shared_memory)
         assert_bit_exact(y.to_numpy(), x)
     after = runtime_stats()
     assert after["programs_shipped"] == before["programs_shipped"]
     assert after["plans_lowered"] == before["plans_lowered"]
     assert after.get("rendezvous_calls", 0) == before.get("rendezvous_calls", 0)
     assert after["runs"] == before["runs"] + 3
-    assert after["run_calls"] - before["run_calls"] == 3 * 7  # one call per participating actor
+    # one call per participating actor: with pulls only the 3 receivers run anything
+    assert after["run_calls"] - before["run_calls"] == 3 * (7 if shared_memory is False else 3)
     assert [s["programs_received"] for s in pool.stats()] == received
     # a new tensor of the same shape, dtype and layouts reuses the same programs as well
     t2 = distribute(random_array((10, 9), "float32", 6), Layout(src, pl("S0 S1")))
-    reshard(t2, src, layout, strategy="broadcast")
+    reshard(t2, src, layout, strategy="broadcast", shared_memory=shared_memory)
     assert runtime_stats()["programs_shipped"] == before["programs_shipped"]
 
 
@@ -160,3 +172,82 @@ def test_torch_input_and_output(view):
     y = reshard(t, src, Layout(dst, pl("S1")))
     assert torch.equal(y.to_torch(), x.t().contiguous())
     assert np.array_equal(y.to_numpy(), x.t().numpy())
+
+
+# ------------------------------------------------------------------------------ shared memory
+
+
+def test_pulls_replace_messages_between_actors_of_one_machine(view):
+    """On one machine every slice read from a source shard is pulled: no communicator, and the
+    senders run nothing; shared_memory=False sends everything through gloo."""
+    from reshard.lowering import OpKind
+    from reshard.runtime import lowered_reshard
+
+    src = view([0, 1, 2, 3], (2, 2))
+    x = random_array((12, 10), "float64", 7)
+    t = distribute(x, Layout(src, pl("S0 S1")))
+    assert sorted(t._shared) == list(src.device_ids)
+    dst = view([4, 5, 6], (1, 3))
+    layout = Layout(dst, pl("R S1"))
+    for pulls in (True, False):
+        lowered = lowered_reshard(t, layout, strategy="broadcast", shared_memory=pulls)
+        kinds = {op.kind for p in lowered.program.devices for op in p.ops}
+        if pulls:
+            assert kinds == {OpKind.PULL} and not lowered.groups
+            assert set(lowered.participants) == set(dst.device_ids)
+        else:
+            assert OpKind.PULL not in kinds and lowered.groups
+        y = reshard(t, src, layout, strategy="broadcast", shared_memory=pulls)
+        assert_bit_exact(y.to_numpy(), x)
+        assert_shards(t, x)
+
+
+def _open_fds(ctx):
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_shared_shards_release_their_memory(view, pool):
+    """Each shard lives in its own memfd; freeing tensors closes them (up to what the pool of
+    freed shards keeps), so repeated distribute/reshard/free cycles leak no descriptors."""
+    src = view([0, 1], (2,))
+    dst = view([2, 3], (2,))
+    x = random_array((64, 33), "int32", 8)
+
+    def cycle(i):
+        t = distribute(x + i, Layout(src, pl("S0")))
+        y = reshard(t, src, Layout(dst, pl("S1")))
+        assert_bit_exact(y.to_numpy(), x + i)
+        t.free()
+        y.free()
+
+    cycle(0)
+    before = pool.call(_open_fds, devices=[0, 1, 2, 3])
+    for i in range(1, 25):
+        cycle(i)
+    after = pool.call(_open_fds, devices=[0, 1, 2, 3])
+    assert all(a <= b + 2 for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_private_memory_mesh(view, ray_cluster):
+    """A mesh created with shared_memory=False keeps private shards: reshards to and from it go
+    through gloo."""
+    from reshard import DeviceMesh
+    from reshard.lowering import OpKind
+    from reshard.runtime import lowered_reshard
+
+    own = DeviceMesh.create((1,), backend="gloo", shared_memory=False, startup_timeout_s=180)
+    try:
+        assert not own.shared_memory and "shared memory" not in repr(own)
+        x = random_array((9, 4), "int8", 9)
+        t = distribute(x, Layout(own, pl("R")))
+        assert not t._shared
+        dst = view([0, 1], (2,))
+        y = reshard(t, own, Layout(dst, pl("S0")))
+        assert_bit_exact(y.to_numpy(), x)
+        back = Layout(own, pl("R"))
+        assert OpKind.PULL not in {op.kind for p in lowered_reshard(y, back).program.devices for op in p.ops}
+        assert_bit_exact(reshard(y, dst, back).to_numpy(), x)
+    finally:
+        own.shutdown()

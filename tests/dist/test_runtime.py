@@ -24,17 +24,19 @@ def _largest_slice_bytes(plan, device: int) -> int:
     return max(sizes, default=0)
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["pull", "gloo"])
 @pytest.mark.parametrize("shape", [(32, 24, 16), (256, 128, 96)], ids=["staging kept", "staging trimmed"])
-def test_memory_bound(view, pool, shape):
+def test_memory_bound(view, pool, shape, shared_memory):
     """No device holds more than its destination shard plus one staging buffer the size of its
     largest unit slice (plus its source shard) live during a reshard; the idle bytes of freed
-    shards kept for reuse are reported apart and stay within ``buffer_pool_bytes``."""
+    shards kept for reuse are reported apart and stay within ``buffer_pool_bytes``. Pulls need no
+    staging at all: a receiver holds exactly its destination shard."""
     src = view([0, 1, 2, 3], (2, 2))
     dst = view([4, 5, 6, 7], (2, 2))
     keep = 1 << 20  # so that the big case's staging is trimmed after the run
     pool.call(_set_staging_keep, keep)
     try:
-        _memory_case(pool, src, dst, shape, keep)
+        _memory_case(pool, src, dst, shape, keep, pulls=shared_memory)
     finally:
         pool.call(_set_staging_keep, STAGING_KEEP_BYTES)
 
@@ -44,11 +46,11 @@ def _set_staging_keep(ctx, nbytes):
     ctx.staging.trim()
 
 
-def _memory_case(pool, src, dst, shape, keep):
+def _memory_case(pool, src, dst, shape, keep, pulls):
     x = random_array(shape, "float32", 11)
     t = distribute(x, Layout(src, pl("S2 S1")))  # every slice is strided on both sides
     layout = Layout(dst, pl("S0 S1"))
-    y = reshard(t, src, layout, strategy="send_recv")
+    y = reshard(t, src, layout, strategy="send_recv", shared_memory=pulls)
     assert_bit_exact(y.to_numpy(), x)
     plan = plan_reshard(shape, "float32", t.layout, layout, strategy="send_recv")
     program = lower_plan(plan)
@@ -62,14 +64,17 @@ def _memory_case(pool, src, dst, shape, keep):
     for device, box in zip(dst.device_ids, layout_regions(layout, shape), strict=True):
         s = stats[pool.index_of(device)]
         dst_bytes = box_volume(box) * 4
+        if pulls:  # every slice copied straight from the holder's shard: nothing staged
+            assert s["last_run_peak_bytes"] == dst_bytes and s["staging_bytes"] == 0
+            continue
         assert s["last_run_peak_bytes"] <= dst_bytes + _largest_slice_bytes(plan, device)
         staged += s["last_run_peak_bytes"] > dst_bytes
         assert program.for_device(device).staging_numel * 4 <= _largest_slice_bytes(plan, device)
-    for device in src.device_ids:  # senders: staging only, never a full copy
+    for device in () if pulls else src.device_ids:  # senders: staging only, never a full copy
         s = stats[pool.index_of(device)]
         assert s["last_run_peak_bytes"] <= _largest_slice_bytes(plan, device)
-    assert staged, "this layout pair must exercise the staging path"
-    for d in (*src.device_ids, *dst.device_ids):
+    assert pulls or staged, "this layout pair must exercise the staging path"
+    for d in () if pulls else (*src.device_ids, *dst.device_ids):
         need = program.for_device(d).staging_numel * 4
         # kept for the next run when within the bound, freed otherwise
         assert stats[pool.index_of(d)]["staging_bytes"] == (need if need <= keep else 0)
@@ -83,7 +88,7 @@ def _memory_case(pool, src, dst, shape, keep):
     idle = {s["device"]: s["pool_bytes"] for s in pool.stats()}
     for device, box in zip(dst.device_ids, layout_regions(layout, shape), strict=True):
         assert idle[device] >= box_volume(box) * 4  # the freed shard went idle into the pool
-    y2 = reshard(t, src, layout, strategy="send_recv")
+    y2 = reshard(t, src, layout, strategy="send_recv", shared_memory=pulls)
     assert_bit_exact(y2.to_numpy(), x)
     after = {s["device"]: s for s in pool.stats()}
     for device, box in zip(dst.device_ids, layout_regions(layout, shape), strict=True):
@@ -107,7 +112,7 @@ def test_communicator_and_program_cache_bounds(view, pool):
         layouts = [pl("S1 S0"), pl("R S0"), pl("S1 R"), pl("S0 S0")]
         for spec in layouts:
             layout = Layout(mesh, spec)
-            y = reshard(t, mesh, layout, strategy="send_recv")
+            y = reshard(t, mesh, layout, strategy="send_recv", shared_memory=False)  # communicators only
             assert_bit_exact(y.to_numpy(), x)
             lowered = runtime().lower(plan_reshard(x.shape, "int32", t.layout, layout, strategy="send_recv"))
             for i, s in enumerate(pool.stats()):
@@ -115,7 +120,7 @@ def test_communicator_and_program_cache_bounds(view, pool):
                 assert len(s["group_entries"]) <= max(3, needed), (i, s["group_entries"], needed)
                 assert len(s["programs"]) <= 2
         shipped = runtime_stats()["programs_shipped"]
-        reshard(t, mesh, Layout(mesh, layouts[0]), strategy="send_recv")  # evicted: shipped again
+        reshard(t, mesh, Layout(mesh, layouts[0]), strategy="send_recv", shared_memory=False)  # evicted: shipped again
         assert runtime_stats()["programs_shipped"] > shipped
     finally:
         mesh.configure(max_communicators=64, max_programs=256)

@@ -1,0 +1,113 @@
+"""Shared memory between the CPU device actors of one machine.
+
+An actor of a mesh created with ``shared_memory=True`` allocates its shards in ``memfd`` files
+(anonymous shared memory that dies with the process: a killed actor leaks nothing).
+``SharedShards.descriptor(t)`` names a shard to other processes as ``(pid, fd, inode, shape)``;
+a peer on the same machine maps it through ``/proc/<pid>/fd/<fd>`` (``PeerShards``; the inode
+guards against a reused descriptor number) and copies slices straight out of it: the PULL ops of
+``reshard.pulls``.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from reshard.errors import ReshardError
+
+#: Idle peer mappings a device keeps (LRU by bytes). A mapping of a shard its owner has since
+#: dropped pins that memory until evicted; mappings in use by a run are never dropped mid-run.
+PEER_MAP_BYTES = 512 << 20
+
+
+class SharedShards:
+    """This actor's memfd-backed allocations, keyed by storage address while the storage lives."""
+
+    def __init__(self):
+        self.blocks: dict[int, tuple[int, int, weakref.ref]] = {}  # data_ptr -> (fd, inode, storage)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor of ``nbytes`` (> 0) in a fresh memfd; the fd closes when the storage
+        dies (torch keeps one Python object per storage, so a weak reference tracks it)."""
+        fd = os.memfd_create(f"meshreshard-{nbytes}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+            inode = os.fstat(fd).st_ino
+        except BaseException:
+            os.close(fd)
+            raise
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
+        ptr = storage.data_ptr()
+        self.blocks[ptr] = (fd, inode, weakref.ref(storage))
+        weakref.finalize(storage, self._closed, ptr, fd)
+        return flat
+
+    def _closed(self, ptr: int, fd: int) -> None:
+        if self.blocks.get(ptr, (None,))[0] == fd:
+            del self.blocks[ptr]
+        os.close(fd)
+
+    def descriptor(self, t: torch.Tensor | None) -> tuple | None:
+        """``(pid, fd, inode, shape)`` of shard ``t`` if it fills a live memfd block, else None."""
+        if t is None or t.device.type != "cpu" or t.storage_offset() != 0 or not t.is_contiguous():
+            return None
+        block = self.blocks.get(t.untyped_storage().data_ptr())
+        if block is None or block[2]() is None:
+            return None
+        return (os.getpid(), block[0], block[1], tuple(t.shape))
+
+
+class PeerShards:
+    """Peers' shards mapped into this process, LRU-bounded by idle bytes (``limit_bytes``)."""
+
+    def __init__(self, device: int, limit_bytes: int = PEER_MAP_BYTES):
+        self.device = device
+        self.limit_bytes = limit_bytes
+        self.maps: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()  # (pid, inode) -> flat
+        self.nbytes = 0
+
+    def get(self, holder: int, desc, dtype: torch.dtype) -> torch.Tensor:
+        """Device ``holder``'s shard named by ``desc``, viewed as ``dtype`` of its shape."""
+        pid, fd, inode, shape = desc
+        key = (pid, inode)
+        flat = self.maps.get(key)
+        if flat is None:
+            flat = self._map(holder, pid, fd, inode)
+            self.maps[key] = flat
+            self.nbytes += flat.numel()
+            while self.nbytes > self.limit_bytes and len(self.maps) > 1:
+                _, old = self.maps.popitem(last=False)
+                self.nbytes -= old.numel()
+        else:
+            self.maps.move_to_end(key)
+        numel = 1
+        for n in shape:
+            numel *= n
+        return flat[: numel * dtype.itemsize].view(dtype).view(tuple(shape))
+
+    def _map(self, holder: int, pid: int, fd: int, inode: int) -> torch.Tensor:
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            st = os.stat(path)
+            if st.st_ino != inode:
+                raise FileNotFoundError(f"{path} is another file now")
+            storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=st.st_size)
+        except PermissionError as e:
+            raise ReshardError(
+                f"device {self.device} may not map device {holder}'s source shard (process {pid}): {e}. The actors "
+                "of this machine cannot open each other's /proc/<pid>/fd; create the meshes with shared_memory=False"
+            ) from e
+        except OSError as e:
+            raise ReshardError(
+                f"device {self.device}: device {holder}'s source shard is gone (the tensor was freed, or the actor "
+                f"of device {holder} died): {type(e).__name__}: {e}"
+            ) from e
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (st.st_size,))
+
+    def clear(self) -> None:
+        self.maps.clear()
+        self.nbytes = 0
