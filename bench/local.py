@@ -73,7 +73,8 @@ def default_repeats(size_bytes: int) -> int:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Reshard microbenchmarks on an embedded local Ray cluster (gloo on CPUs).",
+        description="Reshard microbenchmarks on an embedded local Ray cluster (CPU devices: slices pulled "
+        "through shared memory between actors of the machine, gloo otherwise).",
     )
     p.add_argument("--sizes", help=f"comma-separated tensor sizes (default {','.join(DEFAULT_SIZES)}); "
                    "units B/KiB/MiB/GiB, bare numbers are MiB")  # fmt: skip
@@ -95,6 +96,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--buffer-pool", type=parse_size, metavar="SIZE",
                    help="runtime knob: idle bytes of freed shards each device keeps for reuse "
                    "(DeviceMesh.create(buffer_pool_bytes=...); runtime default 256 MiB; 0 disables)")  # fmt: skip
+    p.add_argument("--no-shared-memory", action="store_true",
+                   help="reshard(shared_memory=False): every slice through the backend, none pulled through "
+                   "shared memory (the path between machines)")  # fmt: skip
     p.add_argument("--backend", choices=("gloo", "nccl"),
                    help="communicator backend of the device pool (default: nccl when Ray reports a GPU per "
                    "device, else gloo); with nccl the raw-gloo ceiling is skipped")  # fmt: skip
@@ -185,17 +189,21 @@ def pair_bytes(plan) -> dict[tuple[int, int], int]:
 
 
 def program_bytes(program, itemsize: int) -> dict:
-    """CPU-side byte traffic of a lowered program, summed over devices: local copies, bytes that
-    pass through staging (send and receive side), bytes received over communicators."""
+    """CPU-side byte traffic of a lowered program, summed over devices: local copies, bytes pulled
+    from peers' shards through shared memory, bytes that pass through staging (send and receive
+    side), bytes received over communicators."""
     from reshard.lowering import OpKind
 
-    out = {"copy_bytes": 0, "staged_bytes": 0, "recv_bytes": 0, "ops": 0}
+    out = {"copy_bytes": 0, "pull_bytes": 0, "staged_bytes": 0, "recv_bytes": 0, "ops": 0}
     for dp in program.devices:
         for op in dp.ops:
             n = op.numel * itemsize
             out["ops"] += 1
             if op.kind is OpKind.COPY:
                 out["copy_bytes"] += n
+                continue
+            if op.kind is OpKind.PULL:
+                out["pull_bytes"] += n
                 continue
             if op.stage:
                 out["staged_bytes"] += n
@@ -310,7 +318,8 @@ class Suite:
         import ray
 
         from bench import ceiling
-        from reshard import Layout, distribute, plan_reshard, reshard
+        from reshard import Layout, distribute, reshard
+        from reshard.runtime import lowered_reshard
         from reshard.runtime.driver import runtime
 
         args = self.args
@@ -325,12 +334,10 @@ class Suite:
         x = distribute(source, src_layout, timeout_s=args.timeout)
         label = f"{case.name} {fmt_size(size_bytes)}"
 
-        # Plans for this shape, computed and lowered before any timing (reshard's caches).
-        cluster = runtime().planning_cluster(dst_mesh.backend, src_mesh.mesh, dst_mesh.mesh)
-        plans = {
-            s: plan_reshard(shape, args.dtype, src_layout, dst_layout, strategy=s, cluster=cluster) for s in strategies
-        }
-        lowered = {s: runtime().lower(plan, cluster) for s, plan in plans.items()}
+        # What reshard will run for this shape, planned and lowered before any timing (its caches).
+        shared_memory = not getattr(args, "no_shared_memory", False)
+        lowered = {s: lowered_reshard(x, dst_layout, strategy=s, shared_memory=shared_memory) for s in strategies}
+        plans = {s: low.plan for s, low in lowered.items()}
         default = "auto" if "auto" in strategies else strategies[0]
         pairs = pair_bytes(plans[default])
         entry: dict = {
@@ -369,7 +376,7 @@ class Suite:
         def run_strategy(strategy: str, check: bool) -> float:
             self.spy.last = None
             t0 = time.perf_counter()
-            y = reshard(x, src_mesh, dst_layout, strategy=strategy, timeout_s=args.timeout)
+            y = reshard(x, src_mesh, dst_layout, strategy=strategy, timeout_s=args.timeout, shared_memory=shared_memory)
             dt = time.perf_counter() - t0
             if self.spy.last:
                 breakdown[strategy].append(_split(dt, self.spy.last))
@@ -515,7 +522,7 @@ def _split(wall: float, per_device: dict) -> dict:
     transport, the driver's own planning/bookkeeping, gather); ``actor_setup``: run minus program
     (decode, allocate the destination); ``copy_stage``: program minus communication (local copies,
     staging); ``comm``: time inside gloo calls (including waiting for peers)."""
-    # the runtime returns (run_s, elapsed_s, comm_s, peak_bytes) per device (Runtime.last_run)
+    # the runtime returns (run_s, elapsed_s, comm_s, peak_bytes, descriptor) per device (Runtime.last_run)
     stats = [
         v if isinstance(v, dict) else {"run_s": v[0], "elapsed_s": v[1], "comm_s": v[2]}
         for v in (per_device or {}).values()
@@ -658,6 +665,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         "pool": list(POOL_SHAPE),
         "staging_keep_bytes": args.staging_keep,
         "buffer_pool_bytes": getattr(args, "buffer_pool", None),
+        "shared_memory": not getattr(args, "no_shared_memory", False),
         "dtype": args.dtype,
         "sizes": args.size_list,
         "cases": [c.name for c in args.case_list],

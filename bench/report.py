@@ -182,8 +182,10 @@ def header(data: dict) -> str:
         load = f"; load average {m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end"
     return (
         f"`{data['command']}` at {data['started']} (git {data['git']}), {data['duration_s']:.0f} s; "
-        f"{m.get('cpus')} CPUs, ray {m.get('ray')}, torch {m.get('torch')}{load}; dtype {data['dtype']}"
-    )
+        f"{m.get('cpus')} CPUs, ray {m.get('ray')}, torch {m.get('torch')}{load}; dtype {data['dtype']}; "
+        + ("slices between actors of this machine pulled through shared memory"
+           if data.get("shared_memory", False) else "every slice through the backend (no shared memory)")
+    )  # fmt: skip
 
 
 def render(data: dict, console=None) -> None:
