@@ -322,6 +322,7 @@ class DeviceActor:
             if pulls:
                 tdtype = torch_dtype(compiled.dtype)
                 peers = {h: ctx.peers.get(h, desc, tdtype) for h, desc in pulls.items()}
+                ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
             dst = ctx.allocate(prog.dst_shape, compiled.dtype) if prog.dst_shape is not None else None
             ctx.counters["runs"] += 1
             stats = ctx.run_program(compiled, src, dst, timeout_s=timeout_s, peers=peers)

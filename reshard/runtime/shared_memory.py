@@ -18,9 +18,10 @@ import torch
 
 from reshard.errors import ReshardError
 
-#: Idle peer mappings a device keeps (LRU by bytes). A mapping of a shard its owner has since
-#: dropped pins that memory until evicted; mappings in use by a run are never dropped mid-run.
-PEER_MAP_BYTES = 512 << 20
+#: Bound on the peer mappings a device keeps. A mapping of a shard its owner still holds costs no
+#: memory (the pages are the owner's); one whose owner dropped the shard pins that memory, so
+#: those are dropped whenever the device maps something new or runs pulls (``PeerShards.purge``).
+PEER_MAPS = 256
 
 
 class SharedShards:
@@ -62,32 +63,40 @@ class SharedShards:
 
 
 class PeerShards:
-    """Peers' shards mapped into this process, LRU-bounded by idle bytes (``limit_bytes``)."""
+    """Peers' shards mapped into this process, kept while their owners keep them (``purge``), at
+    most ``limit`` (least recently used dropped first)."""
 
-    def __init__(self, device: int, limit_bytes: int = PEER_MAP_BYTES):
+    def __init__(self, device: int, limit: int = PEER_MAPS):
         self.device = device
-        self.limit_bytes = limit_bytes
-        self.maps: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()  # (pid, inode) -> flat
-        self.nbytes = 0
+        self.limit = limit
+        self.maps: OrderedDict[tuple[int, int], tuple[int, torch.Tensor]] = OrderedDict()  # (pid, inode) -> fd, flat
 
     def get(self, holder: int, desc, dtype: torch.dtype) -> torch.Tensor:
         """Device ``holder``'s shard named by ``desc``, viewed as ``dtype`` of its shape."""
         pid, fd, inode, shape = desc
         key = (pid, inode)
-        flat = self.maps.get(key)
-        if flat is None:
-            flat = self._map(holder, pid, fd, inode)
-            self.maps[key] = flat
-            self.nbytes += flat.numel()
-            while self.nbytes > self.limit_bytes and len(self.maps) > 1:
-                _, old = self.maps.popitem(last=False)
-                self.nbytes -= old.numel()
+        hit = self.maps.get(key)
+        if hit is None:
+            self.purge()
+            hit = self.maps[key] = (fd, self._map(holder, pid, fd, inode))
+            while len(self.maps) > self.limit:
+                self.maps.popitem(last=False)
         else:
             self.maps.move_to_end(key)
         numel = 1
         for n in shape:
             numel *= n
-        return flat[: numel * dtype.itemsize].view(dtype).view(tuple(shape))
+        return hit[1][: numel * dtype.itemsize].view(dtype).view(tuple(shape))
+
+    def purge(self) -> None:
+        """Drop the mappings whose owner has let go of the shard (its descriptor is closed)."""
+        for (pid, inode), (fd, _) in list(self.maps.items()):
+            try:
+                live = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == inode
+            except OSError:
+                live = False
+            if not live:
+                del self.maps[(pid, inode)]
 
     def _map(self, holder: int, pid: int, fd: int, inode: int) -> torch.Tensor:
         path = f"/proc/{pid}/fd/{fd}"
@@ -110,4 +119,3 @@ class PeerShards:
 
     def clear(self) -> None:
         self.maps.clear()
-        self.nbytes = 0
