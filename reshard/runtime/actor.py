@@ -19,6 +19,7 @@ shard, and on any failure aborts the program's communicators and frees the parti
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -41,6 +42,8 @@ from reshard.runtime.executor import (
 from reshard.runtime.groups import GroupCache, group_key
 from reshard.runtime.shared_memory import PeerShards, SharedShards
 from reshard.serialize import decode_device_program
+
+log = logging.getLogger(__name__)
 
 #: Default bound on the idle bytes of freed shards a device keeps for reuse (``BufferPool``).
 BUFFER_POOL_BYTES = 256 << 20
@@ -123,7 +126,7 @@ class DeviceContext:
             backend, device, int(options.get("max_communicators", 64)), float(options.get("op_timeout_s", 300.0))
         )
         self.pool = BufferPool(self.torch_device, int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES)))
-        shared = options.get("shared_memory", False) and self.torch_device.type == "cpu"
+        shared = options.get("shared_memory", False) and self.torch_device.type == "cpu" and SharedShards.available()
         self.shared = SharedShards() if shared else None
         self.peers = PeerShards(device)
         self.programs: OrderedDict[int, CompiledProgram] = OrderedDict()
@@ -173,7 +176,8 @@ class DeviceContext:
         self.peak_bytes = nbytes
 
     def allocate(self, shape, dtype: str) -> torch.Tensor:
-        """A new shard: a pooled buffer of the same byte size if there is one, else fresh memory."""
+        """A new shard: a pooled buffer of the same byte size if there is one, else fresh memory
+        (shared memory, when this actor keeps its shards there)."""
         tdtype = torch_dtype(dtype)
         shape = tuple(shape)
         numel = 1
@@ -181,9 +185,12 @@ class DeviceContext:
             numel *= n
         flat = self.pool.take(numel * tdtype.itemsize) if numel else None
         if flat is None:
-            if self.shared is None or not numel:
+            try:
+                flat = self.shared.allocate(numel * tdtype.itemsize) if self.shared is not None and numel else None
+            except OSError as e:  # out of descriptors, say: a private shard, moved by the backend
+                log.warning("device %d: shard of %s not in shared memory (%s)", self.device, shape, e)
+            if flat is None:
                 return torch.empty(shape, dtype=tdtype, device=self.torch_device)
-            flat = self.shared.allocate(numel * tdtype.itemsize)
         return flat.view(tdtype).view(shape)
 
     def descriptor(self, t: torch.Tensor | None):
@@ -243,6 +250,7 @@ class DeviceActor:
             "node_id": rc.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "torch_device": str(self.ctx.torch_device),
+            "shared_memory": self.ctx.shared is not None,
         }
 
     # ---------------------------------------------------------------- tensors

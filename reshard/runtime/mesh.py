@@ -174,9 +174,8 @@ class DeviceMesh:
             hosts = [rt.host_of_node(n) for n in nodes]
         mesh = Mesh(probe.shape, ids, hosts, axis_names=axis_names)
         owner = f"DeviceMesh{probe.shape} devices {ids[0]}..{ids[-1]}"
-        shared = options["shared_memory"]
         records = [
-            DeviceRecord(d, a, h, name, n, max_communicators, max_programs, owner, shared)
+            DeviceRecord(d, a, h, name, n, max_communicators, max_programs, owner, infos[d]["shared_memory"])
             for d, a, h, n in zip(ids, actors, hosts, nodes, strict=True)
         ]
         rt.add_devices(records, instance)

@@ -27,6 +27,11 @@ PEER_MAPS = 256
 class SharedShards:
     """This actor's memfd-backed allocations, keyed by storage address while the storage lives."""
 
+    @staticmethod
+    def available() -> bool:
+        """memfd and /proc are there (Linux): elsewhere shards stay in private memory."""
+        return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
     def __init__(self):
         self.blocks: dict[int, tuple[int, int, weakref.ref]] = {}  # data_ptr -> (fd, inode, storage)
 
