@@ -308,7 +308,6 @@ class DeviceActor:
         t0 = time.monotonic()
         pid, blob, updates, src_name, dst_name, timeout_s, pulls = msg
         ctx = self.ctx
-        dst = None
         try:
             ctx.apply(updates)
             if blob is not None:
@@ -329,7 +328,11 @@ class DeviceActor:
             peers = None
             if pulls:
                 tdtype = torch_dtype(compiled.dtype)
-                peers = {h: ctx.peers.get(h, desc, tdtype) for h, desc in pulls.items()}
+                try:
+                    peers = {h: ctx.peers.get(h, desc, tdtype) for h, desc in pulls.items()}
+                except ReshardError:
+                    self._fail_fast(compiled, timeout_s)
+                    raise
                 ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
             dst = ctx.allocate(prog.dst_shape, compiled.dtype) if prog.dst_shape is not None else None
             ctx.counters["runs"] += 1
