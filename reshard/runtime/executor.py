@@ -142,6 +142,7 @@ class CompiledProgram:
     groups: tuple[tuple[int, ...], ...]  # communicator keys, in order of first use
     copies: tuple[_Step, ...] = ()
     copy_numel: int = 0
+    holders: tuple[int, ...] = ()  # devices whose source shards the PULL ops read
 
     @property
     def device(self) -> int:
@@ -190,15 +191,18 @@ def compile_program(program: DeviceProgram, dtype: str) -> CompiledProgram:
                 op,
             )  # fmt: skip
         )
+    holders = tuple(sorted({s.op.group[0] for s in steps if s.kind is OpKind.PULL}))
     if not any(s.read_dst for s in steps):
         comm = [s for s in steps if s.kind not in _LOCAL]
         copies = [s for s in steps if s.kind in _LOCAL]
         copy_numel = sum(s.numel for s in copies)
         if comm and copies and copy_numel * ITEMSIZE[dtype] >= OVERLAP_COPY_BYTES:
             # big local copies: on the helper thread while this device communicates
-            return CompiledProgram(program, dtype, tuple(comm + copies), tuple(groups), tuple(copies), copy_numel)
+            return CompiledProgram(
+                program, dtype, tuple(comm + copies), tuple(groups), tuple(copies), copy_numel, holders
+            )
         steps = comm + copies
-    return CompiledProgram(program, dtype, tuple(steps), tuple(groups))
+    return CompiledProgram(program, dtype, tuple(steps), tuple(groups), holders=holders)
 
 
 def run_program(
@@ -298,16 +302,14 @@ def _communicate(ctx, compiled, steps, src, dst, peers, deadline, timeout_s, gro
 
 def _check_peers(compiled: CompiledProgram, peers: dict, dtype: torch.dtype) -> dict:
     """Every holder the program pulls from is mapped, with the dtype of the program."""
-    for s in compiled.steps:
-        if s.kind is OpKind.PULL:
-            holder = s.op.group[0]
-            t = peers.get(holder)
-            if t is None or t.dtype != dtype:
-                got = "nothing" if t is None else f"a {t.dtype} shard"
-                raise ReshardError(
-                    f"device {compiled.device}: step {s.step} pulls from device {holder}'s source shard but {got} "
-                    "was mapped for it"
-                )
+    for holder in compiled.holders:
+        t = peers.get(holder)
+        if t is None or t.dtype != dtype:
+            got = "nothing" if t is None else f"a {t.dtype} shard"
+            raise ReshardError(
+                f"device {compiled.device}: the program pulls from device {holder}'s source shard but {got} "
+                "was mapped for it"
+            )
     return peers
 
 

@@ -20,7 +20,7 @@ from reshard.errors import ReshardError
 
 #: Bound on the peer mappings a device keeps. A mapping of a shard its owner still holds costs no
 #: memory (the pages are the owner's); one whose owner dropped the shard pins that memory, so
-#: those are dropped whenever the device maps something new or runs pulls (``PeerShards.purge``).
+#: those are dropped whenever the device runs pulls (``PeerShards.purge``).
 PEER_MAPS = 256
 
 
@@ -68,8 +68,8 @@ class SharedShards:
 
 
 class PeerShards:
-    """Peers' shards mapped into this process, kept while their owners keep them (``purge``), at
-    most ``limit`` (least recently used dropped first)."""
+    """Peers' shards mapped into this process, kept while their owners keep them (``purge``, run
+    by the actor after mapping a run's holders), at most ``limit`` (least recently used first)."""
 
     def __init__(self, device: int, limit: int = PEER_MAPS):
         self.device = device
@@ -82,7 +82,6 @@ class PeerShards:
         key = (pid, inode)
         hit = self.maps.get(key)
         if hit is None:
-            self.purge()
             hit = self.maps[key] = (fd, self._map(holder, pid, fd, inode))
             while len(self.maps) > self.limit:
                 self.maps.popitem(last=False)

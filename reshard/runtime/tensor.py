@@ -32,9 +32,7 @@ class ShardedTensor:
     ``shape`` (tuple), ``dtype`` (canonical name, e.g. "float32"), ``layout``, ``mesh`` (the
     DeviceMesh), ``name`` (the actors' buffer name)."""
 
-    def __init__(
-        self, mesh: DeviceMesh, layout: Layout, shape: tuple[int, ...], dtype: str, name: str, shared=None
-    ):
+    def __init__(self, mesh: DeviceMesh, layout: Layout, shape: tuple[int, ...], dtype: str, name: str, shared=None):
         self.mesh = mesh
         self.layout = layout
         self.shape = tuple(shape)
@@ -210,6 +208,11 @@ def lowered_reshard(
     the live Ray cluster's figures and the meshes' backend (``Runtime.planning_cluster``), where
     the devices of one machine count as one host when they share memory (their transfers become
     pulls, ``reshard.pulls``). ``shared_memory=False``: no pulls, everything through the backend."""
+    return _prepare(tensor, dst_layout, strategy, cluster, shared_memory)[1]
+
+
+def _prepare(tensor: ShardedTensor, dst_layout: Layout, strategy: str, cluster, shared_memory: bool):
+    """(destination DeviceMesh, Lowered program) of a reshard."""
     rt = runtime()
     dmesh = rt.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
     if dmesh.backend != tensor.mesh.backend:
@@ -222,7 +225,7 @@ def lowered_reshard(
         src_l, dst_l = rt.planning_layouts(src_l, dst_l, domain_of)
         cluster = rt.planning_cluster(dmesh.backend, src_l.mesh, dst_l.mesh)
     plan = plan_reshard(tensor.shape, tensor.dtype, src_l, dst_l, strategy=strategy, cluster=cluster)
-    return rt.lower(plan, cluster, domain_of)
+    return dmesh, rt.lower(plan, cluster, domain_of)
 
 
 def reshard(
@@ -252,9 +255,8 @@ def reshard(
             "pass tensor.mesh as src_mesh"
         )
     tensor._check("reshard source")
-    lowered = lowered_reshard(tensor, dst_layout, strategy=strategy, cluster=cluster, shared_memory=shared_memory)
+    dmesh, lowered = _prepare(tensor, dst_layout, strategy, cluster, shared_memory)
     rt = runtime()
-    dmesh = rt.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
     name = rt.new_buffer_name()
     what = f"reshard {tensor.dtype}{list(tensor.shape)} {tensor.layout} -> {dst_layout} (strategy {strategy!r})"
     results = rt.execute(lowered, tensor.name, name, float(timeout_s), what, tensor._shared)
