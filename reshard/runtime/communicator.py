@@ -54,6 +54,11 @@ class Communicator(abc.ABC):
     def recv(self, tensor, peer: int) -> None:
         """Receive into ``tensor`` from rank ``peer``."""
 
+    @abc.abstractmethod
+    def all_reduce(self, tensor, op: str = "sum") -> None:
+        """In place: every rank's ``tensor`` becomes the reduction (``op``: "sum", "max", "min")
+        of all ranks' tensors, the same bits on every rank."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the group's resources (sockets, GPU memory)."""
 

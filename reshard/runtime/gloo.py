@@ -38,6 +38,20 @@ from reshard.runtime.communicator import Backend, Communicator, Group, PeerFaile
 _MIN_WAIT_S = 1e-3
 
 
+class _ReduceOps(dict):
+    def __missing__(self, op):
+        import torch.distributed as dist
+
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"unknown reduce op {op!r}; choose one of {', '.join(ops)}")
+        self[op] = ops[op]
+        return self[op]
+
+
+_REDUCE_OPS = _ReduceOps()
+
+
 def _td(seconds: float) -> datetime.timedelta:
     # timedelta(0) means "no timeout" to torch: never pass it.
     return datetime.timedelta(seconds=max(float(seconds), _MIN_WAIT_S))
@@ -80,6 +94,13 @@ class GlooCommunicator(Communicator):
 
     def recv(self, tensor, peer: int, tag: int = 0) -> None:
         self._run("recv", lambda: self.pg.recv([tensor], peer, tag), tensor, peer)
+
+    def all_reduce(self, tensor, op: str = "sum") -> None:
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _REDUCE_OPS[op]
+        self._run("all_reduce", lambda: self.pg.allreduce([tensor], opts), tensor, -1)
 
     def _run(self, what: str, issue, tensor, peer: int) -> None:
         if self.pg is None or self.failed:
