@@ -1,0 +1,111 @@
+"""Hypothesis strategies shared by the pure-layer property tests: random meshes (1-D to 3-D,
+disjoint / overlapping / identical), layouts, uneven shapes, dtypes and strategies; plus numpy
+oracles that do not use the code under test."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from reshard import STRATEGIES, Layout, Replicate, Shard
+from reshard.dtypes import ITEMSIZE
+from reshard.regions import layout_regions
+from topology import Mesh
+
+HOST_SPAN = 3  # global device d lives on host d // HOST_SPAN in every mesh
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# ------------------------------------------------------------------------------------ generators
+
+
+@st.composite
+def mesh_shapes(draw, max_size=8):
+    ndim = draw(st.integers(1, 3))
+    shape = []
+    for _ in range(ndim):
+        room = max_size // math.prod(shape) if shape else max_size
+        shape.append(draw(st.integers(1, max(1, min(4, room)))))
+    return tuple(shape)
+
+
+def make_mesh(shape, ids) -> Mesh:
+    return Mesh(shape, ids, [d // HOST_SPAN for d in ids])
+
+
+@st.composite
+def mesh_pairs(draw):
+    src_shape = draw(mesh_shapes())
+    dst_shape = draw(mesh_shapes())
+    n_src, n_dst = math.prod(src_shape), math.prod(dst_shape)
+    src_ids = draw(st.permutations(range(n_src)))
+    mode = draw(st.sampled_from(["disjoint", "overlap", "same"]))
+    if mode == "same" and dst_shape == src_shape:
+        return make_mesh(src_shape, src_ids), make_mesh(src_shape, src_ids)
+    if mode == "disjoint":
+        dst_ids = [n_src + i for i in draw(st.permutations(range(n_dst)))]
+    else:
+        universe = list(range(n_src + n_dst))
+        dst_ids = draw(st.permutations(universe))[:n_dst]
+    return make_mesh(src_shape, src_ids), make_mesh(dst_shape, dst_ids)
+
+
+def placements(draw, mesh_ndim, tensor_ndim):
+    choices = [Replicate()] + [Shard(d) for d in range(tensor_ndim)]
+    return tuple(draw(st.sampled_from(choices)) for _ in range(mesh_ndim))
+
+
+@st.composite
+def problems(draw):
+    src_mesh, dst_mesh = draw(mesh_pairs())
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 7), min_size=ndim, max_size=ndim)))
+    src = Layout(src_mesh, placements(draw, src_mesh.ndim, ndim))
+    dst = Layout(dst_mesh, placements(draw, dst_mesh.ndim, ndim))
+    dtype = draw(st.sampled_from(sorted(ITEMSIZE)))
+    strategy = draw(st.sampled_from(sorted(STRATEGIES)))
+    return shape, dtype, src, dst, strategy
+
+
+# ------------------------------------------------------------------------------------ independent oracles
+
+
+def torch_chunk_pieces(n: int, k: int) -> list[tuple[int, int]]:
+    """torch.chunk semantics, padded to ``k`` pieces: size ceil(n/k) each, trailing ones short or empty."""
+    size = -(-n // k) if n else 0
+    out = []
+    for i in range(k):
+        lo = min(i * size, n)
+        out.append((lo, min(lo + size, n)))
+    return out
+
+
+def expected_region(layout: Layout, shape, flat: int):
+    mesh = layout.mesh
+    coords = np.unravel_index(flat, mesh.shape)
+    box = []
+    for dim, n in enumerate(shape):
+        lo, hi = 0, n
+        for axis, p in enumerate(layout.placements):
+            if isinstance(p, Shard) and p.dim == dim:
+                a, b = torch_chunk_pieces(hi - lo, mesh.shape[axis])[coords[axis]]
+                lo, hi = lo + a, lo + b
+        box.append((lo, hi))
+    return tuple(box)
+
+
+def mask(shape, box) -> np.ndarray:
+    m = np.zeros(shape, dtype=bool)
+    m[tuple(slice(lo, hi) for lo, hi in box)] = True
+    return m
+
+
+def regions_by_device(layout: Layout, shape) -> dict[int, tuple]:
+    return dict(zip(layout.mesh.device_ids, layout_regions(layout, shape), strict=True))
+
+
+# ------------------------------------------------------------------------------------ properties
+
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
