@@ -2,15 +2,40 @@
 cupy only when it is used.
 
 An entry is a class or a ``"module:Class"`` string, plus the torch device type of the buffers the
-backend moves and how many GPUs each device actor reserves.
+backend moves and how many GPUs each device actor reserves: 0 (CPU devices), a whole number, or a
+fraction below 1 (several device actors share one GPU; Ray gives each the same GPU in
+CUDA_VISIBLE_DEVICES).
+
+A ``Backend`` instance that declares ``gpus_per_device`` (class attribute or per instance, e.g.
+``NcclBackend(gpus_per_device=0.25)``) keeps it when it is registered through ``make_backend``: a
+mesh created from that instance reserves what the instance asks for. The registry holds one entry
+per name, so the entry of a built-in name follows the instance passed last.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import math
 from dataclasses import dataclass
 
 from reshard.runtime.communicator import Backend
+
+
+def check_gpus_per_device(gpus) -> float:
+    """``gpus`` as float if Ray can reserve it per actor: >= 0, and whole when above 1."""
+    try:
+        x = float(gpus)
+    except (TypeError, ValueError):
+        raise TypeError(f"gpus_per_device must be a number, got {gpus!r}") from None
+    if not x >= 0 or math.isinf(x):
+        raise ValueError(f"gpus_per_device must be >= 0 and finite, got {gpus!r}")
+    if x > 1 and not x.is_integer():
+        raise ValueError(
+            f"gpus_per_device={gpus!r}: Ray reserves fractions of a GPU only below 1; give a whole number of "
+            "GPUs or a fraction < 1 (several device actors on one GPU)"
+        )
+    return x
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +43,13 @@ class BackendSpec:
     target: object  # a Backend subclass or "module:Class"
     device_type: str = "cpu"
     gpus_per_device: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "gpus_per_device", check_gpus_per_device(self.gpus_per_device))
+        if not isinstance(self.device_type, str) or not self.device_type:
+            raise ValueError(
+                f"device_type must be a torch device type such as 'cpu' or 'cuda', got {self.device_type!r}"
+            )
 
 
 BACKENDS: dict[str, BackendSpec] = {
@@ -50,10 +82,23 @@ def backend_class(name: str) -> type[Backend]:
 
 
 def make_backend(backend) -> tuple[str, Backend]:
-    """``(name, instance)`` for a backend name or a ``Backend`` instance."""
+    """``(name, instance)`` for a backend name or a ``Backend`` instance.
+
+    An instance registers its class under its name if the name is new, with the instance's
+    ``device_type`` and ``gpus_per_device`` (0 if it declares none); for a known name, a declared
+    ``gpus_per_device`` that differs from the entry's replaces it."""
     if isinstance(backend, Backend):
-        if backend.name not in BACKENDS:
-            register_backend(backend.name, type(backend), device_type=getattr(backend, "device_type", "cpu"))
+        gpus = getattr(backend, "gpus_per_device", None)
+        spec = BACKENDS.get(backend.name)
+        if spec is None:
+            register_backend(
+                backend.name,
+                type(backend),
+                device_type=getattr(backend, "device_type", "cpu"),
+                gpus_per_device=0.0 if gpus is None else gpus,
+            )
+        elif gpus is not None and check_gpus_per_device(gpus) != spec.gpus_per_device:
+            BACKENDS[backend.name] = dataclasses.replace(spec, gpus_per_device=gpus)
         return backend.name, backend
     if not isinstance(backend, str):
         raise TypeError(

@@ -8,13 +8,21 @@ transfer that uses it.
 
 Broadcast, send and recv copy bytes and never reduce, so an element type without an NCCL type
 (``bool``, ``int16``, complex types) travels as ``uint8`` with ``count = nbytes``; bit patterns
-arrive unchanged. The tables at the top are pure (no cupy, no torch); everything that touches a
-GPU imports cupy / torch on first use.
+arrive unchanged. All-reduce needs the real element type (bool max/min as ``uint8``, bool sum as
+max, i.e. logical or, as torch does). The tables at the top are pure (no cupy, no torch);
+everything that touches a GPU imports cupy / torch on first use.
+
+``check_gpu_stack`` refuses a broken GPU install with an error naming the problem and the fix:
+two cupy distributions in one environment (``cupy-cuda12x`` and ``cupy-cuda13x`` write into the
+same package), more than one libnccl mapped into the process, or cupy and torch reporting
+different NCCL versions (ranks then fail with mismatched versions).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
 from dataclasses import dataclass
 
 # ncclDataType_t values (nccl.h; stable since NCCL 2.0, bfloat16 since 2.10).
@@ -62,6 +70,13 @@ NATIVE_NCCL_TYPE = {
     "uint64": NCCL_UINT64,
 }
 
+# ncclRedOp_t values (nccl.h).
+NCCL_SUM = 0
+NCCL_PROD = 1
+NCCL_MAX = 2
+NCCL_MIN = 3
+REDUCE_OPS = {"sum": NCCL_SUM, "max": NCCL_MAX, "min": NCCL_MIN}
+
 STAGING_ALIGN_BYTES = 256  # cudaMalloc alignment; keeps every dtype view of a segment aligned
 
 
@@ -71,6 +86,25 @@ def nccl_type_and_count(dtype_name: str, numel: int, itemsize: int) -> tuple[int
     if code is None or NCCL_TYPE_SIZE[code] != itemsize:
         return NCCL_UINT8, numel * itemsize
     return code, numel
+
+
+def nccl_reduce_args(dtype_name: str, numel: int, itemsize: int, op: str) -> tuple[int, int, int]:
+    """``(count, NCCL type, NCCL op)`` of an all-reduce of ``numel`` elements of ``dtype_name``.
+
+    Reductions need the element type itself, so only types NCCL has are accepted; bool reduces as
+    uint8 with sum meaning logical or (max), as in torch."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)}")
+    code = REDUCE_OPS[op]
+    if dtype_name == "bool":
+        return numel, NCCL_UINT8, NCCL_MAX if code == NCCL_SUM else code
+    nccl_type = NATIVE_NCCL_TYPE.get(dtype_name)
+    if nccl_type is None or NCCL_TYPE_SIZE[nccl_type] != itemsize:
+        raise TypeError(
+            f"NCCL cannot reduce {dtype_name}: all_reduce takes {', '.join(sorted(NATIVE_NCCL_TYPE))} or bool; "
+            "convert the tensor first"
+        )
+    return numel, nccl_type, code
 
 
 def align_up(nbytes: int, align: int = STAGING_ALIGN_BYTES) -> int:
@@ -134,11 +168,110 @@ class SegmentAllocator:
 # ----------------------------------------------------------------------------------------------
 # Runtime part: cupy / torch imported on first use.
 
-GPU_EXTRA_HINT = "install the GPU extra: pip install '.[gpu]' (cupy-cuda12x and nvidia-nccl-cu12)"
+GPU_EXTRA_HINT = (
+    "install the GPU extra of your CUDA version: pip install '.[gpu-cu12]' (CUDA 12: cupy-cuda12x, "
+    "nvidia-nccl-cu12) or '.[gpu-cu13]' (CUDA 13: cupy-cuda13x, nvidia-nccl-cu13); '.[gpu]' is '.[gpu-cu12]'"
+)
+
+_CUPY_DIST = re.compile(r"^cupy(-cuda\d+x?|-rocm-[\w.-]+)?$")
+
+
+def nccl_version_tuple(code: int) -> tuple[int, int, int]:
+    """``ncclGetVersion``'s integer as ``(major, minor, patch)`` (2.9+: M*10000+m*100+p, before: M*1000+m*100+p)."""
+    code = int(code)
+    if code >= 20900:
+        return code // 10000, code // 100 % 100, code % 100
+    return code // 1000, code // 100 % 10, code % 100
+
+
+def gpu_stack_problems(
+    cupy_dists: list[tuple[str, str]],
+    nccl_libraries: list[str],
+    cupy_nccl: tuple[int, int, int] | None,
+    torch_nccl: tuple[int, int, int] | None,
+) -> list[str]:
+    """What is wrong with this process's GPU libraries (empty: nothing found). Arguments: installed
+    cupy distributions ``(name, version)``, paths of the libnccl files mapped into the process, and
+    the NCCL versions cupy and torch report (None: unknown)."""
+    problems = []
+    cupys = sorted({(n.lower(), v) for n, v in cupy_dists if _CUPY_DIST.match(n.lower().replace("_", "-"))})
+    if len(cupys) > 1:
+        shown = ", ".join(f"{n} {v}" for n, v in cupys)
+        problems.append(
+            f"{len(cupys)} cupy distributions are installed ({shown}); they overwrite each other's files. Keep the one "
+            f"matching your CUDA and torch (pip uninstall the others, then reinstall it); {GPU_EXTRA_HINT}"
+        )
+    libs = sorted(set(nccl_libraries))
+    if len(libs) > 1:
+        problems.append(
+            f"{len(libs)} different libnccl files are loaded in this process ({', '.join(libs)}); torch and cupy must "
+            "use one NCCL: install the nvidia-nccl wheel torch depends on and the cupy build of the same CUDA"
+        )
+    if cupy_nccl is not None and torch_nccl is not None and tuple(cupy_nccl) != tuple(torch_nccl):
+        problems.append(
+            f"cupy uses NCCL {'.'.join(map(str, cupy_nccl))} but torch uses NCCL {'.'.join(map(str, torch_nccl))}; "
+            "ranks that load different NCCL versions cannot form a communicator. Install the cupy build and "
+            f"nvidia-nccl wheel of torch's CUDA version; {GPU_EXTRA_HINT}"
+        )
+    return problems
+
+
+def installed_cupy_distributions() -> list[tuple[str, str]]:
+    """``(name, version)`` of every installed distribution that provides the ``cupy`` package."""
+    from importlib import metadata
+
+    out = []
+    for dist in metadata.distributions():
+        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        if _CUPY_DIST.match(name):
+            out.append((name, dist.version))
+    return out
+
+
+def loaded_nccl_libraries(maps_path: str = "/proc/self/maps") -> list[str]:
+    """Paths of the libnccl files mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open(maps_path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    paths = set()
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and os.path.basename(parts[5]).startswith("libnccl.so"):
+            paths.add(os.path.realpath(parts[5].removesuffix(" (deleted)")))
+    return sorted(paths)
+
+
+def check_gpu_stack() -> None:
+    """RuntimeError naming every problem ``gpu_stack_problems`` finds in this process."""
+    _, nccl = import_nccl()
+    cupy_nccl = nccl_version_tuple(nccl.get_version())
+    torch_nccl = None
+    try:
+        import torch
+
+        torch_nccl = tuple(int(x) for x in torch.cuda.nccl.version())
+    except Exception:  # torch without CUDA/NCCL: nothing to compare
+        pass
+    problems = gpu_stack_problems(installed_cupy_distributions(), loaded_nccl_libraries(), cupy_nccl, torch_nccl)
+    if problems:
+        raise RuntimeError("the GPU libraries of this process do not fit together:\n- " + "\n- ".join(problems))
+
+
+_CUPY_CHECKED: list[str] = []
 
 
 def import_cupy():
-    """``cupy`` or an ImportError that says how to get it."""
+    """``cupy`` or an ImportError that says how to get it (or that two cupy builds collide)."""
+    if not _CUPY_CHECKED:
+        dists = installed_cupy_distributions()
+        _CUPY_CHECKED.append("")
+        problems = gpu_stack_problems(dists, [], None, None)
+        if problems:
+            _CUPY_CHECKED[0] = problems[0]
+    if _CUPY_CHECKED[0]:
+        raise ImportError(_CUPY_CHECKED[0])
     try:
         import cupy
     except ImportError as e:  # pragma: no cover - depends on the environment

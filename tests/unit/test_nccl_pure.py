@@ -1,37 +1,72 @@
-"""The NCCL backend's pure parts: dtype tables, group naming, id-host assignment, NCCL env,
-the communicator budget (LRU eviction bookkeeping) and the staging segment allocator.
+"""The NCCL backend's parts that run without a GPU: dtype and reduction tables, group naming,
+id-host assignment, NCCL environment and settings agreement, GPU sharing, the status codes cupy
+raises, the abort side channel (real UDP over loopback), the wedge guard, the polling and abort
+logic of the backend, the GPU-stack diagnosis, the backend registry and the staging allocator.
 
-Nothing here touches cupy, a GPU or Ray; the GPU behaviour is tested in tests/gpu/."""
+Nothing here needs cupy, a GPU or Ray; the GPU behaviour is tested in tests/gpu/."""
 
+import ctypes
 import os
+import pickle
 import subprocess
 import sys
+import textwrap
+import threading
 import time
 
 import pytest
 
 from reshard.dtypes import ITEMSIZE
+from reshard.errors import ReshardTimeout
+from reshard.runtime import backends
 from reshard.runtime import cuda_buffers as cb
+from reshard.runtime.communicator import Backend, PeerFailed
 from reshard.runtime.nccl import (
+    BOOTSTRAP_ROOT_THREAD,
+    NCCL_IN_PROGRESS,
     PAPER_BROADCAST_ENV,
+    SHARED_SETTINGS,
+    GpuSharing,
     NcclBackend,
-    _call_with_deadline,
-    _Watchdog,
+    NcclCommunicator,
+    PeerAborts,
+    WedgeGuard,
+    _Deadline,
+    _PeerAbort,
+    agreed_settings,
     assign_id_hosts,
+    bootstrap_root_threads,
     effective_env,
+    local_settings,
+    nccl_status,
     normalize_group,
+    peer_aborts,
+    settings_mismatch,
+    sharing_env,
+    uid_digest,
 )
 
 pytestmark = pytest.mark.unit
 
-
-def test_importing_the_backend_does_not_import_cupy():
-    code = "import sys, reshard.runtime.nccl, reshard.runtime.cuda_buffers; print('cupy' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# -- dtypes ------------------------------------------------------------------------------------
+def _run(code: str) -> str:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_importing_the_gpu_modules_does_not_import_cupy_or_torch():
+    code = (
+        "import sys, reshard.runtime.nccl, reshard.runtime.cuda_buffers, reshard.runtime.cuda_ipc; "
+        "print('cupy' in sys.modules)"
+    )
+    assert _run(code) == "False"
+
+
+# -- dtypes and reductions ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", sorted(ITEMSIZE))
@@ -63,7 +98,19 @@ def test_nccl_type_codes_follow_nccl_h():
     assert cb.NCCL_TYPE_NAMES[cb.NCCL_BFLOAT16] == "NCCL_BFLOAT16"
 
 
-# -- groups and rendezvous bookkeeping ---------------------------------------------------------
+def test_reductions_take_native_types_and_bool_as_logical_or():
+    assert cb.nccl_reduce_args("float32", 6, 4, "sum") == (6, cb.NCCL_FLOAT32, cb.NCCL_SUM)
+    assert cb.nccl_reduce_args("bfloat16", 6, 2, "max") == (6, cb.NCCL_BFLOAT16, cb.NCCL_MAX)
+    assert cb.nccl_reduce_args("int64", 1, 8, "min") == (1, cb.NCCL_INT64, cb.NCCL_MIN)
+    assert cb.nccl_reduce_args("bool", 9, 1, "sum") == (9, cb.NCCL_UINT8, cb.NCCL_MAX)
+    assert cb.nccl_reduce_args("bool", 9, 1, "min") == (9, cb.NCCL_UINT8, cb.NCCL_MIN)
+    with pytest.raises(TypeError, match="cannot reduce int16"):
+        cb.nccl_reduce_args("int16", 3, 2, "sum")
+    with pytest.raises(ValueError, match="prod"):
+        cb.nccl_reduce_args("float32", 3, 4, "prod")
+
+
+# -- groups, ids, settings ----------------------------------------------------------------------
 
 
 def test_groups_are_sorted_duplicate_free_tuples():
@@ -84,14 +131,6 @@ def test_id_hosts_are_members_and_spread_out():
     assert max(load.values()) - min(load.values()) <= 1
 
 
-def test_id_hosts_balance_over_many_groups_of_one_device_set():
-    groups = [tuple(range(k, k + 4)) for k in range(8)]
-    load = {}
-    for d in assign_id_hosts(groups).values():
-        load[d] = load.get(d, 0) + 1
-    assert max(load.values()) == 1
-
-
 def test_nccl_env_defaults_to_the_papers_broadcast_settings():
     assert effective_env(None, {}) == PAPER_BROADCAST_ENV
     assert effective_env(None, {"NCCL_PROTO": "LL128"}) == {"NCCL_ALGO": "Ring"}
@@ -102,26 +141,181 @@ def test_nccl_env_defaults_to_the_papers_broadcast_settings():
     }
     with pytest.raises(ValueError, match="NCCL_"):
         effective_env({"CUDA_VISIBLE_DEVICES": "0"})
+    with pytest.raises(ValueError, match="non-blocking"):
+        effective_env({"NCCL_COMM_BLOCKING": "1"})
 
 
-def test_backend_ships_its_configuration_and_applies_env_on_arrival(monkeypatch):
-    import pickle
+def test_cupy_status_codes_are_read_from_its_exceptions():
+    class NcclError(RuntimeError):  # the shape of cupy's error: a status attribute
+        def __init__(self, status):
+            self.status = status
 
-    monkeypatch.delenv("NCCL_ALGO", raising=False)
-    monkeypatch.setenv("NCCL_PROTO", "LL")
-    b = NcclBackend(env={"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}, timeout_s=5)
-    assert os.environ["NCCL_PROTO"] == "LL"  # constructing on the driver changes nothing
-    c = pickle.loads(pickle.dumps(b))  # what an actor receives
-    assert (c.env, c.timeout_s, c.device_type, c.name) == (b.env, 5.0, "cuda", "nccl")
-    assert c.live_groups() == []
-    assert os.environ["NCCL_ALGO"] == "Ring" and os.environ["NCCL_PROTO"] == "Simple"
+    assert nccl_status(NcclError(6)) == 6
+    assert nccl_status(KeyError(NCCL_IN_PROGRESS)) == NCCL_IN_PROGRESS  # cupy's table lacks ncclInProgress
+    assert nccl_status(KeyError("x")) is None and nccl_status(RuntimeError("x")) is None
+    assert nccl_status(KeyError(True)) is None  # bool is not a status code
 
 
-def test_the_runtime_registry_resolves_the_backend_lazily():
-    backends = pytest.importorskip("reshard.runtime.backends")
+def test_nccl_versions_decode_both_encodings():
+    assert cb.nccl_version_tuple(23203) == (2, 32, 3)
+    assert cb.nccl_version_tuple(22105) == (2, 21, 5)
+    assert cb.nccl_version_tuple(2804) == (2, 8, 4)
+
+
+def test_members_must_agree_on_shared_settings_and_on_what_any_mesh_sets():
+    ring = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_DEBUG": "INFO", "NCCL_HOSTID": "a"}
+    same = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_DEBUG": "WARN", "NCCL_HOSTID": "b"}
+    agreed = agreed_settings((1, 2), {1: (ring, ["NCCL_ALGO"]), 2: (same, ["NCCL_DEBUG"])})
+    assert agreed == {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}  # per-process keys never compared
+    tree = dict(same, NCCL_ALGO="Tree")
+    with pytest.raises(ValueError, match=r"device 1 has NCCL_ALGO=Ring, device 2 has NCCL_ALGO=Tree"):
+        agreed_settings((1, 2), {1: (ring, []), 2: (tree, [])})
+    custom = {"NCCL_IB_TIMEOUT": "22"}
+    with pytest.raises(ValueError, match=r"NCCL_IB_TIMEOUT=22, device 5 has NCCL_IB_TIMEOUT=None"):
+        agreed_settings((4, 5), {4: (custom, ["NCCL_IB_TIMEOUT"]), 5: ({}, [])})
+    assert agreed_settings((4, 5), {4: (custom, []), 5: ({}, [])}) == {}  # a key nobody's mesh sets
+    assert "NCCL_ALGO" in SHARED_SETTINGS
+
+
+def test_a_process_checks_its_own_settings_against_the_agreed_ones():
+    assert settings_mismatch({"NCCL_ALGO": "Ring"}, {"NCCL_ALGO": "Ring", "NCCL_DEBUG": "INFO"}) == {}
+    assert settings_mismatch({"NCCL_ALGO": "Ring"}, {"NCCL_ALGO": "Tree"}) == {"NCCL_ALGO": ("Ring", "Tree")}
+    assert settings_mismatch({}, {"NCCL_PROTO": "LL"}) == {"NCCL_PROTO": (None, "LL")}
+    assert local_settings({"NCCL_ALGO": "Ring", "NCCL_HOSTID": "x", "PATH": "/"}) == {"NCCL_ALGO": "Ring"}
+
+
+def test_gpu_sharing_picks_hostids_before_nccl_2_30_and_multi_rank_after():
+    auto = GpuSharing.AUTO
+    assert sharing_env(auto, 1.0, (2, 32, 3), 7, "h", {}) == {}
+    assert sharing_env(auto, 0.25, (2, 32, 3), 7, "h", {}) == {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    assert sharing_env(auto, 0.25, (2, 21, 5), 7, "h", {}) == {"NCCL_HOSTID": "reshard-h-7", "NCCL_SOCKET_IFNAME": "lo"}
+    assert sharing_env(GpuSharing.HOSTID, 1.0, None, 8, "h", {"NCCL_SOCKET_IFNAME": "eth0"}) == {
+        "NCCL_HOSTID": "reshard-h-8"
+    }
+    assert sharing_env(GpuSharing.OFF, 0.5, (2, 32, 3), 7, "h", {}) == {}
+
+
+def test_backend_ships_its_configuration_and_applies_env_on_arrival():
+    out = _run(
+        """
+        import os, pickle
+        os.environ.pop("NCCL_ALGO", None); os.environ["NCCL_PROTO"] = "LL"; os.environ["NCCL_COMM_BLOCKING"] = "1"
+        from reshard.runtime.nccl import NcclBackend
+        b = NcclBackend(env={"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}, timeout_s=5, gpus_per_device=0.5,
+                        gpu_sharing="hostid")
+        before = (os.environ["NCCL_PROTO"], os.environ["NCCL_COMM_BLOCKING"], "NCCL_HOSTID" in os.environ)
+        c = pickle.loads(pickle.dumps(b))  # what an actor receives
+        print(before, (c.env == b.env, c.timeout_s, c.gpus_per_device, c.gpu_sharing.value, c.live_groups()))
+        print([os.environ.get(k) for k in ("NCCL_ALGO", "NCCL_PROTO", "NCCL_COMM_BLOCKING", "NCCL_SOCKET_IFNAME")],
+              os.environ["NCCL_HOSTID"] == f"reshard-{os.uname().nodename}-{os.getpid()}")
+        """
+    )
+    first, second = out.splitlines()
+    assert first == "('LL', '1', False) (True, 5.0, 0.5, 'hostid', [])"
+    assert second == "['Ring', 'Simple', '0', 'lo'] True"
+
+
+def test_backend_options_are_validated():
+    with pytest.raises(ValueError, match="gpus_per_device"):
+        NcclBackend(gpus_per_device=2)
+    with pytest.raises(ValueError, match="gpus_per_device"):
+        NcclBackend(gpus_per_device=0)
+    with pytest.raises(ValueError, match="multi_rank"):
+        NcclBackend(gpu_sharing="sometimes")
+    with pytest.raises(ValueError, match="timeout_s"):
+        NcclBackend(timeout_s=0)
+
+
+# -- the backend registry -----------------------------------------------------------------------
+
+
+def test_registry_resolves_nccl_lazily_and_keeps_an_instances_gpus(monkeypatch):
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
     assert backends.backend_class("nccl") is NcclBackend
     name, inst = backends.make_backend(NcclBackend(env={}))
-    assert name == "nccl" and inst.env == {}
+    assert name == "nccl" and inst.env == {} and backends.backend_spec("nccl").gpus_per_device == 1.0
+    backends.make_backend(NcclBackend(gpus_per_device=0.25))
+    assert backends.backend_spec("nccl").gpus_per_device == 0.25  # four actors per GPU
+    backends.make_backend(NcclBackend())
+    assert backends.backend_spec("nccl").gpus_per_device == 1.0
+
+
+def test_a_registered_instance_keeps_the_gpus_its_class_declares(monkeypatch):
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+
+    class TwoGpus(Backend):
+        name = "two-gpus"
+        device_type = "cuda"
+        gpus_per_device = 2
+
+        def rendezvous(self, groups, actors):
+            return []
+
+        def connect(self, rendezvous, device, timeout_s):
+            raise NotImplementedError
+
+    class Plain(TwoGpus):
+        name = "plain"
+        gpus_per_device = None
+
+    backends.make_backend(TwoGpus())
+    assert backends.backend_spec("two-gpus") == backends.BackendSpec(TwoGpus, "cuda", 2.0)
+    backends.make_backend(Plain())
+    assert backends.backend_spec("plain").gpus_per_device == 0.0
+
+
+@pytest.mark.parametrize(
+    "bad, err", [(1.5, ValueError), (-1, ValueError), (float("inf"), ValueError), ("x", TypeError)]
+)
+def test_gpus_per_device_must_be_reservable_by_ray(bad, err):
+    with pytest.raises(err, match="gpus_per_device"):
+        backends.BackendSpec("m:C", "cuda", bad)
+    assert backends.check_gpus_per_device(0.5) == 0.5 and backends.check_gpus_per_device(3) == 3.0
+
+
+# -- GPU stack diagnosis ------------------------------------------------------------------------
+
+
+def test_gpu_stack_problems_name_both_sides_and_the_fix():
+    assert cb.gpu_stack_problems([("cupy-cuda12x", "14.2.0")], ["/x/libnccl.so.2"], (2, 27, 3), (2, 27, 3)) == []
+    two = cb.gpu_stack_problems(
+        [("cupy-cuda12x", "14.2.0"), ("cupy-cuda13x", "14.2.0"), ("numpy", "2")], [], None, None
+    )
+    assert len(two) == 1 and "cupy-cuda12x 14.2.0, cupy-cuda13x 14.2.0" in two[0] and "gpu-cu13" in two[0]
+    libs = cb.gpu_stack_problems([], ["/a/libnccl.so.2", "/b/libnccl.so.2"], None, None)
+    assert len(libs) == 1 and "/a/libnccl.so.2, /b/libnccl.so.2" in libs[0]
+    versions = cb.gpu_stack_problems([], [], (2, 27, 3), (2, 21, 5))
+    assert len(versions) == 1 and "cupy uses NCCL 2.27.3 but torch uses NCCL 2.21.5" in versions[0]
+
+
+def test_loaded_nccl_libraries_are_read_from_the_memory_map(tmp_path):
+    lib = tmp_path / "libnccl.so.2"
+    lib.write_bytes(b"")
+    maps = tmp_path / "maps"
+    maps.write_text(
+        f"7f00-7f10 r--p 00000000 08:01 42  {lib}\n"
+        f"7f10-7f20 r-xp 00010000 08:01 42  {lib}\n"
+        "7f20-7f30 r--p 00000000 08:01 43  /usr/lib/libc.so.6\n"
+        "7f30-7f40 rw-p 00000000 00:00 0 \n"
+    )
+    assert cb.loaded_nccl_libraries(str(maps)) == [str(lib)]
+    assert cb.loaded_nccl_libraries(str(tmp_path / "missing")) == []
+
+
+def test_missing_cupy_is_a_clear_error_naming_the_gpu_extras():
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy is installed here")
+    from reshard.runtime.communicator import Rendezvous
+    from reshard.runtime.nccl import nccl_available, visible_gpu_count
+
+    assert not nccl_available() and visible_gpu_count() == 0
+    b = NcclBackend()
+    with pytest.raises(ImportError, match=r"pip install '\.\[gpu-cu12\]'"):
+        b.local_rendezvous([(0,)])
+    with pytest.raises(ImportError, match=r"gpu-cu13"):
+        b.connect(Rendezvous((0,), {"v": 2, "uid": bytes(128), "host": 0}), 0, 1.0)
 
 
 # -- staging segments ------------------------------------------------------------------------
@@ -161,59 +355,182 @@ def test_reserve_is_refused_while_segments_are_in_use():
         a.reserve(4096)
 
 
-# -- deadlines -------------------------------------------------------------------------------
+# -- the abort side channel ---------------------------------------------------------------------
 
 
-class _AbortRecorder:
-    """Records when the watchdog calls ``abort()`` (the watchdog's whole contract)."""
+def test_abort_notices_reach_the_other_members_over_udp():
+    a, b, c = PeerAborts(), PeerAborts(), PeerAborts()
+    try:
+        digest = uid_digest(bytes(range(128)))
+        assert len(digest) == 16 and digest != uid_digest(bytes(128))
+        assert not b.aborted(digest)
+        a.notify([b.address, c.address, ("127.0.0.1", 9), ("no-such-host.invalid", 1)], digest)
+        assert b.wait(digest, 10) and c.wait(digest, 10)
+        assert not a.aborted(digest)
+        other = uid_digest(b"other")
+        b.sock.sendto(b"junk" + other, a.address)  # not a notice: ignored
+        a.notify([a.address], other)  # ... and a real one after it, which arrives later
+        assert a.wait(other, 10) and not a.aborted(b"junk")
+    finally:
+        for p in (a, b, c):
+            p.close()
 
-    def __init__(self):
-        self.aborted_at = None
+
+# -- the wedge guard ----------------------------------------------------------------------------
+
+
+def test_wedge_guard_reports_only_calls_still_inside_past_deadline_plus_grace():
+    wedged = []
+    fired = threading.Event()
+
+    def on_wedged(what):
+        wedged.append(what)
+        fired.set()
+
+    guard = WedgeGuard(grace_s=0.05, on_wedged=on_wedged)
+    release = threading.Event()
+    now = time.monotonic()
+    with guard.inside(now, "returned in time"):
+        pass
+
+    def stuck():
+        with guard.inside(now + 0.1, "stuck call"):
+            release.wait(30)
+
+    t = threading.Thread(target=stuck)
+    t.start()
+    try:
+        assert fired.wait(30)
+        assert wedged == ["stuck call"]  # the earlier deadline passed first and did not fire
+    finally:
+        release.set()
+        t.join(30)
+
+
+def test_the_real_wedge_guard_ends_the_process_with_its_exit_code():
+    code = """
+        import threading, time
+        from reshard.runtime import nccl
+        guard = nccl.WedgeGuard(grace_s=0.05)
+        with guard.inside(time.monotonic(), "ncclGroupEnd"):
+            threading.Event().wait(60)
+        """
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env)
+    assert out.returncode == 86 and "NCCL is wedged" in out.stderr
+
+
+# -- polling and aborting, with a stand-in for cupy's communicator ------------------------------
+
+
+class ScriptedComm:
+    """Plays cupy's NcclCommunicator contract as far as the backend's polling uses it: while a
+    non-blocking call is in progress ``check_async_error`` raises ``KeyError(7)`` (what cupy 14
+    raises for ncclInProgress), then returns or raises the scripted error; ``abort`` zeroes ``comm``."""
+
+    def __init__(self, in_progress: int, error: Exception | None = None):
+        self.left = in_progress
+        self.error = error
+        self.comm = 1
+        self.aborts = 0
+
+    def check_async_error(self):
+        if self.left > 0:
+            self.left -= 1
+            raise KeyError(NCCL_IN_PROGRESS)
+        if self.error is not None:
+            raise self.error
 
     def abort(self):
-        self.aborted_at = time.monotonic()
+        self.aborts += 1
+        self.comm = 0
 
 
-def test_watchdog_aborts_what_is_still_armed_at_its_deadline():
-    w = _Watchdog()
-    late, early = _AbortRecorder(), _AbortRecorder()
-    t0 = time.monotonic()
-    token_late = w.arm(t0 + 0.2, [late], "blocked call")
-    token_early = w.arm(t0 + 0.1, [early], "finished call")
-    assert w.disarm(token_early) is False  # returned in time: never aborted
-    deadline = time.monotonic() + 5
-    while late.aborted_at is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert late.aborted_at is not None and late.aborted_at - t0 >= 0.2
-    assert w.disarm(token_late) is True
-    time.sleep(0.2)
-    assert early.aborted_at is None
-    w.stop()
-
-
-def test_call_with_deadline_returns_instead_of_hanging():
-    assert _call_with_deadline(lambda: None, 5, "t") == (True, None)
-    finished, err = _call_with_deadline(lambda: 1 / 0, 5, "t")
-    assert finished and isinstance(err, ZeroDivisionError)
-    t0 = time.monotonic()
-    finished, _ = _call_with_deadline(lambda: time.sleep(3), 0.1, "t")
-    assert not finished and time.monotonic() - t0 < 1
-
-
-# -- without cupy ----------------------------------------------------------------------------
-
-
-def test_missing_cupy_is_a_clear_error_naming_the_gpu_extra():
-    import importlib.util
-
-    if importlib.util.find_spec("cupy") is not None:
-        pytest.skip("cupy is installed here")
-    from reshard.runtime.communicator import Rendezvous
-    from reshard.runtime.nccl import nccl_available, visible_gpu_count
-
-    assert not nccl_available() and visible_gpu_count() == 0
+def test_polling_waits_out_in_progress_and_raises_errors():
     b = NcclBackend()
-    with pytest.raises(ImportError, match=r"pip install '\.\[gpu\]'"):
-        b.local_rendezvous([(0,)])
-    with pytest.raises(ImportError, match=r"pip install '\.\[gpu\]'"):
-        b.connect(Rendezvous((0,), {"v": 1, "uid": bytes(128), "host": 0}), 0, 1.0)
+    done, fails = ScriptedComm(3), ScriptedComm(1, RuntimeError("NCCL_ERROR_REMOTE_ERROR"))
+    b._await([done], [b"d" * 16], time.monotonic() + 30)
+    assert done.left == 0
+    with pytest.raises(RuntimeError, match="REMOTE_ERROR"):
+        b._await([fails], [b"e" * 16], time.monotonic() + 30)
+    with pytest.raises(_Deadline):
+        b._await([ScriptedComm(10**9)], [b"f" * 16], time.monotonic() + 0.05)
+
+
+def test_polling_stops_at_a_peers_abort_notice():
+    b = NcclBackend()
+    digest = uid_digest(b"group-uid")
+    sender = PeerAborts()
+    try:
+        sender.notify([peer_aborts().address], digest)
+        assert peer_aborts().wait(digest, 10)
+        with pytest.raises(_PeerAbort):
+            b._await([ScriptedComm(10**9)], [digest], time.monotonic() + 60)
+    finally:
+        sender.close()
+    assert b.stats["peer_aborts"] == 1
+
+
+def test_abort_is_local_once_and_tells_the_other_members():
+    b = NcclBackend()
+    other = PeerAborts()
+    try:
+        info = {"uid": b"u" * 128, "host": 0, "abort_to": [list(peer_aborts().address), list(other.address)]}
+        raw = ScriptedComm(0)
+        comm = NcclCommunicator(b, (3, 8), 0, 5.0, raw, info)
+        b._comms[(3, 8)] = comm
+        comm.abort()
+        comm.abort()
+        assert raw.aborts == 1 and comm.aborted and b.live_groups() == [] and b.stats["aborted"] == 1
+        assert other.wait(comm.digest, 10)  # rank 1 heard of it
+        assert not peer_aborts().aborted(comm.digest)  # rank 0 (this process) did not tell itself
+        peer = NcclCommunicator(b, (3, 8), 1, 5.0, ScriptedComm(0), info)
+        assert not peer.peer_aborted()
+    finally:
+        other.close()
+
+
+def test_a_failed_batch_aborts_its_communicators_and_names_the_cause():
+    from reshard.runtime.nccl import _Batch
+
+    b = NcclBackend()
+    raw = ScriptedComm(0)
+    comm = NcclCommunicator(b, (0, 1), 0, 5.0, raw, {"uid": b"v" * 128, "abort_to": []})
+    batch = _Batch(grouped=False, deadline=time.monotonic())
+    batch.comms[id(comm)] = comm
+    batch.ops.append("send(group=(0, 1))")
+    with pytest.raises(ReshardTimeout, match="did not complete before their deadline"):
+        b._fail(batch, None, timeout=True)
+    assert raw.aborts == 1
+    with pytest.raises(PeerFailed, match="a member of the group aborted"):
+        b._fail(batch, None, timeout=False, peer=True)
+
+
+# -- bootstrap roots ----------------------------------------------------------------------------
+
+
+def test_bootstrap_roots_are_counted_by_thread_name():
+    libc = ctypes.CDLL(None)
+    before = bootstrap_root_threads()
+    named, release = threading.Event(), threading.Event()
+
+    def root():
+        libc.prctl(15, BOOTSTRAP_ROOT_THREAD.encode(), 0, 0, 0)  # PR_SET_NAME, as NCCL names its thread
+        named.set()
+        release.wait(30)
+
+    t = threading.Thread(target=root)
+    t.start()
+    try:
+        assert named.wait(30)
+        assert bootstrap_root_threads() == before + 1
+    finally:
+        release.set()
+        t.join(30)
+    assert bootstrap_root_threads() == before
+
+
+def test_backend_pickles_without_its_driver_cache():
+    b = NcclBackend()
+    b._members[3] = ("actor", {"settings": {}})
+    assert pickle.loads(pickle.dumps(b))._members == {}
