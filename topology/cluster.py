@@ -3,9 +3,12 @@
 A ``Cluster`` is the cost model the planner and the network simulator (``topology.simulator``)
 share:
 
-- every host has one NIC that sends ``nic_GBps`` and receives ``nic_GBps`` at the same time (full
-  duplex; a host with several NICs, like a DGX with one per GPU, is modelled as one NIC of their
-  summed bandwidth, since NCCL stripes its channels over all of them);
+- every host has one NIC that sends and receives at its rate at the same time (full duplex; a host
+  with several NICs, like a DGX with one per GPU, is modelled as one NIC of their summed bandwidth,
+  since NCCL stripes its channels over all of them). Uniform clusters give every host
+  ``nic_GBps``; heterogeneous ones (``Cluster.heterogeneous``) give each host its own rate
+  (``host_nic_GBps``) and device count (``host_devices``); ``nic_Bps_of(host)`` and
+  ``devices_on(host)`` read either;
 - every device sends and receives ``intra_host_GBps`` to and from the other devices of its host
   (NVLink / NVSwitch, or shared memory for CPU "devices"); a local copy inside one device runs at
   that rate too;
@@ -15,12 +18,13 @@ share:
 
 ``GBps`` is 1e9 bytes per second. Device ``d`` of a cluster built mesh lives on host
 ``d // devices_per_host`` (``Cluster.mesh``); plans may carry their own host ids, which must stay
-below ``num_hosts`` (``check_meshes``).
+below ``num_hosts`` (``check_meshes``, ``check_hosts``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from topology.mesh import Mesh
@@ -56,7 +60,9 @@ class Cluster:
 
     Each host's NIC sends and receives ``nic_GBps`` at once (full duplex); devices of one host
     exchange data at ``intra_host_GBps``; every network message pays ``latency_us`` and every
-    intra-host message ``intra_host_latency_us``.
+    intra-host message ``intra_host_latency_us``. A heterogeneous cluster also names every host's
+    own NIC rate (``host_nic_GBps``; ``nic_GBps`` is then the fastest) and device count
+    (``host_devices``; ``devices_per_host`` is then the largest).
     """
 
     num_hosts: int
@@ -68,6 +74,8 @@ class Cluster:
     intra_host_latency_us: float = 2.0
     backend: str = "nccl"
     host_names: tuple[str, ...] | None = None
+    host_nic_GBps: tuple[float, ...] | None = None
+    host_devices: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for name in ("num_hosts", "devices_per_host"):
@@ -86,6 +94,24 @@ class Cluster:
             raise ValueError(f"Cluster backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.host_names is not None and len(self.host_names) != self.num_hosts:
             raise ValueError(f"Cluster host_names names {len(self.host_names)} hosts, but num_hosts={self.num_hosts}")
+        self._check_per_host("host_nic_GBps", "nic_GBps", _is_bandwidth, "positive finite bandwidths in GB/s")
+        self._check_per_host("host_devices", "devices_per_host", _is_count, "positive ints")
+
+    def _check_per_host(self, name: str, summary: str, valid, what: str) -> None:
+        values = getattr(self, name)
+        if values is None:
+            return
+        if not isinstance(values, tuple) or len(values) != self.num_hosts:
+            raise ValueError(
+                f"Cluster {name} must be a tuple of {self.num_hosts} values (one per host), got {values!r}"
+            )
+        if not all(valid(v) for v in values):
+            raise ValueError(f"Cluster {name} must hold {what}, got {values!r}")
+        if getattr(self, summary) != max(values):
+            raise ValueError(
+                f"Cluster {summary}={getattr(self, summary)!r} must be the largest of {name}={values!r}; "
+                f"build per-host clusters with Cluster.heterogeneous"
+            )
 
     @classmethod
     def homogeneous(
@@ -108,6 +134,45 @@ class Cluster:
         )  # fmt: skip
 
     @classmethod
+    def heterogeneous(
+        cls,
+        nic_GBps,
+        devices_per_host,
+        intra_host_GBps,
+        *,
+        latency_us=5.0,
+        intra_host_latency_us=2.0,
+        backend="nccl",
+        name="custom",
+        host_names=None,
+    ) -> Cluster:
+        """Hosts that differ: ``nic_GBps`` and ``devices_per_host`` are each one value for every host
+        or a sequence with one value per host (host ``h`` is index ``h``), at least one a sequence.
+        Uniform sequences give the homogeneous cluster (equal to ``Cluster.homogeneous``)."""
+        nics = _per_host("nic_GBps", nic_GBps)
+        counts = _per_host("devices_per_host", devices_per_host)
+        lengths = {len(v) for v in (nics, counts) if v is not None}
+        if not lengths:
+            raise ValueError(
+                "Cluster.heterogeneous needs per-host nic_GBps or devices_per_host; use Cluster.homogeneous"
+            )
+        if len(lengths) > 1:
+            raise ValueError(
+                f"Cluster.heterogeneous got {len(nics or ())} NIC rates but {len(counts or ())} device counts; "
+                f"give one per host"
+            )
+        num_hosts = lengths.pop()
+        if nics is not None:
+            nics = tuple(_bandwidth("nic_GBps", v) for v in nics)
+        top_nic = max(nics) if nics else _bandwidth("nic_GBps", nic_GBps)
+        top_count = max(counts) if counts else devices_per_host
+        return cls(
+            num_hosts, top_count, top_nic, _bandwidth("intra_host_GBps", intra_host_GBps), float(latency_us), name,
+            float(intra_host_latency_us), backend, None if host_names is None else tuple(host_names),
+            _unless_uniform(nics), _unless_uniform(counts),
+        )  # fmt: skip
+
+    @classmethod
     def preset(cls, name: str, num_hosts: int) -> Cluster:
         """``num_hosts`` machines of a known kind: one of ``PRESETS`` (see the figures there)."""
         if name not in PRESETS:
@@ -122,10 +187,22 @@ class Cluster:
         Planning and simulation use it when no cluster is given: ``DEFAULT_NIC_GBPS`` per host,
         ``DEFAULT_INTRA_HOST_GBPS`` per device, ``DEFAULT_LATENCY_US`` per network message.
         """
-        per_host = _devices_per_host(meshes)
-        num_hosts = 1 + max((h for m in meshes for h in m.host_ids), default=0)
+        pairs = [(d, h) for m in meshes for d, h in zip(m.device_ids, m.host_ids, strict=True)]
+        return cls._smallest(pairs, nic_GBps, intra_host_GBps)
+
+    @classmethod
+    def for_hosts(
+        cls, hosts: Mapping[int, int], *, nic_GBps=DEFAULT_NIC_GBPS, intra_host_GBps=DEFAULT_INTRA_HOST_GBPS
+    ) -> Cluster:
+        """The smallest homogeneous cluster holding the devices of ``hosts`` (global device id -> host
+        id), with default figures: what a plan with that host map is costed on without a cluster."""
+        return cls._smallest(hosts.items(), nic_GBps, intra_host_GBps)
+
+    @classmethod
+    def _smallest(cls, pairs: Iterable[tuple[int, int]], nic_GBps, intra_host_GBps) -> Cluster:
+        per_host = _devices_per_host(pairs)
         return cls(
-            num_hosts, max(per_host.values(), default=1), float(nic_GBps), float(intra_host_GBps),
+            1 + max(per_host, default=0), max(per_host.values(), default=1), float(nic_GBps), float(intra_host_GBps),
             DEFAULT_LATENCY_US, "default",
         )  # fmt: skip
 
@@ -169,20 +246,43 @@ class Cluster:
 
     @property
     def num_devices(self) -> int:
+        if self.host_devices is not None:
+            return sum(self.host_devices)
         return self.num_hosts * self.devices_per_host
 
     @property
+    def uniform(self) -> bool:
+        """Whether every host has the same NIC rate and device count."""
+        return self.host_nic_GBps is None and self.host_devices is None
+
+    @property
     def nic_Bps(self) -> float:
-        """NIC bandwidth per host and direction in bytes per second."""
+        """NIC bandwidth per direction in bytes per second: every host's, or the fastest host's."""
         return self.nic_GBps * 1e9
+
+    def nic_Bps_of(self, host: int) -> float:
+        """Host ``host``'s NIC bandwidth per direction in bytes per second."""
+        self._check_host(host)
+        return self.nic_Bps if self.host_nic_GBps is None else self.host_nic_GBps[host] * 1e9
+
+    def devices_on(self, host: int) -> int:
+        """How many devices host ``host`` has."""
+        self._check_host(host)
+        return self.devices_per_host if self.host_devices is None else self.host_devices[host]
+
+    def _check_host(self, host: int) -> None:
+        if not isinstance(host, int) or isinstance(host, bool) or not 0 <= host < self.num_hosts:
+            raise ValueError(f"cluster {self.name!r} has hosts 0..{self.num_hosts - 1}, got host {host!r}")
 
     @property
     def intra_host_Bps(self) -> float:
         return self.intra_host_GBps * 1e9
 
     def __str__(self) -> str:
+        devices = _spread(self.host_devices) if self.host_devices else f"{self.devices_per_host:g}"
+        nic = _spread(self.host_nic_GBps) if self.host_nic_GBps else f"{self.nic_GBps:g}"
         return (
-            f"{self.name}: {self.num_hosts} hosts x {self.devices_per_host} devices, NIC {self.nic_GBps:g} GB/s "
+            f"{self.name}: {self.num_hosts} hosts x {devices} devices, NIC {nic} GB/s "
             f"per host, intra-host {self.intra_host_GBps:g} GB/s, latency {self.latency_us:g} us, {self.backend}"
         )
 
@@ -195,11 +295,26 @@ class Cluster:
                     f"{mesh} uses host {max(too_far)} but cluster {self.name!r} has {self.num_hosts} hosts "
                     f"(ids 0..{self.num_hosts - 1}); use a cluster with at least {max(too_far) + 1} hosts"
                 )
-        for host, count in _devices_per_host(meshes).items():
-            if count > self.devices_per_host:
+        pairs = [(d, h) for m in meshes for d, h in zip(m.device_ids, m.host_ids, strict=True)]
+        self._check_counts(_devices_per_host(pairs), "the meshes place")
+
+    def check_hosts(self, hosts: Mapping[int, int]) -> None:
+        """Raise ValueError unless the device -> host map ``hosts`` fits in this cluster."""
+        too_far = {h: d for d, h in hosts.items() if h >= self.num_hosts}
+        if too_far:
+            host = max(too_far)
+            raise ValueError(
+                f"the plan uses host {host} (device {too_far[host]}) but cluster {self.name!r} has {self.num_hosts} "
+                f"hosts (ids 0..{self.num_hosts - 1}); use a cluster with at least {host + 1} hosts"
+            )
+        self._check_counts(_devices_per_host(hosts.items()), "the plan places")
+
+    def _check_counts(self, per_host: Mapping[int, int], who: str) -> None:
+        for host, count in per_host.items():
+            if count > self.devices_on(host):
                 raise ValueError(
-                    f"the meshes place {count} distinct devices on host {host} but cluster {self.name!r} has "
-                    f"{self.devices_per_host} devices per host"
+                    f"{who} {count} distinct devices on host {host} but cluster {self.name!r} has "
+                    f"{self.devices_on(host)} devices {'per host' if self.host_devices is None else 'there'}"
                 )
 
     def mesh(self, shape, hosts=None, *, devices=None, axis_names=None) -> Mesh:
@@ -224,18 +339,20 @@ class Cluster:
                 f"hosts={hosts} must be distinct host indices in [0, {self.num_hosts}) of cluster {self.name!r} "
                 f"({self.num_hosts} hosts)"
             )
-        if per_host > self.devices_per_host:
+        fewest = min(self.devices_on(h) for h in hosts)
+        if per_host > fewest:
             raise ValueError(
                 f"mesh {shape} asks for {per_host} devices per host but cluster {self.name!r} has "
-                f"{self.devices_per_host} devices per host"
+                f"{fewest} devices per host" + ("" if self.host_devices is None else f" on some of hosts {hosts}")
             )
         devices = tuple(range(per_host)) if devices is None else tuple(devices)
         if len(devices) != per_host or len(set(devices)) != per_host:
             raise ValueError(f"mesh {shape} needs {per_host} distinct devices per host, got devices={devices}")
-        if any(not 0 <= d < self.devices_per_host for d in devices):
+        if any(not 0 <= d < fewest for d in devices):
             raise ValueError(
                 f"mesh {shape} asks for local devices {devices} but cluster {self.name!r} has "
-                f"{self.devices_per_host} devices per host (local indices 0..{self.devices_per_host - 1})"
+                f"{fewest} devices per host (local indices 0..{fewest - 1})"
+                + ("" if self.host_devices is None else f" on some of hosts {hosts}")
             )
         device_ids = [h * self.devices_per_host + d for h in hosts for d in devices]
         host_ids = [h for h in hosts for _ in devices]
@@ -249,9 +366,34 @@ def _bandwidth(name: str, value) -> float:
         raise ValueError(f"Cluster {name} must be a positive bandwidth in GB/s, got {value!r}") from None
 
 
-def _devices_per_host(meshes) -> dict[int, int]:
+def _is_bandwidth(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _per_host(name: str, value) -> tuple | None:
+    """``value`` as a tuple when it is a sequence (one value per host), None when it is one value."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        return None
+    if not value:
+        raise ValueError(f"Cluster.heterogeneous {name} names no host")
+    return tuple(value)
+
+
+def _unless_uniform(values: tuple | None) -> tuple | None:
+    return None if values is None or len(set(values)) == 1 else values
+
+
+def _spread(values: tuple) -> str:
+    return f"{min(values):g}-{max(values):g}"
+
+
+def _devices_per_host(pairs: Iterable[tuple[int, int]]) -> dict[int, int]:
+    """(device, host) pairs -> host: how many distinct devices it holds."""
     devices: dict[int, set[int]] = {}
-    for mesh in meshes:
-        for d, h in zip(mesh.device_ids, mesh.host_ids, strict=True):
-            devices.setdefault(h, set()).add(d)
+    for d, h in pairs:
+        devices.setdefault(h, set()).add(d)
     return {h: len(ds) for h, ds in devices.items()}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -102,6 +104,37 @@ class Mesh:
     def from_msgpack_obj(cls, obj) -> Mesh:
         shape, devices, hosts, names = obj
         return cls(tuple(shape), devices, hosts, axis_names=names)
+
+
+def device_hosts(*meshes: Mesh, hosts: Mapping[int, int] | None = None) -> dict[int, int]:
+    """Global device id -> host id over ``meshes``, in order of first appearance.
+
+    Without ``hosts``: the meshes' own host ids (a device that two meshes place on different hosts
+    is an error). With ``hosts`` (an override, e.g. every device of one shared-memory machine on
+    one host): its entries for the meshes' devices, each of which it must name.
+    """
+    if hosts is None:
+        out: dict[int, int] = {}
+        for mesh in meshes:
+            for d, h in zip(mesh.device_ids, mesh.host_ids, strict=True):
+                if out.setdefault(d, h) != h:
+                    raise ValueError(
+                        f"device {d} sits on host {out[d]} in one mesh but on host {h} in {mesh}; "
+                        f"give the meshes the same host ids for a shared device"
+                    )
+        return out
+    if not isinstance(hosts, Mapping):
+        raise TypeError(f"hosts must map global device ids to host ids (a dict), got {type(hosts).__name__}")
+    out = {}
+    for mesh in meshes:
+        for d in mesh.device_ids:
+            if d not in hosts:
+                raise ValueError(f"hosts has no host for device {d} of {mesh}; map every device of the meshes")
+            h = hosts[d]
+            if not isinstance(h, numbers.Integral) or isinstance(h, bool) or h < 0:
+                raise ValueError(f"hosts maps device {d} to {h!r}; host ids are non-negative ints")
+            out[d] = int(h)
+    return out
 
 
 def default_devices_per_host(shape: tuple[int, ...]) -> int:

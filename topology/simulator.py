@@ -7,9 +7,10 @@ every transfer's start and end, and per-host NIC bytes and busy time.
 
 Model
 -----
-Resources. Each host has a NIC send port and a NIC receive port of ``cluster.nic_GBps`` each (full
-duplex). Each device has an intra-host send port and receive port of ``cluster.intra_host_GBps``
-each (NVLink/NVSwitch; shared memory for CPU devices). Network traffic of a device goes through its
+Resources. Each host has a NIC send port and a NIC receive port of its own rate each (full duplex;
+``cluster.nic_Bps_of(host)``: the same for every host of a uniform cluster). Each device has an
+intra-host send port and receive port of ``cluster.intra_host_GBps`` each (NVLink/NVSwitch; shared
+memory for CPU devices). Network traffic of a device goes through its
 host's NIC and does not touch its intra-host ports (GPUDirect RDMA).
 
 Flows. A transfer becomes one or more flows; a flow moves bytes at one rate through every resource
@@ -30,7 +31,7 @@ never oversubscribed and no flow is slowed without a bottleneck. A flow first wa
   many receivers. Its latency is the sum of the hop latencies plus ``NCCL_BROADCAST_OVERHEAD_US``
   (a collective's launch and the rendezvous of all ranks); its byte count is the size plus the
   pipeline fill: with chunk c = min(size, ``NCCL_CHUNK_BYTES``) and per-hop chunk times
-  c / (hop's nominal bandwidth), a pipeline of chunks takes size / rate plus the sum of the hop
+  c / (the slower of the hop's two ports), a pipeline of chunks takes size / rate plus the sum of the hop
   times but the slowest, which joins the latency. So tiny messages and two-rank groups cost more
   as broadcasts than as P2P (NCCL issue 674 reports far worse for both; we charge only this
   modest, documented overhead).
@@ -162,11 +163,16 @@ def simulate_transfers(
     if missing:
         raise ValueError(f"device_hosts has no host for devices {missing[:8]}")
     hosts = sorted({device_hosts[d] for d in devices} | set(device_hosts.values()))
+    if hosts and not 0 <= hosts[0] <= hosts[-1] < cluster.num_hosts:
+        raise ValueError(
+            f"device_hosts uses hosts {hosts[0]}..{hosts[-1]} but cluster {cluster.name!r} has hosts "
+            f"0..{cluster.num_hosts - 1}; simulate on a cluster that holds every host"
+        )
     host_index = {h: i for i, h in enumerate(hosts)}
     dev_index = {d: i for i, d in enumerate(devices)}
     nh = len(hosts)
     # resources: host h send 2i, recv 2i+1; device d intra send 2nh+2j, recv 2nh+2j+1
-    cap = [cluster.nic_Bps] * (2 * nh) + [cluster.intra_host_Bps] * (2 * len(devices))
+    cap = [rate for h in hosts for rate in (cluster.nic_Bps_of(h),) * 2] + [cluster.intra_host_Bps] * (2 * len(devices))
     host_of = {d: host_index[device_hosts[d]] for d in devices}
     net_lat = cluster.latency_us * 1e-6
     intra_lat = cluster.intra_host_latency_us * 1e-6
@@ -188,8 +194,8 @@ def simulate_transfers(
             j = 2 * nh + 2 * dev_index[t.root]
             return [_Flow(i, s, (j, j + 1), 0.0)]
         if t.kind is SimKind.P2P:
-            res, lat = hop(t.root, t.receivers[0], s)
-            return [_Flow(i, s, res, lat)]
+            ports, lat = hop(t.root, t.receivers[0], s)
+            return [_Flow(i, s, ports, lat)]
         if backend == "nccl":
             ring = _ring_order(t.root, t.receivers, host_of)
             res: list[int] = []
@@ -200,7 +206,7 @@ def simulate_transfers(
                 r, hop_lat = hop(a, b, s)
                 res += r
                 lat += hop_lat
-                hop_times.append(chunk / cap[r[0]])
+                hop_times.append(chunk / min(cap[r[0]], cap[r[1]]))
             # pipeline fill: every hop but the slowest forwards one chunk before the stream is steady
             fill = sum(hop_times) - max(hop_times)
             return [_Flow(i, s, tuple(res), lat + fill)]
