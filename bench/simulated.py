@@ -1,12 +1,13 @@
 """Paper-scale microbenchmarks by simulation: ``python -m bench --simulate [options]``.
 
-Reproduces the paper's single-sender suite (section 5.1.1: a 1x1 source mesh broadcasting a
-replicated tensor to 1x1..1x4 and 2x2..4x2 meshes) and its eight multi-sender cases (PAPER.md's
-table) on a simulated cluster (``topology.Cluster`` presets, ``topology.simulator``). For every
-case and strategy it reports the simulated latency, the effective bandwidth (tensor bytes /
-latency) and the ratio to the fluid lower bound (``reshard.cost``), as rich tables, a JSON file
-and a PNG bar chart in ``--out``. ``--planning-time`` measures planning times (paper cases cold,
-cached, and 1024 -> 1024 device reshards); ``--random N`` adds statistics over N random cases.
+Reproduces the single-sender suite of "On Optimizing the Communication of Model Parallelism"
+(section 5.1.1: a 1x1 source mesh broadcasting a replicated tensor to 1x1..1x4 and 2x2..4x2
+meshes) and its eight multi-sender cases (the paper's table) on a simulated cluster
+(``topology.Cluster`` presets, ``topology.simulator``). For every case and strategy it reports
+the simulated latency, the effective bandwidth (tensor bytes / latency) and the ratio to the fluid
+lower bound (``reshard.cost``), as rich tables, a JSON file and a PNG bar chart in ``--out``.
+``--planning-time`` measures planning times (paper cases cold, cached, and 1024 -> 1024 device
+reshards); ``--random N`` adds statistics over N random cases.
 
 Pure apart from rich and matplotlib (Agg): runs anywhere, no Ray, no GPU.
 """
@@ -24,10 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard import STRATEGIES, Layout, Replicate, Shard, plan_reshard
-from reshard.cost import device_hosts, lower_bound_s, sim_transfers
-from reshard.planner import _plan_cached
+from reshard.planner import clear_plan_cache
 from reshard.tasks import plan_unit_tasks
-from topology import PRESETS, Cluster, simulate_transfers
+from topology import PRESETS, Cluster
 
 R = Replicate()
 BASELINES = ("send_recv", "allgather", "broadcast", "broadcast_size", "broadcast_order")
@@ -153,7 +153,6 @@ def required_hosts(hosts: int) -> int:
 
 def evaluate(case: Case, cluster: Cluster, strategies=STRATEGY_ORDER) -> dict:
     """Every strategy's simulated latency, bandwidth, ratio to the bound, transfers, groups."""
-    hosts = device_hosts(case.src, case.dst)
     out = {}
     lb = None
     for name in strategies:
@@ -161,8 +160,8 @@ def evaluate(case: Case, cluster: Cluster, strategies=STRATEGY_ORDER) -> dict:
         plan = plan_reshard(case.shape, case.dtype, case.src, case.dst, strategy=name, cluster=cluster)
         plan_s = time.perf_counter() - t0
         if lb is None:
-            lb = lower_bound_s(plan.tasks, hosts, cluster)
-        sim = simulate_transfers(sim_transfers(plan), hosts, cluster)
+            lb = plan.lower_bound_s(cluster)
+        sim = plan.simulate(cluster)
         groups = {tuple(sorted(t.group)) for t in plan.transfers if len(t.group) > 1}
         out[name] = {
             "latency_s": sim.makespan_s,
@@ -234,7 +233,7 @@ def planning_times(cluster_name: str, hosts: int, reps: int = 5) -> dict:
 def _cold(shape, src, dst, cluster, reps) -> tuple[float, float]:
     cpu, wall = [], []
     for _ in range(reps):
-        _plan_cached.cache_clear()
+        clear_plan_cache()
         c0, w0 = time.process_time(), time.perf_counter()
         plan_reshard(shape, "int32", src, dst, cluster=cluster)
         cpu.append(time.process_time() - c0)
@@ -278,18 +277,16 @@ def random_stats(cluster_name: str, n: int, seed: int = 0, **size) -> dict:
     """auto vs the baselines and the bound over ``n`` random cases on a 16-host ``cluster_name``."""
     cluster = Cluster.preset(cluster_name, 16)
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict] = []
     while len(rows) < n:
         kind, shape, src, dst = random_case(rng, cluster, **size)
-        tasks = plan_unit_tasks(shape, 4, src, dst)
-        if not tasks:
+        if not plan_unit_tasks(shape, 4, src, dst):
             continue
-        hosts = device_hosts(src, dst)
-        lb = lower_bound_s(tasks, hosts, cluster)
         times = {}
         for name in STRATEGY_ORDER:
             plan = plan_reshard(shape, "float32", src, dst, strategy=name, cluster=cluster)
-            times[name] = simulate_transfers(sim_transfers(plan), hosts, cluster).makespan_s
+            times[name] = plan.simulate(cluster).makespan_s
+        lb = plan.lower_bound_s(cluster)
         rows.append({"kind": kind, "shape": list(shape), "src": str(src), "dst": str(dst), "lb": lb, **times})
     stats = {
         "cluster": cluster_name,
@@ -357,7 +354,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    suites = [("single", "Single sender (1 GiB, 1x1 source)"), ("multi", "Multiple senders (PAPER.md cases)")]
+    suites = [("single", "Single sender (1 GiB, 1x1 source)"), ("multi", "Multiple senders (the paper's cases)")]
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1, 1.15]}, constrained_layout=True)
     names = [n for n in STRATEGY_ORDER if any(n in r["strategies"] for r in results)]
     width = 0.8 / len(names)

@@ -10,8 +10,7 @@ from reshard.layout import Layout
 from reshard.lowering import DeviceProgram, Op, OpKind, Program, lower_plan
 from reshard.placement import Placement, Replicate, Shard
 from reshard.plan import ReshardPlan, Transfer, TransferKind
-from reshard.planner import plan_reshard
-from reshard.strategies import STRATEGIES
+from reshard.planner import STRATEGIES, plan_reshard
 from reshard.tasks import UnitTask, plan_unit_tasks
 from reshard.validate import validate_plan, validate_program
 

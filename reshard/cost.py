@@ -1,85 +1,63 @@
-"""Costs of plans on a cluster: simulation (``topology.simulator``) and the fluid lower bound.
+"""Costs of reshards on a cluster: the cluster a plan is costed on, and the fluid lower bound.
 
-``simulate_plan`` hands the simulator a neutral copy of the plan: its transfers in issue order and
-the device -> host map of both meshes. ``lower_bound_s`` is the bound of PAPER.md, extended to
-the devices of a host:
+``lower_bound_s`` extends the bound of "On Optimizing the Communication of Model Parallelism" to
+the devices of a host and to hosts whose NICs differ. ``B(h)`` is host ``h``'s NIC rate per
+direction (``cluster.nic_Bps_of``), ``I`` the intra-host rate of a device, and for a set X of
+hosts ``B(X)`` the sum of its hosts' rates. Every term is a time no plan can beat:
 
 - every host must take in, over its NIC, each byte some device of it needs that no device of it
-  holds: ``in(h) / B``;
-- every byte that only host ``h`` holds and that a device of another host needs must leave over
-  ``h``'s NIC: ``out(h) / B``;
+  holds: ``in(h) / B(h)``; every byte that only host ``h`` holds and that a device of another host
+  needs must leave over ``h``'s NIC: ``out(h) / B(h)``;
 - both are cuts of the host set; more generally, the bytes needed inside a set X of hosts and held
-  only outside it cross into X at most at ``min(|X|, |outside|) * B``. Besides single hosts and
+  only outside it (among the hosts of the meshes, O) must each enter X over the receive port of
+  some NIC of X and leave O over the send port of some NIC of O, so they cross at most at
+  ``min(B(X), B(O))``; with equal rates that is ``min(|X|, |O|) * B``. Besides single hosts and
   their complements we take X = every task's receiver hosts and X = the complement of every task's
   holder hosts and of all holder hosts together (e.g. two source hosts feeding eight destination
-  hosts send at 2B, not 8B); for very many distinct sets only the last (``_CUT_WORK``);
+  hosts send at ``B(h1) + B(h2)``, not at eight NICs); for very many distinct sets only the last
+  (``_CUT_WORK``);
 - every byte a device needs enters it through its intra-host port or its host's NIC:
-  ``need(d) / (I + B)``; and a device that alone holds a box on its host pushes it through its
-  intra-host send port (once for its own copy, once more for the host's other receivers) unless
-  the NIC brings it: ``push(d) / (I + B)``; summed over a host, those passes share the send ports
-  of the host's holding devices: ``push(h) / (holders(h) * I + B)``;
+  ``need(d) / (I + B(host(d)))``; and a device that alone holds a box on its host pushes it through
+  its intra-host send port (once for its own copy, once more for the host's other receivers)
+  unless the NIC brings it: ``push(d) / (I + B(host(d)))``; summed over a host, those passes share
+  the send ports of the host's holding devices: ``push(h) / (holders(h) * I + B(h))``;
 
 plus one network latency in front of the NIC terms when anything must cross the network (no byte
-moves before its message's latency). ``B`` = ``cluster.nic_GBps``, ``I`` = ``cluster.intra_host_GBps``.
-The bound is at least PAPER.md's (its two terms are among the cuts), and no plan's simulated
-makespan is below it. It ignores that a device runs one transfer at a time and a ring's pipeline
-fill, so some reshards cannot reach it (a cyclic shift among the devices of a host takes rounds).
+moves before its message's latency). The bound is at least the paper's (its two terms are among
+the cuts), and no plan's simulated makespan is below it. It ignores that a device runs one
+transfer at a time and a ring's pipeline fill, so some reshards cannot reach it (a cyclic shift
+among the devices of a host takes rounds).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
-from reshard.layout import Layout
-from reshard.plan import ReshardPlan, TransferKind
-from reshard.regions import box_volume
 from reshard.tasks import UnitTask
 from topology.cluster import Cluster
-from topology.simulator import SimKind, SimResult, SimTransfer, simulate_transfers
 
 _CUT_WORK = 2_000_000  # (cut, task group) pairs the bound evaluates at most
-_SIM_KIND = {TransferKind.COPY: SimKind.COPY, TransferKind.SEND: SimKind.P2P, TransferKind.BROADCAST: SimKind.BROADCAST}
 
 
-def device_hosts(src: Layout, dst: Layout) -> dict[int, int]:
-    """Global device id -> host id over both meshes."""
-    hosts = dict(zip(src.mesh.device_ids, src.mesh.host_ids, strict=True))
-    for d, h in zip(dst.mesh.device_ids, dst.mesh.host_ids, strict=True):
-        if hosts.setdefault(d, h) != h:
-            raise ValueError(
-                f"device {d} sits on host {hosts[d]} in the source mesh but on host {h} in the destination mesh"
-            )
-    return hosts
-
-
-def resolve_cluster(cluster: Cluster | None, src: Layout, dst: Layout) -> Cluster:
-    """``cluster`` checked against both meshes, or ``Cluster.for_meshes`` when it is None."""
+def resolve_cluster(cluster: Cluster | None, hosts: Mapping[int, int]) -> Cluster:
+    """``cluster`` checked against the device -> host map ``hosts``, or ``Cluster.for_hosts(hosts)``
+    (default figures) when it is None."""
     if cluster is None:
-        return Cluster.for_meshes(src.mesh, dst.mesh)
+        return Cluster.for_hosts(hosts)
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster must be a topology.Cluster, got {type(cluster).__name__}")
-    cluster.check_meshes(src.mesh, dst.mesh)
+    cluster.check_hosts(hosts)
     return cluster
 
 
-def sim_transfers(plan: ReshardPlan) -> list[SimTransfer]:
-    """The plan's transfers in issue order, in the simulator's neutral form."""
-    item = plan.itemsize
-    return [SimTransfer(_SIM_KIND[t.kind], t.src, t.dsts, box_volume(t.box) * item) for t in plan.transfers]
-
-
-def simulate_plan(plan: ReshardPlan, cluster: Cluster | None = None, *, backend: str | None = None) -> SimResult:
-    """Simulate ``plan`` on ``cluster`` (default: ``Cluster.for_meshes`` of the plan's meshes)."""
-    cluster = resolve_cluster(cluster, plan.src, plan.dst)
-    return simulate_transfers(sim_transfers(plan), device_hosts(plan.src, plan.dst), cluster, backend=backend)
-
-
-def lower_bound_s(tasks: tuple[UnitTask, ...], hosts: dict[int, int], cluster: Cluster) -> float:
+def lower_bound_s(tasks: tuple[UnitTask, ...], hosts: Mapping[int, int], cluster: Cluster) -> float:
     """The fluid lower bound (module docstring) of serving ``tasks`` on ``cluster``; ``hosts`` maps
     every device of both meshes to its host."""
-    nic = cluster.nic_Bps
-    dev_rate = cluster.intra_host_Bps + nic
-    bit = {h: 1 << k for k, h in enumerate(sorted(set(hosts.values())))}
+    intra = cluster.intra_host_Bps
+    host_ids = sorted(set(hosts.values()))
+    nic = {h: cluster.nic_Bps_of(h) for h in host_ids}
+    bit = {h: 1 << k for k, h in enumerate(host_ids)}
     every = sum(bit.values())
     groups: dict[tuple[int, int], int] = defaultdict(int)  # (holder hosts, receiver hosts) -> bytes
     dev_bytes: dict[int, int] = defaultdict(int)
@@ -115,8 +93,8 @@ def lower_bound_s(tasks: tuple[UnitTask, ...], hosts: dict[int, int], cluster: C
             if len(t.senders) == 1 and any(hosts[r] != h for r in t.receivers) and not any(r != d for r in local):
                 passes = max(passes, 1)  # the only copy anywhere must leave d
             dev_bytes[-1 - d] += size * passes
-    # cuts X of the hosts: bytes needed inside X and held only outside cross it at
-    # min(|X|, |outside|) NIC bandwidths. Single hosts and their complements first (PAPER.md's terms)
+    # cuts X of the hosts: bytes needed inside X and held only outside cross it at min(B(X), B(O)).
+    # Single hosts and their complements first (the paper's terms)
     n_hosts = len(bit)
     host_of_bit = {b: h for h, b in bit.items()}
     into: dict[int, int] = defaultdict(int)
@@ -131,7 +109,9 @@ def lower_bound_s(tasks: tuple[UnitTask, ...], hosts: dict[int, int], cluster: C
             low = need & -need
             into[low] += size
             need ^= low
-    nic_term = max((*into.values(), *out_of.values()), default=0) / nic if n_hosts > 1 else 0.0
+    nic_term = 0.0
+    if n_hosts > 1:
+        nic_term = max((b / nic[host_of_bit[x]] for x, b in (*into.items(), *out_of.items())), default=0.0)
     # then every task's receiver hosts, the complement of every task's holder hosts and of all holder
     # hosts together, while that stays cheap (a looser bound is still a bound)
     holder_sets = {hs for hs, _ in groups}
@@ -139,16 +119,31 @@ def lower_bound_s(tasks: tuple[UnitTask, ...], hosts: dict[int, int], cluster: C
     cuts -= set(host_of_bit)
     if len(cuts) * len(groups) > _CUT_WORK:
         cuts = {every ^ _union(holder_sets)}
+    uniform = cluster.host_nic_GBps is None
     for x in cuts:
         inside = x.bit_count()
-        width = min(inside, n_hosts - inside)
-        if not width:
+        if not inside or inside == n_hosts:
             continue
+        if uniform:  # min(|X|, |O|) * B, the same number as min(B(X), B(O))
+            width = min(inside, n_hosts - inside) * cluster.nic_Bps
+        else:
+            width = min(_rate(x, host_of_bit, nic), _rate(every ^ x, host_of_bit, nic))
         need = sum(size for (hs, rs), size in groups.items() if rs & x and not hs & x)
-        nic_term = max(nic_term, need / (width * nic))
+        nic_term = max(nic_term, need / width)
     network = nic_term + cluster.latency_us * 1e-6 if nic_term else 0.0
-    push = max((b / (len(holder_devices[h]) * cluster.intra_host_Bps + nic) for h, b in host_push.items()), default=0.0)
-    return max(network, max(dev_bytes.values(), default=0) / dev_rate, push)
+    device = max((b / (intra + nic[hosts[k if k >= 0 else -1 - k]]) for k, b in dev_bytes.items()), default=0.0)
+    push = max((b / (len(holder_devices[h]) * intra + nic[h]) for h, b in host_push.items()), default=0.0)
+    return max(network, device, push)
+
+
+def _rate(mask: int, host_of_bit: dict[int, int], nic: dict[int, float]) -> float:
+    """B(X): the summed NIC rates of the hosts in the bit set ``mask``."""
+    total = 0.0
+    while mask:
+        low = mask & -mask
+        total += nic[host_of_bit[low]]
+        mask ^= low
+    return total
 
 
 def _union(masks) -> int:
@@ -156,8 +151,3 @@ def _union(masks) -> int:
     for m in masks:
         out |= m
     return out
-
-
-def plan_lower_bound_s(plan: ReshardPlan, cluster: Cluster | None = None) -> float:
-    cluster = resolve_cluster(cluster, plan.src, plan.dst)
-    return lower_bound_s(plan.tasks, device_hosts(plan.src, plan.dst), cluster)

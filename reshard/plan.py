@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from reshard.cost import lower_bound_s, resolve_cluster
+from reshard.dtypes import itemsize
 from reshard.layout import Layout
 from reshard.regions import Box, box_volume
 from reshard.tasks import UnitTask
+from topology.cluster import Cluster
+from topology.mesh import device_hosts
+from topology.simulator import SimKind, SimResult, SimTransfer, simulate_transfers
 
 
 class TransferKind(enum.IntEnum):
@@ -50,9 +56,22 @@ class Transfer:
         return f"{self.kind.name.lower()} {box} {self.src} -> {list(self.dsts)}"
 
 
+_SIM_KIND = {TransferKind.COPY: SimKind.COPY, TransferKind.SEND: SimKind.P2P, TransferKind.BROADCAST: SimKind.BROADCAST}
+
+
+def sim_transfers(transfers: Iterable[Transfer], itemsize: int) -> list[SimTransfer]:
+    """``transfers`` in the simulator's neutral form (``topology.simulator``), in the same order."""
+    return [SimTransfer(_SIM_KIND[t.kind], t.src, t.dsts, box_volume(t.box) * itemsize) for t in transfers]
+
+
 @dataclass(frozen=True, slots=True)
 class ReshardPlan:
-    """A planned reshard: the unit tasks and the transfers that serve them, in issue order."""
+    """A planned reshard: the unit tasks and the transfers that serve them, in issue order.
+
+    ``hosts`` is the device -> host map the plan was made for, as sorted (device, host) pairs over
+    both meshes: the meshes' host ids unless the planner was given others. Empty when built: the
+    meshes' host ids.
+    """
 
     shape: tuple[int, ...]
     dtype: str
@@ -61,11 +80,25 @@ class ReshardPlan:
     strategy: str
     tasks: tuple[UnitTask, ...]
     transfers: tuple[Transfer, ...]
+    hosts: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):
+        given = dict(self.hosts) if self.hosts else None
+        hosts = tuple(sorted(device_hosts(self.src.mesh, self.dst.mesh, hosts=given).items()))
+        if self.hosts and hosts != self.hosts:
+            raise ValueError(
+                f"plan hosts must be sorted (device, host) pairs over exactly the devices of both meshes, "
+                f"got {self.hosts}"
+            )
+        object.__setattr__(self, "hosts", hosts)
+
+    @property
+    def host_map(self) -> dict[int, int]:
+        """``hosts`` as a dict: global device id -> host id."""
+        return dict(self.hosts)
 
     @property
     def itemsize(self) -> int:
-        from reshard.dtypes import itemsize
-
         return itemsize(self.dtype)
 
     @property
@@ -75,18 +108,18 @@ class ReshardPlan:
     def transfer_bytes(self, transfer: Transfer) -> int:
         return box_volume(transfer.box) * self.itemsize
 
-    def simulate(self, cluster=None, *, backend: str | None = None):
-        """Simulated execution on ``cluster`` (a ``topology.Cluster``; default: one derived from the
-        meshes' host ids): a ``topology.simulator.SimResult`` with ``.makespan_s``. See ``reshard.cost``."""
-        from reshard.cost import simulate_plan
+    def simulate(self, cluster: Cluster | None = None, *, backend: str | None = None) -> SimResult:
+        """Simulated execution (``topology.simulator``) on ``cluster`` with the plan's hosts; default
+        cluster: ``Cluster.for_hosts`` of them. A ``SimResult`` with ``.makespan_s``."""
+        hosts = self.host_map
+        return simulate_transfers(
+            sim_transfers(self.transfers, self.itemsize), hosts, resolve_cluster(cluster, hosts), backend=backend
+        )
 
-        return simulate_plan(self, cluster, backend=backend)
-
-    def lower_bound_s(self, cluster=None) -> float:
+    def lower_bound_s(self, cluster: Cluster | None = None) -> float:
         """The fluid lower bound of any plan of this reshard on ``cluster`` (see ``reshard.cost``)."""
-        from reshard.cost import plan_lower_bound_s
-
-        return plan_lower_bound_s(self, cluster)
+        hosts = self.host_map
+        return lower_bound_s(self.tasks, hosts, resolve_cluster(cluster, hosts))
 
     def __str__(self) -> str:
         head = (

@@ -9,11 +9,8 @@ from hypothesis import strategies as st
 
 from bench.simulated import paper_cases, required_hosts
 from reshard import STRATEGIES, Layout, Replicate, Shard, lower_plan, plan_reshard, validate_plan, validate_program
-from reshard.auto import choose
-from reshard.cost import device_hosts, lower_bound_s
-from reshard.planner import _plan_cached
-from reshard.strategies import Problem
-from reshard.tasks import plan_unit_tasks
+from reshard.planner import Problem, clear_plan_cache
+from reshard.planner.auto import choose
 from topology import Cluster, Mesh
 
 pytestmark = pytest.mark.sim
@@ -77,13 +74,11 @@ def paper():
     cluster = Cluster.preset("p3.8xlarge", required_hosts(2))
     out = []
     for case in paper_cases(cluster, 2):
-        hosts = device_hosts(case.src, case.dst)
-        tasks = plan_unit_tasks(case.shape, 4, case.src, case.dst)
         times = {}
         for name in (*BASELINES, "auto"):
             plan = plan_reshard(case.shape, case.dtype, case.src, case.dst, strategy=name, cluster=cluster)
             times[name] = plan.simulate(cluster).makespan_s
-        out.append((case, lower_bound_s(tasks, hosts, cluster), times))
+        out.append((case, plan.lower_bound_s(cluster), times))
     return out
 
 
@@ -159,9 +154,9 @@ def test_auto_is_deterministic():
     src = Layout(cluster.mesh((3, 8), hosts=[0, 1, 2]), (Shard(1), Shard(0)))
     dst = Layout(cluster.mesh((5, 4), hosts=[2, 3, 4, 5, 6]), (Shard(0), R))
     for name in ("auto", "broadcast_order"):
-        _plan_cached.cache_clear()
+        clear_plan_cache()
         first = plan_reshard((300, 517, 7), "float32", src, dst, strategy=name, cluster=cluster)
-        _plan_cached.cache_clear()
+        clear_plan_cache()
         again = plan_reshard((300, 517, 7), "float32", src, dst, strategy=name, cluster=cluster)
         assert first.transfers == again.transfers
 
@@ -169,8 +164,7 @@ def test_auto_is_deterministic():
 def test_auto_reports_its_candidates():
     cluster = Cluster.preset("p3.8xlarge", 5)
     case = paper_cases(cluster, 2)[-1]
-    tasks = plan_unit_tasks(case.shape, 4, case.src, case.dst)
-    best, candidates = choose(Problem(case.shape, 4, case.src, case.dst, tasks, cluster))
+    best, candidates = choose(Problem.build(case.shape, 4, case.src, case.dst, cluster=cluster))
     names = [c.name for c in candidates]
     assert names[0] == "serial/color" and "broadcast_order" in names and len(set(names)) == len(names)
     assert best in candidates and best.makespan_s == min(c.makespan_s for c in candidates)

@@ -1,5 +1,8 @@
-"""Baseline strategies: the systems the paper compares against (PAPER.md), for benchmarks.
+"""Baseline strategies: point-to-point, and the systems the paper compares against.
 
+The paper is "On Optimizing the Communication of Model Parallelism".
+
+- ``send_recv``: one point-to-point copy per receiver, each from its own least-loaded holder.
 - ``allgather``: scatter + local all-gather (Alpa's older default). Per destination host, the
   slice is cut into k pieces along its first dim divisible by k, the sender sends piece j to the
   j-th of the host's k receivers, then receiver j broadcasts its piece to the other k - 1 (an
@@ -12,17 +15,21 @@
   sender hosts drawn at random weighted toward lightly loaded hosts, the round with the most tasks
   kept out of up to 100 seeded samples; the plan is the concatenation of the rounds.
 
-Receivers that hold a box already copy it locally in every strategy. ``send_recv`` lives in
-``reshard.strategies``.
+Receivers that hold a box already copy it locally in every strategy. ``SenderPicker`` spreads load
+over the holders deterministically: a holder on the receiver's own host first (intra-host links
+are fast), then the holder that has sent the fewest bytes so far, then the lowest device id. Loads
+are bytes, as in the paper, whatever the hosts' NIC rates.
 """
 
 from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Mapping
 
 from reshard.plan import Transfer, TransferKind
-from reshard.strategies import Problem, SenderPicker, local_copies, register, split_local
+from reshard.planner.problem import Problem
+from reshard.planner.registry import register
 from reshard.tasks import UnitTask
 
 ORDER_SAMPLES = 100
@@ -30,10 +37,46 @@ ORDER_SEED = 0
 _ORDER_BUDGET = 400_000  # task visits per planning call; fewer samples per round beyond it
 
 
-def _hosts(problem: Problem) -> dict[int, int]:
-    from reshard.cost import device_hosts
+def split_local(task: UnitTask) -> tuple[list[int], list[int]]:
+    """Receivers that hold the box already (local copy) and those that need it moved."""
+    holders = set(task.senders)
+    local = [r for r in task.receivers if r in holders]
+    remote = [r for r in task.receivers if r not in holders]
+    return local, remote
 
-    return device_hosts(problem.src, problem.dst)
+
+def local_copies(index: int, task: UnitTask, local: list[int]) -> list[Transfer]:
+    return [Transfer(TransferKind.COPY, task.box, r, (r,), index) for r in local]
+
+
+class SenderPicker:
+    """Deterministic least-loaded choice among a task's holders."""
+
+    def __init__(self, hosts: Mapping[int, int]):
+        self.hosts = hosts
+        self.sent_bytes: dict[int, int] = defaultdict(int)
+
+    def pick(self, task: UnitTask, receivers: list[int]) -> int:
+        dst_hosts = {self.hosts[r] for r in receivers}
+        best = min(
+            task.senders,
+            key=lambda s: (self.hosts[s] not in dst_hosts, self.sent_bytes[s], s),
+        )
+        self.sent_bytes[best] += task.size_bytes
+        return best
+
+
+@register("send_recv")
+def plan_send_recv(problem: Problem) -> tuple[Transfer, ...]:
+    """One point-to-point copy per receiver, each from its own least-loaded holder."""
+    picker = SenderPicker(problem.hosts)
+    out: list[Transfer] = []
+    for i, task in enumerate(problem.tasks):
+        local, remote = split_local(task)
+        out += local_copies(i, task, local)
+        for r in remote:
+            out.append(Transfer(TransferKind.SEND, task.box, picker.pick(task, [r]), (r,), i))
+    return tuple(out)
 
 
 def _broadcast(index: int, task: UnitTask, sender: int, remote: list[int]) -> Transfer:
@@ -55,7 +98,7 @@ def plan_broadcast_first(problem: Problem) -> tuple[Transfer, ...]:
 class _HostLoad:
     """Bytes sent so far per host and per device; picks the least-loaded holder host, then device."""
 
-    def __init__(self, hosts: dict[int, int]):
+    def __init__(self, hosts: Mapping[int, int]):
         self.hosts = hosts
         self.host_bytes: dict[int, int] = defaultdict(int)
         self.device_bytes: dict[int, int] = defaultdict(int)
@@ -71,7 +114,7 @@ class _HostLoad:
 @register("broadcast_size")
 def plan_broadcast_size(problem: Problem) -> tuple[Transfer, ...]:
     """One broadcast per unit task from the candidate host with the fewest bytes sent so far."""
-    load = _HostLoad(_hosts(problem))
+    load = _HostLoad(problem.hosts)
     out: list[Transfer] = []
     for i, task in enumerate(problem.tasks):
         local, remote = split_local(task)
@@ -88,7 +131,7 @@ def plan_broadcast_size(problem: Problem) -> tuple[Transfer, ...]:
 @register("broadcast_order")
 def plan_broadcast_order(problem: Problem) -> tuple[Transfer, ...]:
     """Rounds of host-disjoint broadcasts (the paper's load-balanced order), seeded."""
-    hosts = _hosts(problem)
+    hosts = problem.hosts
     load = _HostLoad(hosts)
     rng = random.Random(ORDER_SEED)
     out: list[Transfer] = []
@@ -148,8 +191,8 @@ def plan_broadcast_order(problem: Problem) -> tuple[Transfer, ...]:
 @register("allgather")
 def plan_allgather(problem: Problem) -> tuple[Transfer, ...]:
     """Scatter the slice over each destination host's receivers, then all-gather inside the host."""
-    picker = SenderPicker(problem)
-    hosts = picker.hosts
+    hosts = problem.hosts
+    picker = SenderPicker(hosts)
     out: list[Transfer] = []
     for i, task in enumerate(problem.tasks):
         local, remote = split_local(task)

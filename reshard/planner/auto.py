@@ -1,0 +1,107 @@
+"""``auto``: the topology-aware planner. It minimizes the simulated makespan on the cluster.
+
+``auto`` builds several candidate plans and keeps the one ``topology.simulator`` finds fastest on
+the problem's cluster, so it is never slower there than any candidate, and the baselines of
+``reshard.planner.baselines`` are candidates. Its own candidates go past the baselines'
+weaknesses: ``reshard.planner.hier`` balances the hosts' NICs (by time, so a slow NIC gets less
+work) and picks sending devices ("hier", or "serial": one sending device per host), and
+``reshard.planner.order`` orders the transfers ("color", "nic", "lpt", "task").
+
+Candidates are simulated within a planning-time budget (``SIMULATION_BUDGET`` transfers in all,
+baselines while ``MAX_BASELINE_WORK`` allows); past ``MAX_SIMULATED_TRANSFERS`` ``auto`` returns
+the "serial/color" candidate unsimulated: one sending device per host where the box allows, so
+that device-order serialization keeps every NIC on the color schedule.
+Everything is deterministic (no unseeded randomness; ties break on device ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from reshard.plan import Transfer, TransferKind, sim_transfers
+from reshard.planner.baselines import (
+    plan_allgather,
+    plan_broadcast_first,
+    plan_broadcast_order,
+    plan_broadcast_size,
+    plan_send_recv,
+)
+from reshard.planner.hier import Context, plan_items
+from reshard.planner.order import order_items
+from reshard.planner.problem import Problem
+from reshard.planner.registry import register
+from topology.simulator import simulate_transfers
+
+MAX_SIMULATED_TRANSFERS = 4000  # beyond it the serial/color plan is returned unsimulated
+SIMULATION_BUDGET = 24000  # transfers simulated per planning call, over all candidates
+MAX_BASELINE_WORK = 50_000  # baselines join the candidates while sum(senders * receivers) stays below
+BASELINES = {
+    "broadcast_order": plan_broadcast_order,
+    "broadcast_size": plan_broadcast_size,
+    "broadcast": plan_broadcast_first,
+    "allgather": plan_allgather,
+    "send_recv": plan_send_recv,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str
+    transfers: tuple[Transfer, ...]
+    makespan_s: float | None  # None when not simulated
+
+
+@register("auto")
+def plan_auto(problem: Problem) -> tuple[Transfer, ...]:
+    """The fastest (simulated) of the candidate plans; see the module docstring."""
+    return choose(problem)[0].transfers
+
+
+def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
+    """(the chosen candidate, every candidate simulated), in evaluation order."""
+    ctx = Context(problem)
+    serial, shapes = plan_items(ctx, split=True, serial=True)
+    first = order_items(serial, "color")
+    if len(first) > MAX_SIMULATED_TRANSFERS:
+        c = Candidate("serial/color", first, None)
+        return c, [c]
+    items, _ = plan_items(ctx, split=True)
+    makers: list[tuple[str, Callable[[], tuple[Transfer, ...]]]] = [
+        ("serial/color", lambda: first),
+        ("hier/color", lambda: order_items(items, "color")),
+        ("hier/lpt", lambda: order_items(items, "lpt")),
+        ("serial/lpt", lambda: order_items(serial, "lpt")),
+        ("hier/nic", lambda: order_items(items, "nic")),
+        ("hier/task", lambda: order_items(items, "task")),
+    ]
+    if "split" in shapes:  # else identical to hier
+        makers.append(("whole/color", lambda: order_items(plan_items(ctx, split=False)[0], "color")))
+    if "ring" in shapes:
+        makers.append(("star/color", lambda: order_items(plan_items(ctx, split=True, modes=("star",))[0], "color")))
+    work = sum(len(t.senders) * len(t.receivers) for t in problem.tasks)
+    if work <= MAX_BASELINE_WORK:
+        makers[2:2] = [(name, partial(fn, problem)) for name, fn in BASELINES.items()]
+    seen: set[tuple[Transfer, ...]] = set()
+    evaluated: list[Candidate] = []
+    budget = SIMULATION_BUDGET
+    for name, make in makers:
+        transfers = make()
+        if transfers in seen or len(transfers) > budget:
+            continue
+        seen.add(transfers)
+        budget -= len(transfers)
+        sim = simulate_transfers(sim_transfers(transfers, problem.itemsize), problem.hosts, problem.cluster)
+        evaluated.append(Candidate(name, transfers, sim.makespan_s))
+    best = min(evaluated, key=lambda c: (_makespan(c) * (1 - 1e-9), _groups(c.transfers), len(c.transfers)))
+    return best, evaluated
+
+
+def _makespan(c: Candidate) -> float:
+    assert c.makespan_s is not None
+    return c.makespan_s
+
+
+def _groups(transfers: tuple[Transfer, ...]) -> int:
+    return len({tuple(sorted(t.group)) for t in transfers if t.kind is not TransferKind.COPY})
