@@ -87,8 +87,9 @@ log = logging.getLogger(__name__)
 #: two-rank groups is pathologically slow with the default algorithm/protocol choice).
 PAPER_BROADCAST_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
 
-#: What the backend itself needs in every actor: non-blocking communicators (see module docstring).
-NONBLOCKING_ENV = {"NCCL_COMM_BLOCKING": "0"}
+#: What the backend itself sets in every actor: non-blocking communicators (see module docstring),
+#: and named NCCL threads (``bootstrap_root_threads`` finds the roots by name).
+NONBLOCKING_ENV = {"NCCL_COMM_BLOCKING": "0", "NCCL_SET_THREAD_NAME": "1"}
 
 #: Settings every rank of one communicator must agree on: NCCL picks algorithm, protocol, buffer
 #: sizes, channels and transports per rank, and ranks that pick differently hang or corrupt data.
@@ -104,6 +105,7 @@ SHARED_SETTINGS = (
 PER_PROCESS_SETTINGS = frozenset({
     "NCCL_HOSTID", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "NCCL_COMM_BLOCKING", "NCCL_SOCKET_IFNAME",
     "NCCL_IB_HCA", "NCCL_COMM_ID", "NCCL_TOPO_FILE", "NCCL_TOPO_DUMP_FILE", "NCCL_GRAPH_DUMP_FILE", "NCCL_CONF_FILE",
+    "NCCL_SET_THREAD_NAME",
 })  # fmt: skip
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -252,7 +254,8 @@ def uid_digest(uid: bytes) -> bytes:
 
 
 def bootstrap_root_threads() -> int:
-    """Threads of this process that are NCCL bootstrap roots still waiting for ranks (Linux)."""
+    """Threads of this process that are NCCL bootstrap roots still waiting for ranks (Linux; NCCL
+    names its threads only with NCCL_SET_THREAD_NAME=1, which the backend sets on arrival)."""
     n = 0
     try:
         tasks = os.listdir("/proc/self/task")

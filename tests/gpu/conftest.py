@@ -1,18 +1,28 @@
-"""Skip logic for GPU tests.
+"""Skip (or fail) logic and shared fixtures of the GPU tests.
 
 Every test here carries the ``gpu`` marker; ``@pytest.mark.gpu(n)`` says it needs ``n`` visible
-GPUs (default 1; ``gpu(0)`` needs cupy with NCCL but no GPU). A test is skipped, never failed,
-when cupy / NCCL is missing or fewer GPUs are visible than it needs.
+GPUs (default 1; ``gpu(0)`` needs cupy with NCCL but no GPU). Without cupy / NCCL or with fewer
+GPUs a test is SKIPPED, unless whoever runs the GPU tier promised GPUs with
+``RESHARD_REQUIRE_GPUS=N``: then a test needing at most N GPUs FAILS when cupy/NCCL is missing or
+fewer than its GPUs are visible, and a GPU pool that cannot get the GPUs it was promised fails too.
+
+GPUs come back to Ray asynchronously after ``ray.kill``: pools never read
+``available_resources()`` once; ``wait_for_free_gpus`` waits (with a deadline) until the GPUs a
+pool needs are free, and fails if they never come back.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+REQUIRED_GPUS = int(os.environ.get("RESHARD_REQUIRE_GPUS", "0") or 0)
+GPU_RETURN_TIMEOUT_S = 120.0
 
 _PROBE: dict = {}
 
@@ -42,15 +52,49 @@ def gpus_needed(item) -> int | None:
     return int(marker.args[0]) if marker.args else 1
 
 
+def unavailable(need: int) -> str | None:
+    """Why a test needing ``need`` GPUs cannot run here (None: it can)."""
+    reason, count = _probe()
+    if reason is not None:
+        return f"cupy/NCCL unavailable ({reason})"
+    if count < need:
+        return f"needs {need} GPU(s), {count} visible"
+    return None
+
+
 def pytest_runtest_setup(item):
     need = gpus_needed(item)
     if need is None:
         return
-    reason, count = _probe()
-    if reason is not None:
-        pytest.skip(f"cupy/NCCL unavailable ({reason})")
-    if count < need:
-        pytest.skip(f"needs {need} GPU(s), {count} visible")
+    why = unavailable(need)
+    if why is None:
+        return
+    if REQUIRED_GPUS and need <= REQUIRED_GPUS:
+        pytest.fail(f"RESHARD_REQUIRE_GPUS={REQUIRED_GPUS} promised GPUs, but {why}", pytrace=False)
+    pytest.skip(why)
+
+
+def wait_for_free_gpus(ray, need: float, timeout_s: float = GPU_RETURN_TIMEOUT_S) -> None:
+    """Return once the Ray cluster has ``need`` GPUs free; fail (never skip) after ``timeout_s``:
+    the cluster has them (the caller checked its total), so not getting them back is a bug."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.05
+    while True:
+        free = ray.available_resources().get("GPU", 0.0)
+        if free + 1e-9 >= need:
+            return
+        if time.monotonic() >= deadline:
+            pytest.fail(
+                f"{need:g} GPU(s) still not free after {timeout_s:g}s ({free:g} free of "
+                f"{ray.cluster_resources().get('GPU', 0.0):g}): an earlier pool did not give its GPUs back",
+                pytrace=False,
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
+
+
+def total_gpus(ray) -> int:
+    return int(ray.cluster_resources().get("GPU", 0))
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +107,9 @@ def ray_cluster():
     """A local Ray session: reuses one that is already running (the dist suite's), else starts one
     with every visible GPU and shuts it down at the end."""
     ray = pytest.importorskip("ray")
+    import gpu_bodies  # this folder is on sys.path (pytest's rootdir-relative import)
+
+    ray.cloudpickle.register_pickle_by_value(gpu_bodies)
     started = False
     if not ray.is_initialized():
         ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=_probe()[1], include_dashboard=False,
@@ -71,3 +118,118 @@ def ray_cluster():
     yield ray
     if started:
         ray.shutdown()
+
+
+class GpuBook:
+    """The Ray cluster's GPUs as pools see them: the total, and a wait until enough are free."""
+
+    def __init__(self, ray):
+        self.ray = ray
+
+    @property
+    def total(self) -> int:
+        return total_gpus(self.ray)
+
+    def wait_free(self, need: float, timeout_s: float = GPU_RETURN_TIMEOUT_S) -> None:
+        wait_for_free_gpus(self.ray, need, timeout_s)
+
+
+@pytest.fixture(scope="session")
+def gpus(ray_cluster) -> GpuBook:
+    return GpuBook(ray_cluster)
+
+
+def pool_shortfall(need: int, have: int) -> None:
+    """Skip a pool that needs more GPUs than the cluster has, or fail if they were promised."""
+    if have >= need:
+        return
+    why = f"needs {need} GPU(s) in the Ray cluster, it has {have}"
+    if REQUIRED_GPUS >= need:
+        pytest.fail(f"RESHARD_REQUIRE_GPUS={REQUIRED_GPUS} promised GPUs, but the pool {why}", pytrace=False)
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def require_pool():
+    return pool_shortfall
+
+
+class RankSet:
+    """Ray actors that each hold an ``NcclBackend`` directly (no runtime in between): the GPU tests
+    of the backend itself. ``call(fn, *args)`` runs ``fn(actor, *args)`` in each actor, where
+    ``actor.backend`` and ``actor.device`` are its backend and device id."""
+
+    def __init__(self, ray, actors: dict, backends: dict):
+        self.ray = ray
+        self.actors = actors
+        self.backends = backends  # device -> the driver's copy (rendezvous uses it)
+
+    def call(self, fn, *args, devices=None, timeout_s: float = 180.0) -> list:
+        devices = sorted(self.actors) if devices is None else list(devices)
+        refs = [self.actors[d].__ray_call__.remote(fn, *args) for d in devices]
+        return self.ray.get(refs, timeout=timeout_s)
+
+    def submit(self, fn, *args, device: int):
+        return self.actors[device].__ray_call__.remote(fn, *args)
+
+    def pids(self) -> dict[int, int]:
+        """Process id of every rank (a crashed or restarted actor fails here or shows a new pid)."""
+        return dict(zip(self.actors, self.call(lambda a: os.getpid()), strict=True))
+
+    def rendezvous(self, groups) -> list:
+        return next(iter(self.backends.values())).rendezvous(list(groups), self.actors, timeout_s=120)
+
+    def kill(self) -> None:
+        for a in self.actors.values():
+            self.ray.kill(a, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def nccl_ranks(ray_cluster, gpus):
+    """``make(n, gpus_per_rank=1.0, **backend_options)``: ``n`` rank actors (devices 0..n-1), each
+    reserving ``gpus_per_rank`` GPUs; fractional values put several ranks on one GPU. Killed at the
+    end of the module (their GPUs come back asynchronously: the next pool waits for them)."""
+    ray = ray_cluster
+    made: list[RankSet] = []
+
+    def make(n: int, gpus_per_rank: float = 1.0, **options) -> RankSet:
+        from reshard.runtime.nccl import NcclBackend
+
+        need = n * gpus_per_rank
+        pool_shortfall(-int(-need // 1), gpus.total)
+        gpus.wait_free(need)
+
+        @ray.remote(num_cpus=0, num_gpus=gpus_per_rank, max_restarts=0, max_task_retries=0)
+        class Rank:
+            def __init__(self, device, backend):
+                self.device = device
+                self.backend = backend  # unpickling applied its NCCL environment in this process
+
+        backends = {d: NcclBackend(gpus_per_device=min(gpus_per_rank, 1.0), **options) for d in range(n)}
+        actors = {d: Rank.remote(d, backends[d]) for d in range(n)}
+        ranks = RankSet(ray, actors, backends)
+        made.append(ranks)
+        ranks.pids()  # every rank started
+        return ranks
+
+    yield make
+    for ranks in made:
+        ranks.kill()
+
+
+def connect_all(ranks: RankSet, rdvs, timeout_s: float = 60.0, devices=None) -> list:
+    """Every member of ``rdvs`` creates its communicators (one ``connect_many`` each, concurrently)."""
+
+    def connect(actor, rdvs, timeout_s):
+        mine = [r for r in rdvs if actor.device in r.group]
+        if mine:
+            actor.backend.connect_many(mine, actor.device, timeout_s)
+        return sorted(actor.backend.live_groups())
+
+    members = sorted({d for r in rdvs for d in r.group}) if devices is None else devices
+    return ranks.call(connect, rdvs, timeout_s, devices=members)
+
+
+@pytest.fixture(scope="session")
+def connect_ranks():
+    return connect_all

@@ -1,9 +1,11 @@
 """The dist suite's reshard bodies (tests/dist/test_reshard.py), run on NCCL device actors.
 
 The bodies are imported unchanged; only their fixtures differ: ``pool`` is one device actor per
-free GPU (NCCL backend) instead of 8 gloo actors, and ``view`` maps the pool indices a test uses,
-in order of first use, onto those GPUs (a case that needs more distinct devices than there are
-GPUs is skipped). Placement on logical hosts changes with the mapping; bit-exactness must not.
+GPU (at most 8; NCCL backend) instead of 8 gloo actors, or, on a machine with ONE GPU, four device
+actors sharing it (a quarter GPU each, each its own NCCL host: the one-GPU tier). ``view`` maps
+the pool indices a test uses, in order of first use, onto the pool (a case that needs more
+distinct devices than the pool has is skipped). Placement on logical hosts changes with the
+mapping; bit-exactness must not.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import pytest
 
 from reshard.runtime.nccl import NcclBackend
 
-pytestmark = pytest.mark.gpu(2)
+pytestmark = pytest.mark.gpu(1)
+SHARED_GPU_POOL = 4  # device actors on a single GPU
 
 _DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist")
 _OUR_FIXTURES = {"view", "pool", "ray_cluster"}
@@ -59,13 +62,18 @@ def test_the_dist_bodies_were_found():
 
 
 @pytest.fixture(scope="module")
-def pool(ray_cluster):
+def pool(ray_cluster, gpus, require_pool):
     from reshard import DeviceMesh
 
-    free = int(ray_cluster.available_resources().get("GPU", 0))
-    if free < 2:
-        pytest.skip(f"needs 2 free GPUs in the Ray cluster, {free} free (another pool holds them?)")
-    mesh = DeviceMesh.create((min(free, 8),), backend=NcclBackend(timeout_s=120), startup_timeout_s=180)
+    total = gpus.total
+    require_pool(1, total)
+    if total >= 2:
+        n, need, backend = min(total, 8), min(total, 8), NcclBackend(timeout_s=120)
+    else:
+        n, need = SHARED_GPU_POOL, 1
+        backend = NcclBackend(timeout_s=120, gpus_per_device=1 / SHARED_GPU_POOL, gpu_sharing="hostid")
+    gpus.wait_free(need)
+    mesh = DeviceMesh.create((n,), backend=backend, startup_timeout_s=180)
     yield mesh
     mesh.shutdown()
 
@@ -83,7 +91,7 @@ def view(pool):
         for i in indices:
             slots.setdefault(i, len(slots))
         if len(slots) > pool.size:
-            pytest.skip(f"the case needs {len(slots)} distinct devices, the GPU pool has {pool.size}")
+            pytest.skip(f"the case needs {len(slots)} distinct devices, the NCCL pool has {pool.size}")
         devices = [pool.device_ids[slots[i]] for i in indices]
         m = DeviceMesh.from_devices(devices, shape, devices_per_host=devices_per_host)
         made.append(m)

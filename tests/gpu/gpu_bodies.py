@@ -1,0 +1,161 @@
+"""Functions the GPU tests run inside rank actors (``RankSet.call``): ``fn(actor, *args)`` with
+``actor.backend`` (an NcclBackend) and ``actor.device``. conftest.py registers this module with
+Ray's cloudpickle by value, so the workers need not import it."""
+
+from __future__ import annotations
+
+import os
+
+
+def environment(actor) -> dict:
+    from reshard.runtime.cuda_ipc import visible_gpu_uuids
+
+    keys = ("NCCL_HOSTID", "NCCL_COMM_BLOCKING", "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_SOCKET_IFNAME")
+    return {"uuids": visible_gpu_uuids(), "pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}
+
+
+def lonely_recv(actor, group, seconds: float):
+    """A recv that no member ever sends: must time out and abort (and tell the others)."""
+    import cupy
+
+    comm = actor.backend.communicator(group)
+    peer = 1 - group.index(actor.device) if len(group) == 2 else 0
+    try:
+        with actor.backend.grouped(timeout_s=seconds):
+            comm.recv(cupy.zeros(1 << 20, dtype=cupy.float32), peer)
+    except Exception as e:
+        return type(e).__name__, comm.aborted
+    return "completed", comm.aborted
+
+
+def told_of_abort(actor, group, timeout_s: float):
+    """Wait for another member's abort notice, then show that the next operation fails at once."""
+    import cupy
+
+    from reshard.runtime.nccl import peer_aborts
+
+    comm = actor.backend.communicator(group)
+    heard = peer_aborts().wait(comm.digest, timeout_s)
+    try:
+        comm.broadcast(cupy.zeros(8, dtype=cupy.float32), 0)
+    except Exception as e:
+        return type(e).__name__, heard
+    return "completed", heard
+
+
+def abort_group(actor, group):
+    actor.backend.communicator(group).abort()
+    return True
+
+
+def blocked_recv(actor, group, peer: int, seconds: float):
+    """A recv with a long deadline; returns how it ended."""
+    import cupy
+
+    comm = actor.backend.communicator(group)
+    try:
+        comm.recv(cupy.zeros(1 << 20, dtype=cupy.float32), peer)
+    except Exception as e:
+        return type(e).__name__
+    return "completed"
+
+
+def try_connect(actor, rdvs, timeout_s: float):
+    """Create this device's communicators of ``rdvs``; the error's class name if that fails."""
+    from reshard.runtime.nccl import bootstrap_root_threads
+
+    mine = [r for r in rdvs if actor.device in r.group]
+    try:
+        actor.backend.connect_many(mine, actor.device, timeout_s)
+        kind = "connected"
+    except Exception as e:
+        kind = type(e).__name__
+    return kind, sorted(actor.backend.live_groups()), bootstrap_root_threads()
+
+
+def exchange_bits(actor, group, dtype_name: str, seed: int):
+    """Every rank broadcasts its random tensor (all bit patterns) from its rank in turn; returns
+    what arrived as raw bytes, and the all-reduce of the ranks' device ids."""
+    import torch
+
+    comm = actor.backend.communicator(group)
+    dtype = getattr(torch, dtype_name)
+    out = []
+    for root in range(len(group)):
+        g = torch.Generator().manual_seed(seed + root)
+        raw = torch.randint(0, 256, (4097 * 8,), dtype=torch.uint8, generator=g)
+        x = (raw % 2).bool() if dtype is torch.bool else raw.view(dtype)
+        buf = x.cuda() if group.index(actor.device) == root else torch.empty_like(x, device="cuda")
+        comm.broadcast(buf, root)
+        out.append(buf.cpu().view(torch.uint8).numpy().tobytes())
+    s = torch.full((1000,), actor.device + 1, dtype=torch.int64, device="cuda")
+    comm.all_reduce(s, "sum")
+    return out, int(s[0])
+
+
+def send_after_long_kernel(actor, group, peer: int, n: int):
+    """Write the buffer behind ~0.5 s of GPU sleep on a side stream, then send it."""
+    import torch
+
+    comm = actor.backend.communicator(group)
+    a = torch.zeros(n, device="cuda", dtype=torch.int32)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    written = torch.cuda.Event()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)
+        a.fill_(7)
+        written.record(side)
+        pending = not written.query()
+        comm.send(a, peer)
+    return pending
+
+
+def recv_values(actor, group, peer: int, n: int):
+    import torch
+
+    comm = actor.backend.communicator(group)
+    b = torch.full((n,), -1, device="cuda", dtype=torch.int32)
+    comm.recv(b, peer)
+    return sorted(set(b.cpu().tolist()))
+
+
+def export_shard(actor, n: int, offset: int, value_shift: float, sleep: bool):
+    """A float32 shard ``big[offset:offset+n]`` (non-zero storage offset), written behind a long
+    kernel when ``sleep``; returns its CUDA IPC descriptor and whether the write was still pending."""
+    import torch
+
+    from reshard.runtime.cuda_ipc import CudaShards
+
+    if not hasattr(actor, "cuda_shards"):
+        actor.cuda_shards = CudaShards()
+        actor.big = torch.zeros(offset + n + 64, device="cuda", dtype=torch.float32)
+    torch.cuda.synchronize()
+    t = actor.big[offset : offset + n]
+    side = torch.cuda.Stream()
+    written = torch.cuda.Event()
+    with torch.cuda.stream(side):
+        if sleep:
+            torch.cuda._sleep(1_000_000_000)
+        t.copy_(torch.arange(n, device="cuda", dtype=torch.float32) + value_shift)
+        written.record(side)
+        desc = actor.cuda_shards.descriptor(t)
+        pending = not written.query()
+    assert t.storage_offset() == offset
+    return desc.encode(), pending
+
+
+def pull_shard(actor, holder: int, desc, n: int, lo: int, hi: int):
+    """Copy ``holder's shard[lo:hi]`` into a fresh tensor through CUDA IPC; returns the values and
+    how many peer allocations this process has open."""
+    import torch
+
+    from reshard.runtime.cuda_ipc import PeerCudaShards
+
+    if not hasattr(actor, "cuda_peers"):
+        actor.cuda_peers = PeerCudaShards(actor.device)
+    dst = torch.full((hi - lo,), -1.0, device="cuda", dtype=torch.float32)
+    stream = torch.cuda.Stream()
+    actor.cuda_peers.copy(dst, holder, desc, (slice(lo, hi),), stream)
+    stream.synchronize()
+    return dst.cpu().tolist(), len(actor.cuda_peers.maps)
