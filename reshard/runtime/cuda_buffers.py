@@ -251,7 +251,7 @@ def check_gpu_stack() -> None:
     try:
         import torch
 
-        torch_nccl = tuple(int(x) for x in torch.cuda.nccl.version())
+        torch_nccl = tuple(int(x) for x in torch.cuda.nccl.version()[:3])  # may end with a suffix string
     except Exception:  # torch without CUDA/NCCL: nothing to compare
         pass
     problems = gpu_stack_problems(installed_cupy_distributions(), loaded_nccl_libraries(), cupy_nccl, torch_nccl)
