@@ -20,15 +20,19 @@ BASELINES = ("send_recv", "allgather", "broadcast", "broadcast_size", "broadcast
 
 
 @st.composite
-def cases(draw):
+def cases(draw, heterogeneous=False):
     """A random reshard on a 12-host cluster: small meshes, random placements, uneven shapes, on
-    disjoint hosts, shared hosts or overlapping devices; nccl or gloo."""
+    disjoint hosts, shared hosts or overlapping devices; nccl or gloo; ``heterogeneous``: every
+    host's NIC runs at its own rate, from the nominal one down to a quarter of it."""
     per_host = draw(st.sampled_from([2, 4, 8]))
     backend = draw(st.sampled_from(["nccl", "nccl", "gloo"]))
     nic, intra = draw(st.sampled_from([(1.25, 50.0), (12.5, 100.0), (400.0, 450.0)]))
-    cluster = Cluster.homogeneous(
-        12, per_host, nic, intra, latency_us=draw(st.sampled_from([0, 5, 25])), backend=backend
-    )
+    latency_us = draw(st.sampled_from([0, 5, 25]))
+    if heterogeneous:
+        nics = [nic * draw(st.sampled_from([1.0, 0.5, 0.25])) for _ in range(12)]
+        cluster = Cluster.heterogeneous(nics, per_host, intra, latency_us=latency_us, backend=backend)
+    else:
+        cluster = Cluster.homogeneous(12, per_host, nic, intra, latency_us=latency_us, backend=backend)
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.integers(1, 40)) for _ in range(ndim))
     mode = draw(st.sampled_from(["disjoint", "shared", "overlap"]))
@@ -58,7 +62,16 @@ def cases(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_every_strategy_is_valid_and_never_beats_the_lower_bound(case):
-    cluster, shape, dtype, src, dst = case
+    _check_strategies(*case)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(heterogeneous=True))
+def test_on_unequal_nics_every_strategy_is_valid_and_never_beats_the_lower_bound(case):
+    _check_strategies(*case)
+
+
+def _check_strategies(cluster, shape, dtype, src, dst):
     times = {}
     for name in STRATEGIES:
         plan = plan_reshard(shape, dtype, src, dst, strategy=name, cluster=cluster)
@@ -132,6 +145,51 @@ def test_lower_bound_by_hand():
         (4, 10**6), "float32", Layout(c.mesh((1, 1), hosts=[0]), (R, R)), Layout(mesh, (R, Shard(0))), cluster=c
     )
     assert plan.lower_bound_s(c) == pytest.approx(4 * size / (101e9))
+
+
+def test_lower_bound_by_hand_with_unequal_nics():
+    # hosts 0 and 1 (1 and 0.5 GB/s) hold everything; eight hosts need distinct eighths: the bytes
+    # leave hosts 0 and 1 at 1.5 GB/s together
+    c = Cluster.heterogeneous([1.0, 0.5, *[1.0] * 8, 2.0, 0.5, 0.5], 4, 100.0, latency_us=10)
+    src = Layout(c.mesh((2, 4), hosts=[0, 1]), (R, R))
+    dst = Layout(c.mesh((8, 1), hosts=range(2, 10)), (Shard(0), R))
+    size = 4 * 10**7
+    plan = plan_reshard((10**7,), "float32", src, dst, cluster=c)
+    assert plan.lower_bound_s(c) == pytest.approx(size / 1.5e9 + 10e-6)
+    assert plan.simulate(c).makespan_s <= 1.05 * plan.lower_bound_s(c)  # auto splits the eighths 2 : 1
+    # a 2 GB/s sender host, two 0.5 GB/s receivers needing distinct halves: the receivers' side of
+    # the cut (1 GB/s together) binds, and so does each receiver's own NIC
+    src = Layout(c.mesh((1, 2), hosts=[10]), (R, R))
+    dst = Layout(c.mesh((2, 1), hosts=[11, 12]), (Shard(0), R))
+    plan = plan_reshard((10**7,), "float32", src, dst, cluster=c)
+    assert plan.lower_bound_s(c) == pytest.approx(size / 1e9 + 10e-6)
+    assert plan.simulate(c).makespan_s == pytest.approx(plan.lower_bound_s(c), rel=0.01)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+@pytest.mark.parametrize(("placements", "near"), [((Shard(0), Shard(1)), 1.02), ((Shard(0), R), 1.15)])
+def test_auto_gives_a_host_with_half_the_nic_rate_less_work(backend, placements, near):
+    """A tensor replicated on hosts 0 and 1 (sharded over each host's devices) moves to hosts 2-5."""
+    shape = (1 << 12, 1 << 12)  # 64 MiB of float32
+    sent = {}
+    for rate in (1.0, 0.5):
+        c = Cluster.heterogeneous([1.0, rate, 1.0, 1.0, 1.0, 1.0], 4, 100.0, latency_us=5, backend=backend)
+        src = Layout(c.mesh((2, 4), hosts=[0, 1]), (R, Shard(0)))
+        dst = Layout(c.mesh((4, 4), hosts=[2, 3, 4, 5]), placements)
+        plan = plan_reshard(shape, "float32", src, dst, cluster=c)
+        hosts = plan.host_map
+        sent[rate] = [
+            sum(plan.transfer_bytes(t) for t in plan.transfers if hosts[t.src] == h and hosts[t.dsts[0]] != h)
+            for h in (0, 1)
+        ]
+        auto = plan.simulate(c).makespan_s
+        for name in BASELINES:
+            other = plan_reshard(shape, "float32", src, dst, strategy=name, cluster=c)
+            assert auto <= other.simulate(c).makespan_s * (1 + 1e-9), name
+        assert auto <= near * plan.lower_bound_s(c)
+    total = 4 << 24
+    assert sent[1.0] == [total // 2, total // 2]  # equal NICs: equal shares
+    assert sum(sent[0.5]) == total and sent[0.5][1] == pytest.approx(total / 3, rel=0.05)  # by rate: 2 : 1
 
 
 def test_plan_simulate_defaults_and_checks_the_cluster():

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from topology import PRESETS, Cluster, Mesh
+from topology.mesh import device_hosts
 
 pytestmark = pytest.mark.unit
 
@@ -127,3 +128,83 @@ def test_topology_and_planning_stay_pure():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------------ heterogeneous
+
+
+def test_heterogeneous_hosts_have_their_own_nic_rates_and_device_counts():
+    c = Cluster.heterogeneous([1.0, 0.5, 2.0], [4, 2, 8], 50.0, latency_us=7, backend="gloo", name="lab")
+    assert (c.num_hosts, c.nic_GBps, c.devices_per_host, c.num_devices) == (3, 2.0, 8, 14)
+    assert [c.nic_Bps_of(h) for h in range(3)] == [1e9, 0.5e9, 2e9]
+    assert [c.devices_on(h) for h in range(3)] == [4, 2, 8]
+    assert (c.latency_us, c.backend, c.name, c.uniform) == (7.0, "gloo", "lab", False)
+    assert "0.5-2 GB/s" in str(c) and "2-8 devices" in str(c)
+    one_rate = Cluster.heterogeneous(1.0, [4, 2], 50.0)
+    assert one_rate.host_nic_GBps is None and one_rate.nic_Bps_of(1) == 1e9 and one_rate.devices_on(1) == 2
+    # uniform per-host figures are the homogeneous cluster
+    assert Cluster.heterogeneous([1.0, 1.0], 4, 50.0) == Cluster.homogeneous(2, 4, 1.0, 50.0)
+    assert Cluster.homogeneous(2, 4, 1.0, 50.0).uniform
+    with pytest.raises(ValueError, match=r"hosts 0..2, got host 3"):
+        c.nic_Bps_of(3)
+
+
+def test_heterogeneous_figures_are_validated():
+    with pytest.raises(ValueError, match="nic_GBps"):
+        Cluster.heterogeneous([1.0, 0.0], 4, 50.0)
+    with pytest.raises(ValueError, match="nic_GBps"):
+        Cluster.heterogeneous([1.0, "fast"], 4, 50.0)
+    with pytest.raises(ValueError, match="host_devices must hold positive ints"):
+        Cluster.heterogeneous(1.0, [4, 0], 50.0)
+    with pytest.raises(ValueError, match="2 NIC rates but 3 device counts"):
+        Cluster.heterogeneous([1.0, 2.0], [1, 2, 3], 50.0)
+    with pytest.raises(ValueError, match="use Cluster.homogeneous"):
+        Cluster.heterogeneous(1.0, 4, 50.0)
+    with pytest.raises(ValueError, match="names no host"):
+        Cluster.heterogeneous([], 4, 50.0)
+    with pytest.raises(ValueError, match=r"tuple of 3 values \(one per host\)"):
+        Cluster(3, 4, 2.0, 50.0, host_nic_GBps=(1.0, 2.0))
+    with pytest.raises(ValueError, match="nic_GBps=1.0 must be the largest of host_nic_GBps"):
+        Cluster(2, 4, 1.0, 50.0, host_nic_GBps=(1.0, 2.0))
+    with pytest.raises(ValueError, match="devices_per_host=4 must be the largest of host_devices"):
+        Cluster(2, 4, 1.0, 50.0, host_devices=(2, 2))
+
+
+def test_meshes_on_a_heterogeneous_cluster_fit_each_host():
+    c = Cluster.heterogeneous(1.0, [4, 2, 4], 50.0)
+    m = c.mesh((2, 4), hosts=[0, 2])
+    assert m.device_ids == (0, 1, 2, 3, 8, 9, 10, 11) and m.host_ids == (0, 0, 0, 0, 2, 2, 2, 2)
+    assert c.mesh((3, 2)).device_ids == (0, 1, 4, 5, 8, 9)
+    with pytest.raises(ValueError, match=r"asks for 4 devices per host .* has 2 devices per host on some of hosts"):
+        c.mesh((2, 4), hosts=[0, 1])
+    with pytest.raises(ValueError, match=r"local indices 0..1\) on some of hosts"):
+        c.mesh((2, 1), hosts=[0, 1], devices=[3])
+    c.check_meshes(m)
+    with pytest.raises(ValueError, match="4 distinct devices on host 1 .* 2 devices there"):
+        c.check_meshes(Mesh((1, 4), [4, 5, 6, 7], [1, 1, 1, 1]))
+
+
+def test_check_hosts_and_for_hosts():
+    hosts = {0: 0, 1: 0, 2: 0, 7: 3}
+    c = Cluster.for_hosts(hosts)
+    assert (c.num_hosts, c.devices_per_host, c.name) == (4, 3, "default")
+    assert c == Cluster.for_meshes(Mesh((1, 3), [0, 1, 2], [0, 0, 0]), Mesh((1,), [7], [3]))
+    c.check_hosts(hosts)
+    with pytest.raises(ValueError, match=r"uses host 3 \(device 7\) but cluster 'p3.8xlarge' has 2 hosts"):
+        Cluster.preset("p3.8xlarge", 2).check_hosts(hosts)
+    with pytest.raises(ValueError, match="places 3 distinct devices on host 0 .* 2 devices per host"):
+        Cluster.homogeneous(4, 2, 1.0, 10.0).check_hosts(hosts)
+
+
+def test_device_hosts_over_meshes_and_with_an_override():
+    a = Mesh((2, 2))  # devices 0..3 on hosts 0, 0, 1, 1
+    b = Mesh((2,), [3, 9], [1, 4])
+    assert device_hosts(a, b) == {0: 0, 1: 0, 2: 1, 3: 1, 9: 4}
+    with pytest.raises(ValueError, match="device 3 sits on host 1 in one mesh but on host 2"):
+        device_hosts(a, Mesh((1,), [3], [2]))
+    override = {0: 5, 1: 5, 2: 5, 3: 5, 9: 6, 11: 0}
+    assert device_hosts(a, b, hosts=override) == {0: 5, 1: 5, 2: 5, 3: 5, 9: 6}
+    with pytest.raises(ValueError, match="no host for device 9"):
+        device_hosts(a, b, hosts={0: 5, 1: 5, 2: 5, 3: 5})
+    with pytest.raises(ValueError, match="maps device 0 to True"):
+        device_hosts(a, hosts={0: True, 1: 0, 2: 0, 3: 0})

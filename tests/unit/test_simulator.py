@@ -172,3 +172,22 @@ def test_many_concurrent_flows_stay_feasible():
     assert r.makespan_s >= busiest / 1e9 * (1 - 1e-9)
     assert all(h.send_busy_s <= r.makespan_s + 1e-9 for h in r.hosts)
     assert math.isfinite(r.makespan_s)
+
+
+def test_every_host_nic_runs_at_its_own_rate():
+    # host 1's NIC moves 0.5 GB/s, the others 1 GB/s
+    c = Cluster.heterogeneous([1.0, 0.5, 1.0, 1.0], 4, 100.0, latency_us=0.0, intra_host_latency_us=0.0)
+    hosts = {d: d // 4 for d in range(16)}
+    r = simulate_transfers([p2p(4, 8), p2p(0, 12)], hosts, c)  # slow host -> host 2, fast host -> host 3
+    assert r.end_s == pytest.approx([2.0, 1.0])
+    assert r.host(1).send_busy_s == pytest.approx(2.0)
+    # two flows into the slow host share its 0.5 GB/s; the fast sender gives its third flow the rest
+    # (0.5 GB/s, not a third of its NIC), and that flow's end leaves the other two at 0.25 GB/s each
+    r = simulate_transfers([p2p(0, 4), p2p(1, 5), p2p(2, 8)], hosts, c)
+    assert r.end_s == pytest.approx([4.0, 4.0, 2.0])
+    # a ring through the slow host runs at its rate; its pipeline fill counts the slower port of each hop
+    r = simulate_transfers([bcast(0, [4, 8])], hosts, c)
+    fill = NCCL_CHUNK_BYTES / 0.5e9
+    assert r.makespan_s == pytest.approx(2.0 + fill + NCCL_BROADCAST_OVERHEAD_US * 1e-6)
+    with pytest.raises(ValueError, match=r"uses hosts 0..4 but cluster 'custom' has hosts 0..3"):
+        simulate_transfers([p2p(0, 16)], {**hosts, 16: 4}, c)
