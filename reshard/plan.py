@@ -69,8 +69,8 @@ class ReshardPlan:
     """A planned reshard: the unit tasks and the transfers that serve them, in issue order.
 
     ``hosts`` is the device -> host map the plan was made for, as sorted (device, host) pairs over
-    both meshes: the meshes' host ids unless the planner was given others. Empty when built: the
-    meshes' host ids.
+    both meshes: the meshes' host ids unless the planner was given others (``plan_reshard(hosts=)``).
+    Built without it, a plan takes the meshes' host ids.
     """
 
     shape: tuple[int, ...]

@@ -251,11 +251,6 @@ class Cluster:
         return self.num_hosts * self.devices_per_host
 
     @property
-    def uniform(self) -> bool:
-        """Whether every host has the same NIC rate and device count."""
-        return self.host_nic_GBps is None and self.host_devices is None
-
-    @property
     def nic_Bps(self) -> float:
         """NIC bandwidth per direction in bytes per second: every host's, or the fastest host's."""
         return self.nic_GBps * 1e9

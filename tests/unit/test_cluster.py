@@ -138,13 +138,12 @@ def test_heterogeneous_hosts_have_their_own_nic_rates_and_device_counts():
     assert (c.num_hosts, c.nic_GBps, c.devices_per_host, c.num_devices) == (3, 2.0, 8, 14)
     assert [c.nic_Bps_of(h) for h in range(3)] == [1e9, 0.5e9, 2e9]
     assert [c.devices_on(h) for h in range(3)] == [4, 2, 8]
-    assert (c.latency_us, c.backend, c.name, c.uniform) == (7.0, "gloo", "lab", False)
+    assert (c.latency_us, c.backend, c.name) == (7.0, "gloo", "lab")
     assert "0.5-2 GB/s" in str(c) and "2-8 devices" in str(c)
     one_rate = Cluster.heterogeneous(1.0, [4, 2], 50.0)
     assert one_rate.host_nic_GBps is None and one_rate.nic_Bps_of(1) == 1e9 and one_rate.devices_on(1) == 2
     # uniform per-host figures are the homogeneous cluster
     assert Cluster.heterogeneous([1.0, 1.0], 4, 50.0) == Cluster.homogeneous(2, 4, 1.0, 50.0)
-    assert Cluster.homogeneous(2, 4, 1.0, 50.0).uniform
     with pytest.raises(ValueError, match=r"hosts 0..2, got host 3"):
         c.nic_Bps_of(3)
 
