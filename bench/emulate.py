@@ -14,6 +14,7 @@ custom resource ``host_<k>: 1`` so work can be pinned by resource as well as by 
         c.addresses, c.head_address, c.node_ids
         c.run([sys.executable, "driver.py"], timeout_s=120)   # a driver in the head namespace
         c.round_trip_us(0, 1), c.stream_GBps([1, 2], 0)       # raw TCP figures between hosts
+        c.actor_call_us(1)                                    # empty Ray actor call, head -> host 1
 
 Teardown kills every process found in the run's namespaces by PID (TERM, bounded wait, KILL;
 through pidfds, after checking the process is in one of our namespaces), then deletes veths,
@@ -768,6 +769,17 @@ class EmulatedCluster:
             server.kill()
         return got["bytes"] / got["seconds"] / 1e9
 
+    def actor_call_us(self, host: int, *, calls: int = 200, timeout_s: float = 180.0) -> float:
+        """Median round trip of an empty Ray actor call from a driver in the head namespace to an
+        actor pinned (node affinity) to ``host``'s node, in us (20 warm-up calls first)."""
+        self._check_host(host)
+        if not self.with_ray:
+            raise EmulationError("actor_call_us needs Ray: build the cluster with ray=True")
+        done = self.run([sys.executable, "-c", _ACTOR_CALL, self.node_ids[host], str(calls)], timeout_s=timeout_s)
+        if done.returncode != 0:
+            raise EmulationError(f"actor call probe failed ({done.returncode}): {done.stderr.strip()[-3000:]}")
+        return statistics.median(json.loads(done.stdout.strip().splitlines()[-1]))
+
     def _probe(self, host: int, args: list[str]) -> subprocess.Popen:
         return self.popen(
             host, [sys.executable, "-c", _PROBE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -867,6 +879,34 @@ sys.exit(0 if set(want) <= set(alive) else 3)
 """
 
 
+_ACTOR_CALL = r"""
+import json, sys, time
+from bench.emulate import connect
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray = connect()
+node, calls = sys.argv[1], int(sys.argv[2])
+
+@ray.remote(num_cpus=0)
+class Echo:
+    def ping(self):
+        return None
+
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+actor = Echo.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+assert ray.get(actor.node.remote(), timeout=120) == node
+for _ in range(20):
+    ray.get(actor.ping.remote(), timeout=60)
+samples = []
+for _ in range(calls):
+    t0 = time.perf_counter()
+    ray.get(actor.ping.remote(), timeout=60)
+    samples.append((time.perf_counter() - t0) * 1e6)
+print(json.dumps(samples), flush=True)
+"""
+
+
 def _raise_for_signal(sig: int) -> None:
     if sig == signal.SIGINT:
         raise KeyboardInterrupt
@@ -953,7 +993,9 @@ def _measure(c: EmulatedCluster, rounds: int) -> dict:
     one = [c.stream_GBps(1, 0) for _ in range(rounds)]
     two = [c.stream_GBps([1, 2], 0) for _ in range(rounds)] if c.hosts >= 3 else []
     line = c.nic_GBps
+    ray_call = {"actor_call_us": [round(c.actor_call_us(1), 1) for _ in range(rounds)]} if c.with_ray else {}
     return {
+        **ray_call,
         "round_trip_us": [round(x, 1) for x in rtt],
         "one_stream_GBps": [round(x, 4) for x in one],
         "one_stream_of_line": [round(x / line, 3) for x in one],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import statistics
 import sys
 import time
 
@@ -107,31 +106,7 @@ def cross_node_bytes(size_bytes: int, src: int, dst: int, seed: int) -> dict:
     return {"expected": expected.hexdigest(), "source": source, "received": received, "seconds": seconds}
 
 
-def actor_call_rtt(host: int, calls: int) -> dict:
-    """Round trips of an empty actor call from this driver to an actor on ``host``, in us."""
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class Echo:
-        def ping(self) -> None:
-            return None
-
-        def where(self) -> dict:
-            return _where()
-
-    actor = on_host(Echo, host).remote()
-    where = ray.get(actor.where.remote(), timeout=120)
-    for _ in range(20):
-        ray.get(actor.ping.remote(), timeout=60)
-    samples = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        ray.get(actor.ping.remote(), timeout=60)
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return {"median_us": statistics.median(samples), "min_us": min(samples), "actor": where}
-
-
-SCENARIOS = {f.__name__: f for f in (nodes, pinned_actors, cross_node_bytes, actor_call_rtt)}
+SCENARIOS = {f.__name__: f for f in (nodes, pinned_actors, cross_node_bytes)}
 
 if __name__ == "__main__":
     sys.exit(scenario_main(SCENARIOS))
