@@ -25,12 +25,14 @@ owner process; ``leftovers()`` lists runs by their prefix and ``cleanup()`` remo
 owner died (a crashed or killed run).
 
 Drivers: ``EmulatedCluster.run`` starts a process inside the head namespace with the environment
-of the emulated cluster (``RAY_ADDRESS``, ``BENCH_EMULATE_NODE_IP`` ...); there ``connect()``
-joins the cluster. Scenarios are the way tests send code to a driver: a script defines plain
-functions that return JSON-able values and ends with ``sys.exit(scenario_main(SCENARIOS))``;
-``cluster.scenario(script, "name", **kwargs)`` runs ``python script name '<kwargs json>'`` in
-the head namespace and returns the function's result (the script prints it on one line after
-``SCENARIO_RESULT_MARK``; a failing scenario raises ``EmulationError`` with its stderr).
+of the emulated cluster (``RAY_ADDRESS``, ``BENCH_EMULATE_NODE_IP``, ``BENCH_EMULATE_HOST`` (the
+host index, which the Ray workers of each host also see), ``BENCH_EMULATE_ADDRESSES``); there
+``connect()`` joins the cluster and ``host_addresses()`` lists the hosts. Scenarios are the way
+tests send code to a driver: a script defines plain functions that take and return JSON-able
+values and ends with ``sys.exit(scenario_main(SCENARIOS))``; ``cluster.scenario(script, "name",
+**kwargs)`` runs ``python script name '<kwargs json>'`` in the head namespace and returns the
+function's result (the script prints it on one line after ``SCENARIO_RESULT_MARK``; a failing
+scenario raises ``EmulationError`` with its stderr). ``tests/multihost/scenarios.py`` is one.
 
 CLI: ``python -m bench.emulate up|run|measure|check|cleanup|down`` (``--help`` on each).
 Needs root, ``ip`` and ``tc``, and the ``ray`` CLI next to the interpreter; ``available()``
@@ -863,11 +865,10 @@ class EmulatedCluster:
 
 
 _WAIT_NODES = r"""
-import json, os, sys, time
-import ray
+import json, sys, time
+from bench.emulate import connect
+ray = connect()
 want, timeout_s = sys.argv[1].split(","), float(sys.argv[2])
-ray.init(address=os.environ["RAY_ADDRESS"], _node_ip_address=os.environ["BENCH_EMULATE_NODE_IP"],
-         log_to_driver=False)
 deadline = time.monotonic() + timeout_s
 while True:
     alive = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}

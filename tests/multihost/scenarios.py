@@ -22,12 +22,16 @@ from bench.emulate import host_addresses, scenario_main
 
 def node_of(host: int) -> str:
     """Ray node id of emulated host ``host``."""
+    return node_of_address(host_addresses()[host])
+
+
+def node_of_address(address: str) -> str:
+    """Ray node id of the alive node at ``address``."""
     import ray
 
-    address = host_addresses()[host]
     ids = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == address]
     if len(ids) != 1:
-        raise LookupError(f"{len(ids)} alive Ray nodes at {address} (host {host})")
+        raise LookupError(f"{len(ids)} alive Ray nodes at {address}")
     return ids[0]
 
 
@@ -106,7 +110,7 @@ def cross_node_bytes(size_bytes: int, src: int, dst: int, seed: int) -> dict:
     return {"expected": expected.hexdigest(), "source": source, "received": received, "seconds": seconds}
 
 
-SCENARIOS = {f.__name__: f for f in (nodes, pinned_actors, cross_node_bytes)}
+SCENARIOS = {f.__name__: f for f in (nodes, node_of_address, pinned_actors, cross_node_bytes)}
 
 if __name__ == "__main__":
     sys.exit(scenario_main(SCENARIOS))

@@ -113,3 +113,10 @@ def test_listening_sockets_name_address_port_and_process(cluster):
         server.wait(timeout=10)
     head = cluster.listening_sockets(0)
     assert any(x.port == cluster.head_port and x.command == "gcs_server" for x in head)
+
+
+def test_a_failing_scenario_raises_with_its_error(cluster):
+    with pytest.raises(emulate.EmulationError, match="NAME one of"):
+        cluster.scenario(SCENARIOS, "no_such_scenario")
+    with pytest.raises(emulate.EmulationError, match="LookupError: 0 alive Ray nodes at 10.255.255.255"):
+        cluster.scenario(SCENARIOS, "node_of_address", address="10.255.255.255")
