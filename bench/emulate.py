@@ -620,12 +620,16 @@ class EmulatedCluster:
             self._shape(["tc", "-n", ns], "eth0")
 
     def _shape(self, tc: list[str], dev: str) -> None:
+        """htb at the NIC rate on ``dev``'s egress; a burst of 1 ms of traffic (htb's default
+        burst, a few packets, holds a single stream well under 10 Gbit/s)."""
         rate_kbit = max(8, round(self.nic_gbit * 1e6))
-        quantum = min(200_000, max(1600, rate_kbit * 1000 // 8 // 1000))
+        burst_bytes = max(1600, rate_kbit * 1000 // 8 // 1000)
+        quantum = min(200_000, burst_bytes)
         _sh([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])
         _sh(
             [*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb"]
             + ["rate", f"{rate_kbit}kbit", "ceil", f"{rate_kbit}kbit", "quantum", str(quantum)]
+            + ["burst", str(burst_bytes), "cburst", str(burst_bytes)]
         )
 
     # -- processes inside hosts ------------------------------------------------------------
