@@ -50,9 +50,15 @@ def up():
     yield start
     for proc, tokens in started:
         proc.kill()
-        proc.communicate(timeout=30)
+        _finish(proc, 30)
         for token in set(tokens):
             emulate.cleanup(token)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> str:
+    """Wait for ``proc`` (its stdout belongs to ``read_line``'s reader); its stderr."""
+    proc.wait(timeout=timeout_s)
+    return proc.stderr.read()
 
 
 def _netns_ids(token: str) -> dict:
@@ -102,7 +108,7 @@ def test_sigint_tears_down_a_running_ray_cluster(up):
     ns_ids = _netns_ids(token)
     starts = {pid: emulate._start_time(pid) for pid in run.pids}
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    err = _finish(proc, 120)
     assert proc.returncode == 130, err[-3000:]
     assert emulate.leftovers(token) == ()
     assert emulate._pids_in(ns_ids) == {}
@@ -114,7 +120,7 @@ def test_sigint_during_ray_start_tears_down(up):
     ns_ids = _netns_ids(token)
     assert len(ns_ids) == 3
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    err = _finish(proc, 120)
     assert proc.returncode == 130, err[-3000:]
     assert emulate.leftovers(token) == ()
     assert emulate._pids_in(ns_ids) == {}
@@ -124,7 +130,7 @@ def test_sigterm_tears_down(up):
     proc, token = up("--hosts", "2", "--no-ray")
     sleeper = _in_namespace(f"mr{token}h1")
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    err = _finish(proc, 60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert emulate.leftovers(token) == ()
     assert sleeper.wait(timeout=30) == -signal.SIGTERM
@@ -137,7 +143,7 @@ def test_cleanup_removes_what_a_killed_run_left_and_spares_live_runs(up):
     (live,) = emulate.leftovers(token)
     assert not live.stale and sleeper.pid in live.pids
     proc.kill()
-    proc.communicate(timeout=30)
+    _finish(proc, 30)
     (stale,) = emulate.leftovers(token)
     assert stale.stale and stale.namespaces == (f"mr{token}h0", f"mr{token}h1") and sleeper.pid in stale.pids
     assert stale.run_dir is not None and os.path.isdir(stale.run_dir)
