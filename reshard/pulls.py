@@ -10,55 +10,55 @@ forwarding what it received earlier in the same program) keeps its messages.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Hashable, Mapping
 
-from reshard.lowering import Buffer, DeviceProgram, Op, OpKind, Program
+from reshard.dtypes import itemsize
+from reshard.program import (
+    MESSAGE_OPS,
+    Broadcast,
+    Buffer,
+    DeviceProgram,
+    Op,
+    Program,
+    Pull,
+    Send,
+    first_use_groups,
+    op_numel,
+)
 
 
-def pulled_steps(program: Program, domain_of: Mapping[int, Hashable | None]) -> dict[int, Op]:
+def pulled_steps(program: Program, domain_of: Mapping[int, Hashable | None]) -> dict[int, Send | Broadcast]:
     """``{step: the sender's op}`` for every step whose group shares one memory domain and whose
     sender reads its source shard. ``domain_of[d]`` (None or absent: shares memory with nobody)."""
-    roots: dict[int, Op] = {}
+    out: dict[int, Send | Broadcast] = {}
     for p in program.devices:
         for op in p.ops:
-            if op.kind in (OpKind.SEND, OpKind.BROADCAST) and op.group[0] == p.device:
-                roots[op.step] = op
-    out = {}
-    for step, op in roots.items():
-        if op.read_buffer is not Buffer.SRC:
-            continue
-        domain = domain_of.get(op.group[0])
-        if domain is not None and all(domain_of.get(d) == domain for d in op.group):
-            out[step] = op
+            if not isinstance(op, Send | Broadcast) or op.group[0] != p.device or op.buffer is not Buffer.SRC:
+                continue
+            domain = domain_of.get(op.group[0])
+            if domain is not None and all(domain_of.get(d) == domain for d in op.group):
+                out[op.step] = op
     return out
 
 
 def to_pulls(program: Program, domain_of: Mapping[int, Hashable | None]) -> Program:
     """``program`` with every step of ``pulled_steps`` rewritten: the sender's op is dropped, each
-    receiver's op becomes a PULL of the sender's ``read`` box; staging shrinks to what is left."""
+    receiver's op becomes a ``Pull`` of the sender's box; staging and groups shrink to what is left."""
     pulled = pulled_steps(program, domain_of)
     if not pulled:
         return program
+    item = itemsize(program.dtype)
     devices = []
     for p in program.devices:
-        ops = []
+        ops: list[Op] = []
         for op in p.ops:
             root = pulled.get(op.step)
             if root is None:
                 ops.append(op)
             elif p.device != (holder := root.group[0]):
-                ops.append(Op(OpKind.PULL, op.step, (holder, p.device), op.shape, Buffer.SRC, root.read, op.write))
-        staging = max((op.numel for op in ops if op.stage), default=0)
-        devices.append(DeviceProgram(p.device, p.src_shape, p.dst_shape, tuple(ops), staging))
+                ops.append(Pull(op.step, holder, root.read, op.write))
+        staging = max(
+            (op_numel(op) * item for op in ops if isinstance(op, MESSAGE_OPS) and op.staging is not None), default=0
+        )
+        devices.append(DeviceProgram(p.device, p.src_shape, p.dst_shape, tuple(ops), staging, first_use_groups(ops)))
     return Program(program.dtype, program.shape, tuple(devices))
-
-
-def pull_sources(program: Program) -> dict[int, tuple[int, ...]]:
-    """``{device: the devices whose source shards it pulls from}`` (sorted), for devices that pull."""
-    out: dict[int, set[int]] = defaultdict(set)
-    for p in program.devices:
-        for op in p.ops:
-            if op.kind is OpKind.PULL:
-                out[p.device].add(op.group[0])
-    return {d: tuple(sorted(s)) for d, s in out.items()}

@@ -1,17 +1,27 @@
-"""msgpack encoding of plans and programs, with a schema version, so the driver ships them cheaply."""
+"""msgpack encoding of plans and programs, with a schema version, so the driver ships them cheaply.
+
+Ops travel as ``[tag, field, ...]`` in their dataclass field order (``OP_TAGS``); boxes as lists of
+``[lo, hi]``, enums as ints.
+"""
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 import msgpack
 
 from reshard.layout import Layout
-from reshard.lowering import DeviceProgram, Program
 from reshard.placement import Replicate, Shard
 from reshard.plan import ReshardPlan, Transfer, TransferKind
+from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Program, Pull, Recv, Send
 from reshard.tasks import UnitTask
 from topology.mesh import Mesh
 
-SCHEMA_VERSION = 2  # 2: OpKind.PULL
+SCHEMA_VERSION = 3  # 2: pulls; 3: ops as a tagged union, connect order, windows, background ops, plan hosts
+
+OP_TAGS: dict[type, int] = {Copy: 0, Pull: 1, Send: 2, Recv: 3, Broadcast: 4}
+_OP_TYPES = {tag: cls for cls, tag in OP_TAGS.items()}
+_BOXES = {"read", "write"}
 
 
 def _box(obj) -> tuple:
@@ -40,33 +50,85 @@ def encode_plan(plan: ReshardPlan) -> bytes:
         list(plan.shape), plan.dtype, _layout_obj(plan.src), _layout_obj(plan.dst), plan.strategy,
         [[[list(iv) for iv in t.box], list(t.senders), list(t.receivers), t.size_bytes] for t in plan.tasks],
         [[int(t.kind), [list(iv) for iv in t.box], t.src, list(t.dsts), t.task] for t in plan.transfers],
+        [list(pair) for pair in plan.hosts],
     ]  # fmt: skip
     return msgpack.packb(["plan", SCHEMA_VERSION, body])
 
 
 def decode_plan(data: bytes) -> ReshardPlan:
-    shape, dtype, src, dst, strategy, tasks, transfers = _check_version("plan", msgpack.unpackb(data))
+    shape, dtype, src, dst, strategy, tasks, transfers, hosts = _check_version("plan", msgpack.unpackb(data))
     return ReshardPlan(
         tuple(shape), dtype, _layout(src), _layout(dst), strategy,
         tuple(UnitTask(_box(b), tuple(s), tuple(r), n) for b, s, r, n in tasks),
         tuple(Transfer(TransferKind(k), _box(b), s, tuple(d), i) for k, b, s, d, i in transfers),
+        tuple((d, h) for d, h in hosts),
+    )  # fmt: skip
+
+
+def op_to_obj(op: Op) -> list:
+    out: list = [OP_TAGS[type(op)]]
+    for f in fields(op):
+        v = getattr(op, f.name)
+        if v is None or isinstance(v, int):
+            out.append(int(v) if v is not None else None)
+        else:  # a box or a group
+            out.append([list(iv) for iv in v] if f.name in _BOXES else list(v))
+    return out
+
+
+def op_from_obj(obj) -> Op:
+    cls = _OP_TYPES[obj[0]]
+    values = []
+    for f, v in zip(fields(cls), obj[1:], strict=True):
+        if v is not None:
+            if f.name in _BOXES:
+                v = _box(v)
+            elif f.name == "group":
+                v = tuple(v)
+            elif f.name == "buffer":
+                v = Buffer(v)
+        values.append(v)
+    return cls(*values)
+
+
+def _shape(s):
+    return None if s is None else tuple(s)
+
+
+def _list(s):
+    return None if s is None else list(s)
+
+
+def device_program_to_obj(p: DeviceProgram) -> list:
+    return [
+        p.device, _list(p.src_shape), _list(p.dst_shape),
+        [op_to_obj(op) for op in p.ops], p.staging_bytes, [list(g) for g in p.connect], list(p.windows),
+        [op_to_obj(op) for op in p.background],
+    ]  # fmt: skip
+
+
+def device_program_from_obj(obj) -> DeviceProgram:
+    device, src, dst, ops, staging, connect, windows, background = obj
+    return DeviceProgram(
+        device, _shape(src), _shape(dst), tuple(op_from_obj(o) for o in ops), staging,
+        tuple(tuple(g) for g in connect), tuple(windows), tuple(op_from_obj(o) for o in background),
     )  # fmt: skip
 
 
 def encode_device_program(program: DeviceProgram, dtype: str) -> bytes:
-    return msgpack.packb(["device_program", SCHEMA_VERSION, [dtype, program.to_obj()]])
+    return msgpack.packb(["device_program", SCHEMA_VERSION, [dtype, device_program_to_obj(program)]])
 
 
 def decode_device_program(data: bytes) -> tuple[str, DeviceProgram]:
     dtype, obj = _check_version("device_program", msgpack.unpackb(data))
-    return dtype, DeviceProgram.from_obj(obj)
+    return dtype, device_program_from_obj(obj)
 
 
 def encode_program(program: Program) -> bytes:
-    body = [program.dtype, list(program.shape), [p.to_obj() for p in program.devices]]
+    body = [program.dtype, list(program.shape), [device_program_to_obj(p) for p in program.devices]]
     return msgpack.packb(["program", SCHEMA_VERSION, body])
 
 
 def decode_program(data: bytes) -> Program:
     dtype, shape, devices = _check_version("program", msgpack.unpackb(data))
-    return Program(dtype, tuple(shape), tuple(DeviceProgram.from_obj(p) for p in devices))
+    return Program(dtype, tuple(shape), tuple(device_program_from_obj(p) for p in devices))

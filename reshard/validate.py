@@ -1,14 +1,31 @@
 """Validators: a plan covers every destination element exactly once from a holder; a program is
-paired and cannot deadlock."""
+paired, cannot deadlock, and every device reads only data that is there when it reads it."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+from reshard.dtypes import itemsize
 from reshard.errors import PlanError
-from reshard.lowering import OpKind, Program
 from reshard.plan import ReshardPlan
-from reshard.regions import box_volume, contains, intersect, layout_regions
+from reshard.program import (
+    LOCAL_OPS,
+    MESSAGE_OPS,
+    Broadcast,
+    Buffer,
+    Copy,
+    DeviceProgram,
+    Program,
+    Pull,
+    Recv,
+    Send,
+    first_use_groups,
+    op_box,
+    op_numel,
+    reads_dst,
+    writes,
+)
+from reshard.regions import box_volume, contains, intersect, is_contiguous, layout_regions
 
 
 def validate_plan(plan: ReshardPlan) -> None:
@@ -19,8 +36,7 @@ def validate_plan(plan: ReshardPlan) -> None:
     for step, t in enumerate(plan.transfers):
         src_region = src_regions.get(t.src)
         if src_region is None or not contains(src_region, t.box):
-            have = sum(box_volume(b) for d in delivered[t.src] if (b := intersect(d, t.box)))
-            if have != box_volume(t.box):
+            if _covered(t.box, delivered[t.src]) != box_volume(t.box):
                 raise PlanError(f"transfer {step} ({t}): device {t.src} does not hold {t.box} when it sends it")
         for r in t.dsts:
             region = dst_regions.get(r)
@@ -38,46 +54,81 @@ def validate_plan(plan: ReshardPlan) -> None:
             )
 
 
+def _covered(box, boxes) -> int:
+    """Elements of ``box`` inside ``boxes`` (which do not overlap each other)."""
+    return sum(box_volume(b) for other in boxes if (b := intersect(other, box)))
+
+
 def validate_program(program: Program) -> None:
-    """Raise PlanError unless every op is matched by its peers and blocking execution in program
-    order completes (no two groups wait on each other)."""
+    """Raise PlanError unless the program is well formed (module docstring):
+
+    - every device issues its message ops in the global step order, and every step's ops are
+      matched by all members of its group (pulls: see ``_check_pulls``);
+    - every device connects exactly the groups its messages use, and connecting them in the listed
+      orders, then issuing the ops window by window, completes (no two groups wait on each other);
+    - a device reads a box of its destination shard only after it was written (a relay), its
+      background ops touch nothing its foreground ops read, and its staged slices are exactly the
+      strided ones, inside its staging buffer, side by side within a window.
+    """
+    item = itemsize(program.dtype)
     members: dict[int, dict[int, object]] = defaultdict(dict)
     for p in program.devices:
-        steps = [op.step for op in p.ops]
+        steps = [op.step for op in p.ops if isinstance(op, MESSAGE_OPS)]
         if steps != sorted(steps):
-            raise PlanError(f"device {p.device} issues its ops out of the global order: steps {steps}")
-        for op in p.ops:
-            if p.device not in op.group:
+            raise PlanError(f"device {p.device} issues its messages out of the global order: steps {steps}")
+        if any(isinstance(op, MESSAGE_OPS) for op in p.background):
+            raise PlanError(f"device {p.device}: background ops must be local copies or pulls")
+        for op in p.all_ops:
+            if isinstance(op, MESSAGE_OPS) and p.device not in op.group:
                 raise PlanError(f"device {p.device} runs step {op.step} of group {op.group} it is not in")
+            if op.step in members and p.device in members[op.step]:
+                raise PlanError(f"device {p.device} runs step {op.step} twice")
             members[op.step][p.device] = op
+        if set(p.connect) != set(first_use_groups(p.ops)) or len(set(p.connect)) != len(p.connect):
+            raise PlanError(
+                f"device {p.device} connects {list(p.connect)} but its messages use {list(first_use_groups(p.ops))}"
+            )
+        _check_dataflow(p)
+        _check_staging(p, item)
     src_shapes = {p.device: p.src_shape for p in program.devices}
     for step, ops in members.items():
         first = next(iter(ops.values()))
-        if first.kind is OpKind.PULL:
+        if isinstance(first, Pull):
             _check_pulls(step, ops, src_shapes)
-            continue
-        if set(ops) != set(first.group):
-            raise PlanError(f"step {step}: group {first.group} but ops only on devices {sorted(ops)}")
-        kinds = sorted(op.kind for op in ops.values())
-        expected = {
-            OpKind.COPY: [OpKind.COPY],
-            OpKind.SEND: [OpKind.SEND, OpKind.RECV],
-            OpKind.RECV: [OpKind.SEND, OpKind.RECV],
-            OpKind.BROADCAST: [OpKind.BROADCAST] * len(first.group),
-        }[first.kind]
-        if kinds != expected or any(op.group != first.group or op.shape != first.shape for op in ops.values()):
-            raise PlanError(f"step {step}: unpaired ops {[str(op) for op in ops.values()]}")
+        elif isinstance(first, Copy):
+            if len(ops) != 1:
+                raise PlanError(f"step {step}: a local copy on several devices {sorted(ops)}")
+        else:
+            _check_message(step, ops)
     _check_progress(program, members)
 
 
+def _check_message(step: int, ops: dict) -> None:
+    first = next(iter(ops.values()))
+    group = first.group
+    if set(ops) != set(group):
+        raise PlanError(f"step {step}: group {group} but ops only on devices {sorted(ops)}")
+    if any(op.group != group or op_numel(op) != op_numel(first) for op in ops.values()):
+        raise PlanError(f"step {step}: ops disagree on group or size: {list(ops.values())}")
+    kinds = {type(op) for op in ops.values()}
+    if kinds == {Send, Recv}:
+        ok = isinstance(ops[group[0]], Send) and len(group) == 2 and isinstance(ops[group[1]], Recv)
+    else:
+        root = ops[group[0]]
+        ok = kinds == {Broadcast} and root.read is not None
+        ok = ok and all(op.write is not None for d, op in ops.items() if d != group[0])
+    if not ok:
+        raise PlanError(f"step {step}: unpaired ops {list(ops.values())}")
+
+
 def _check_pulls(step: int, ops: dict, src_shapes: dict) -> None:
-    """Every op of a pulled step is a PULL of one box of one holder's source shard, by a device
+    """Every op of a pulled step is a pull of one box of one holder's source shard, by a device
     other than the holder (which runs nothing at that step)."""
     first = next(iter(ops.values()))
-    holder = first.group[0]
-    for device, op in ops.items():
-        if op.kind is not OpKind.PULL or op.group != (holder, device) or op.read != first.read:
-            raise PlanError(f"step {step}: pulls and other ops mixed: {[str(o) for o in ops.values()]}")
+    holder = first.holder
+    for op in ops.values():
+        if not isinstance(op, Pull) or op.holder != holder or op.read != first.read:
+            raise PlanError(f"step {step}: pulls and other ops mixed: {list(ops.values())}")
     if holder in ops:
         raise PlanError(f"step {step}: device {holder} pulls from itself")
     shape = src_shapes.get(holder)
@@ -89,29 +140,84 @@ def _check_pulls(step: int, ops: dict, src_shapes: dict) -> None:
         raise PlanError(f"step {step}: pull of {first.read} lies outside device {holder}'s source shard {shape}")
 
 
+def _check_dataflow(p: DeviceProgram) -> None:
+    """Destination boxes are read only once written in an earlier window (or by an earlier local op
+    of the same window); background ops read no destination box and write none the foreground reads."""
+    done: list = []  # boxes written by completed windows and by local ops so far
+    reads: list = []
+    for window in p.issue_windows:
+        pending = []
+        for op in window:
+            if reads_dst(op):
+                box = op_box(op)
+                if _covered(box, done) != box_volume(box):
+                    raise PlanError(
+                        f"device {p.device} step {op.step} reads {box} of its destination shard before it arrived"
+                    )
+                reads.append(box)
+            box = writes(op)
+            if box is not None:
+                (done if isinstance(op, LOCAL_OPS) else pending).append(box)
+        done += pending
+    for op in p.background:
+        if reads_dst(op) or any(intersect(op.write, r) for r in reads):
+            raise PlanError(f"device {p.device}: background op of step {op.step} touches what its other ops read")
+
+
+def _check_staging(p: DeviceProgram, item: int) -> None:
+    for window in p.issue_windows:
+        spans = []
+        for op in window:
+            if not isinstance(op, MESSAGE_OPS):
+                continue
+            box = op_box(op)
+            shape = p.src_shape if getattr(op, "buffer", None) is Buffer.SRC else p.dst_shape
+            strided = shape is not None and not is_contiguous(box, shape)
+            if strided != (op.staging is not None):
+                need = "passes through staging" if strided else "is contiguous"
+                raise PlanError(f"device {p.device} step {op.step}: its slice {box} {need}; staging={op.staging}")
+            if op.staging is not None:
+                span = (op.staging, op.staging + op_numel(op) * item)
+                if span[0] < 0 or span[1] > p.staging_bytes:
+                    raise PlanError(f"device {p.device} step {op.step}: staging {span} outside {p.staging_bytes} B")
+                if any(a < span[1] and span[0] < b for a, b in spans):
+                    raise PlanError(f"device {p.device} step {op.step}: staging {span} overlaps another op's")
+                spans.append(span)
+
+
 def _check_progress(program: Program, members) -> None:
-    heads = {p.device: 0 for p in program.devices}
-    ops_of = {p.device: p.ops for p in program.devices}
-    arrived: dict[int, set[int]] = defaultdict(set)
-    ready = [d for d in heads if ops_of[d]]
-    while ready:
-        device = ready.pop()
-        op = ops_of[device][heads[device]]
-        if op.kind is OpKind.PULL:  # waits for nobody
-            heads[device] += 1
-            if heads[device] < len(ops_of[device]):
-                ready.append(device)
-            continue
-        arrived[op.step].add(device)
-        if len(arrived[op.step]) < len(members[op.step]):
-            continue
-        for d in arrived.pop(op.step):
-            heads[d] += 1
-            if heads[d] < len(ops_of[d]):
-                ready.append(d)
-    stuck = {d: ops_of[d][h] for d, h in heads.items() if h < len(ops_of[d])}
+    """Replay: each device connects its groups in order (a connect completes once every member
+    reached it), then issues its windows; an op completes once every member of its step issued
+    theirs, a window once all its ops completed. Pulls and copies wait for nobody."""
+    issued: dict[object, set[int]] = defaultdict(set)
+    need = {("step", s): set(ops) for s, ops in members.items()}
+    for p in program.devices:
+        for g in p.connect:
+            need[("connect", g)] = set(g)
+    plans = {
+        p.device: [(("connect", g),) for g in p.connect]
+        + [tuple(("step", op.step) for op in w if isinstance(op, MESSAGE_OPS)) for w in p.issue_windows]
+        for p in program.devices
+    }
+    heads = dict.fromkeys(plans, 0)
+    waiting = dict.fromkeys(plans, False)
+    progress = True
+    while progress:
+        progress = False
+        for d, seq in plans.items():
+            while heads[d] < len(seq):
+                keys = seq[heads[d]]
+                if not waiting[d]:
+                    for k in keys:
+                        issued[k].add(d)
+                    waiting[d] = True
+                    progress = True
+                if any(issued[k] != need[k] for k in keys):
+                    break
+                heads[d] += 1
+                waiting[d] = False
+                progress = True
+    stuck = {d: plans[d][h] for d, h in heads.items() if h < len(plans[d])}
     if stuck:
-        lines = "\n".join(
-            f"  device {d} waits at step {op.step} ({op.kind.name} {op.group})" for d, op in sorted(stuck.items())
-        )
+        lines = "\n".join(f"  device {d} waits at {list(keys)}" for d, keys in sorted(stuck.items()))
         raise PlanError(f"program deadlocks:\n{lines}")

@@ -97,6 +97,9 @@ def test_plan_msgpack_round_trip(problem):
     shape, dtype, src, dst, strategy = problem
     plan = plan_reshard(shape, dtype, src, dst, strategy=strategy)
     assert decode_plan(encode_plan(plan)) == plan
+    merged = {d: 0 for d in (*src.mesh.device_ids, *dst.mesh.device_ids)}  # one shared-memory machine
+    plan = plan_reshard(shape, dtype, src, dst, strategy=strategy, hosts=merged)
+    assert decode_plan(encode_plan(plan)) == plan and plan.host_map == merged
 
 
 # (n, k) -> torch.chunk(torch.arange(n), k) piece sizes, padded with empty pieces to k

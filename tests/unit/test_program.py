@@ -1,7 +1,8 @@
-"""Property tests of lowered programs (no Ray, no torch): for random problems and every strategy,
-lowering pairs every op and runs to completion under blocking in-order execution, slices are staged
-exactly when they are strided, programs survive a msgpack round trip, and pulls (transfers inside a
-shared-memory domain) keep programs valid and their result exact under a numpy interpreter."""
+"""Property tests of programs (no Ray, no torch): for random problems and every strategy, lowering
+pairs every op, stages exactly the strided slices and runs to completion; pulls (transfers inside a
+shared-memory domain) and sequencing (local ops moved or overlapped, issue windows) keep programs
+valid; programs survive a msgpack round trip; and an independent numpy interpreter that runs every
+device's ops in program order, window by window, produces exactly the destination shards."""
 
 from __future__ import annotations
 
@@ -15,106 +16,126 @@ from hypothesis import strategies as st
 from problems import SETTINGS, problems, regions_by_device
 
 from reshard import lower_plan, plan_reshard, validate_program
-from reshard.lowering import Buffer, OpKind
+from reshard.errors import PlanError
+from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Program, Pull, Recv, Send
+from reshard.pulls import pulled_steps, to_pulls
+from reshard.sequencing import sequence_program
 from reshard.serialize import decode_device_program, decode_program, encode_device_program, encode_program
 
 pytestmark = pytest.mark.unit
+MESSAGES = (Send, Recv, Broadcast)
 
 
-def _blocking_run_completes(program) -> bool:
-    """Independent simulation: a step runs once every member's next op is that step."""
-    heads = {p.device: 0 for p in program.devices}
-    ops = {p.device: p.ops for p in program.devices}
-    members = defaultdict(set)
+def sl(box):
+    return tuple(slice(lo, hi) for lo, hi in box)
+
+
+def interpret(program, src_layout, full: np.ndarray) -> dict[int, np.ndarray]:
+    """Run the program in numpy as the executor would: each device connects nothing (groups are
+    free here), runs its background ops first (they touch nothing the others read), then its windows
+    in order: local ops at once, message ops issued; a message completes (data moves) once every
+    member issued its op; a window ends when its messages completed. Raises if it gets stuck."""
+    src = {d: full[sl(box)].copy() for d, box in regions_by_device(src_layout, full.shape).items()}
+    dst = {p.device: np.zeros(p.dst_shape, full.dtype) for p in program.devices if p.dst_shape is not None}
+
+    def read(device, op):
+        return (src[device] if op.buffer is Buffer.SRC else dst[device])[sl(op.read)].copy()
+
+    windows = {p.device: list(p.issue_windows) for p in program.devices}
     for p in program.devices:
-        for op in p.ops:
-            members[op.step].add(p.device)
+        for op in p.background:
+            dst[p.device][sl(op.write)] = src[op.holder if isinstance(op, Pull) else p.device][sl(op.read)]
+    issued: dict[int, dict[int, object]] = defaultdict(dict)
+    members = {op.step: set(op.group) for p in program.devices for op in p.ops if isinstance(op, MESSAGES)}
+    head = dict.fromkeys(windows, 0)
+    started = dict.fromkeys(windows, False)
+    done_steps: set[int] = set()
     progress = True
     while progress:
         progress = False
-        waiting = defaultdict(set)
-        for d, h in heads.items():
-            if h < len(ops[d]):
-                waiting[ops[d][h].step].add(d)
-        for step, ds in waiting.items():
-            if ds == members[step]:
-                for d in ds:
-                    heads[d] += 1
+        for d, ws in windows.items():
+            while head[d] < len(ws):
+                window = ws[head[d]]
+                if not started[d]:
+                    for op in window:
+                        if isinstance(op, Copy):
+                            dst[d][sl(op.write)] = read(d, op)
+                        elif isinstance(op, Pull):
+                            dst[d][sl(op.write)] = src[op.holder][sl(op.read)]
+                        else:
+                            issued[op.step][d] = op
+                    started[d] = True
+                    progress = True
+                for op in window:
+                    if (
+                        isinstance(op, MESSAGES)
+                        and op.step not in done_steps
+                        and set(issued[op.step]) == members[op.step]
+                    ):
+                        ops = issued[op.step]
+                        root = op.group[0]
+                        data = read(root, ops[root])
+                        for r, rop in ops.items():
+                            if r != root:
+                                dst[r][sl(rop.write)] = data
+                        done_steps.add(op.step)
+                if any(isinstance(op, MESSAGES) and op.step not in done_steps for op in window):
+                    break
+                head[d] += 1
+                started[d] = False
                 progress = True
-    return all(h == len(ops[d]) for d, h in heads.items())
+    stuck = {d: h for d, h in head.items() if h < len(windows[d])}
+    assert not stuck, f"interpreter stuck at windows {stuck}"
+    return dst
+
+
+def expected(dst_layout, full):
+    return {d: full[sl(box)] for d, box in regions_by_device(dst_layout, full.shape).items()}
+
+
+def assert_exact(program, src, dst, shape):
+    full = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
+    got = interpret(program, src, full)
+    for d, want in expected(dst, full).items():
+        np.testing.assert_array_equal(got[d], want)
 
 
 @SETTINGS
 @given(problems())
-def test_lowering_is_paired_cycle_free_and_staged_correctly(problem):
+def test_lowering_is_paired_staged_exactly_and_exact(problem):
     shape, dtype, src, dst, strategy = problem
     plan = plan_reshard(shape, dtype, src, dst, strategy=strategy)
     program = lower_plan(plan)
     validate_program(program)
-    assert _blocking_run_completes(program)
     by_step = defaultdict(dict)
     for p in program.devices:
         steps = [op.step for op in p.ops]
         assert steps == sorted(steps) and len(set(steps)) == len(steps)
         for op in p.ops:
             by_step[op.step][p.device] = op
-            buffer_shape = p.dst_shape
-            box = op.write
-            if op.kind in (OpKind.SEND,) or (op.kind is OpKind.BROADCAST and op.group[0] == p.device):
-                box = op.read
-                buffer_shape = p.src_shape if op.read_buffer is Buffer.SRC else p.dst_shape
-            if op.kind is not OpKind.COPY and box is not None:
-                view = np.zeros(buffer_shape, dtype=np.uint8)[tuple(slice(lo, hi) for lo, hi in box)]
-                if not op.stage:
-                    assert view.flags.c_contiguous, f"{op} reads/writes a strided slice without staging"
-                else:
-                    assert p.staging_numel >= op.numel
+            if isinstance(op, MESSAGES):
+                box = op.read if getattr(op, "read", None) is not None else op.write
+                reading = getattr(op, "read", None) is not None
+                shape_of = p.src_shape if reading and op.buffer is Buffer.SRC else p.dst_shape
+                view = np.zeros(shape_of, dtype=np.uint8)[sl(box)]
+                assert (op.staging is None) == view.flags.c_contiguous, op
     for step, ops in by_step.items():
         t = plan.transfers[step]
         assert set(ops) == set(t.group)
-        kinds = sorted(op.kind.name for op in ops.values())
-        expected = {"COPY": ["COPY"], "SEND": ["RECV", "SEND"], "BROADCAST": ["BROADCAST"] * len(t.group)}
-        assert kinds == expected[t.kind.name]
+        kinds = sorted(type(op).__name__ for op in ops.values())
+        want = {"COPY": ["Copy"], "SEND": ["Recv", "Send"], "BROADCAST": ["Broadcast"] * len(t.group)}
+        assert kinds == want[t.kind.name]
+    assert_exact(program, src, dst, shape)
 
 
 @SETTINGS
 @given(problems())
 def test_program_msgpack_round_trip(problem):
     shape, dtype, src, dst, strategy = problem
-    program = lower_plan(plan_reshard(shape, dtype, src, dst, strategy=strategy))
+    program = sequence_program(lower_plan(plan_reshard(shape, dtype, src, dst, strategy=strategy)), window_ops=3)
     assert decode_program(encode_program(program)) == program
     for p in program.devices:
         assert decode_device_program(encode_device_program(p, program.dtype)) == (program.dtype, p)
-
-
-def interpret(program, src_layout, dst_layout, full: np.ndarray) -> dict[int, np.ndarray]:
-    """Run every device's program in numpy, step by step in the global order: the destination
-    shards it produces. Staged and unstaged slices behave alike here (numpy copies either)."""
-    src = {d: full[tuple(slice(lo, hi) for lo, hi in box)].copy()
-           for d, box in regions_by_device(src_layout, full.shape).items()}  # fmt: skip
-    dst = {p.device: np.zeros(p.dst_shape, full.dtype) for p in program.devices if p.dst_shape is not None}
-    by_step = defaultdict(dict)
-    for p in program.devices:
-        for op in p.ops:
-            by_step[op.step][p.device] = op
-
-    def sl(box):
-        return tuple(slice(lo, hi) for lo, hi in box)
-
-    for step in sorted(by_step):
-        ops = by_step[step]
-        root = next(iter(ops.values())).group[0]
-        if root in ops:  # a message (or a local copy): the root reads, everybody else writes
-            rop = ops[root]
-            data = (src[root] if rop.read_buffer is Buffer.SRC else dst[root])[sl(rop.read)].copy()
-            for d, op in ops.items():
-                if op.write is not None:
-                    dst[d][sl(op.write)] = data
-        else:  # pulls: every op reads the holder's source shard itself
-            for d, op in ops.items():
-                assert op.kind is OpKind.PULL
-                dst[d][sl(op.write)] = src[root][sl(op.read)]
-    return dst
 
 
 @st.composite
@@ -127,72 +148,114 @@ def problems_with_domains(draw):
 
 
 @SETTINGS
-@given(problems_with_domains())
-def test_pulls_keep_the_program_valid_and_its_result_exact(case):
-    from reshard.pulls import pull_sources, pulled_steps, to_pulls
-
+@given(problems_with_domains(), st.sampled_from([0, 1 << 30, None]), st.integers(1, 4))
+def test_pulls_and_sequencing_keep_programs_valid_and_exact(case, overlap_bytes, window_ops):
     (shape, dtype, src, dst, strategy), domain_of = case
-    plan = plan_reshard(shape, dtype, src, dst, strategy=strategy)
-    program = lower_plan(plan)
+    program = lower_plan(plan_reshard(shape, dtype, src, dst, strategy=strategy))
     pulled = to_pulls(program, domain_of)
     validate_program(pulled)
-    assert _blocking_run_completes(pulled)
-    full = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
-    want = {d: full[tuple(slice(lo, hi) for lo, hi in box)] for d, box in regions_by_device(dst, shape).items()}
-    for got in (interpret(program, src, dst, full), interpret(pulled, src, dst, full)):
-        for d, w in want.items():
-            np.testing.assert_array_equal(got[d], w)
     steps = pulled_steps(program, domain_of)
     for p in pulled.devices:
         for op in p.ops:
-            if op.kind is OpKind.PULL:
-                holder = op.group[0]
-                assert op.step in steps and domain_of[holder] is not None
-                assert domain_of[holder] == domain_of[p.device]
-            elif op.kind is not OpKind.COPY:
+            if isinstance(op, Pull):
+                assert op.step in steps and domain_of[op.holder] is not None
+                assert domain_of[op.holder] == domain_of[p.device]
+            elif isinstance(op, MESSAGES):
                 assert op.step not in steps
-        assert p.staging_numel == max((op.numel for op in p.ops if op.stage), default=0)
     if all(v is None for v in domain_of.values()):
-        assert pulled == program and not pull_sources(pulled)
-    assert decode_program(encode_program(pulled)) == pulled
+        assert pulled == program and not pulled.pull_sources
+    sequenced = sequence_program(pulled, overlap_copy_bytes=overlap_bytes, window_ops=window_ops)
+    validate_program(sequenced)
+    for before, after in zip(pulled.devices, sequenced.devices, strict=True):
+        assert sorted(op.step for op in after.all_ops) == sorted(op.step for op in before.ops)
+        assert [op.step for op in after.ops if isinstance(op, MESSAGES)] == [
+            op.step for op in before.ops if isinstance(op, MESSAGES)
+        ]
+        if window_ops == 1:
+            assert not after.windows
+    assert_exact(sequenced, src, dst, shape)
+    assert decode_program(encode_program(sequenced)) == sequenced
 
 
 def test_pulls_need_the_holders_source_shard():
     """A relay (the sender forwards from its destination shard) keeps its message; a group that
     leaves the domain keeps its broadcast; the holder of a pulled step runs nothing."""
-    from reshard.lowering import DeviceProgram, Op, Program
-    from reshard.pulls import to_pulls
-
     box = ((0, 2),)
-    progs = (
-        DeviceProgram(0, (2,), None, (Op(OpKind.SEND, 0, (0, 1), (2,), Buffer.SRC, box),), 0),
-        DeviceProgram(1, None, (2,), (Op(OpKind.RECV, 0, (0, 1), (2,), None, None, box),
-                                      Op(OpKind.BROADCAST, 1, (1, 2, 3), (2,), Buffer.DST, box)), 0),
-        DeviceProgram(2, None, (2,), (Op(OpKind.BROADCAST, 1, (1, 2, 3), (2,), None, None, box),), 0),
-        DeviceProgram(3, None, (2,), (Op(OpKind.BROADCAST, 1, (1, 2, 3), (2,), None, None, box),), 0),
-    )  # fmt: skip
-    program = Program("float32", (2,), progs)
+    program = Program("float32", (2,), (
+        DeviceProgram(0, (2,), None, (Send(0, (0, 1), Buffer.SRC, box),), 0, ((0, 1),)),
+        DeviceProgram(1, None, (2,), (Recv(0, (0, 1), box), Broadcast(1, (1, 2, 3), Buffer.DST, box)), 0,
+                      ((0, 1), (1, 2, 3))),
+        DeviceProgram(2, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
+        DeviceProgram(3, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
+    ))  # fmt: skip
     validate_program(program)
     out = to_pulls(program, {0: "a", 1: "a", 2: "a", 3: "b"})
     validate_program(out)
-    assert out.devices[0].ops == ()
-    assert out.devices[1].ops[0] == Op(OpKind.PULL, 0, (0, 1), (2,), Buffer.SRC, box, box)
-    assert [op.kind for op in out.devices[1].ops[1:]] == [OpKind.BROADCAST]  # relay: kept
+    assert out.devices[0].ops == () and out.devices[0].connect == ()
+    assert out.devices[1].ops[0] == Pull(0, 0, box, box)
+    assert [type(op) for op in out.devices[1].ops[1:]] == [Broadcast]  # relay: kept
+    assert out.devices[1].connect == ((1, 2, 3),)
     assert to_pulls(program, {0: "a", 1: "b"}) == program
 
 
-def test_validate_rejects_bad_pulls():
-    from reshard.errors import PlanError
-    from reshard.lowering import DeviceProgram, Op, Program
+def _pair(ops0, ops1, *, connect=((0, 1),), src1=None, background1=()):
+    return Program("float32", (4,), (
+        DeviceProgram(0, (4,), None, ops0, 0, connect),
+        DeviceProgram(1, src1, (4,), ops1, 0, connect, (), background1),
+    ))  # fmt: skip
 
-    def program(read, src_shape=(2,)):
-        return Program("float32", (2,), (
-            DeviceProgram(0, src_shape, None, (), 0),
-            DeviceProgram(1, None, (2,), (Op(OpKind.PULL, 0, (0, 1), (2,), Buffer.SRC, read, ((0, 2),)),), 0),
+
+def test_validate_rejects_broken_programs():
+    a, b = ((0, 2),), ((2, 4),)
+    strided = ((0, 4), (0, 1))
+    validate_program(_pair((Send(0, (0, 1), Buffer.SRC, a),), (Recv(0, (0, 1), a), Copy(1, Buffer.DST, a, b))))
+    cases = {
+        "outside device 0's source shard": Program("float32", (2,), (
+            DeviceProgram(0, (2,), None, (), 0),
+            DeviceProgram(1, None, (2,), (Pull(0, 0, ((1, 3),), ((0, 2),)),), 0),
+        )),
+        "before it arrived": _pair((Send(0, (0, 1), Buffer.SRC, a),), (Copy(1, Buffer.DST, a, b), Recv(0, (0, 1), a))),
+        "but its messages use": _pair((Send(0, (0, 1), Buffer.SRC, a),), (Recv(0, (0, 1), a),), connect=()),
+        "out of the global order": _pair(
+            (Send(0, (0, 1), Buffer.SRC, a), Send(1, (0, 1), Buffer.SRC, b)),
+            (Recv(1, (0, 1), b), Recv(0, (0, 1), a)),
+        ),
+        "unpaired": _pair((Send(0, (0, 1), Buffer.SRC, a),), (Broadcast(0, (0, 1), write=a),)),
+        "passes through staging": Program("float32", (4, 2), (
+            DeviceProgram(0, (4, 2), None, (Send(0, (0, 1), Buffer.SRC, strided, 0),), 16, ((0, 1),)),
+            DeviceProgram(1, None, (4, 2), (Recv(0, (0, 1), strided),), 0, ((0, 1),)),
+        )),
+        "touches what its other ops read": _pair(
+            (Send(0, (0, 1), Buffer.SRC, a),),
+            (Recv(0, (0, 1), a), Copy(2, Buffer.DST, a, b)),
+            src1=(4,),
+            background1=(Copy(1, Buffer.SRC, a, a),),
+        ),
+    }  # fmt: skip
+    for message, program in cases.items():
+        with pytest.raises(PlanError, match=message):
+            validate_program(program)
+
+
+def test_validate_replays_connects_and_windows():
+    """Groups connected in a cycle of orders deadlock; in first-use order they do not; a window may
+    issue a device's receives from two senders together."""
+    a, b = ((0, 2),), ((2, 4),)
+    g01, g02, g12 = (0, 1), (0, 2), (1, 2)
+
+    def prog(connect1, connect2):
+        return Program("float32", (4,), (
+            DeviceProgram(0, (4,), None, (Send(0, g01, Buffer.SRC, a), Send(1, g02, Buffer.SRC, a)), 0, (g01, g02)),
+            DeviceProgram(1, (4,), (4,), (Recv(0, g01, a), Send(2, g12, Buffer.SRC, b)), 0, connect1),
+            DeviceProgram(2, None, (4,), (Recv(1, g02, a), Recv(2, g12, b)), 0, connect2),
         ))  # fmt: skip
 
-    validate_program(program(((0, 2),)))
-    with pytest.raises(PlanError, match="outside device 0's source shard"):
-        validate_program(program(((1, 3),)))
-    with pytest.raises(PlanError, match="outside device 0's source shard"):
-        validate_program(program(((0, 2),), src_shape=None))
+    validate_program(prog((g01, g12), (g02, g12)))
+    with pytest.raises(PlanError, match="deadlocks"):
+        validate_program(prog((g12, g01), (g02, g12)))
+    together = Program("float32", (4,), (
+        DeviceProgram(0, (4,), None, (Send(0, g02, Buffer.SRC, a),), 0, (g02,)),
+        DeviceProgram(1, (4,), None, (Send(1, g12, Buffer.SRC, b),), 0, (g12,)),
+        DeviceProgram(2, None, (4,), (Recv(0, g02, a), Recv(1, g12, b)), 0, (g02, g12), (2,)),
+    ))  # fmt: skip
+    validate_program(together)

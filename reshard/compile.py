@@ -1,0 +1,105 @@
+"""compile_reshard: everything decided about one reshard, in one pure function.
+
+plan (``plan_reshard``) -> ``validate_plan`` -> lower -> pulls (transfers inside one shared-memory
+domain become copies out of the holder's source shard) -> sequencing (order and overlap of local
+ops, issue windows; groups connect in order of first use) -> ``validate_program`` -> msgpack, one
+blob per participating device. The runtime ships the blobs; its executor runs each device's ops in
+the order given and decides nothing. Results are cached by their inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from reshard.layout import Layout
+from reshard.lowering import lower_plan
+from reshard.plan import ReshardPlan
+from reshard.planner import plan_reshard
+from reshard.program import Group, Program
+from reshard.pulls import to_pulls
+from reshard.sequencing import OVERLAP_COPY_BYTES, WINDOW_STAGING_BYTES, sequence_program
+from reshard.serialize import encode_device_program
+from reshard.validate import validate_plan, validate_program
+
+
+@dataclass(frozen=True, slots=True)
+class CompileOptions:
+    """How programs are sequenced (``reshard.sequencing``): ``overlap_copy_bytes`` (None: local ops
+    never run on the helper thread, e.g. GPU devices), ``window_ops`` and ``window_staging_bytes``."""
+
+    overlap_copy_bytes: int | None = OVERLAP_COPY_BYTES
+    window_ops: int = 1
+    window_staging_bytes: int = WINDOW_STAGING_BYTES
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledReshard:
+    """A reshard ready to ship: the plan, the validated program, and per participating device its
+    program as msgpack. Participants are the devices that run ops or receive a destination shard."""
+
+    plan: ReshardPlan
+    program: Program
+    blobs: Mapping[int, bytes] = field(repr=False)
+    participants: tuple[int, ...]
+    groups: tuple[Group, ...]
+    pull_sources: Mapping[int, tuple[int, ...]]
+    domains: tuple[tuple[int, Hashable], ...]
+
+
+def compile_reshard(
+    shape,
+    dtype,
+    src: Layout,
+    dst: Layout,
+    *,
+    strategy: str = "auto",
+    cluster=None,
+    domains: Mapping[int, Hashable | None] | None = None,
+    options: CompileOptions = CompileOptions(),
+) -> CompiledReshard:
+    """Compile moving a ``dtype`` tensor of ``shape`` from ``src`` to ``dst`` (module docstring).
+
+    ``domains`` maps devices to their shared-memory domain (e.g. their machine; None or absent:
+    none): transfers inside one domain become pulls, and the planner counts the devices of one
+    domain as one host (their transfers cost no network). ``cluster``: the cost model the planner
+    plans for (``plan_reshard``)."""
+    shared = tuple(sorted((d, dom) for d, dom in (domains or {}).items() if dom is not None))
+    return _compile(tuple(shape), dtype, src, dst, strategy, cluster, shared, options)
+
+
+@lru_cache(maxsize=512)
+def _compile(shape, dtype, src, dst, strategy, cluster, domains, options) -> CompiledReshard:
+    domain_of = dict(domains)
+    plan = plan_reshard(
+        shape, dtype, src, dst, strategy=strategy, cluster=cluster, hosts=planning_hosts(src, dst, domain_of)
+    )
+    validate_plan(plan)
+    program = lower_plan(plan)
+    validate_program(program)
+    program = to_pulls(program, domain_of)
+    program = sequence_program(
+        program,
+        overlap_copy_bytes=options.overlap_copy_bytes,
+        window_ops=options.window_ops,
+        window_staging_bytes=options.window_staging_bytes,
+    )
+    validate_program(program)
+    participants = tuple(p.device for p in program.devices if p.ops or p.background or p.dst_shape is not None)
+    blobs = {d: encode_device_program(program.for_device(d), program.dtype) for d in participants}
+    return CompiledReshard(plan, program, blobs, participants, program.groups, program.pull_sources, domains)
+
+
+def planning_hosts(src: Layout, dst: Layout, domain_of: Mapping[int, Hashable]) -> dict[int, int] | None:
+    """The device -> host map to plan with: the meshes' hosts, except that the devices of one
+    shared-memory domain share one host (the lowest host id among them). None: no domains."""
+    if not domain_of:
+        return None
+    hosts = dict(zip(src.mesh.device_ids, src.mesh.host_ids, strict=True))
+    hosts.update(zip(dst.mesh.device_ids, dst.mesh.host_ids, strict=True))
+    merged: dict[Hashable, int] = {}
+    for d, dom in domain_of.items():
+        if d in hosts:
+            merged[dom] = min(merged.get(dom, hosts[d]), hosts[d])
+    return {d: merged[domain_of[d]] if d in domain_of else h for d, h in hosts.items()}

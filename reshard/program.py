@@ -1,0 +1,194 @@
+"""Programs: what every device runs in one reshard, as data.
+
+A ``Program`` holds one ``DeviceProgram`` per participating device. A device program says
+
+- ``connect``: the communicator groups to set up before the first op, in an order all members
+  share (eager connection setup of overlapping groups in different orders deadlocks);
+- ``ops``: its ops in execution order, issued in ``windows`` (the ops of a window are issued
+  together, then waited for; no windows: one op at a time);
+- ``background``: local ops that run on a helper thread while ``ops`` run (joined at the end);
+- ``staging_bytes``: the one staging buffer its strided slices pass through (each such op names
+  its byte offset in it).
+
+Ops are a small tagged union: ``Copy`` and ``Pull`` are local (a pull reads a peer's source shard
+through shared memory); ``Send``, ``Recv`` and ``Broadcast`` are messages over a group, named root
+first. Every op carries the plan step it serves (the global issue order), devices by global id and
+buffers by local boxes. Lowering (``reshard.lowering``), pulls (``reshard.pulls``) and sequencing
+(``reshard.sequencing``) build programs, ``reshard.validate`` checks them, and the runtime's
+executor only interprets them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from reshard.regions import Box, box_shape, box_volume
+
+Group = tuple[int, ...]
+
+
+class Buffer(enum.IntEnum):
+    SRC = 0  # this device's shard of the source tensor
+    DST = 1  # this device's shard of the destination tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Copy box ``read`` of this device's ``buffer`` into box ``write`` of its destination shard."""
+
+    step: int
+    buffer: Buffer
+    read: Box
+    write: Box
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Copy box ``read`` of device ``holder``'s source shard (shared memory) into box ``write``."""
+
+    step: int
+    holder: int
+    read: Box
+    write: Box
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send box ``read`` of ``buffer`` to ``group[1]``; ``group`` is (this device, peer).
+    ``staging``: byte offset in the staging buffer when the slice is strided, else None."""
+
+    step: int
+    group: Group
+    buffer: Buffer
+    read: Box
+    staging: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Recv:
+    """Receive from ``group[0]`` into box ``write``; ``group`` is (peer, this device)."""
+
+    step: int
+    group: Group
+    write: Box
+    staging: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    """One broadcast over ``group`` from ``group[0]``: the root reads box ``read`` of ``buffer``,
+    every other member writes box ``write``."""
+
+    step: int
+    group: Group
+    buffer: Buffer | None = None
+    read: Box | None = None
+    write: Box | None = None
+    staging: int | None = None
+
+    def __post_init__(self):
+        if (self.read is None) == (self.write is None):
+            raise ValueError(f"a broadcast op either reads (root) or writes (receiver): {self}")
+
+
+Op = Copy | Pull | Send | Recv | Broadcast
+LOCAL_OPS = (Copy, Pull)
+MESSAGE_OPS = (Send, Recv, Broadcast)
+
+
+def group_key(devices) -> Group:
+    """The communicator of a set of devices: their sorted tuple (a device's rank is its index)."""
+    return tuple(sorted(int(d) for d in devices))
+
+
+def op_box(op: Op) -> Box:
+    """The box an op moves (what it reads, or for receivers what they write)."""
+    box = getattr(op, "read", None)
+    return op.write if box is None else box
+
+
+def op_shape(op: Op) -> tuple[int, ...]:
+    return box_shape(op_box(op))
+
+
+def op_numel(op: Op) -> int:
+    return box_volume(op_box(op))
+
+
+def reads_dst(op: Op) -> bool:
+    return getattr(op, "buffer", None) is Buffer.DST
+
+
+def writes(op: Op) -> Box | None:
+    """The destination box an op writes, or None."""
+    return getattr(op, "write", None)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProgram:
+    """What one device runs (module docstring). ``src_shape``/``dst_shape``: its source and
+    destination shard shapes, None when it holds no such shard."""
+
+    device: int
+    src_shape: tuple[int, ...] | None
+    dst_shape: tuple[int, ...] | None
+    ops: tuple[Op, ...]
+    staging_bytes: int = 0
+    connect: tuple[Group, ...] = ()
+    windows: tuple[int, ...] = ()
+    background: tuple[Op, ...] = ()
+
+    def __post_init__(self):
+        if self.windows and (sum(self.windows) != len(self.ops) or min(self.windows) < 1):
+            raise ValueError(f"device {self.device}: windows {self.windows} do not cover its {len(self.ops)} ops")
+
+    @property
+    def issue_windows(self) -> tuple[tuple[Op, ...], ...]:
+        """``ops`` cut into their issue windows."""
+        if not self.windows:
+            return tuple((op,) for op in self.ops)
+        out, start = [], 0
+        for n in self.windows:
+            out.append(self.ops[start : start + n])
+            start += n
+        return tuple(out)
+
+    @property
+    def all_ops(self) -> tuple[Op, ...]:
+        return self.ops + self.background
+
+    @property
+    def holders(self) -> tuple[int, ...]:
+        """Devices whose source shards this device pulls from."""
+        return tuple(sorted({op.holder for op in self.all_ops if isinstance(op, Pull)}))
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """The lowered plan of a ``dtype`` tensor of ``shape``: one program per participating device."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    devices: tuple[DeviceProgram, ...]
+
+    def for_device(self, device: int) -> DeviceProgram:
+        for p in self.devices:
+            if p.device == device:
+                return p
+        raise KeyError(f"device {device} takes no part in this program")
+
+    @property
+    def groups(self) -> tuple[Group, ...]:
+        """Every communicator the program connects (sorted device tuples), each once."""
+        return tuple(dict.fromkeys(g for p in self.devices for g in p.connect))
+
+    @property
+    def pull_sources(self) -> dict[int, tuple[int, ...]]:
+        """``{device: devices whose source shards it pulls}``, for the devices that pull."""
+        return {p.device: p.holders for p in self.devices if p.holders}
+
+
+def first_use_groups(ops) -> tuple[Group, ...]:
+    """The communicators of ``ops`` in order of first use."""
+    return tuple(dict.fromkeys(group_key(op.group) for op in ops if isinstance(op, MESSAGE_OPS)))

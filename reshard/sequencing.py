@@ -1,0 +1,87 @@
+"""Sequencing: the order and overlap in which each device runs its ops.
+
+Message ops keep the plan's global order (deadlock freedom). Local ops (``Copy``, ``Pull``) wait
+for nobody, so when nothing a device does reads its destination shard (it relays nothing) they go
+after its messages: the peers waiting on this device are served first. When those local ops move
+at least ``overlap_copy_bytes`` and the device also communicates, they run on the device's helper
+thread instead (``background``), overlapping its messages (CPU devices only: a GPU copies on its
+streams). With ``window_ops`` > 1 consecutive message ops are issued together, up to that many, as
+long as their staged slices fit ``window_staging_bytes`` side by side and no op reads a box the
+window writes (a relay waits for what it forwards). ``reshard.validate.validate_program`` replays
+the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from reshard.dtypes import itemsize
+from reshard.program import LOCAL_OPS, MESSAGE_OPS, DeviceProgram, Op, Program, op_numel, reads_dst
+
+OVERLAP_COPY_BYTES = 1 << 20  # below it the hand-off to the helper thread costs more than it saves
+WINDOW_STAGING_BYTES = 64 << 20
+
+
+def sequence_program(
+    program: Program,
+    *,
+    overlap_copy_bytes: int | None = OVERLAP_COPY_BYTES,
+    window_ops: int = 1,
+    window_staging_bytes: int = WINDOW_STAGING_BYTES,
+) -> Program:
+    """``program`` with every device's ops ordered, overlapped and windowed (module docstring);
+    ``overlap_copy_bytes=None`` keeps local ops in the foreground (GPU devices)."""
+    if window_ops < 1:
+        raise ValueError(f"window_ops must be >= 1, got {window_ops}")
+    item = itemsize(program.dtype)
+    devices = tuple(
+        _sequence_device(p, item, overlap_copy_bytes, window_ops, window_staging_bytes) for p in program.devices
+    )
+    return replace(program, devices=devices)
+
+
+def _sequence_device(p: DeviceProgram, item: int, overlap_bytes, window_ops: int, window_staging: int) -> DeviceProgram:
+    ops = p.ops + p.background
+    messages = [op for op in ops if isinstance(op, MESSAGE_OPS)]
+    local = [op for op in ops if isinstance(op, LOCAL_OPS)]
+    background: list[Op] = []
+    if messages and local and not any(reads_dst(op) for op in ops):
+        if overlap_bytes is not None and sum(op_numel(op) for op in local) * item >= overlap_bytes:
+            ops, background = messages, local
+        else:
+            ops = messages + local
+    ops, windows, staging = _windows(list(ops), item, window_ops, window_staging, p.staging_bytes)
+    return replace(p, ops=tuple(ops), background=tuple(background), windows=windows, staging_bytes=staging)
+
+
+def _windows(ops: list[Op], item: int, most: int, bound: int, staging: int):
+    """Cut ``ops`` into issue windows; staged ops of one window get side-by-side staging offsets.
+    Returns (ops, window lengths or () for one op at a time, staging bytes)."""
+    if most == 1:
+        return ops, (), staging
+    out: list[Op] = []
+    lengths: list[int] = []
+    count = used = peak = 0
+    written: list = []  # boxes written in the current window
+    for op in ops:
+        nbytes = op_numel(op) * item if getattr(op, "staging", None) is not None else 0
+        message = isinstance(op, MESSAGE_OPS)
+        depends = reads_dst(op) and written
+        if lengths and (depends or (message and (count >= most or used + nbytes > max(bound, nbytes)))):
+            lengths.append(0)
+            count = used = 0
+            written = []
+        if not lengths:
+            lengths.append(0)
+        if nbytes:
+            op = replace(op, staging=used)
+            used += nbytes
+            peak = max(peak, used)
+        if message:
+            count += 1
+        write = getattr(op, "write", None)
+        if write is not None:
+            written.append(write)
+        out.append(op)
+        lengths[-1] += 1
+    return out, tuple(lengths), peak
