@@ -1,37 +1,47 @@
 """Runtime layer: device actors on Ray, communicators, and the program interpreter.
 
-Modules: ``mesh`` (DeviceMesh), ``tensor`` (ShardedTensor, distribute, reshard), ``driver``
-(driver-side bookkeeping, dispatch, failure handling), ``actor`` (the device actor and its
-context), ``executor`` (DeviceProgram interpreter), ``groups`` (communicator caches),
-``communicator`` (interfaces), ``backends`` (registry), ``gloo`` (CPU backend),
-``shared_memory`` (shards in shared memory, peers' shards mapped for pulls); ``nccl`` (GPU
-backend) is loaded by name when a mesh asks for it.
+Modules: ``mesh`` (DeviceMesh, placement on nodes: ``placement``), ``tensor`` (ShardedTensor,
+distribute, reshard), ``driver`` (this process's controller) with ``registry`` (devices, meshes,
+ids, session), ``programs`` (the mirror of the devices' program caches), ``groups``
+(communicator groups) and ``dispatch`` (waiting and failure classification); ``messages`` (what
+controllers and actors say to each other), ``actor`` (the device actor) with ``inbox`` (ordered
+calls), ``shards`` (a device's memory), ``executor`` (runs one device program), ``communicator``
+(interfaces), ``backends`` (registry), ``gloo`` (CPU backend), ``shared_memory`` (shards in
+shared memory, peers' shards mapped for pulls); ``nccl`` (GPU backend) loads when a mesh asks for it.
 """
 
-import os
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
-from reshard.runtime.backends import BACKENDS, register_backend  # noqa: E402
-from reshard.runtime.communicator import Backend, Communicator, Rendezvous  # noqa: E402
-from reshard.runtime.driver import runtime  # noqa: E402
-from reshard.runtime.mesh import DeviceMesh  # noqa: E402
-from reshard.runtime.tensor import ShardedTensor, distribute, lowered_reshard, reshard  # noqa: E402
+from reshard.runtime.backends import BACKENDS, register_backend
+from reshard.runtime.communicator import Backend, Communicator, Rendezvous
+from reshard.runtime.driver import runtime
+from reshard.runtime.mesh import DeviceMesh
+from reshard.runtime.tensor import ShardedTensor, distribute, lowered_reshard, reshard
 
 
-def ensure_groups(groups, *, timeout_s: float = 60.0) -> None:
-    """Set up communicator groups (iterables of global device ids) on their members, so that a
-    function run through ``DeviceMesh.call`` can use ``ctx.communicator(group)``."""
-    runtime().ensure_groups(groups, timeout_s)
+def ensure_groups(groups, *, channel: str = "", timeout_s: float = 60.0) -> list:
+    """Set up communicator groups (iterables of global device ids) on their members and connect
+    them, so that a function run through ``DeviceMesh.call`` can use ``ctx.communicator(group)``."""
+    return runtime().ensure_groups(groups, channel=channel, timeout_s=timeout_s)
+
+
+def settle(mesh, *, timeout_s: float = 60.0) -> None:
+    """Wait until every device of ``mesh`` has done everything this process asked of it so far,
+    including the releases of garbage-collected handles (which go out asynchronously): e.g. before
+    reading ``mesh.stats()``."""
+    runtime().flush_holds()
+    mesh.call(_nothing, timeout_s=timeout_s)
+
+
+def _nothing(ctx) -> None:
+    return None
 
 
 def runtime_stats() -> dict:
-    """Driver counters: programs_shipped, runs, run_calls, rendezvous_calls, groups_created, ..."""
+    """This process's controller counters: programs_shipped, runs, run_calls, rendezvous_calls,
+    groups_created, failed_runs."""
     return dict(runtime().stats)
 
 
 __all__ = [
     "BACKENDS", "Backend", "Communicator", "DeviceMesh", "Rendezvous", "ShardedTensor", "distribute",
-    "ensure_groups", "lowered_reshard", "register_backend", "reshard", "runtime_stats",
+    "ensure_groups", "lowered_reshard", "register_backend", "reshard", "runtime", "runtime_stats", "settle",
 ]  # fmt: skip

@@ -29,9 +29,23 @@ class Rendezvous:
     info: object
 
 
+class Done:
+    """An operation that completed when it was issued."""
+
+    def wait(self, timeout_s: float) -> None:
+        pass
+
+
+DONE = Done()
+
+
 class Communicator(abc.ABC):
-    """This device's handle on one group. Every call blocks until done or raises a
-    ``reshard.ReshardError`` (``ReshardTimeout`` after ``timeout_s``); it never hangs."""
+    """This device's handle on one group. Every blocking call returns when done or raises a
+    ``reshard.ReshardError`` (``ReshardTimeout`` after ``timeout_s``); it never hangs.
+
+    ``isend`` / ``irecv`` / ``ibroadcast`` issue an operation and return an object whose
+    ``wait(timeout_s)`` completes it (the executor issues a window of ops, then waits for them); a
+    backend without asynchronous operations runs them at once and returns ``DONE``."""
 
     def __init__(self, group: Group, rank: int, timeout_s: float):
         self.group = group
@@ -58,6 +72,18 @@ class Communicator(abc.ABC):
     def all_reduce(self, tensor, op: str = "sum") -> None:
         """In place: every rank's ``tensor`` becomes the reduction (``op``: "sum", "max", "min")
         of all ranks' tensors, the same bits on every rank."""
+
+    def isend(self, tensor, peer: int):
+        self.send(tensor, peer)
+        return DONE
+
+    def irecv(self, tensor, peer: int):
+        self.recv(tensor, peer)
+        return DONE
+
+    def ibroadcast(self, tensor, root: int):
+        self.broadcast(tensor, root)
+        return DONE
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the group's resources (sockets, GPU memory)."""

@@ -1,26 +1,25 @@
 """Gloo backend: CPU communicators from torch.distributed's ProcessGroupGloo, one per group.
 
-Driver side: ONE ``TCPStore`` master (port 0: the OS picks) lives in the driver process; a
-rendezvous is just ``(host, port, prefix)`` with a prefix unique per group AND per generation
-(a token of this backend instance plus a counter), so a group re-created after a failure never
-reads the keys of its dead predecessor. Nothing blocks: ``rendezvous`` makes no remote call.
+Controller side: ONE ``TCPStore`` master per controlling process, opened only when a gloo group
+is first needed, listening on the node address Ray uses for this process (never on every
+interface: we bind the socket ourselves and hand it to the store). A rendezvous is ``(host, port,
+prefix)`` with a prefix unique per group AND generation, so a group re-created after a failure
+never reads the keys of its dead predecessor. ``rendezvous`` makes no remote call.
 
 Actor side: a raw ``ProcessGroupGloo(prefix_store, rank, size, options)`` per group, over the
-actor's one client ``TCPStore`` connection. ``connect_many`` creates all new groups of a run at its
-start, with EAGER connection setup, one after the other in the order of their first use in the
-program, bounded by the run's deadline. Why not the lazy device: its connection setup runs inside
-the first ``send``/``broadcast`` call, waits on the store for the full store timeout whatever the
-op's ``wait(timeout)`` says, and can hang against a peer that aborted in between. Why first-use
-order: eager setup of overlapping groups in different orders on different actors deadlocks; in one
-global order it cannot. (Creating groups concurrently in threads would also avoid that, but needs a
-store connection per thread, and opening TCPStore connections here sometimes stalls for 5 s.)
-Once created, a group's pairs are connected, so a peer that dies or aborts makes pending
-operations fail at once ("Connection closed by peer").
+actor's one client ``TCPStore`` connection to that controller. ``connect_many`` sets the groups
+of a program up one after the other, in the order the program lists (``DeviceProgram.connect``,
+validated: one order all members share), with EAGER connection setup, within the run's deadline.
+Before creating a group every member announces itself under the group's prefix and waits, in short
+slices, until all members did, or until some member (or the controller) wrote the group's ``abort``
+key: a device that cannot run its part aborts its groups' rendezvous, and peers waiting for it fail
+within ``JOIN_POLL_S`` instead of at their deadline (``abort_rendezvous``). Once created, a group's
+pairs are connected, so a peer that dies or aborts makes pending operations fail at once
+("Connection closed by peer").
 
-Operations use the group object's own ``broadcast/send/recv``; before each one the group's timeout
-is set to the time left (``Communicator.timeout_s``, which the executor sets) and the work is
-waited on with it. A timed-out or failed group is unusable (gloo closes its pairs); the caller
-drops it. Gloo moves every dtype the runtime supports (bool and bfloat16 included) as is.
+Operations are issued asynchronously (``isend``/``irecv``/``ibroadcast``) and waited for with the
+time left (``GlooWork.wait``). A timed-out or failed group is unusable; the caller drops it. Gloo
+moves every dtype the runtime supports (bool and bfloat16 included) as is.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+import socket
 import threading
 import time
 import uuid
@@ -36,20 +36,7 @@ from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime.communicator import Backend, Communicator, Group, PeerFailed, Rendezvous
 
 _MIN_WAIT_S = 1e-3
-
-
-class _ReduceOps(dict):
-    def __missing__(self, op):
-        import torch.distributed as dist
-
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        if op not in ops:
-            raise ValueError(f"unknown reduce op {op!r}; choose one of {', '.join(ops)}")
-        self[op] = ops[op]
-        return self[op]
-
-
-_REDUCE_OPS = _ReduceOps()
+JOIN_POLL_S = 0.05  # how often a member waiting for its group's peers looks for an abort
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -57,15 +44,38 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(float(seconds), _MIN_WAIT_S))
 
 
-def _node_ip() -> str:
+def node_ip() -> str:
+    """The address Ray uses for this process's node (loopback outside Ray)."""
     try:
         import ray
 
         if ray.is_initialized():
             return ray.util.get_node_ip_address()
-    except Exception:  # not in a Ray process: loopback
+    except Exception:  # not in a Ray process
         pass
     return "127.0.0.1"
+
+
+def _reduce_op(op: str):
+    import torch.distributed as dist
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"unknown reduce op {op!r}; choose one of {', '.join(ops)}")
+    return ops[op]
+
+
+class GlooWork:
+    """An issued gloo operation; ``wait`` raises ``ReshardTimeout`` / ``PeerFailed`` / ``ReshardError``."""
+
+    def __init__(self, comm: GlooCommunicator, work, what: str, tensor, peer: int):
+        self.comm, self.work, self.what, self.tensor, self.peer = comm, work, what, tensor, peer
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self.work.wait(_td(timeout_s))
+        except RuntimeError as e:
+            raise self.comm.failed_with(self.what, e, self.tensor, self.peer, timeout_s) from None
 
 
 class GlooCommunicator(Communicator):
@@ -81,54 +91,66 @@ class GlooCommunicator(Communicator):
     def __repr__(self) -> str:
         return f"GlooCommunicator(group={self.group}, rank={self.rank}, prefix={self.prefix!r})"
 
-    def broadcast(self, tensor, root: int) -> None:
+    def isend(self, tensor, peer: int) -> GlooWork:
+        return self._issue("send", lambda pg: pg.send([tensor], peer, 0), tensor, peer)
+
+    def irecv(self, tensor, peer: int) -> GlooWork:
+        return self._issue("recv", lambda pg: pg.recv([tensor], peer, 0), tensor, peer)
+
+    def ibroadcast(self, tensor, root: int) -> GlooWork:
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
-        self._run("broadcast", lambda: self.pg.broadcast([tensor], opts), tensor, root)
+        return self._issue("broadcast", lambda pg: pg.broadcast([tensor], opts), tensor, root)
 
-    def send(self, tensor, peer: int, tag: int = 0) -> None:
-        self._run("send", lambda: self.pg.send([tensor], peer, tag), tensor, peer)
+    def send(self, tensor, peer: int) -> None:
+        self.isend(tensor, peer).wait(self.timeout_s)
 
-    def recv(self, tensor, peer: int, tag: int = 0) -> None:
-        self._run("recv", lambda: self.pg.recv([tensor], peer, tag), tensor, peer)
+    def recv(self, tensor, peer: int) -> None:
+        self.irecv(tensor, peer).wait(self.timeout_s)
+
+    def broadcast(self, tensor, root: int) -> None:
+        self.ibroadcast(tensor, root).wait(self.timeout_s)
 
     def all_reduce(self, tensor, op: str = "sum") -> None:
         import torch.distributed as dist
 
         opts = dist.AllreduceOptions()
-        opts.reduceOp = _REDUCE_OPS[op]
-        self._run("all_reduce", lambda: self.pg.allreduce([tensor], opts), tensor, -1)
+        opts.reduceOp = _reduce_op(op)
+        self._issue("all_reduce", lambda pg: pg.allreduce([tensor], opts), tensor, -1).wait(self.timeout_s)
 
-    def _run(self, what: str, issue, tensor, peer: int) -> None:
-        if self.pg is None or self.failed:
+    def _issue(self, what: str, issue, tensor, peer: int) -> GlooWork:
+        pg = self.pg
+        if pg is None or self.failed:
             raise ReshardError(
                 f"device {self.device}: {what} on group {self.group} whose communicator is "
-                f"{'closed' if self.pg is None else 'broken (' + self.failed + ')'}; it must be re-created"
+                f"{'closed' if pg is None else 'broken (' + self.failed + ')'}; it must be re-created"
             )
         if not tensor.is_contiguous():
             raise ValueError(
                 f"gloo {what} needs a contiguous tensor, got shape {tuple(tensor.shape)} strides {tensor.stride()}"
             )
-        timeout = _td(self.timeout_s)
         try:
-            self.pg.set_timeout(timeout)
-            issue().wait(timeout)
+            pg.set_timeout(_td(self.timeout_s))
+            return GlooWork(self, issue(pg), what, tensor, peer)
         except RuntimeError as e:
-            msg = str(e).split("\n")[0]
-            self.failed = msg
-            where = (
-                f"device {self.device}: gloo {what} (group {self.group}, rank {self.rank}, "
-                f"peer/root {peer}, {tuple(tensor.shape)})"
-            )
-            low = msg.lower()
-            if "timed out" in low or "timeout" in low:
-                raise ReshardTimeout(f"{where} did not complete within {self.timeout_s:.2f}s: {msg}") from None
-            if "closed by peer" in low or "connection reset" in low or "broken pipe" in low:
-                raise PeerFailed(f"{where}: a peer went away: {msg}") from None
-            raise ReshardError(f"{where} failed: {msg}") from None
+            raise self.failed_with(what, e, tensor, peer, self.timeout_s) from None
+
+    def failed_with(self, what: str, e: Exception, tensor, peer: int, timeout_s: float) -> ReshardError:
+        msg = str(e).split("\n")[0]
+        self.failed = msg
+        where = (
+            f"device {self.device}: gloo {what} (group {self.group}, rank {self.rank}, peer/root {peer}, "
+            f"{tuple(tensor.shape)})"
+        )
+        low = msg.lower()
+        if "timed out" in low or "timeout" in low:
+            return ReshardTimeout(f"{where} did not complete within {timeout_s:.2f}s: {msg}")
+        if "closed by peer" in low or "connection reset" in low or "broken pipe" in low or self.pg is None:
+            return PeerFailed(f"{where}: a peer went away or the group was aborted: {msg}")
+        return ReshardError(f"{where} failed: {msg}")
 
     def close(self) -> None:
         pg, self.pg = self.pg, None
@@ -164,43 +186,44 @@ class GlooBackend(Backend):
     device_type = "cpu"
 
     def __init__(self, *, host: str | None = None):
-        self.host = host  # master address; None: this driver's node IP (127.0.0.1 on loopback)
+        self.host = host  # the store's address; None: this process's node IP (loopback outside Ray)
         self._master = None
+        self._master_host: str | None = None
+        self._listener: socket.socket | None = None
         self._token = uuid.uuid4().hex[:8]
         self._counter = itertools.count(1)
         self._clients: dict[tuple[str, int], object] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self):
-        # the configuration, plus the master's address once the driver opened it (actors connect
-        # to it while they start, see ``setup_actor``)
-        return {"host": self.host, "master": getattr(self, "_master_host", None) and self._master_address()}
+        return {"host": self.host}
 
     def __setstate__(self, state):
         self.__init__(host=state["host"])
-        self._warm = state.get("master")
 
-    def setup_driver(self) -> None:
-        """Driver side, before actors start: open the master store."""
-        self._master_address()
-
-    def setup_actor(self, timeout_s: float = 60.0) -> None:
-        """Actor side, at start: connect to the master store now rather than in the first run."""
-        warm = getattr(self, "_warm", None)
-        if warm:
-            self._client(warm[0], int(warm[1]), timeout_s)
-
-    # ---------------------------------------------------------------- driver side
+    # ---------------------------------------------------------------- controller side
 
     def _master_address(self) -> tuple[str, int]:
+        """The store, opened on first use, listening on this node's address only."""
         with self._lock:
             if self._master is None:
                 import torch.distributed as dist
 
-                host = self.host or _node_ip()
-                self._master = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_td(60))
-                self._master_host = host
+                host = self.host or node_ip()
+                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                listener.bind((host, 0))
+                listener.listen(1024)
+                port = listener.getsockname()[1]
+                self._master = dist.TCPStore(
+                    host, port, None, True, _td(60), wait_for_workers=False, master_listen_fd=listener.fileno()
+                )
+                self._listener, self._master_host = listener, host
             return self._master_host, self._master.port
+
+    @property
+    def store_address(self) -> tuple[str, int] | None:
+        """Where this controller's store listens, once it was opened (None before)."""
+        return None if self._master is None else (self._master_host, self._master.port)
 
     def rendezvous(self, groups: list[Group], actors: dict[int, object]) -> list[Rendezvous]:
         """A fresh ``(host, port, prefix)`` per group: each call opens a new generation."""
@@ -212,11 +235,34 @@ class GlooBackend(Backend):
             out.append(Rendezvous(g, {"host": host, "port": port, "prefix": prefix}))
         return out
 
+    def abort_rendezvous(self, rendezvous: list[Rendezvous], reason: str = "aborted") -> None:
+        """Make every member still waiting to join these groups fail now (controller or member side)."""
+        for r in rendezvous:
+            info = r.info
+            try:
+                store = (
+                    self._master
+                    if self._master is not None
+                    and self._master_host == info["host"]
+                    and (self._master.port == int(info["port"]))
+                    else self._client(info["host"], int(info["port"]), 5.0)
+                )
+                store.set(info["prefix"] + "abort", reason)
+            except Exception:  # the store is gone with its controller: nobody is waiting on it
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._master = None
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+
     # ---------------------------------------------------------------- actor side
 
     def _client(self, host: str, port: int, timeout_s: float):
-        """This actor's one connection to the master store (reused: opening TCPStore connections
-        on this kind of machine sometimes stalls for 5 s)."""
+        """This process's one connection to a controller's store (reused: opening TCPStore
+        connections on this kind of machine sometimes stalls for 5 s)."""
         import torch.distributed as dist
 
         key = (host, port)
@@ -232,11 +278,8 @@ class GlooBackend(Backend):
 
     def connect_many(self, rendezvous: list[Rendezvous], device: int, timeout_s: float) -> list[GlooCommunicator]:
         """This device's communicators for ``rendezvous``, created one after the other IN THE GIVEN
-        ORDER with eager connection setup, all within ``timeout_s``. The caller passes a run's groups
-        in the order of their first use in the program: every member of a group then reaches its
-        creation in the same global order, so sequential blocking creation cannot deadlock (it has
-        the dependency structure of the program's first ops, which ``validate_program`` checks).
-        Raises ``ReshardTimeout`` if a peer does not join in time (nothing of the batch is kept)."""
+        ORDER (module docstring), all within ``timeout_s``. Raises ``ReshardTimeout`` if a peer does
+        not join in time, ``PeerFailed`` if a group was aborted (nothing of the batch is kept)."""
         for r in rendezvous:
             if device not in r.group:
                 raise ValueError(f"device {device} is not a member of group {tuple(r.group)}")
@@ -244,40 +287,62 @@ class GlooBackend(Backend):
         out: list[GlooCommunicator] = []
         try:
             for r in rendezvous:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ReshardTimeout(f"device {device}: no time left to connect gloo group {tuple(r.group)}")
-                try:
-                    out.append(self._create(r, device, left))
-                except ReshardError:
-                    raise
-                except Exception as e:
-                    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                    if "timeout" in msg.lower() or "timed out" in msg.lower():
-                        raise ReshardTimeout(
-                            f"device {device}: gloo group {tuple(r.group)} not connected within {left:.2f}s "
-                            f"(a peer did not join: dead, failed earlier or stuck): {msg}"
-                        ) from None
-                    raise ReshardError(f"device {device}: creating gloo group {tuple(r.group)} failed: {msg}") from None
+                out.append(self._create(r, device, deadline))
         except BaseException:
             for c in out:
                 c.abort()
             raise
         return out
 
-    def _create(self, rendezvous: Rendezvous, device: int, timeout_s: float) -> GlooCommunicator:
+    def _create(self, rendezvous: Rendezvous, device: int, deadline: float) -> GlooCommunicator:
         import torch.distributed as dist
         from torch.distributed import ProcessGroupGloo
 
         group = tuple(rendezvous.group)
         info = rendezvous.info
-        client = self._client(info["host"], int(info["port"]), timeout_s)
-        client.set_timeout(_td(timeout_s))
-        store = dist.PrefixStore(info["prefix"], client)
-        opts = ProcessGroupGloo._Options()
-        hostname = os.environ.get("RESHARD_GLOO_HOSTNAME") or _node_ip()
-        opts._devices = [ProcessGroupGloo.create_device(hostname=hostname, lazy_init=False)]
-        opts._timeout = _td(timeout_s)
         rank = group.index(device)
-        pg = ProcessGroupGloo(store, rank, len(group), opts)
-        return GlooCommunicator(group, rank, timeout_s, pg, info["prefix"], device)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ReshardTimeout(f"device {device}: no time left to connect gloo group {group}")
+        try:
+            client = self._client(info["host"], int(info["port"]), left)
+            prefix = info["prefix"]
+            client.set(f"{prefix}join/{rank}", "1")
+            self._wait_for_members(client, prefix, group, device, deadline)
+            left = deadline - time.monotonic()
+            client.set_timeout(_td(left))
+            store = dist.PrefixStore(prefix, client)
+            opts = ProcessGroupGloo._Options()
+            hostname = os.environ.get("RESHARD_GLOO_HOSTNAME") or node_ip()
+            opts._devices = [ProcessGroupGloo.create_device(hostname=hostname, lazy_init=False)]
+            opts._timeout = _td(left)
+            pg = ProcessGroupGloo(store, rank, len(group), opts)
+        except ReshardError:
+            raise
+        except Exception as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if "timeout" in msg.lower() or "timed out" in msg.lower():
+                raise ReshardTimeout(
+                    f"device {device}: gloo group {group} not connected in time (a peer did not join): {msg}"
+                ) from None
+            raise ReshardError(f"device {device}: creating gloo group {group} failed: {msg}") from None
+        return GlooCommunicator(group, rank, left, pg, prefix, device)
+
+    @staticmethod
+    def _wait_for_members(client, prefix: str, group: Group, device: int, deadline: float) -> None:
+        keys = [f"{prefix}join/{r}" for r in range(len(group))]
+        abort = f"{prefix}abort"
+        while True:
+            if client.check([abort]):
+                reason = client.get(abort).decode(errors="replace")
+                raise PeerFailed(f"device {device}: gloo group {group} was aborted before it connected ({reason})")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [group[r] for r, k in enumerate(keys) if not client.check([k])]
+                raise ReshardTimeout(f"device {device}: gloo group {group}: devices {missing} never joined")
+            try:
+                client.wait(keys, _td(min(JOIN_POLL_S, left)))
+                return
+            except RuntimeError as e:  # not all there yet (a timeout): look for an abort again
+                if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                    raise

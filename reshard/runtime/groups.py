@@ -1,20 +1,22 @@
-"""Communicator caches: the driver's book of live groups and each actor's cache of communicators.
+"""Communicator groups: the controller's table of live groups and each actor's cache of communicators.
 
-A group is the sorted tuple of its global device ids; a device's rank is its index in it. Every
-(re-)creation of a group is a new GENERATION (a driver-wide counter) with its own rendezvous, so
-a group re-created after a failure never meets its dead predecessor.
+A group is keyed by ``(channel, devices)``: its sorted device tuple (a device's rank is its index
+in it) and a channel name, so that users of the same devices who run concurrently (the pipeline's
+lanes) get communicators of their own; reshards use channel ``""``. Every (re-)creation of a
+group is a new GENERATION with its own rendezvous, so a group re-created after a failure never
+meets its dead predecessor.
 
-The DRIVER decides (``GroupTable``): which groups are live, at which generation, and which to evict
-when a device would hold more than its bound (LRU over groups; the groups a program about to run
-needs are never evicted, so the bound is exceeded only by a program that alone needs more). An
-evicted or failed group is dropped on EVERY member, so members never disagree about a group.
-The ACTORS obey (``GroupCache``): they apply ``set``/``drop`` updates and create communicators
-lazily, on first use, through their backend.
+The CONTROLLER decides (``GroupTable``): which groups are live, at which generation, and which to
+evict when a device would hold more than its bound (LRU; groups a program about to run needs, and
+pinned groups, are never evicted). An evicted or failed group is dropped on EVERY member, so members
+never disagree about a group. The ACTORS obey (``GroupCache``, one per controller): they apply
+set/drop updates and create communicators when a program connects them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -22,74 +24,84 @@ from reshard.runtime.communicator import Backend, Communicator, Group, Rendezvou
 
 log = logging.getLogger(__name__)
 
-
-def group_key(devices) -> Group:
-    """The communicator key of a set of devices: their sorted tuple."""
-    return tuple(sorted(int(d) for d in devices))
+RESHARD_CHANNEL = ""
+GroupKey = tuple[str, Group]
 
 
-# ------------------------------------------------------------------------------------- driver
+def group_key(devices, channel: str = RESHARD_CHANNEL) -> GroupKey:
+    return channel, tuple(sorted(int(d) for d in devices))
+
+
+# ------------------------------------------------------------------------------------- controller
 
 
 @dataclass
 class GroupTable:
-    """Driver side: live groups (LRU order) with their generation, and per-device bounds."""
+    """Controller side: live groups (LRU order) with their generation."""
 
-    live: OrderedDict = field(default_factory=OrderedDict)  # Group -> generation, least recent first
+    live: OrderedDict = field(default_factory=OrderedDict)  # GroupKey -> generation, least recent first
+    pinned: dict = field(default_factory=dict)  # GroupKey -> pin count
     next_generation: int = 1
 
-    def count(self, device: int) -> int:
-        return sum(1 for g in self.live if device in g)
-
-    def admit(self, needed, capacity: dict[int, int]) -> tuple[list[Group], list[tuple[Group, int]]]:
+    def admit(self, needed, capacity: dict[int, int]) -> tuple[list[GroupKey], list[tuple[GroupKey, int]]]:
         """Make ``needed`` live and most recently used. Returns ``(create, drop)``: the needed groups
-        that need a new generation (rendezvous), and ``(group, generation)`` pairs to drop on every
+        that need a new generation (rendezvous), and ``(key, generation)`` pairs to drop on every
         member because some member exceeds its bound ``capacity[device]``."""
-        needed = list(dict.fromkeys(group_key(g) for g in needed))
-        create = [g for g in needed if g not in self.live]
-        for g in create:
-            self.live[g] = None  # generation assigned by ``commit``
-        for g in needed:
-            self.live.move_to_end(g)
+        needed = list(dict.fromkeys(needed))
+        create = [k for k in needed if k not in self.live]
+        for k in create:
+            self.live[k] = None  # generation assigned by ``commit``
+        for k in needed:
+            self.live.move_to_end(k)
         counts: dict[int, int] = {}
-        for g in self.live:
+        for _, g in self.live:
             for d in g:
                 counts[d] = counts.get(d, 0) + 1
-        keep = set(needed)
+        keep = set(needed) | set(self.pinned)
         drop = []
-        for g in list(self.live):
-            if not any(counts[d] > capacity.get(d, 1 << 30) for d in g) or g in keep:
+        for k in list(self.live):
+            if k in keep or not any(counts[d] > capacity.get(d, 1 << 30) for d in k[1]):
                 continue
-            drop.append((g, self.live.pop(g)))
-            for d in g:
+            drop.append((k, self.live.pop(k)))
+            for d in k[1]:
                 counts[d] -= 1
         over = {d: n for d, n in counts.items() if n > capacity.get(d, 1 << 30)}
         if over:
             log.warning("devices %s need more communicators at once than their bound; keeping them all", over)
-        return create, drop
+        return create, [(k, gen) for k, gen in drop if gen is not None]
 
-    def commit(self, groups) -> dict[Group, int]:
-        """Assign a fresh generation to each of ``groups`` (after their rendezvous was made)."""
+    def commit(self, keys) -> dict[GroupKey, int]:
+        """Assign a fresh generation to each of ``keys`` (after their rendezvous was made)."""
         out = {}
-        for g in groups:
-            gen = self.next_generation
+        for k in keys:
+            out[k] = self.live[k] = self.next_generation
             self.next_generation += 1
-            self.live[g] = gen
-            out[g] = gen
         return out
 
-    def forget(self, groups) -> list[tuple[Group, int]]:
-        """Groups that failed: no longer live. Returns ``(group, generation)`` to drop on members."""
+    def forget(self, keys) -> list[tuple[GroupKey, int]]:
+        """Groups that failed: no longer live. Returns ``(key, generation)`` to drop on members."""
         out = []
-        for g in dict.fromkeys(group_key(g) for g in groups):
-            if g in self.live:
-                gen = self.live.pop(g)
+        for k in dict.fromkeys(keys):
+            if k in self.live:
+                gen = self.live.pop(k)
                 if gen is not None:
-                    out.append((g, gen))
+                    out.append((k, gen))
         return out
 
-    def forget_device(self, device: int) -> list[tuple[Group, int]]:
-        return self.forget([g for g in self.live if device in g])
+    def forget_device(self, device: int) -> list[tuple[GroupKey, int]]:
+        return self.forget([k for k in self.live if device in k[1]])
+
+    def pin(self, keys) -> None:
+        for k in keys:
+            self.pinned[k] = self.pinned.get(k, 0) + 1
+
+    def unpin(self, keys) -> None:
+        for k in keys:
+            n = self.pinned.get(k, 0) - 1
+            if n > 0:
+                self.pinned[k] = n
+            else:
+                self.pinned.pop(k, None)
 
 
 # ------------------------------------------------------------------------------------- actor
@@ -103,99 +115,105 @@ class _Entry:
 
 
 class GroupCache:
-    """Actor side: this device's communicators, keyed by group, created lazily on first use.
+    """Actor side, one per controller: this device's communicators by group key, created when a
+    program connects them. Thread-safe: the controller's ordered calls use it one at a time, and an
+    abort may arrive on another thread at any moment."""
 
-    ``capacity`` is the bound the driver enforces (it mirrors every member's cache so that a group
-    is evicted on all its members at once); the actor only warns if it is ever exceeded.
-    """
-
-    def __init__(self, backend: Backend, device: int, capacity: int, timeout_s: float):
+    def __init__(self, backend: Backend, device: int, timeout_s: float):
         self.backend = backend
         self.device = device
-        self.capacity = capacity
         self.timeout_s = timeout_s
-        self.entries: OrderedDict[Group, _Entry] = OrderedDict()
+        self.entries: OrderedDict[GroupKey, _Entry] = OrderedDict()
         self.stats = {"created": 0, "closed": 0, "aborted": 0}
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def __contains__(self, group) -> bool:
-        return group_key(group) in self.entries
-
-    def generation(self, group) -> int | None:
-        e = self.entries.get(group_key(group))
+    def generation(self, key: GroupKey) -> int | None:
+        e = self.entries.get(key)
         return None if e is None else e.generation
 
-    def live(self) -> dict[Group, int]:
+    def live(self) -> dict[GroupKey, int]:
         """Groups with a created communicator -> generation."""
-        return {g: e.generation for g, e in self.entries.items() if e.comm is not None}
+        with self._lock:
+            return {k: e.generation for k, e in self.entries.items() if e.comm is not None}
 
     def apply(self, drops=(), sets=()) -> None:
-        """Driver updates: ``drops`` = ``(group, generation)`` (only that generation is dropped, in
-        sorted group order), ``sets`` = ``(group, generation, rendezvous_info)``."""
-        for g, gen in sorted((group_key(g), gen) for g, gen in drops):
-            e = self.entries.get(g)
-            if e is not None and e.generation == gen:
-                self._release(g, abort=False)
-        for g, gen, info in sets:
-            g = group_key(g)
-            e = self.entries.get(g)
-            if e is not None and e.generation == gen:
-                continue
-            if e is not None:
-                self._release(g, abort=False)
-            self.entries[g] = _Entry(gen, Rendezvous(g, info))
-        if len(self.entries) > self.capacity:
-            log.warning("device %d holds %d groups (bound %d)", self.device, len(self.entries), self.capacity)
+        """Controller updates: ``drops`` = ``(key, generation)`` (only that generation is dropped),
+        ``sets`` = ``(key, generation, rendezvous info)``."""
+        with self._lock:
+            for k, gen in sorted(drops):
+                e = self.entries.get(k)
+                if e is not None and e.generation == gen:
+                    self._release(k, abort=False)
+            for k, gen, info in sets:
+                e = self.entries.get(k)
+                if e is not None and e.generation == gen:
+                    continue
+                if e is not None:
+                    self._release(k, abort=False)
+                self.entries[k] = _Entry(gen, Rendezvous(k[1], info))
 
-    def connect(self, groups, timeout_s: float | None = None) -> None:
-        """Create the communicators of ``groups`` that do not exist yet (a backend with
-        ``connect_many`` creates them in one call)."""
+    def connect(self, keys, timeout_s: float | None = None) -> None:
+        """Create the communicators of ``keys`` that do not exist yet, in the given order."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        todo = []
-        for g in dict.fromkeys(group_key(g) for g in groups):
-            e = self.entries.get(g)
-            if e is None:
-                raise KeyError(
-                    f"device {self.device} has no rendezvous for group {g}; the driver must set it up first "
-                    f"(reshard.runtime.ensure_groups)"
-                )
-            if e.comm is None:
-                todo.append(e)
+        with self._lock:
+            todo = []
+            for k in dict.fromkeys(keys):
+                e = self.entries.get(k)
+                if e is None:
+                    raise KeyError(
+                        f"device {self.device} has no rendezvous for group {k}; the controller must set it up first"
+                    )
+                if e.comm is None:
+                    todo.append((k, e))
         if not todo:
             return
-        many = getattr(self.backend, "connect_many", None)
-        if many is not None:
-            comms = many([e.rendezvous for e in todo], self.device, timeout)
-        else:
-            comms = [self.backend.connect(e.rendezvous, self.device, timeout) for e in todo]
-        for e, c in zip(todo, comms, strict=True):
-            e.comm = c
-        self.stats["created"] += len(todo)
+        comms = self.backend.connect_many([e.rendezvous for _, e in todo], self.device, timeout)
+        with self._lock:
+            for (k, e), c in zip(todo, comms, strict=True):
+                if self.entries.get(k) is e:
+                    e.comm = c
+                else:  # dropped or aborted meanwhile
+                    c.abort()
+            self.stats["created"] += len(todo)
 
-    def get(self, group) -> Communicator:
-        """This device's communicator for ``group`` (created now if needed)."""
-        g = group_key(group)
-        e = self.entries.get(g)
+    def get(self, key: GroupKey) -> Communicator:
+        """This device's communicator for ``key`` (connected earlier by ``connect``)."""
+        e = self.entries.get(key)
         if e is None or e.comm is None:
-            self.connect([g])
-            e = self.entries[g]
-        self.entries.move_to_end(g)
+            self.connect([key])
+            e = self.entries[key]
+        if e.comm is None:
+            raise KeyError(f"device {self.device}: group {key} was aborted")
         return e.comm
 
-    def abort(self, groups) -> None:
-        """Failure path: tear these groups down at once (peers blocked on them fail fast)."""
-        for g in dict.fromkeys(group_key(g) for g in groups):
-            if g in self.entries:
-                self._release(g, abort=True)
+    def abort(self, keys, reason: str = "aborted") -> None:
+        """Failure path: tear these groups down at once. Connected ones are aborted (peers blocked
+        on them fail fast); members still waiting to connect one are told through its rendezvous."""
+        waiting = []
+        with self._lock:
+            for k in dict.fromkeys(keys):
+                e = self.entries.get(k)
+                if e is None:
+                    continue
+                if e.comm is None:
+                    waiting.append(e.rendezvous)
+                    del self.entries[k]
+                else:
+                    self._release(k, abort=True)
+        abort_rendezvous = getattr(self.backend, "abort_rendezvous", None)
+        if waiting and abort_rendezvous is not None:
+            abort_rendezvous(waiting, f"device {self.device}: {reason}")
 
     def close_all(self) -> None:
-        for g in sorted(self.entries):
-            self._release(g, abort=False)
+        with self._lock:
+            for k in sorted(self.entries):
+                self._release(k, abort=False)
 
-    def _release(self, g: Group, *, abort: bool) -> None:
-        e = self.entries.pop(g)
+    def _release(self, k: GroupKey, *, abort: bool) -> None:
+        e = self.entries.pop(k)
         if e.comm is None:
             return
         try:
@@ -206,4 +224,4 @@ class GroupCache:
                 e.comm.close()
                 self.stats["closed"] += 1
         except Exception as err:  # a broken communicator must not stop the cleanup of the others
-            log.warning("device %d: releasing group %s failed: %s", self.device, g, err)
+            log.warning("device %d: releasing group %s failed: %s", self.device, k, err)

@@ -1,54 +1,79 @@
 """DeviceMesh: an n-D grid of device actors, bound to an abstract ``topology.Mesh``.
 
-``DeviceMesh.create(shape)`` starts one Ray actor per device (fresh global device ids; logical
-hosts: axis 0 enumerates hosts unless ``devices_per_host`` says otherwise). The mesh OWNS those
-actors; ``shutdown()`` stops them.
+``DeviceMesh.create(shape)`` starts one Ray actor per device, placed on nodes
+(``reshard.runtime.placement``): axis 0 enumerates hosts (unless ``devices_per_host`` says
+otherwise), each host's devices on one Ray node (``nodes=[...]`` names them). When the devices
+sit on several nodes, their hosts ARE those nodes (job-wide host ids, as ``Cluster.from_ray``
+numbers them); when they all share one node, the mesh keeps its logical hosts (the planner then
+treats them as hosts, e.g. to rehearse a multi-host plan on one machine). The creating mesh OWNS
+its actors; ``shutdown()`` stops them.
 
-``DeviceMesh.from_devices(devices, shape)`` builds a VIEW: another mesh (any shape of the same
-size) over devices that existing meshes own, e.g. a 2x2 and a 1x3 mesh over one pool of 8
-actors, disjoint or overlapping. Devices keep their host unless ``devices_per_host`` is given
-(then the view gets fresh logical hosts). A view owns nothing: its ``shutdown()`` only closes the
-view; shutting the owner down closes every view over its devices (``MeshClosed``).
+``DeviceMesh.from_devices(devices, shape)`` builds a VIEW over devices existing meshes own (any
+shape of the same size, disjoint or overlapping). A view owns nothing: its ``shutdown()`` only
+closes the view; shutting the owner down closes every view over its devices (``MeshClosed``).
 
-``mesh.mesh`` is the abstract mesh, so ``Layout(device_mesh, placements)`` works.
+Handles pickle into Ray tasks and actors of the same job and work there (reshard, distribute,
+read back); a copy never owns the actors: its ``shutdown()`` closes only the copy.
 
-Shared memory (CPU devices, default on): the actors allocate their shards in shared memory, and
-a reshard moves every slice whose sender and receivers run on one machine as a PULL: the
-receiver copies it straight out of the sender's source shard (``reshard.pulls``), whatever
-logical hosts the meshes declare. Only the rest goes through the backend. ``shared_memory=False``
-on ``create`` keeps shards private (everything through the backend, as between machines);
-``reshard(..., shared_memory=False)`` does so for one call.
+Shared memory (CPU devices, default on): the actors allocate their shards in shared memory, and a
+reshard moves every slice whose sender and receivers run on one machine as a pull: the receiver
+copies it straight out of the sender's source shard (``reshard.pulls``), mapped read-only. Only
+the rest goes through the backend. ``shared_memory=False`` keeps shards private (everything
+through the backend, as between machines). Trust model: any process of the same user on the
+machine may read or write those shards through ``/proc``, as it may attach a debugger; the actors
+themselves map their peers' shards read-only.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 
 import ray
 
-from reshard.errors import MeshClosed, ReshardTimeout, WorkerDied
+from reshard.errors import MeshClosed, ReshardTimeout
+from reshard.runtime import placement
 from reshard.runtime.backends import backend_spec, make_backend
-from reshard.runtime.driver import DeviceRecord, gather, runtime
+from reshard.runtime.dispatch import failure_error, gather
+from reshard.runtime.driver import runtime
+from reshard.runtime.messages import DeviceState
+from reshard.runtime.registry import DeviceRecord, Session
 from topology.mesh import Mesh, default_devices_per_host
 
 log = logging.getLogger(__name__)
 
 _ACTOR_CLASS = None
+DEFAULT_NUM_CPUS = 0.01  # what a device actor reserves by default: visible to Ray, not a whole core
+MAX_CONCURRENCY = 32  # calls a device actor serves at once (most wait their turn; see inbox)
 
 
 def _actor_class():
     global _ACTOR_CLASS
     if _ACTOR_CLASS is None:
-        from reshard.runtime.actor import DeviceActor
+        from reshard.runtime.actor import CONTROL, DeviceActor
 
-        _ACTOR_CLASS = ray.remote(DeviceActor)
+        _ACTOR_CLASS = ray.remote(concurrency_groups={CONTROL: 4})(DeviceActor)
     return _ACTOR_CLASS
 
 
 def ensure_ray() -> None:
-    """Start a local Ray if none is running (loopback, no dashboard)."""
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False)
+    """Start an embedded local Ray if none is running, on loopback, without a dashboard. Only
+    ``DeviceMesh.create`` does this; everything else refuses to run without Ray. Loopback: Ray
+    reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when it is imported, so unless the user set it, it
+    is set for the processes Ray starts and Ray's constant for this one (a cluster the user
+    connects to is left as it is)."""
+    if ray.is_initialized():
+        return
+    import os
+
+    if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ:
+        from ray._private import ray_constants
+
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False)
 
 
 def _positive_int(name: str, value) -> int:
@@ -57,17 +82,24 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def _positive_seconds(name: str, value) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    return float(value)
+
+
 class DeviceMesh:
     """A grid of device actors. Build with ``create`` (new actors) or ``from_devices`` (a view)."""
 
-    def __init__(self, mesh: Mesh, backend: str, *, owned: bool, _token=None):
+    def __init__(self, mesh: Mesh, backend: str, records, *, owned: bool, placement_group=None, _token=None):
         if _token is not _PRIVATE:
             raise TypeError("use DeviceMesh.create(shape) or DeviceMesh.from_devices(devices, shape)")
         self.mesh = mesh
         self.backend = backend
         self.owned = owned
+        self._records = list(records)
+        self._placement_group = placement_group
         self._closed: str | None = None
-        self._records = runtime().records(mesh.device_ids)
 
     # ---------------------------------------------------------------- construction
 
@@ -77,8 +109,11 @@ class DeviceMesh:
         shape,
         *,
         devices_per_host: int | None = None,
+        nodes=None,
         backend=None,
         axis_names=None,
+        num_cpus: float = DEFAULT_NUM_CPUS,
+        resources: dict | None = None,
         max_communicators: int = 64,
         max_programs: int = 256,
         op_timeout_s: float = 300.0,
@@ -88,33 +123,30 @@ class DeviceMesh:
         torch_threads: int = 1,
         shared_memory: bool = True,
     ) -> DeviceMesh:
-        """Start one actor per device of a mesh of ``shape``.
+        """Start one actor per device of a mesh of ``shape`` (module docstring).
 
         ``devices_per_host`` (default: product of the axes after the first) must divide the size.
-        ``backend``: "gloo" (CPU), "nccl" (one GPU per device), a registered name or a ``Backend``
-        instance; default "nccl" when Ray reports at least one GPU per device, else "gloo".
-        ``max_communicators`` bounds each device's communicator cache (LRU, driver-enforced);
-        ``max_programs`` its program cache; ``op_timeout_s`` is the gloo context timeout (each op
-        also waits at most the time left to its reshard's deadline); ``staging_keep_bytes`` bounds
-        the staging buffer an idle actor keeps for its next run (a run itself holds exactly its
-        largest staged slice). ``buffer_pool_bytes`` bounds, per device, the idle memory of freed
-        shards (``ShardedTensor.free()``) kept for reuse: a new shard of a byte size freed before
-        reuses that memory instead of page-faulting fresh memory in (least recently freed evicted
-        first; 0 disables the pool). Idle pool bytes are reported apart from live buffers
-        (``pool_bytes`` in the actors' ``stats()``). ``shared_memory`` (CPU devices only; see the
-        module docstring): shards live in shared memory and actors of one machine pull slices from
-        each other instead of messaging; False sends everything through the backend.
+        ``nodes``: one Ray node per host (node id or IP). ``num_cpus``/``resources``: what each
+        device actor reserves. ``backend``: "gloo" (CPU), "nccl" (one GPU per device), a registered
+        name or a ``Backend`` instance; default "nccl" when Ray reports a GPU per device, else "gloo".
+        ``max_communicators`` bounds each device's communicators per controlling process (LRU,
+        controller-enforced); ``max_programs`` its program cache; ``op_timeout_s`` bounds connection
+        setup outside a reshard; ``staging_keep_bytes`` bounds the staging an idle device keeps;
+        ``buffer_pool_bytes`` bounds, per device, the idle memory of dropped shards kept for reuse
+        (0 disables the pool); ``shared_memory`` (CPU devices only): see the module docstring.
         """
         probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)  # validates
         _positive_int("max_communicators", max_communicators)
         _positive_int("max_programs", max_programs)
+        _positive_seconds("op_timeout_s", op_timeout_s)
+        _positive_seconds("startup_timeout_s", startup_timeout_s)
         if int(buffer_pool_bytes) < 0:
             raise ValueError(f"buffer_pool_bytes must be >= 0 (0 disables the pool), got {buffer_pool_bytes}")
-        if not op_timeout_s > 0 or not startup_timeout_s > 0:
-            raise ValueError("op_timeout_s and startup_timeout_s must be positive seconds")
+        if not isinstance(num_cpus, int | float) or num_cpus < 0:
+            raise ValueError(f"num_cpus must be a number >= 0 (CPUs each device actor reserves), got {num_cpus!r}")
         ensure_ray()
         rt = runtime()
-        rt.check_session()
+        session = Session.current()
         size = probe.size
         if backend is None:
             gpus = ray.cluster_resources().get("GPU", 0)
@@ -122,12 +154,9 @@ class DeviceMesh:
             if 0 < gpus < size:
                 log.warning("Ray reports %s GPU(s) for a mesh of %d devices: using gloo on CPUs", gpus, size)
         if isinstance(backend, str) and backend in rt.backends:
-            name, instance = backend, rt.backends[backend]  # one driver-side instance per backend name
+            name, instance = backend, rt.backends[backend]  # one instance per backend name and process
         else:
             name, instance = make_backend(backend)
-        setup = getattr(instance, "setup_driver", None)  # optional backend hook
-        if setup is not None:
-            setup()
         spec = backend_spec(name)
         need = size * spec.gpus_per_device
         have = ray.cluster_resources().get("GPU", 0)
@@ -137,11 +166,13 @@ class DeviceMesh:
                 f"but the Ray cluster has {have:g}; use backend='gloo' for CPU devices or a smaller mesh"
             )
         dph = default_devices_per_host(probe.shape) if devices_per_host is None else devices_per_host
-        ids = rt.new_device_ids(size)
-        host_base = rt.new_host_ids(size // dph)
-        hosts = [host_base[i // dph] for i in range(size)]
+        n_hosts = size // dph
+        deadline = time.monotonic() + startup_timeout_s
+        where = placement.place(
+            n_hosts, dph, nodes, placement.demand(num_cpus, spec.gpus_per_device, resources), startup_timeout_s
+        )
+        ids = rt.registry.new_device_ids(size)
         options = {
-            "max_communicators": max_communicators,
             "op_timeout_s": float(op_timeout_s),
             "staging_keep_bytes": int(staging_keep_bytes),
             "buffer_pool_bytes": int(buffer_pool_bytes),
@@ -151,36 +182,53 @@ class DeviceMesh:
         }
         actor_cls = _actor_class()
         actors = [
-            actor_cls.options(
-                num_cpus=0, num_gpus=spec.gpus_per_device, max_restarts=0, max_task_retries=0, max_concurrency=1
-            ).remote(d, instance, options)
-            for d in ids
+            actor_cls.options(**opts, max_restarts=0, max_task_retries=0, max_concurrency=MAX_CONCURRENCY).remote(
+                d, instance, options
+            )
+            for d, opts in zip(ids, where.options, strict=True)
         ]
-        infos, errors, pending = gather(
-            {d: a.ready.remote() for d, a in zip(ids, actors, strict=True)}, startup_timeout_s
-        )
-        if errors or pending:
+        outcome = gather({d: a.ready.remote() for d, a in zip(ids, actors, strict=True)}, deadline, settle_s=None)
+        if not outcome.ok:
             for a in actors:
                 ray.kill(a, no_restart=True)
-            if pending:
+            placement.remove(where.placement_group)
+            if outcome.pending and not outcome.failures:
                 raise ReshardTimeout(
-                    f"DeviceMesh.create({probe.shape}): devices {pending} did not start within "
-                    f"startup_timeout_s={startup_timeout_s:g}s (not enough CPUs/GPUs for backend {name!r}?)"
+                    f"DeviceMesh.create({probe.shape}): devices {outcome.pending} did not start within "
+                    f"startup_timeout_s={startup_timeout_s:g}s; Ray has {ray.available_resources()} available "
+                    f"and each device asks for {placement.demand(num_cpus, spec.gpus_per_device, resources)}"
                 )
-            d, (_, err) = next(iter(errors.items()))
-            raise WorkerDied(f"DeviceMesh.create({probe.shape}): device {d} failed to start: {err}")
-        nodes = [infos[d]["node_id"] for d in ids]
-        if len(set(nodes)) > 1:  # a real multi-node cluster: hosts are the Ray nodes
-            hosts = [rt.host_of_node(n) for n in nodes]
+            raise failure_error(outcome, f"DeviceMesh.create({probe.shape})", startup_timeout_s)
+        infos = outcome.results
+        node_of = [infos[d]["node_id"] for d in ids]
+        if len(set(node_of)) > 1:  # hosts are the Ray nodes
+            hosts = [rt.registry.host_of_node(n) for n in node_of]
+        else:
+            base = rt.registry.new_logical_hosts(n_hosts)
+            hosts = [base[i // dph] for i in range(size)]
         mesh = Mesh(probe.shape, ids, hosts, axis_names=axis_names)
         owner = f"DeviceMesh{probe.shape} devices {ids[0]}..{ids[-1]}"
         records = [
-            DeviceRecord(d, a, h, name, n, max_communicators, max_programs, owner, infos[d]["shared_memory"])
-            for d, a, h, n in zip(ids, actors, hosts, nodes, strict=True)
+            DeviceRecord(
+                d,
+                a,
+                h,
+                name,
+                infos[d]["node_id"],
+                infos[d]["node_ip"],
+                owner,
+                session,
+                infos[d]["shared_memory"],
+                max_communicators,
+                max_programs,
+            )  # fmt: skip
+            for d, a, h in zip(ids, actors, hosts, strict=True)
         ]
-        rt.add_devices(records, instance)
-        dmesh = cls(mesh, name, owned=True, _token=_PRIVATE)
-        rt.register_mesh(dmesh)
+        with rt.lock:
+            rt.backends.setdefault(name, instance)
+            records = rt.registry.add(records)
+        dmesh = cls(mesh, name, records, owned=True, placement_group=where.placement_group, _token=_PRIVATE)
+        rt.registry.register_mesh(dmesh)
         return dmesh
 
     @classmethod
@@ -188,7 +236,7 @@ class DeviceMesh:
         """A view of ``shape`` over existing devices (global ids, row-major; or a DeviceMesh).
 
         Hosts: each device's own host, unless ``devices_per_host`` is given (fresh logical hosts,
-        ``devices_per_host`` consecutive devices each)."""
+        ``devices_per_host`` consecutive devices each; only for devices on one node)."""
         if isinstance(devices, DeviceMesh):
             devices = devices.device_ids
         try:
@@ -206,20 +254,30 @@ class DeviceMesh:
                 f"DeviceMesh.from_devices: devices {list(devices)} repeat a device; a mesh holds each once"
             )
         rt = runtime()
-        rt.check_devices(devices, "DeviceMesh.from_devices")
-        records = rt.records(devices)
+        records = rt.registry.check(devices, "DeviceMesh.from_devices")
         backends = {r.backend for r in records}
         if len(backends) > 1:
             raise ValueError(f"DeviceMesh.from_devices: devices use different backends {sorted(backends)}; use one")
         if devices_per_host is None:
             hosts = [r.host for r in records]
         else:
-            base = rt.new_host_ids(len(devices) // devices_per_host)
+            if len({r.node_id for r in records}) > 1:
+                raise ValueError(
+                    "DeviceMesh.from_devices: devices_per_host declares logical hosts, but these devices sit on "
+                    "several Ray nodes, whose hosts are the nodes; leave devices_per_host out"
+                )
+            base = rt.registry.new_logical_hosts(len(devices) // devices_per_host)
             hosts = [base[i // devices_per_host] for i in range(len(devices))]
         mesh = Mesh(probe.shape, devices, hosts, axis_names=axis_names)
-        dmesh = cls(mesh, backends.pop(), owned=False, _token=_PRIVATE)
-        rt.register_mesh(dmesh)
+        dmesh = cls(mesh, backends.pop(), records, owned=False, _token=_PRIVATE)
+        rt.registry.register_mesh(dmesh)
         return dmesh
+
+    # ---------------------------------------------------------------- pickling
+
+    def __reduce__(self):
+        backend = runtime().backends.get(self.backend)
+        return _rebuild, (self.mesh, self.backend, backend, [r.describe() for r in self._records], self._closed)
 
     # ---------------------------------------------------------------- properties
 
@@ -244,9 +302,22 @@ class DeviceMesh:
         return self.mesh.host_ids
 
     @property
+    def axis_names(self):
+        return self.mesh.axis_names
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """The Ray node of each device, by flat index."""
+        return tuple(r.node_id for r in self._records)
+
+    @property
     def shared_memory(self) -> bool:
         """Whether every device keeps its shards in shared memory (peers on its machine pull)."""
         return all(r.shared_memory for r in self._records)
+
+    @property
+    def records(self) -> tuple[DeviceRecord, ...]:
+        return tuple(self._records)
 
     @property
     def actors(self) -> tuple:
@@ -267,45 +338,34 @@ class DeviceMesh:
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         kind = "" if self.owned else " view"
-        devices, hosts = list(self.device_ids), list(self.host_ids)
+        names = f", axes={list(self.axis_names)}" if self.axis_names else ""
         memory = ", shared memory" if self.shared_memory else ""
-        return f"DeviceMesh{self.shape}{kind}(devices={devices}, hosts={hosts}, {self.backend}{memory}{state})"
+        return (
+            f"DeviceMesh{self.shape}{kind}(devices={list(self.device_ids)}, hosts={list(self.host_ids)}{names}, "
+            f"{self.backend}{memory}{state})"
+        )
 
     def check_open(self) -> None:
-        """Raise MeshClosed (shut down) or WorkerDied (a device died) unless usable."""
+        """Raise MeshClosed (shut down, or Ray gone) or WorkerDied (a device died) unless usable."""
         if self._closed:
             raise MeshClosed(f"{self!r} was shut down ({self._closed}); create a new mesh with DeviceMesh.create(...)")
-        runtime().check_devices(self.device_ids, repr(self))
+        runtime().registry.check(self.device_ids, repr(self))
 
     # ---------------------------------------------------------------- remote calls
 
     def call(self, fn, *args, devices=None, timeout_s: float = 60.0, **kwargs) -> list:
         """Run ``fn(ctx, *args, **kwargs)`` on the devices at flat indices ``devices`` (default
-        all) and return the results in that order. ``ctx`` is the actor's ``DeviceContext``."""
+        all), in order with this process's other calls to them, and return the results in that
+        order. ``ctx`` is the actor's ``DeviceContext``; ``fn``'s own exception is raised as is."""
         self.check_open()
+        timeout_s = _positive_seconds("timeout_s", timeout_s)
         idx = range(self.size) if devices is None else list(devices)
-        refs = {i: self._records[i].actor.call.remote(fn, *args, **kwargs) for i in idx}
-        results, errors, pending = gather(refs, timeout_s)
-        rt = runtime()
-        for i, (kind, err) in errors.items():
-            if kind == "died":
-                rt.mark_dead(self.device_ids[i], f"actor died in call(): {err}")
-        if errors:
-            i, (kind, err) = min(errors.items())
-            if kind == "died":
-                raise WorkerDied(
-                    f"{self!r}: device {self.device_ids[i]} died while running {getattr(fn, '__name__', fn)}"
-                )
-            raise err
-        if pending:
-            raise ReshardTimeout(
-                f"{self!r}: call to {getattr(fn, '__name__', fn)} on flat indices {pending} "
-                f"timed out after {timeout_s:g}s"
-            )
-        return [results[i] for i in idx]
+        ids = [self.device_ids[i] for i in idx]
+        out = runtime().call({d: (fn, args, kwargs) for d in ids}, timeout_s, f"{self!r}.call({_name(fn)})")
+        return [out[d] for d in ids]
 
     def configure(self, *, max_communicators: int | None = None, max_programs: int | None = None) -> None:
-        """Change the per-device bounds of this mesh's devices (the driver enforces both; they
+        """Change the per-device bounds of this mesh's devices (the controller enforces both; they
         take effect at the next reshard that touches the devices)."""
         self.check_open()
         for rec in self._records:
@@ -315,28 +375,29 @@ class DeviceMesh:
                 rec.max_programs = _positive_int("max_programs", max_programs)
 
     def stats(self, timeout_s: float = 30.0) -> list[dict]:
-        """Each device's state: buffers and bytes, cached programs, live groups, counters."""
+        """Each device's state: shards and bytes, holders, cached programs, live groups, counters."""
         self.check_open()
-        refs = {i: r.actor.stats.remote() for i, r in enumerate(self._records)}
-        results, errors, pending = gather(refs, timeout_s)
-        if errors or pending:
-            raise ReshardTimeout(f"{self!r}: stats failed: {errors or pending}")
-        return [results[i] for i in range(self.size)]
+        deadline = time.monotonic() + _positive_seconds("timeout_s", timeout_s)
+        refs = {r.id: r.actor.stats.remote() for r in self._records}
+        outcome = runtime().wait(refs, deadline, "stats")
+        if not outcome.ok:
+            raise failure_error(outcome, f"{self!r}.stats()", timeout_s)
+        return [outcome.results[d] for d in self.device_ids]
 
     # ---------------------------------------------------------------- lifetime
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Close the mesh. An owning mesh also stops its actors (after closing their
-        communicators); views over them become unusable. Idempotent."""
+        communicators); views and copies over them become unusable. Idempotent."""
         if self._closed:
             return
         reason = f"{self!r} was shut down"
         self._closed = reason
         rt = runtime()
-        rt.unregister_mesh(self, reason)
+        rt.registry.unregister_mesh(self, reason)
         if not self.owned:
             return
-        live = [r for r in self._records if r.state == "alive"]
+        live = [r for r in self._records if r.state is DeviceState.ALIVE]
         rt.close_devices(self.device_ids, reason)
         if ray.is_initialized():
             refs = [r.actor.close.remote() for r in live]
@@ -347,12 +408,31 @@ class DeviceMesh:
                     ray.kill(r.actor, no_restart=True)
                 except Exception:  # already gone
                     pass
+            placement.remove(self._placement_group)
 
     def __enter__(self) -> DeviceMesh:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _rebuild(mesh: Mesh, backend_name: str, backend, described, closed) -> DeviceMesh:
+    """A pickled mesh in another process (or a deep copy): a non-owning handle over the same actors."""
+    rt = runtime()
+    with rt.lock:
+        if backend is not None:
+            rt.backends.setdefault(backend_name, backend)
+        records = rt.registry.add([DeviceRecord(**d) for d in described])
+    dmesh = DeviceMesh(mesh, backend_name, records, owned=False, _token=_PRIVATE)
+    dmesh._closed = closed
+    if closed is None:
+        rt.registry.register_mesh(dmesh)
+    return dmesh
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", repr(fn))
 
 
 _PRIVATE = object()

@@ -3,14 +3,19 @@
 An actor of a mesh created with ``shared_memory=True`` allocates its shards in ``memfd`` files
 (anonymous shared memory that dies with the process: a killed actor leaks nothing).
 ``SharedShards.descriptor(t)`` names a shard to other processes as ``(pid, fd, inode, shape)``;
-a peer on the same machine maps it through ``/proc/<pid>/fd/<fd>`` (``PeerShards``; the inode
-guards against a reused descriptor number) and copies slices straight out of it: the PULL ops of
-``reshard.pulls``.
+a peer on the same machine maps it READ-ONLY through ``/proc/<pid>/fd/<fd>`` (``PeerShards``; the
+inode guards against a reused descriptor number) and copies slices straight out of it: the pulls
+of ``reshard.pulls``. A bug in one actor cannot write another's shard through its mapping; any
+process of the same user may still open ``/proc/<pid>/fd`` itself, as it may attach a debugger
+(the trust model of shared memory on one machine).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import threading
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -75,18 +80,20 @@ class PeerShards:
         self.device = device
         self.limit = limit
         self.maps: OrderedDict[tuple[int, int], tuple[int, torch.Tensor]] = OrderedDict()  # (pid, inode) -> fd, flat
+        self._lock = threading.Lock()
 
     def get(self, holder: int, desc, dtype: torch.dtype) -> torch.Tensor:
-        """Device ``holder``'s shard named by ``desc``, viewed as ``dtype`` of its shape."""
+        """Device ``holder``'s shard named by ``desc``, viewed (read-only) as ``dtype`` of its shape."""
         pid, fd, inode, shape = desc
         key = (pid, inode)
-        hit = self.maps.get(key)
-        if hit is None:
-            hit = self.maps[key] = (fd, self._map(holder, pid, fd, inode))
-            while len(self.maps) > self.limit:
-                self.maps.popitem(last=False)
-        else:
-            self.maps.move_to_end(key)
+        with self._lock:
+            hit = self.maps.get(key)
+            if hit is None:
+                hit = self.maps[key] = (fd, self._map(holder, pid, fd, inode))
+                while len(self.maps) > self.limit:
+                    self.maps.popitem(last=False)
+            else:
+                self.maps.move_to_end(key)
         numel = 1
         for n in shape:
             numel *= n
@@ -94,21 +101,26 @@ class PeerShards:
 
     def purge(self) -> None:
         """Drop the mappings whose owner has let go of the shard (its descriptor is closed)."""
-        for (pid, inode), (fd, _) in list(self.maps.items()):
-            try:
-                live = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == inode
-            except OSError:
-                live = False
-            if not live:
-                del self.maps[(pid, inode)]
+        with self._lock:
+            for (pid, inode), (fd, _) in list(self.maps.items()):
+                try:
+                    live = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == inode
+                except OSError:
+                    live = False
+                if not live:
+                    del self.maps[(pid, inode)]
 
     def _map(self, holder: int, pid: int, fd: int, inode: int) -> torch.Tensor:
         path = f"/proc/{pid}/fd/{fd}"
         try:
-            st = os.stat(path)
-            if st.st_ino != inode:
-                raise FileNotFoundError(f"{path} is another file now")
-            storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=st.st_size)
+            peer = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                st = os.fstat(peer)
+                if st.st_ino != inode:
+                    raise FileNotFoundError(f"{path} is another file now")
+                view = mmap.mmap(peer, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(peer)
         except PermissionError as e:
             raise ReshardError(
                 f"device {self.device} may not map device {holder}'s source shard (process {pid}): {e}. The actors "
@@ -119,7 +131,10 @@ class PeerShards:
                 f"device {self.device}: device {holder}'s source shard is gone (the tensor was freed, or the actor "
                 f"of device {holder} died): {type(e).__name__}: {e}"
             ) from e
-        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (st.st_size,))
+        with warnings.catch_warnings():  # torch warns that the buffer is not writable: it must not be
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(view, dtype=torch.uint8)
 
     def clear(self) -> None:
-        self.maps.clear()
+        with self._lock:
+            self.maps.clear()

@@ -1,49 +1,82 @@
 """ShardedTensor, distribute and reshard: the user-facing half of the runtime.
 
-``distribute`` puts the whole array into the object store ONCE (``ray.put``); every actor reads
-it zero-copy and keeps a copy of its own region. bfloat16 travels as its int16 bit pattern.
-``reshard`` plans (cached), lowers and validates (cached per plan), then runs one call per
-participating actor; the driver never touches tensor bytes. A ShardedTensor's shards live on its
-mesh's actors under one buffer name until ``free()`` (or garbage collection of the handle).
+``distribute`` puts the whole array into the object store ONCE (``ray.put``); every actor reads it
+zero-copy and keeps a copy of its own region. bfloat16 travels as its int16 bit pattern.
+``reshard`` compiles the move (``reshard.compile``: plan, lower, pulls, sequencing, validation;
+cached) and runs it: one ordered call per participating actor; the controller never touches tensor
+bytes.
 
-bfloat16 and numpy: numpy has no bfloat16, so ``to_numpy()`` / ``local_shards()`` of a bfloat16
-tensor raise TypeError; use ``to_torch()`` / ``local_shards(as_torch=True)``.
+Ownership: a shard lives while some handle holds it (``reshard.runtime.shards``). The handle
+``distribute``/``reshard`` return holds it, and so does every copy of it (pickled into a Ray task
+or actor of the job, ``copy.deepcopy``); each lets go when garbage-collected. ``free()`` drops the
+shards at once for every handle.
+
+Timeouts: ``timeout_s`` is a positive finite number of seconds, or None for no limit; every wait
+ends by then. bfloat16 and numpy: numpy has no bfloat16, so ``to_numpy()`` / ``local_shards()``
+of a bfloat16 tensor raise TypeError; use ``to_torch()`` / ``local_shards(as_torch=True)``.
 """
 
 from __future__ import annotations
 
+import math
+import time
+import uuid
+
 import numpy as np
 import ray
 
-from reshard.dtypes import dtype_name
-from reshard.errors import ReshardTimeout, WorkerDied
+from reshard.compile import CompiledReshard, CompileOptions, compile_reshard, planning_hosts
+from reshard.dtypes import dtype_name, itemsize
 from reshard.layout import Layout
-from reshard.planner import plan_reshard
 from reshard.regions import box_volume, layout_regions
-from reshard.runtime.driver import gather, runtime
+from reshard.runtime.backends import backend_spec
+from reshard.runtime.dispatch import failure_error
+from reshard.runtime.driver import INTACT, runtime
 from reshard.runtime.mesh import DeviceMesh
+from topology.mesh import device_hosts
 
 DEFAULT_TIMEOUT_S = 60.0
+
+
+def check_timeout(timeout_s) -> float | None:
+    """``timeout_s`` validated: a positive finite number, or None (no limit)."""
+    if timeout_s is None:
+        return None
+    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s must be a positive finite number of seconds or None (no limit), got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def deadline_of(timeout_s: float | None) -> float:
+    return math.inf if timeout_s is None else time.monotonic() + timeout_s
 
 
 class ShardedTensor:
     """A tensor laid out over a DeviceMesh; its bytes live on the device actors.
 
     ``shape`` (tuple), ``dtype`` (canonical name, e.g. "float32"), ``layout``, ``mesh`` (the
-    DeviceMesh), ``name`` (the actors' buffer name)."""
+    DeviceMesh), ``name`` (the actors' shard name)."""
 
-    def __init__(self, mesh: DeviceMesh, layout: Layout, shape: tuple[int, ...], dtype: str, name: str, shared=None):
+    def __init__(self, mesh: DeviceMesh, layout: Layout, shape, dtype: str, name: str, shared=None, holder=None):
         self.mesh = mesh
         self.layout = layout
         self.shape = tuple(shape)
         self.dtype = dtype
         self.name = name
         self._shared = dict(shared or {})  # device -> shared-memory descriptor of its shard
+        self._holder = name if holder is None else holder
         self._freed = False
 
     def __repr__(self) -> str:
         state = ", freed" if self._freed else ""
-        return f"ShardedTensor({self.dtype}{list(self.shape)}, {self.layout}, buffer={self.name!r}{state})"
+        return f"ShardedTensor({self.dtype}{list(self.shape)}, {self.layout}, shard={self.name!r}{state})"
+
+    def __reduce__(self):
+        """A copy holds the shards under a token until it is unpickled (module docstring)."""
+        self._check("pickling")
+        token = f"{self.name}/pickled/{uuid.uuid4().hex[:12]}"
+        runtime().hold_later(True, self.mesh.device_ids, self.name, token)
+        return _rebuild, (self.mesh, self.layout, self.shape, self.dtype, self.name, self._shared, token)
 
     @property
     def ndim(self) -> int:
@@ -51,8 +84,6 @@ class ShardedTensor:
 
     @property
     def size_bytes(self) -> int:
-        from reshard.dtypes import itemsize
-
         return box_volume(tuple((0, n) for n in self.shape)) * itemsize(self.dtype)
 
     @property
@@ -66,24 +97,19 @@ class ShardedTensor:
 
     # ---------------------------------------------------------------- reading back
 
-    def _fetch(self, indices, timeout_s: float) -> dict[int, np.ndarray]:
-        refs = {i: self.mesh.actor(i).fetch.remote(self.name) for i in indices}
-        results, errors, pending = gather(refs, timeout_s)
+    def _fetch(self, indices, timeout_s: float | None) -> dict[int, np.ndarray]:
         rt = runtime()
-        for i, (kind, err) in errors.items():
-            if kind == "died":
-                rt.mark_dead(self.mesh.device_ids[i], f"actor died: {err}")
-        if errors:
-            i, (kind, err) = min(errors.items())
-            cls = WorkerDied if kind == "died" else type(err) if isinstance(err, Exception) else RuntimeError
-            raise cls(f"reading {self!r} from device {self.mesh.device_ids[i]}: {err}")
-        if pending:
-            raise ReshardTimeout(
-                f"reading {self!r}: devices at flat indices {pending} did not answer within {timeout_s:g}s"
-            )
-        return results
+        ids = {i: self.mesh.device_ids[i] for i in indices}
+        refs = {ids[i]: self.mesh.actor(i).fetch.remote(self.name) for i in indices}
+        outcome = rt.wait(refs, deadline_of(timeout_s), "reading a tensor back")
+        if not outcome.ok:
+            gone = [d for d, f in outcome.failures.items() if isinstance(f.error, KeyError)]
+            if gone and not outcome.died:
+                raise ValueError(f"reading {self!r}: its shards are gone on devices {gone} (freed by another handle?)")
+            raise failure_error(outcome, f"reading {self!r}", timeout_s)
+        return {i: outcome.results[ids[i]] for i in indices}
 
-    def _assemble(self, timeout_s: float) -> np.ndarray:
+    def _assemble(self, timeout_s: float | None) -> np.ndarray:
         self._check("to_numpy")
         regions = layout_regions(self.layout, self.shape)
         first: dict = {}
@@ -92,30 +118,30 @@ class ShardedTensor:
                 first[box] = i
         wire = np.int16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
         out = np.empty(self.shape, dtype=wire)
-        shards = self._fetch(sorted(first.values()), timeout_s)
+        shards = self._fetch(sorted(first.values()), check_timeout(timeout_s))
         for box, i in first.items():
             out[tuple(slice(lo, hi) for lo, hi in box)] = shards[i]
         return out
 
-    def to_numpy(self, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> np.ndarray:
-        """The full tensor, assembled on the driver (one holder per distinct region)."""
+    def to_numpy(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> np.ndarray:
+        """The full tensor, assembled here (one holder per distinct region)."""
         if self.dtype == "bfloat16":
             raise TypeError(f"{self!r}: numpy has no bfloat16; use .to_torch() (or .to_torch().float().numpy())")
         return self._assemble(timeout_s)
 
-    def to_torch(self, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def to_torch(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
         """The full tensor as a CPU torch tensor (any dtype, bfloat16 included)."""
         import torch
 
         out = torch.from_numpy(self._assemble(timeout_s))
         return out.view(torch.bfloat16) if self.dtype == "bfloat16" else out
 
-    def local_shards(self, *, as_torch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+    def local_shards(self, *, as_torch: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict:
         """``{flat device index in mesh: shard}`` as numpy arrays (torch tensors with ``as_torch``)."""
         if self.dtype == "bfloat16" and not as_torch:
             raise TypeError(f"{self!r}: numpy has no bfloat16; use .local_shards(as_torch=True)")
         self._check("local_shards")
-        shards = self._fetch(range(self.mesh.size), timeout_s)
+        shards = self._fetch(range(self.mesh.size), check_timeout(timeout_s))
         if not as_torch:
             return {i: shards[i] for i in range(self.mesh.size)}
         import torch
@@ -129,7 +155,7 @@ class ShardedTensor:
     # ---------------------------------------------------------------- lifetime
 
     def free(self) -> None:
-        """Drop the shards on every device (idempotent)."""
+        """Drop the shards on every device, for every handle (idempotent)."""
         if self._freed:
             return
         self._freed = True
@@ -139,9 +165,18 @@ class ShardedTensor:
     def __del__(self):
         try:
             if not self._freed and ray.is_initialized():
-                self.free()
-        except Exception:  # interpreter shutdown, Ray gone: nothing to free
+                self._freed = True
+                runtime().hold_later(False, self.mesh.device_ids, self.name, self._holder)
+        except Exception:  # interpreter shutdown, Ray gone: nothing to release
             pass
+
+
+def _rebuild(mesh, layout, shape, dtype, name, shared, token) -> ShardedTensor:
+    holder = f"{name}/copy/{uuid.uuid4().hex[:12]}"
+    rt = runtime()
+    rt.acquire(mesh.device_ids, name, holder)
+    rt.release(mesh.device_ids, name, token)
+    return ShardedTensor(mesh, layout, shape, dtype, name, shared, holder)
 
 
 def _as_numpy(array) -> tuple[np.ndarray, str]:
@@ -152,6 +187,10 @@ def _as_numpy(array) -> tuple[np.ndarray, str]:
         torch = None
     if torch is not None and isinstance(array, torch.Tensor):
         name = dtype_name(array.dtype)
+        if array.layout != torch.strided:
+            raise TypeError(f"distribute needs a dense tensor, got a {array.layout} one; call .to_dense() first")
+        if array.device.type == "meta":
+            raise TypeError("distribute needs a tensor with data, got one on the meta device")
         t = array.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -168,97 +207,127 @@ def _as_numpy(array) -> tuple[np.ndarray, str]:
     return arr, name
 
 
-def distribute(array, layout: Layout, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> ShardedTensor:
+def distribute(array, layout: Layout, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> ShardedTensor:
     """Lay ``array`` (numpy array or CPU torch tensor) out over ``layout`` on its DeviceMesh."""
     if not isinstance(layout, Layout):
         raise TypeError(f"distribute needs a reshard.Layout, got {type(layout).__name__}")
+    timeout_s = check_timeout(timeout_s)
     arr, dtype = _as_numpy(array)
     shape = tuple(arr.shape)
     layout.check_shape(shape)
     rt = runtime()
-    dmesh = rt.resolve_mesh(layout.mesh, f"distribute onto {layout}")
+    dmesh = rt.registry.resolve_mesh(layout.mesh, f"distribute onto {layout}")
     regions = layout_regions(layout, shape)
-    name = rt.new_buffer_name()
+    name = rt.new_name()
+    deadline = deadline_of(timeout_s)
+    wall = time.time() + (deadline - time.monotonic())
     ref = ray.put(arr)
-    refs = {i: dmesh.actor(i).load.remote(name, ref, box, dtype) for i, box in enumerate(regions)}
-    results, errors, pending = gather(refs, timeout_s)
-    if errors or pending:
-        rt.free(dmesh.device_ids, name)
-        for i, (kind, err) in errors.items():
-            if kind == "died":
-                rt.mark_dead(dmesh.device_ids[i], f"actor died: {err}")
-        if any(kind == "died" for kind, _ in errors.values()):
-            raise WorkerDied(f"distribute onto {layout}: device actor(s) died: {errors}")
-        if pending:
-            raise ReshardTimeout(
-                f"distribute onto {layout}: devices at flat indices {pending} did not finish in {timeout_s:g}s"
+    refs = {}
+    with rt.lock:
+        for rec, box in zip(dmesh.records, regions, strict=True):
+            refs[rec.id] = rt.submit(
+                rec, lambda t, rec=rec, box=box: rec.actor.load.remote(t, name, name, ref, box, dtype, wall)
             )
-        raise next(iter(errors.values()))[1]
-    shared = {dmesh.device_ids[i]: desc for i, desc in results.items() if desc is not None}
+    try:
+        outcome = rt.wait(refs, deadline, f"distribute onto {layout}")
+    except BaseException:
+        rt.abandon(refs, name, (), None, _pending(refs))
+        raise
+    if not outcome.ok:
+        rt.abandon(refs, name, (), None, outcome)
+        raise failure_error(outcome, f"distribute onto {layout}", timeout_s, tail="Nothing was kept.")
+    shared = {d: desc for d, desc in outcome.results.items() if desc is not None}
     return ShardedTensor(dmesh, layout, shape, dtype, name, shared)
+
+
+def _pending(refs):
+    from reshard.runtime.dispatch import Outcome
+
+    return Outcome(pending=sorted(refs))
+
+
+def compile_options(backend: str) -> CompileOptions:
+    """How programs are sequenced for a backend's devices (GPUs copy on their streams)."""
+    return CompileOptions(overlap_copy_bytes=None) if backend_spec(backend).device_type != "cpu" else CompileOptions()
 
 
 def lowered_reshard(
     tensor: ShardedTensor, dst_layout: Layout, *, strategy: str = "auto", cluster=None, shared_memory: bool = True
-):
-    """What ``reshard(tensor, tensor.mesh, dst_layout, ...)`` runs: the ``Lowered`` program (plan,
-    per-device programs with their PULL ops, groups), planned and cached as ``reshard`` does.
+) -> CompiledReshard:
+    """What ``reshard(tensor, tensor.mesh, dst_layout, ...)`` runs: its ``CompiledReshard`` (plan,
+    validated per-device programs with their pulls, groups, encoded blobs), compiled and cached as
+    ``reshard`` does.
 
     Plans are made for ``cluster`` (a ``topology.Cluster``); by default for the meshes' hosts with
     the live Ray cluster's figures and the meshes' backend (``Runtime.planning_cluster``), where
     the devices of one machine count as one host when they share memory (their transfers become
     pulls, ``reshard.pulls``). ``shared_memory=False``: no pulls, everything through the backend."""
-    return _prepare(tensor, dst_layout, strategy, cluster, shared_memory)[1]
+    return _compile(tensor, dst_layout, strategy, cluster, shared_memory)[1]
 
 
-def _prepare(tensor: ShardedTensor, dst_layout: Layout, strategy: str, cluster, shared_memory: bool):
-    """(destination DeviceMesh, Lowered program) of a reshard."""
+def _compile(tensor: ShardedTensor, dst_layout: Layout, strategy: str, cluster, shared_memory: bool):
     rt = runtime()
-    dmesh = rt.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
+    dmesh = rt.registry.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
     if dmesh.backend != tensor.mesh.backend:
         raise ValueError(
             f"reshard from a {tensor.mesh.backend} mesh to a {dmesh.backend} mesh: both meshes must use one backend"
         )
-    domain_of = rt.memory_domains(tensor.mesh, dmesh, tensor._shared) if shared_memory else {}
-    src_l, dst_l = tensor.layout, dst_layout
+    domains = memory_domains(tensor, dmesh) if shared_memory else {}
     if cluster is None:
-        src_l, dst_l = rt.planning_layouts(src_l, dst_l, domain_of)
-        cluster = rt.planning_cluster(dmesh.backend, src_l.mesh, dst_l.mesh)
-    plan = plan_reshard(tensor.shape, tensor.dtype, src_l, dst_l, strategy=strategy, cluster=cluster)
-    return dmesh, rt.lower(plan, cluster, domain_of)
+        hosts = planning_hosts(tensor.layout, dst_layout, domains) or device_hosts(tensor.layout.mesh, dst_layout.mesh)
+        cluster = rt.planning_cluster(dmesh.backend, hosts)
+    compiled = compile_reshard(
+        tensor.shape, tensor.dtype, tensor.layout, dst_layout, strategy=strategy, cluster=cluster, domains=domains,
+        options=compile_options(dmesh.backend),
+    )  # fmt: skip
+    return dmesh, compiled
+
+
+def memory_domains(tensor: ShardedTensor, dst_mesh: DeviceMesh) -> dict:
+    """``{device: Ray node}`` of the devices that may take part in pulls: devices that keep their
+    shards in shared memory, and of the source devices only those whose shard is in it."""
+    out = {}
+    src_devices = set(tensor.mesh.device_ids)
+    for rec in (*tensor.mesh.records, *dst_mesh.records):
+        if rec.shared_memory and (rec.id in tensor._shared or rec.id not in src_devices):
+            out[rec.id] = rec.node_id
+    return out
 
 
 def reshard(
     tensor: ShardedTensor, src_mesh: DeviceMesh, dst_layout: Layout, *, strategy: str = "auto",
-    timeout_s: float = DEFAULT_TIMEOUT_S, cluster=None, shared_memory: bool = True,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S, cluster=None, shared_memory: bool = True,
 ) -> ShardedTensor:  # fmt: skip
     """Move ``tensor`` (on ``src_mesh``, its own mesh) to ``dst_layout`` (on a DeviceMesh).
 
     Planning: see ``lowered_reshard`` (``cluster`` overrides the cost model "auto" plans for).
-    Slices between actors of one machine are pulled through shared memory (see
-    ``DeviceMesh``); ``shared_memory=False`` sends everything through the backend instead.
+    Slices between actors of one machine are pulled through shared memory (see ``DeviceMesh``);
+    ``shared_memory=False`` sends everything through the backend instead.
 
     Returns a new ShardedTensor; the source stays intact. Raises ValueError/TypeError for misuse,
-    ``WorkerDied`` / ``ReshardTimeout`` / ``ReshardError`` if the run fails (within about
-    ``timeout_s``), ``MeshClosed`` for a shut-down mesh."""
+    ``WorkerDied`` / ``ReshardTimeout`` / ``ReshardError`` if the run fails (within ``timeout_s``
+    plus a bounded cleanup), ``MeshClosed`` for a shut-down mesh or a Ray session that is gone."""
     if not isinstance(tensor, ShardedTensor):
         raise TypeError(f"reshard needs a ShardedTensor (from distribute or reshard), got {type(tensor).__name__}")
     if not isinstance(src_mesh, DeviceMesh):
         raise TypeError(f"src_mesh must be a DeviceMesh, got {type(src_mesh).__name__}")
     if not isinstance(dst_layout, Layout):
         raise TypeError(f"dst_layout must be a reshard.Layout, got {type(dst_layout).__name__}")
-    if not (isinstance(timeout_s, int | float) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    timeout_s = check_timeout(timeout_s)
     if src_mesh is not tensor.mesh and src_mesh.mesh != tensor.mesh.mesh:
         raise ValueError(
             f"src_mesh {src_mesh!r} is not the mesh of the tensor, which lives on {tensor.mesh!r}; "
             "pass tensor.mesh as src_mesh"
         )
     tensor._check("reshard source")
-    dmesh, lowered = _prepare(tensor, dst_layout, strategy, cluster, shared_memory)
+    deadline = deadline_of(timeout_s)
+    dmesh, compiled = _compile(tensor, dst_layout, strategy, cluster, shared_memory)
     rt = runtime()
-    name = rt.new_buffer_name()
+    name = rt.new_name()
     what = f"reshard {tensor.dtype}{list(tensor.shape)} {tensor.layout} -> {dst_layout} (strategy {strategy!r})"
-    results = rt.execute(lowered, tensor.name, name, float(timeout_s), what, tensor._shared)
-    shared = {d: r[4] for d, r in results.items() if r[4] is not None}
+    results = rt.execute(compiled, tensor.name, name, deadline, what, timeout_s, tensor._shared)
+    shared = {d: r.descriptor for d, r in results.items() if r.descriptor is not None}
     return ShardedTensor(dmesh, dst_layout, tensor.shape, tensor.dtype, name, shared)
+
+
+__all__ = ["INTACT", "ShardedTensor", "distribute", "lowered_reshard", "reshard"]

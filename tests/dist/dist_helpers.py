@@ -58,3 +58,8 @@ def assert_shards(tensor, full) -> None:
 
 def read(tensor):
     return tensor.to_torch() if tensor.dtype == "bfloat16" else tensor.to_numpy()
+
+
+def groups_of(stats: dict, channel: str = "") -> set[tuple[int, ...]]:
+    """The device tuples of the live reshard communicators in a device's ``stats()``."""
+    return {g for (_, (ch, g)) in stats["groups"] if ch == channel}

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from dist_helpers import assert_bit_exact, assert_shards, pl, random_array
+from dist_helpers import assert_bit_exact, assert_shards, groups_of, pl, random_array
 
 from reshard import (
     DeviceMesh,
@@ -23,8 +23,8 @@ from reshard import (
     plan_reshard,
     reshard,
 )
-from reshard.runtime import runtime
-from reshard.runtime.executor import STAGING_KEEP_BYTES
+from reshard.runtime import lowered_reshard
+from reshard.runtime.actor import STAGING_KEEP_BYTES
 from topology import Mesh
 
 pytestmark = pytest.mark.dist
@@ -169,24 +169,24 @@ def test_shut_down_meshes(view, ray_cluster):
 
 
 def _exit_at_first_communication(ctx):
-    from reshard.lowering import OpKind
+    from reshard.program import Copy
 
-    def hook(ctx, op):
-        if op.kind is not OpKind.COPY:
+    def hook(run, op):
+        if not isinstance(op, Copy):
             os._exit(1)
 
     ctx.before_op = hook
 
 
 def _slow_ops(ctx, seconds):
-    def hook(ctx, op):
+    def hook(run, op):
         time.sleep(seconds)
 
     ctx.before_op = hook
 
 
 def _stall_once(ctx, seconds):
-    def hook(ctx, op):
+    def hook(run, op):
         ctx.before_op = None
         time.sleep(seconds)
 
@@ -195,7 +195,7 @@ def _stall_once(ctx, seconds):
 
 def _groups_and_buffers(pool, indices):
     stats = pool.stats()
-    return {i: (set(stats[i]["group_entries"]), set(stats[i]["buffers"])) for i in indices}
+    return {i: (groups_of(stats[i]), set(stats[i]["buffers"])) for i in indices}
 
 
 #: The failure tests run both ways: pulls through shared memory (the default) and gloo only, whose
@@ -212,19 +212,19 @@ def test_worker_exits_mid_reshard(pool, view, spare, shared_memory, spare_base):
     t = distribute(x, Layout(src, pl("S0")))
     dst_layout = Layout(dst, pl("S1"))
     before = _groups_and_buffers(pool, [0, 1, 2, 3])
+    compiled = lowered_reshard(t, dst_layout, shared_memory=shared_memory)  # what the failed run uses
     DeviceMesh.from_devices([victim], (1,)).call(_exit_at_first_communication)
     t0 = time.monotonic()
     with pytest.raises(WorkerDied, match=rf"\[{victim}\] died.*source tensor is intact"):
         reshard(t, src, dst_layout, timeout_s=20, shared_memory=shared_memory)
     assert time.monotonic() - t0 < 15
     assert_shards(t, x)  # the source is intact and usable
-    lowered = runtime().lower(plan_reshard(x.shape, "float32", t.layout, dst_layout))
     after = _groups_and_buffers(pool, [0, 1, 2, 3])
     for i in range(4):
         groups, buffers = after[i]
         assert buffers <= before[i][1], "partial destination shards must be freed"
         assert not any(victim in g for g in groups)
-        assert not set(lowered.groups) & groups, "survivors must drop the groups of the failed run"
+        assert not set(compiled.groups) & groups, "survivors must drop the groups of the failed run"
     with pytest.raises(WorkerDied, match="died"):
         reshard(t, src, dst_layout, shared_memory=shared_memory)
     y = reshard(t, src, Layout(view([2, 3, 4], (3,)), pl("S1")), shared_memory=shared_memory)  # the same survivors

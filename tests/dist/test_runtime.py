@@ -7,13 +7,13 @@ import threading
 
 import numpy as np
 import pytest
-from dist_helpers import assert_bit_exact, assert_shards, pl, random_array
+from dist_helpers import assert_bit_exact, assert_shards, groups_of, pl, random_array
 
 from reshard import DeviceMesh, Layout, distribute, plan_reshard, reshard
 from reshard.lowering import lower_plan
 from reshard.regions import box_shape, box_volume, layout_regions
-from reshard.runtime import ensure_groups, runtime, runtime_stats
-from reshard.runtime.executor import STAGING_KEEP_BYTES
+from reshard.runtime import ensure_groups, lowered_reshard, runtime_stats, settle
+from reshard.runtime.actor import STAGING_KEEP_BYTES
 
 pytestmark = pytest.mark.dist
 
@@ -42,8 +42,9 @@ def test_memory_bound(view, pool, shape, shared_memory):
 
 
 def _set_staging_keep(ctx, nbytes):
-    ctx.staging.keep_bytes = nbytes
-    ctx.staging.trim()
+    staging = ctx.controller(ctx.caller).staging
+    staging.keep_bytes = nbytes
+    staging.trim()
 
 
 def _memory_case(pool, src, dst, shape, keep, pulls):
@@ -52,8 +53,8 @@ def _memory_case(pool, src, dst, shape, keep, pulls):
     layout = Layout(dst, pl("S0 S1"))
     y = reshard(t, src, layout, strategy="send_recv", shared_memory=pulls)
     assert_bit_exact(y.to_numpy(), x)
-    plan = plan_reshard(shape, "float32", t.layout, layout, strategy="send_recv")
-    program = lower_plan(plan)
+    compiled = lowered_reshard(t, layout, strategy="send_recv", shared_memory=pulls)
+    plan, program = compiled.plan, compiled.program
     stats = pool.stats()
     staged = 0
     for mesh, tensor in ((src, t), (dst, y)):
@@ -69,13 +70,13 @@ def _memory_case(pool, src, dst, shape, keep, pulls):
             continue
         assert s["last_run_peak_bytes"] <= dst_bytes + _largest_slice_bytes(plan, device)
         staged += s["last_run_peak_bytes"] > dst_bytes
-        assert program.for_device(device).staging_numel * 4 <= _largest_slice_bytes(plan, device)
+        assert program.for_device(device).staging_bytes <= _largest_slice_bytes(plan, device)
     for device in () if pulls else src.device_ids:  # senders: staging only, never a full copy
         s = stats[pool.index_of(device)]
         assert s["last_run_peak_bytes"] <= _largest_slice_bytes(plan, device)
     assert pulls or staged, "this layout pair must exercise the staging path"
     for d in () if pulls else (*src.device_ids, *dst.device_ids):
-        need = program.for_device(d).staging_numel * 4
+        need = program.for_device(d).staging_bytes
         # kept for the next run when within the bound, freed otherwise
         assert stats[pool.index_of(d)]["staging_bytes"] == (need if need <= keep else 0)
     for s in stats:  # the pool's idle bytes: reported apart from live buffers, bounded
@@ -83,13 +84,16 @@ def _memory_case(pool, src, dst, shape, keep, pulls):
 
     # A repeated reshard after freeing its result reuses the freed memory: same live bound, the
     # destination shard comes out of the pool (which holds it idle between the two runs).
+    settle(pool)
     before = {s["device"]: s for s in pool.stats()}
     y.free()
+    settle(pool)
     idle = {s["device"]: s["pool_bytes"] for s in pool.stats()}
     for device, box in zip(dst.device_ids, layout_regions(layout, shape), strict=True):
         assert idle[device] >= box_volume(box) * 4  # the freed shard went idle into the pool
     y2 = reshard(t, src, layout, strategy="send_recv", shared_memory=pulls)
     assert_bit_exact(y2.to_numpy(), x)
+    settle(pool)
     after = {s["device"]: s for s in pool.stats()}
     for device, box in zip(dst.device_ids, layout_regions(layout, shape), strict=True):
         s = after[device]
@@ -114,10 +118,10 @@ def test_communicator_and_program_cache_bounds(view, pool):
             layout = Layout(mesh, spec)
             y = reshard(t, mesh, layout, strategy="send_recv", shared_memory=False)  # communicators only
             assert_bit_exact(y.to_numpy(), x)
-            lowered = runtime().lower(plan_reshard(x.shape, "int32", t.layout, layout, strategy="send_recv"))
+            compiled = lowered_reshard(t, layout, strategy="send_recv", shared_memory=False)
             for i, s in enumerate(pool.stats()):
-                needed = sum(1 for g in lowered.groups if pool.device_ids[i] in g)
-                assert len(s["group_entries"]) <= max(3, needed), (i, s["group_entries"], needed)
+                needed = sum(1 for g in compiled.groups if pool.device_ids[i] in g)
+                assert len(groups_of(s)) <= max(3, needed), (i, groups_of(s), needed)
                 assert len(s["programs"]) <= 2
         shipped = runtime_stats()["programs_shipped"]
         reshard(t, mesh, Layout(mesh, layouts[0]), strategy="send_recv", shared_memory=False)  # evicted: shipped again

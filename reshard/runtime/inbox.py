@@ -1,0 +1,91 @@
+"""Per-caller ordering of a threaded actor's calls.
+
+A device actor serves several threads at once (so that a stuck run never blocks ``stats`` or an
+abort, and so that two processes using one mesh never wait on each other), and Ray does not keep a
+caller's order for threaded actors. Calls that change state therefore carry a ``Ticket``; the
+inbox lets a controller's call with sequence number ``n`` run only after its calls ``1 .. n-1``
+finished. A call whose deadline passes while it waits gives up its turn at once (later calls skip
+it), so one stuck call delays the others by at most their own deadlines and never wedges them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from reshard.errors import ReshardTimeout
+from reshard.runtime.messages import Ticket
+
+WAIT_SLICE_S = 60.0  # a waiting call looks at its deadline at least this often (deadlines may be infinite)
+
+
+class OrderedInbox:
+    def __init__(self, history: int = 32):
+        self._cv = threading.Condition()
+        self._next: dict[str, int] = {}  # controller -> the next sequence number to run
+        self._skipped: dict[str, set[int]] = {}  # numbers that gave up their turn
+        self._running: dict[str, str] = {}  # controller -> what it runs now (for messages)
+        self._waiting: dict[tuple[str, int], str] = {}  # calls waiting for their turn
+        self._since: dict[str, float] = {}  # controller -> when its running call started
+        self.history: deque = deque(maxlen=history)  # (controller, seq, what, outcome, seconds)
+
+    def state(self) -> dict:
+        """What this device is doing, per controller: the call running (and for how long), the
+        calls waiting for their turn, the next number expected, and the recent calls."""
+        now = time.time()
+        with self._cv:
+            return {
+                "running": {c: (w, round(now - self._since[c], 3)) for c, w in self._running.items()},
+                "waiting": {f"{c}#{n}": w for (c, n), w in self._waiting.items()},
+                "next": dict(self._next),
+                "recent": list(self.history),
+            }
+
+    @contextmanager
+    def turn(self, ticket: Ticket, deadline: float, what: str = "call") -> Iterator[None]:
+        """Wait for ``ticket``'s turn (until ``deadline``, wall clock), run the body, pass the turn on."""
+        c, seq = ticket.controller, ticket.seq
+        with self._cv:
+            self._waiting[(c, seq)] = what
+            try:
+                while self._next.setdefault(c, 1) != seq:
+                    if self._next[c] > seq:
+                        raise RuntimeError(f"ordered call {seq} of controller {c} ({what}) arrived after its turn")
+                    left = deadline - time.time()
+                    if left <= 0:
+                        ahead = self._running.get(c, f"call {self._next[c]}, which has not arrived yet")
+                        raise ReshardTimeout(
+                            f"{what} waited for its turn until its deadline: this device is still busy with {ahead}"
+                        )
+                    self._cv.wait(min(left, WAIT_SLICE_S))
+            except BaseException:  # it gives up its turn, whatever stopped it: later calls skip it
+                self._skipped.setdefault(c, set()).add(seq)
+                self.history.append((c, seq, what, "gave up its turn", 0.0))
+                raise
+            finally:
+                self._waiting.pop((c, seq), None)
+            self._running[c] = what
+            self._since[c] = started = time.time()
+        outcome = "failed"
+        try:
+            yield
+            outcome = "done"
+        finally:
+            with self._cv:
+                self.history.append((c, seq, what, outcome, round(time.time() - started, 3)))
+                self._running.pop(c, None)
+                skipped = self._skipped.get(c, set())
+                nxt = seq + 1
+                while nxt in skipped:
+                    skipped.discard(nxt)
+                    nxt += 1
+                self._next[c] = nxt
+                self._cv.notify_all()
+
+    def forget(self, controller: str) -> None:
+        with self._cv:
+            self._next.pop(controller, None)
+            self._skipped.pop(controller, None)

@@ -1,0 +1,209 @@
+"""A device's memory: named shards, who holds them, freed memory kept for reuse.
+
+Ownership. A shard lives while some HOLDER holds it: the handle that created it
+(``distribute``/``reshard``), and every copy of that handle made since (pickled into a Ray task or
+actor, ``copy.deepcopy``) — each copy holds it under an id of its own and releases it when it is
+garbage-collected, so a copy never frees what another handle still uses. A pickled handle holds the
+shard under a token until it is unpickled somewhere (the first copy to unpickle it takes over).
+``free()`` on any handle drops the shard for all of them. Holder updates travel as ordered calls
+(``reshard.runtime.inbox``); a release that arrives before its acquire is remembered so the late
+acquire is ignored.
+
+Reuse. A dropped shard's memory goes to a pool keyed by byte size (bounded by ``limit_bytes``,
+least recently freed evicted first) when nothing else references it, so a new shard of a size
+seen before does not page-fault fresh memory in.
+
+Aborted runs. When the controller gives up on a run, it names the run's destination shard here
+(``tombstone``): the shard is dropped now if it exists, and a run that finishes later drops it
+instead of keeping it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections import OrderedDict
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TOMBSTONES = 4096  # names of aborted runs remembered
+RELEASED_TOKENS = 4096  # releases that arrived before their acquire
+
+
+class BufferPool:
+    """Freed shards kept for reuse, keyed by byte size; idle bytes stay within ``limit_bytes``."""
+
+    def __init__(self, device: torch.device, limit_bytes: int):
+        self.device = device
+        self.limit_bytes = int(limit_bytes)
+        self.idle: OrderedDict = OrderedDict()  # (nbytes, serial) -> flat uint8 tensor
+        self.by_size: dict[int, list[int]] = {}
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._serial = 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        serials = self.by_size.get(nbytes)
+        if not serials:
+            self.misses += 1
+            return None
+        serial = serials.pop()
+        if not serials:
+            del self.by_size[nbytes]
+        self.nbytes -= nbytes
+        self.hits += 1
+        return self.idle.pop((nbytes, serial))
+
+    def put(self, t: torch.Tensor, refs: int) -> bool:
+        """Keep ``t`` if nothing else references it (``refs``: the caller's own references) and it
+        owns its whole storage; evict the oldest entries to stay within the bound."""
+        nbytes = t.numel() * t.element_size()
+        if not 0 < nbytes <= self.limit_bytes or t.device != self.device or not t.is_contiguous():
+            return False
+        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != nbytes:
+            return False
+        base = t._base
+        if sys.getrefcount(t) > refs + 2 or (base is not None and sys.getrefcount(base) > 3):
+            return False  # a view or an array of it is still alive elsewhere
+        flat = base if base is not None and base.dtype == torch.uint8 and base.dim() == 1 else None
+        if flat is None:
+            flat = t.reshape(-1).view(torch.uint8)
+        self._serial += 1
+        self.idle[(nbytes, self._serial)] = flat
+        self.by_size.setdefault(nbytes, []).append(self._serial)
+        self.nbytes += nbytes
+        while self.nbytes > self.limit_bytes:
+            (n, serial), _ = self.idle.popitem(last=False)
+            lst = self.by_size[n]
+            lst.remove(serial)
+            if not lst:
+                del self.by_size[n]
+            self.nbytes -= n
+        return True
+
+    def clear(self) -> None:
+        self.idle.clear()
+        self.by_size.clear()
+        self.nbytes = 0
+
+
+class ShardStore:
+    """Named shards of one device with their holders (module docstring). Thread-safe."""
+
+    def __init__(self, device: int, torch_device: torch.device, pool_bytes: int, shared=None):
+        self.device = device
+        self.torch_device = torch_device
+        self.pool = BufferPool(torch_device, pool_bytes)
+        self.shared = shared  # SharedShards, or None: private memory
+        self.shards: dict[str, torch.Tensor] = {}
+        self.holders: dict[str, set[str]] = {}
+        self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.RLock()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shards
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.shards.get(name)
+
+    def allocate(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A new shard's memory: pooled memory of the same byte size, else fresh (shared) memory."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * dtype.itemsize
+        with self._lock:
+            flat = self.pool.take(nbytes) if nbytes else None
+        if flat is None and nbytes and self.shared is not None:
+            try:
+                flat = self.shared.allocate(nbytes)
+            except OSError as e:  # out of descriptors, say: a private shard, moved by the backend
+                log.warning("device %d: shard of %s not in shared memory (%s)", self.device, tuple(shape), e)
+        if flat is None:
+            return torch.empty(tuple(shape), dtype=dtype, device=self.torch_device)
+        return flat.view(dtype).view(tuple(shape))
+
+    def put(self, name: str, t: torch.Tensor, holder: str) -> bool:
+        """Keep ``t`` as shard ``name`` held by ``holder``; False (and ``t`` dropped) when the run
+        that made it was aborted meanwhile."""
+        with self._lock:
+            if name in self._tombstones:
+                self._tombstones.pop(name)
+                self.pool.put(t, 1)
+                return False
+            self.shards[name] = t
+            self.holders[name] = {holder}
+            return True
+
+    def acquire(self, name: str, holder: str) -> bool:
+        with self._lock:
+            if (name, holder) in self._released:  # released before it arrived
+                del self._released[(name, holder)]
+                return False
+            if name not in self.shards:
+                return False
+            self.holders[name].add(holder)
+            return True
+
+    def release(self, name: str, holder: str) -> None:
+        """``holder`` lets go; the shard is dropped when nobody holds it."""
+        with self._lock:
+            held = self.holders.get(name)
+            if held is None or holder not in held:
+                if held is not None:  # the acquire has not arrived yet: ignore it when it does
+                    self._released[(name, holder)] = None
+                    while len(self._released) > RELEASED_TOKENS:
+                        self._released.popitem(last=False)
+                return
+            held.discard(holder)
+            if not held:
+                self._drop(name)
+
+    def free(self, name: str) -> bool:
+        """Drop shard ``name`` whoever holds it."""
+        with self._lock:
+            return self._drop(name)
+
+    def tombstone(self, name: str) -> None:
+        """The controller gave up on the run that makes ``name``: drop it now or when it arrives."""
+        with self._lock:
+            if not self._drop(name):
+                self._tombstones[name] = None
+                while len(self._tombstones) > TOMBSTONES:
+                    self._tombstones.popitem(last=False)
+
+    def _drop(self, name: str) -> bool:
+        t = self.shards.pop(name, None)
+        self.holders.pop(name, None)
+        if t is None:
+            return False
+        self.pool.put(t, 1)
+        return True
+
+    def descriptor(self, t: torch.Tensor | None):
+        """How peers on this machine map shard ``t`` (None: they cannot, it is not shared)."""
+        return None if self.shared is None else self.shared.descriptor(t)
+
+    def memory(self) -> dict:
+        with self._lock:
+            sizes = {k: v.numel() * v.element_size() for k, v in self.shards.items()}
+            return {
+                "buffers": sizes,
+                "buffer_bytes": sum(sizes.values()),
+                "holders": {k: sorted(v) for k, v in self.holders.items()},
+                "pool_bytes": self.pool.nbytes,  # idle freed shards kept for reuse (not live)
+                "pool_limit_bytes": self.pool.limit_bytes,
+                "pool_hits": self.pool.hits,
+                "pool_misses": self.pool.misses,
+            }
+
+    def clear(self) -> None:
+        with self._lock:
+            self.shards.clear()
+            self.holders.clear()
+            self.pool.clear()

@@ -1,0 +1,76 @@
+"""The ordered inbox of a device actor (``reshard.runtime.inbox``), with plain threads: a
+controller's calls run in sequence order whatever order they arrive in; a call that gives up its
+turn (its deadline passed, or anything else stopped it) is skipped by the calls after it; calls
+of different controllers do not wait on each other; an infinite deadline is allowed."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from reshard.errors import ReshardTimeout
+from reshard.runtime.inbox import OrderedInbox
+from reshard.runtime.messages import Ticket
+
+pytestmark = pytest.mark.unit
+
+
+def _enter(inbox, ticket, deadline, order, started=None, release=None, what="call"):
+    with inbox.turn(ticket, deadline, what):
+        if started is not None:
+            started.set()
+        if release is not None:
+            assert release.wait(30)
+        order.append(ticket.seq)
+
+
+def test_calls_run_in_sequence_order_whatever_order_they_arrive_in():
+    inbox, order = OrderedInbox(), []
+    threads = [threading.Thread(target=_enter, args=(inbox, Ticket("c", n), math.inf, order)) for n in (3, 1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert order == [1, 2, 3]
+    assert [h[1] for h in inbox.state()["recent"]] == [1, 2, 3]
+
+
+def test_a_call_that_gives_up_its_turn_is_skipped():
+    inbox, order = OrderedInbox(), []
+    started, release = threading.Event(), threading.Event()
+    first = threading.Thread(target=_enter, args=(inbox, Ticket("c", 1), math.inf, order, started, release))
+    first.start()
+    assert started.wait(30)
+    with pytest.raises(ReshardTimeout, match="still busy with call"):
+        _enter(inbox, Ticket("c", 2), time.time() - 1, order, what="late call")  # deadline already passed
+    third = threading.Thread(target=_enter, args=(inbox, Ticket("c", 3), math.inf, order))
+    third.start()
+    assert inbox.state()["running"]["c"][0] == "call"
+    release.set()
+    first.join(30)
+    third.join(30)
+    assert order == [1, 3]
+    assert ("c", 2, "late call", "gave up its turn", 0.0) in inbox.state()["recent"]
+
+
+def test_controllers_do_not_wait_on_each_other():
+    inbox, order = OrderedInbox(), []
+    started, release = threading.Event(), threading.Event()
+    blocked = threading.Thread(target=_enter, args=(inbox, Ticket("a", 1), math.inf, order, started, release))
+    blocked.start()
+    assert started.wait(30)
+    _enter(inbox, Ticket("b", 1), math.inf, order)  # runs while controller a's call is blocked
+    assert order == [1]
+    release.set()
+    blocked.join(30)
+    assert order == [1, 1]
+
+
+def test_a_call_arriving_after_its_turn_is_refused():
+    inbox, order = OrderedInbox(), []
+    _enter(inbox, Ticket("c", 1), math.inf, order)
+    with pytest.raises(RuntimeError, match="arrived after its turn"):
+        _enter(inbox, Ticket("c", 1), math.inf, order)
