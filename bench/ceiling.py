@@ -20,11 +20,6 @@ _GROUPS: dict[str, object] = {}
 _BUFFERS: dict[str, tuple[list, list]] = {}
 
 
-def noop(ctx) -> None:
-    """The empty call: measures one Ray round trip to the actor."""
-    return None
-
-
 def setup(ctx, key: str, store_port: int, rank: int, world: int, sends, recvs, timeout_s: float = 120.0) -> int:
     """Join the raw group ``key`` as ``rank`` and allocate this actor's send buffers.
 
@@ -81,11 +76,12 @@ def teardown(ctx, key: str) -> None:
 
 class RawTransfer:
     """Driver handle on one raw-gloo transfer: ``pairs`` maps (sender, receiver) global device ids
-    to bytes; ``actor_of(device)`` gives the actor handle. ``setup()`` (untimed) joins the group and
-    allocates send buffers; each ``run()`` is one timed round (seconds on the driver) and appends
-    the slowest actor's in-actor time to ``in_actor``; ``release()`` frees the buffers."""
+    to bytes; ``call_each({device: (fn, args, kwargs)}, timeout_s)`` runs functions on the devices
+    (the runtime's ordered ``call``). ``setup()`` (untimed) joins the group and allocates send
+    buffers; each ``run()`` is one timed round (seconds on the driver) and appends the slowest
+    actor's in-actor time to ``in_actor``; ``release()`` frees the buffers."""
 
-    def __init__(self, name: str, pairs: dict, actor_of, store_port: int, timeout_s: float = 300.0):
+    def __init__(self, name: str, pairs: dict, call_each, store_port: int, timeout_s: float = 300.0):
         self.rank = {d: i for i, d in enumerate(sorted({d for p in pairs for d in p}))}
         self.key = f"{name}/" + "-".join(map(str, self.rank))
         self.sends: dict[int, list] = {d: [] for d in self.rank}
@@ -93,28 +89,23 @@ class RawTransfer:
         for tag, ((s, r), n) in enumerate(sorted(pairs.items())):
             self.sends[s].append((self.rank[r], tag, n))
             self.recvs[r].append((self.rank[s], tag, n))
-        self.actors = {d: actor_of(d) for d in self.rank}
+        self.call_each = call_each
         self.port = store_port
         self.timeout_s = timeout_s
         self.in_actor: list[float] = []
 
     def setup(self) -> None:
-        import ray
-
-        ray.get([a.call.remote(setup, self.key, self.port, self.rank[d], len(self.rank), self.sends[d], self.recvs[d])
-                 for d, a in self.actors.items()], timeout=self.timeout_s)  # fmt: skip
+        world = len(self.rank)
+        self.call_each({d: (setup, (self.key, self.port, r, world, self.sends[d], self.recvs[d]), {})
+                        for d, r in self.rank.items()}, self.timeout_s)  # fmt: skip
 
     def run(self) -> float:
-        import ray
-
         t0 = time.perf_counter()
-        inner = ray.get([a.call.remote(transfer, self.key, self.sends[d], self.recvs[d])
-                         for d, a in self.actors.items()], timeout=self.timeout_s)  # fmt: skip
+        inner = self.call_each({d: (transfer, (self.key, self.sends[d], self.recvs[d]), {}) for d in self.rank},
+                               self.timeout_s)  # fmt: skip
         dt = time.perf_counter() - t0
-        self.in_actor.append(max(inner))
+        self.in_actor.append(max(inner.values()))
         return dt
 
     def release(self) -> None:
-        import ray
-
-        ray.get([a.call.remote(release, self.key) for a in self.actors.values()], timeout=30)
+        self.call_each({d: (release, (self.key,), {}) for d in self.rank}, 30.0)

@@ -192,22 +192,22 @@ def program_bytes(program, itemsize: int) -> dict:
     """CPU-side byte traffic of a lowered program, summed over devices: local copies, bytes pulled
     from peers' shards through shared memory, bytes that pass through staging (send and receive
     side), bytes received over communicators."""
-    from reshard.lowering import OpKind
+    from reshard.program import Copy, Pull, op_numel, writes
 
     out = {"copy_bytes": 0, "pull_bytes": 0, "staged_bytes": 0, "recv_bytes": 0, "ops": 0}
     for dp in program.devices:
-        for op in dp.ops:
-            n = op.numel * itemsize
+        for op in dp.all_ops:
+            n = op_numel(op) * itemsize
             out["ops"] += 1
-            if op.kind is OpKind.COPY:
+            if isinstance(op, Copy):
                 out["copy_bytes"] += n
                 continue
-            if op.kind is OpKind.PULL:
+            if isinstance(op, Pull):
                 out["pull_bytes"] += n
                 continue
-            if op.stage:
+            if op.staging is not None:
                 out["staged_bytes"] += n
-            if op.kind is OpKind.RECV or (op.kind is OpKind.BROADCAST and op.group[0] != dp.device):
+            if writes(op) is not None:
                 out["recv_bytes"] += n
     return out
 
@@ -258,18 +258,13 @@ class Suite:
         self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                                    timeout=_dt.timedelta(seconds=120))  # fmt: skip
         self.ceiling_groups: set[str] = set()
-        self.spy = ExecuteSpy()
 
     def close(self) -> None:
         from bench import ceiling
 
-        self.spy.close()
-
         for key in self.ceiling_groups:
             try:
-                import ray
-
-                ray.get([a.call.remote(ceiling.teardown, key) for a in self.pool.actors], timeout=30)
+                self.call_each({d: (ceiling.teardown, (key,), {}) for d in self.pool.device_ids}, 30.0)
             except Exception:
                 pass
         for view in self.views.values():
@@ -296,6 +291,12 @@ class Suite:
         _check_host_pattern(view, dmesh)
         self.views[view] = dmesh
         return dmesh
+
+    def call_each(self, calls: dict, timeout_s: float) -> dict:
+        """Run ``fn(ctx, *args, **kwargs)`` per device (the runtime's ordered calls)."""
+        from reshard.runtime.driver import runtime
+
+        return runtime().call(calls, timeout_s, "bench")
 
     def actors(self, devices) -> list:
         return [self.pool.actor(self.pool.index_of(d)) for d in devices]
@@ -374,12 +375,12 @@ class Suite:
         breakdown: dict[str, list[dict]] = {s: [] for s in strategies}
 
         def run_strategy(strategy: str, check: bool) -> float:
-            self.spy.last = None
+            runtime().last_run = {}
             t0 = time.perf_counter()
             y = reshard(x, src_mesh, dst_layout, strategy=strategy, timeout_s=args.timeout, shared_memory=shared_memory)
             dt = time.perf_counter() - t0
-            if self.spy.last:
-                breakdown[strategy].append(_split(dt, self.spy.last))
+            if runtime().last_run:
+                breakdown[strategy].append(_split(dt, runtime().last_run))
             if check:
                 _record_check(entry["methods"][strategy], y, source)
             y.free()
@@ -396,8 +397,7 @@ class Suite:
             y.free()
             return dt
 
-        raw = ceiling.RawTransfer(case.name, pairs, lambda d: self.pool.actor(self.pool.index_of(d)), self.store.port,
-                                  args.timeout)  # fmt: skip
+        raw = ceiling.RawTransfer(case.name, pairs, self.call_each, self.store.port, args.timeout)
         in_actor = raw.in_actor
 
         def run_ceiling(check: bool) -> float:
@@ -407,7 +407,7 @@ class Suite:
             out = []
             for _ in range(RTT_PER_ROUND):
                 t0 = time.perf_counter()
-                ray.get([a.call.remote(ceiling.noop) for a in actors], timeout=60)
+                ray.get([a.ping.remote() for a in actors], timeout=60)
                 out.append(time.perf_counter() - t0)
             return out
 
@@ -492,29 +492,6 @@ class Suite:
         return entry
 
 
-class ExecuteSpy:
-    """Wraps the runtime's ``execute`` (driver side) to keep the per-device run statistics that
-    ``reshard`` computes and drops; the measured path is unchanged but for one Python call."""
-
-    def __init__(self):
-        from reshard.runtime.driver import runtime
-
-        self.rt = runtime()
-        self.last: dict | None = None
-        self.orig = self.rt.execute
-
-        def execute(*a, **k):
-            out = self.orig(*a, **k)
-            self.last = out
-            return out
-
-        self.rt.execute = execute
-
-    def close(self) -> None:
-        if self.rt.__dict__.get("execute") is not None:
-            del self.rt.execute
-
-
 def _split(wall: float, per_device: dict) -> dict:
     """Where one reshard's wall time went, from the slowest device's point of view.
 
@@ -522,12 +499,7 @@ def _split(wall: float, per_device: dict) -> dict:
     transport, the driver's own planning/bookkeeping, gather); ``actor_setup``: run minus program
     (decode, allocate the destination); ``copy_stage``: program minus communication (local copies,
     staging); ``comm``: time inside gloo calls (including waiting for peers)."""
-    # the runtime returns (run_s, elapsed_s, comm_s, peak_bytes, descriptor) per device (Runtime.last_run)
-    stats = [
-        v if isinstance(v, dict) else {"run_s": v[0], "elapsed_s": v[1], "comm_s": v[2]}
-        for v in (per_device or {}).values()
-        if (isinstance(v, dict) and "run_s" in v) or (isinstance(v, tuple) and len(v) >= 3)
-    ]
+    stats = [{"run_s": r.run_s, "elapsed_s": r.elapsed_s, "comm_s": r.comm_s} for r in (per_device or {}).values()]
     if not stats:
         return {"wall": wall}
     slow = max(stats, key=lambda v: v["run_s"])

@@ -99,7 +99,7 @@ def _synthetic_stage_fns(forward_s: float, backward_s: float, n_stages: int, sha
 
 def _make_pipeline(meshes, forward_s: float, backward_s: float, rows: int, timeout_s: float):
     from reshard import Layout, Replicate
-    from scheduler.pipeline import Pipeline, Stage
+    from scheduler.runtime import Pipeline, Stage
 
     n = len(meshes)
     shape = (rows, 1024) if rows > 0 else (1,)
@@ -507,7 +507,7 @@ def print_sim(sim: dict, console) -> None:
            f"{', '.join(_ms(x) for x in m['transfer_costs']['transfer_s'])} ms"
            + (f", skips {', '.join(k + ' ' + _ms(x) for k, x in m['transfer_costs']['skip_transfer_s'].items())} ms"
               if m["transfer_costs"]["skip_transfer_s"] else "")
-           + f" ({m['transfer_costs']['source']})", sim["_tables"][name], name)
+           + " (plan.simulate)", sim["_tables"][name], name)
           for name, m in sim["models"].items()],
     ]:  # fmt: skip
         scale = 1.0 if extra is None else 1e3

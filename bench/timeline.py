@@ -3,16 +3,16 @@
 ``python -m bench.timeline --case shard-to-rep --size 64MiB --strategy auto [--repeats 5] [--cprofile]``
 
 Instruments the device actors through the runtime's ``call`` extension point only (no runtime
-edit): it wraps each actor's ``DeviceContext.apply`` (the first thing ``run`` does),
-``run_program`` and, per communication op, the ``before_op`` hook, recording wall-clock
-timestamps (one machine: one clock). The driver records when ``reshard`` was called and when it
+edit): inside each actor process it wraps the actor's run (after the call's turn came) and the
+executor's ``execute``, and sets the ``before_op`` hook, recording wall-clock timestamps (one
+machine: one clock). The driver records when ``reshard`` was called and when it
 returned. Per run it prints, relative to the call:
 
 * ``arrive``   when each actor began its ``run`` (Ray dispatch + queueing),
 * ``program``  the actor's program (ops), and inside it the time in each op,
 * ``return``   from the last actor's end to ``reshard`` returning (result transport + gather).
 
-``--cprofile`` also profiles the driver's ``reshard`` call and each actor's ``run_program``.
+``--cprofile`` also profiles the driver's ``reshard`` call and each actor's program.
 """
 
 from __future__ import annotations
@@ -31,21 +31,24 @@ from bench.cases import CASES_BY_NAME, POOL_SHAPE, fmt_size, parse_size  # noqa:
 
 
 def install(ctx, cprofile: bool = False) -> int:
-    """Wrap this actor's context with timestamping (idempotent). Returns the pid."""
+    """Wrap this actor's run and program with timestamping (idempotent). Returns the pid."""
+    from reshard.runtime import actor
+
     if getattr(ctx, "_tl_installed", False):
         ctx._tl_cprofile = cprofile
         return os.getpid()
     ctx._tl_log = []
     ctx._tl_cprofile = cprofile
     ctx._tl_stats = None
-    cls = type(ctx)
     log = ctx._tl_log
+    run, execute = actor.DeviceActor._run, actor.execute
+    ctx._tl_originals = (run, execute)
 
-    def apply(updates):
+    def timed_run(self, *a, **k):
         log.append(("run", time.time()))
-        return cls.apply(ctx, updates)
+        return run(self, *a, **k)
 
-    def run_program(*a, **k):
+    def timed_execute(*a, **k):
         log.append(("program", time.time()))
         prof = None
         if ctx._tl_cprofile:
@@ -54,7 +57,7 @@ def install(ctx, cprofile: bool = False) -> int:
             prof = cProfile.Profile()
             prof.enable()
         try:
-            return cls.run_program(ctx, *a, **k)
+            return execute(*a, **k)
         finally:
             if prof is not None:
                 prof.disable()
@@ -66,11 +69,10 @@ def install(ctx, cprofile: bool = False) -> int:
                 ctx._tl_stats = s.getvalue()
             log.append(("end", time.time()))
 
-    def before_op(c, op):
-        log.append((f"op{op.step}:{op.kind.name}", time.time()))
+    def before_op(run, op):
+        log.append((f"op{op.step}:{type(op).__name__}", time.time()))
 
-    ctx.apply = apply
-    ctx.run_program = run_program
+    actor.DeviceActor._run, actor.execute = timed_run, timed_execute
     ctx.before_op = before_op
     ctx._tl_installed = True
     return os.getpid()
@@ -84,8 +86,10 @@ def take(ctx) -> tuple[list, str | None]:
 
 
 def uninstall(ctx) -> None:
-    for name in ("apply", "run_program"):
-        ctx.__dict__.pop(name, None)
+    from reshard.runtime import actor
+
+    if getattr(ctx, "_tl_installed", False):
+        actor.DeviceActor._run, actor.execute = ctx._tl_originals
     ctx.before_op = None
     ctx._tl_installed = False
 
@@ -128,10 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         dst_layout = Layout(dst_mesh, case.dst_placements)
         devices = sorted(set(src_mesh.device_ids) | set(dst_mesh.device_ids))
         actors = suite.actors(devices)
-        ray.get([a.call.remote(install, args.cprofile) for a in actors])
+
+        def each(fn, *fn_args):
+            out = suite.call_each({d: (fn, fn_args, {}) for d in devices}, 60.0)
+            return [out[d] for d in devices]
+
+        each(install, args.cprofile)
         print(f"{case.name} {fmt_size(size)} {args.strategy}: {case}  (pool {POOL_SHAPE})")
         reshard(x, src_mesh, dst_layout, strategy=args.strategy).free()  # warm-up
-        ray.get([a.call.remote(take) for a in actors])
+        each(take)
         for r in range(args.repeats):
             prof = cProfile.Profile() if args.cprofile else None
             t0 = time.time()
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             if prof:
                 prof.disable()
             t1 = time.time()
-            logs = ray.get([a.call.remote(take) for a in actors])
+            logs = each(take)
             y.free()
             print(f"\nrun {r + 1}: wall {(t1 - t0) * 1e3:.1f} ms")
             ends = []
@@ -173,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                 pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(18)
                 print("  driver cProfile (cumulative):\n    " + "\n    ".join(s.getvalue().splitlines()[:40]))
         t0 = time.time()
-        ray.get([a.call.remote(take) for a in actors])
+        ray.get([a.ping.remote() for a in actors])
         print(f"\nempty call round trip to the {len(actors)} actors: {(time.time() - t0) * 1e3:.1f} ms")
-        ray.get([a.call.remote(uninstall) for a in actors])
+        each(uninstall)
         x.free()
     finally:
         suite.close()

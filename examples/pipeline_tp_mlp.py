@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
 
     from reshard import DeviceMesh, Layout, Replicate
     from scheduler import eager_one_f_one_b
-    from scheduler.pipeline import Pipeline, Stage
+    from scheduler.runtime import Pipeline, Stage
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors cannot import this script

@@ -63,7 +63,7 @@ __all__ = [
 def __getattr__(name):
     """The pipeline runtime (ray/torch) loads on first use, so ``import scheduler`` stays pure."""
     if name in _RUNTIME:
-        from . import pipeline
+        from scheduler import runtime
 
-        return getattr(pipeline, name)
+        return getattr(runtime, name)
     raise AttributeError(f"module 'scheduler' has no attribute {name!r}")

@@ -9,27 +9,20 @@ a `topology.Cluster` and returns the durations in the form `scheduler.simulate` 
     costs = transfer_costs(boundaries, cluster)
     simulate(schedule, forward_s=..., backward_s=..., **costs.simulate_kwargs())
 
-Costing: ``plan.simulate(cluster).makespan_s`` (the network simulator of the reshard layer) when
-`ReshardPlan` has it; otherwise a fluid estimate (`fluid_estimate_s`: every host's NIC moves the
-bytes it must send and the bytes it must take in at ``nic_GBps``, intra-host copies at
-``intra_host_GBps``, plus one latency per dependent round), and `TransferCosts.source` says which
-was used.
+Costing: ``plan.simulate(cluster).makespan_s``, the network simulator of the reshard layer, on
+the plan's own device -> host map.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from reshard.dtypes import dtype_name
 from reshard.layout import Layout
-from reshard.plan import ReshardPlan, TransferKind
+from reshard.plan import ReshardPlan
 from reshard.planner import plan_reshard
 from topology.cluster import Cluster
-
-SOURCE_SIMULATE = "plan.simulate"
-SOURCE_FLUID = "fluid-estimate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +83,12 @@ class TransferCosts:
     transfer_s[b] / backward_transfer_s[b]: activation b -> b + 1 / gradient b + 1 -> b.
     skip_transfer_s[(i, j)]: the skip connection (the simulator takes one duration for both
     directions: the larger of the two). forward_plans / backward_plans keep the plans by
-    (src_stage, dst_stage) of the forward boundary. source: how plans were costed.
+    (src_stage, dst_stage) of the forward boundary.
     """
 
     transfer_s: tuple[float, ...]
     backward_transfer_s: tuple[float, ...]
     skip_transfer_s: Mapping[tuple[int, int], float]
-    source: str
     forward_plans: Mapping[tuple[int, int], ReshardPlan] = field(repr=False, default_factory=dict)
     backward_plans: Mapping[tuple[int, int], ReshardPlan] = field(repr=False, default_factory=dict)
     skip_backward_s: Mapping[tuple[int, int], float] = field(default_factory=dict)
@@ -113,7 +105,6 @@ class TransferCosts:
 
     def to_dict(self) -> dict:
         return {
-            "source": self.source,
             "transfer_s": list(self.transfer_s),
             "backward_transfer_s": list(self.backward_transfer_s),
             "skip_transfer_s": {f"{i}->{j}": s for (i, j), s in sorted(self.skip_transfer_s.items())},
@@ -121,60 +112,9 @@ class TransferCosts:
         }
 
 
-def has_plan_simulator() -> bool:
-    """Whether `ReshardPlan.simulate` (the reshard layer's network simulator) is available."""
-    return callable(getattr(ReshardPlan, "simulate", None))
-
-
-def plan_duration_s(plan: ReshardPlan, cluster: Cluster, *, source: str | None = None) -> float:
-    """Seconds `plan` takes on `cluster`: `plan.simulate(cluster).makespan_s`, or the fluid estimate
-    when the plan simulator is missing (or ``source=SOURCE_FLUID`` asks for it)."""
-    if source is None:
-        source = SOURCE_SIMULATE if has_plan_simulator() else SOURCE_FLUID
-    if source == SOURCE_SIMULATE:
-        return float(plan.simulate(cluster).makespan_s)
-    if source == SOURCE_FLUID:
-        return fluid_estimate_s(plan, cluster)
-    raise ValueError(f"source must be {SOURCE_SIMULATE!r} or {SOURCE_FLUID!r}, got {source!r}")
-
-
-def fluid_estimate_s(plan: ReshardPlan, cluster: Cluster) -> float:
-    """Fluid-model duration of `plan` on `cluster` (a stand-in when `plan.simulate` is missing).
-
-    Each host's full-duplex NIC carries, in each direction, the bytes of the plan's transfers that
-    leave / enter it (a broadcast's payload crosses each host boundary once, as in a pipelined
-    ring); devices of one host exchange at ``intra_host_GBps``; local copies are free. The estimate
-    is the busiest host's time plus one ``latency_us`` per transfer the busiest device takes part in.
-    """
-    if not isinstance(cluster, Cluster):
-        raise TypeError(f"cluster must be a topology.Cluster, got {type(cluster).__name__}")
-    host_of = dict(zip(plan.src.mesh.device_ids, plan.src.mesh.host_ids, strict=True))
-    host_of.update(zip(plan.dst.mesh.device_ids, plan.dst.mesh.host_ids, strict=True))
-    out_bytes: dict[int, int] = defaultdict(int)
-    in_bytes: dict[int, int] = defaultdict(int)
-    intra_bytes: dict[int, int] = defaultdict(int)
-    ops_per_device: dict[int, int] = defaultdict(int)
-    for t in plan.transfers:
-        if t.kind is TransferKind.COPY:
-            continue
-        size = plan.transfer_bytes(t)
-        src_host = host_of[t.src]
-        dst_hosts = {host_of[d] for d in t.dsts}
-        for d in t.group:
-            ops_per_device[d] += 1
-        remote = dst_hosts - {src_host}
-        if remote:
-            out_bytes[src_host] += size
-            for h in remote:
-                in_bytes[h] += size
-        if src_host in dst_hosts:
-            intra_bytes[src_host] += size
-    nic = cluster.nic_GBps * 1e9
-    intra = cluster.intra_host_GBps * 1e9
-    hosts = set(out_bytes) | set(in_bytes) | set(intra_bytes)
-    busiest = max((max(out_bytes[h], in_bytes[h]) / nic + intra_bytes[h] / intra for h in hosts), default=0.0)
-    rounds = max(ops_per_device.values(), default=0)
-    return busiest + rounds * cluster.latency_us * 1e-6
+def plan_duration_s(plan: ReshardPlan, cluster: Cluster) -> float:
+    """Seconds ``plan`` takes on ``cluster``: ``plan.simulate(cluster).makespan_s``."""
+    return float(plan.simulate(cluster).makespan_s)
 
 
 def transfer_costs(
@@ -183,7 +123,6 @@ def transfer_costs(
     *,
     n_stages: int | None = None,
     strategy: str = "auto",
-    source: str | None = None,
 ) -> TransferCosts:
     """Plan and cost every boundary's activation and gradient transfer on `cluster`.
 
@@ -200,8 +139,6 @@ def transfer_costs(
         n_stages = max((b.dst_stage for b in boundaries), default=0) + 1
     if n_stages < 2:
         raise ValueError("transfer_costs needs at least 2 stages (one boundary)")
-    if source is None:
-        source = SOURCE_SIMULATE if has_plan_simulator() else SOURCE_FLUID
     by_pair: dict[tuple[int, int], Boundary] = {}
     for b in boundaries:
         pair = (b.src_stage, b.dst_stage)
@@ -220,15 +157,14 @@ def transfer_costs(
     for pair, b in sorted(by_pair.items()):
         forward_plans[pair] = plan_reshard(b.shape, b.dtype, b.src, b.dst, strategy=strategy, cluster=cluster)
         backward_plans[pair] = plan_reshard(b.shape, b.dtype, b.dst, b.src, strategy=strategy, cluster=cluster)
-        fwd[pair] = plan_duration_s(forward_plans[pair], cluster, source=source)
-        bwd[pair] = plan_duration_s(backward_plans[pair], cluster, source=source)
+        fwd[pair] = plan_duration_s(forward_plans[pair], cluster)
+        bwd[pair] = plan_duration_s(backward_plans[pair], cluster)
     adjacent = [(i, i + 1) for i in range(n_stages - 1)]
     skips = sorted(p for p in by_pair if p not in adjacent)
     return TransferCosts(
         transfer_s=tuple(fwd[p] for p in adjacent),
         backward_transfer_s=tuple(bwd[p] for p in adjacent),
         skip_transfer_s={p: max(fwd[p], bwd[p]) for p in skips},
-        source=source,
         forward_plans=forward_plans,
         backward_plans=backward_plans,
         skip_backward_s={p: bwd[p] for p in skips},

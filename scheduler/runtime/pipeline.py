@@ -3,7 +3,7 @@ stages with the reshard machinery, communication overlapped with compute.
 
 Runtime layer (imports ray; the actors import torch). Usage::
 
-    from scheduler.pipeline import Pipeline, Stage
+    from scheduler.runtime import Pipeline, Stage
     from scheduler import eager_one_f_one_b
 
     stages = [
@@ -28,12 +28,17 @@ Callables (run on every device of the stage, on its compute thread):
 - ``ctx``: ``stage``, ``device``, ``coords`` (position in the stage mesh), ``microbatch``, ``state``,
   ``saved``, ``target``, ``all_reduce(t, axis=None)``.
 
-How it runs (details in `scheduler.pipeline_plan` and `scheduler.pipeline_worker`): the driver
-validates the schedule, derives one global order of all transfers, and ships every device its
-stage plan; each device runs a compute thread and one communication thread per lane (directed
-stage pair), each lane issuing its transfers in the global order on communicators of its own;
-sends are issued right after the producing compute, receives are posted ahead. Errors surface on
-the driver as `PipelineError` naming stage, device, phase and microbatch; no wait is unbounded.
+How it runs (details in `scheduler.pipeline_plan` and `scheduler.runtime.worker`): a client of
+the reshard runtime. Every boundary's move, both directions, is compiled by ``compile_reshard``
+(one program per device); the communicators are the controller's (``reshard.runtime``: one
+rendezvous, one group table under its bounds), on channels of their own per lane (directed stage
+pair) and per stage mesh, set up in one global order and pinned while the pipeline lives; every
+call to a device is an ordered call of this process's controller. The driver validates the
+schedule, derives one global order of all transfers, and ships every device its stage plan; each
+device runs a compute thread and one communication thread per lane, each lane issuing its
+transfers in the global order; sends are issued right after the producing compute, receives are
+posted ahead. Errors surface on the driver as `PipelineError` naming stage, device, phase and
+microbatch; no wait is unbounded.
 """
 
 from __future__ import annotations
@@ -48,18 +53,21 @@ from typing import Any
 
 import numpy as np
 
+from reshard.compile import compile_reshard
 from reshard.dtypes import dtype_name
-from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
+from reshard.errors import ReshardError, ReshardTimeout
 from reshard.layout import Layout
-from reshard.lowering import lower_plan
-from reshard.planner import plan_reshard
 from reshard.regions import box_shape, layout_regions
+from reshard.runtime.dispatch import failure_error
 from reshard.runtime.driver import runtime
-from reshard.validate import validate_plan, validate_program
-
-from .ir import Schedule
-from .pipeline_plan import Lane, PipelinePlan, plan_pipeline
-from .simulate import SimulationResult, simulate
+from reshard.runtime.messages import FailureKind
+from reshard.runtime.tensor import compile_options
+from scheduler.ir import Schedule
+from scheduler.pipeline_plan import Lane, PipelinePlan, plan_pipeline
+from scheduler.runtime import worker as stage_worker
+from scheduler.runtime.worker import ErrorKind, IterationSpec, WorkerSpec
+from scheduler.simulate import SimulationResult, simulate
+from topology.mesh import device_hosts
 
 
 class PipelineError(ReshardError):
@@ -68,7 +76,7 @@ class PipelineError(ReshardError):
     ran past the iteration deadline), "transfer", "timeout" or "internal"; ``remote_traceback`` is
     the actor-side traceback; ``errors`` lists every worker's report."""
 
-    def __init__(self, message: str, *, kind: str = "internal", stage=None, device=None, microbatch=None,
+    def __init__(self, message: str, *, kind: ErrorKind = ErrorKind.INTERNAL, stage=None, device=None, microbatch=None,
                  phase=None, remote_traceback: str = "", errors: Sequence[dict] = ()):  # fmt: skip
         super().__init__(message)
         self.kind, self.stage, self.device = kind, stage, device
@@ -178,93 +186,38 @@ class IterationResult:
 
 
 # ----------------------------------------------------------------------------------------------
-# how the driver reaches device actors: the runtime's DeviceMesh and its backend
-
-
-class _Devices:
-    """Device id -> its actor (from the stage meshes), async ``call``, and fresh rendezvous."""
-
-    def __init__(self, meshes: Sequence[Any]):
-        self.meshes = list(meshes)
-        self.actors: dict[int, Any] = {}
-        for m in self.meshes:
-            check = getattr(m, "check_open", None)
-            if check is None or not hasattr(m, "actor"):
-                raise TypeError(f"stage meshes must be reshard.DeviceMesh objects, got {type(m).__name__}")
-            check()
-            for i, d in enumerate(m.device_ids):
-                self.actors[d] = m.actor(i)
-        names = {m.backend for m in self.meshes}
-        if len(names) != 1:
-            raise ValueError(f"stage meshes use different communicator backends {sorted(names)}; use one")
-        self.backend_name = names.pop()
-        self.backend = runtime().backends[self.backend_name]
-
-    def check_open(self) -> None:
-        for m in self.meshes:
-            m.check_open()
-
-    def call_async(self, device: int, fn: Callable, *args):
-        return self.actors[device].call.remote(fn, *args)
-
-    def rendezvous(self, groups: Sequence[tuple[int, ...]]) -> list:
-        """Fresh rendezvous information for each group (a new communicator, never a cached one)."""
-        members = sorted({d for g in groups for d in g})
-        return self.backend.rendezvous([tuple(g) for g in groups], {d: self.actors[d] for d in members})
-
-    def get(self, refs, timeout_s: float):
-        import ray
-
-        return ray.get(refs, timeout=timeout_s)
-
-
-# actor-side entry points (run as fn(ctx, ...) inside the device actor)
+# actor-side entry points (run as fn(ctx, ...) inside the device actor, through ordered calls)
 
 
 def _install(ctx, spec) -> None:
-    from . import pipeline_worker
-
-    pipeline_worker.install(ctx, spec)
+    stage_worker.install(ctx, spec)
 
 
-def _start(ctx, pipeline_id: str, device: int, spec) -> None:
-    from . import pipeline_worker
-
-    pipeline_worker.worker(pipeline_id, device).start(spec)
+def _start(ctx, pipeline_id: str, spec) -> None:
+    stage_worker.worker(ctx, pipeline_id).start(spec)
 
 
-def _poll(ctx, pipeline_id: str, device: int, wait_s: float) -> dict:
-    from . import pipeline_worker
-
-    return pipeline_worker.worker(pipeline_id, device).poll(wait_s)
+def _poll(ctx, pipeline_id: str, wait_s: float) -> dict:
+    return stage_worker.worker(ctx, pipeline_id).poll(wait_s)
 
 
-def _abort(ctx, pipeline_id: str, device: int) -> None:
-    from . import pipeline_worker
-
-    pipeline_worker.worker(pipeline_id, device).abort()
+def _abort(ctx, pipeline_id: str) -> None:
+    stage_worker.worker(ctx, pipeline_id).abort()
 
 
-def _apply(ctx, pipeline_id: str, device: int, fn: Callable, args: tuple) -> Any:
-    from . import pipeline_worker
-
-    w = pipeline_worker.worker(pipeline_id, device)
+def _apply(ctx, pipeline_id: str, fn: Callable, args: tuple) -> Any:
+    w = stage_worker.worker(ctx, pipeline_id)
     if w.iteration is not None and not w.iteration.finished.is_set():
-        raise RuntimeError(f"stage {w.spec.stage} device {device} is running an iteration")
+        raise RuntimeError(f"stage {w.spec.stage} device {w.spec.device} is running an iteration")
     return fn(w.ctx, *args)
 
 
-def _uninstall(ctx, pipeline_id: str, device: int) -> None:
-    from . import pipeline_worker
-
-    pipeline_worker.uninstall(pipeline_id, device)
+def _uninstall(ctx, pipeline_id: str) -> None:
+    stage_worker.uninstall(ctx, pipeline_id)
 
 
 # ----------------------------------------------------------------------------------------------
 # the driver
-
-
-_ERROR_RANK = {"user": 0, "slow": 1, "transfer": 2, "timeout": 3, "internal": 4}
 
 
 class Pipeline:
@@ -280,7 +233,7 @@ class Pipeline:
             raise ValueError("a pipeline needs at least one stage, got 0")
         for i, s in enumerate(stages):
             if not isinstance(s, Stage):
-                raise TypeError(f"stages[{i}] must be a scheduler.pipeline.Stage, got {type(s).__name__}")
+                raise TypeError(f"stages[{i}] must be a scheduler.runtime.Stage, got {type(s).__name__}")
             if not callable(s.forward):
                 raise TypeError(f"stage {i}: forward must be callable, got {s.forward!r}")
             for name in ("backward", "setup"):
@@ -307,34 +260,41 @@ class Pipeline:
         self.stage_of = seen
         self.devices = [d for m in self.meshes for d in m.device_ids]
         self._lane_programs = self._lower_lanes()
-        self._backend: _Devices | None = None
+        self._records = {r.id: r for s in self.stages for r in s.mesh.records}
+        self._keys: list = []  # the pipeline's communicator keys, pinned while it lives
         self._installed = False
+        self._connected = False
         self._closed = False
         self._plans: dict[tuple[str, tuple, bool], PipelinePlan] = {}
 
     # -- planning (pure)
 
     def _lower_lanes(self):
-        """Per lane (a, b): the lowered reshard program, for both directions of every boundary."""
+        """Per lane (a, b): the compiled reshard program, for both directions of every boundary."""
         out = {}
         for a in range(self.n_stages - 1):
             b = a + 1
             src, dst = self.stages[a], self.stages[b]
-            cluster = runtime().planning_cluster(dst.mesh.backend, src.mesh.mesh, dst.mesh.mesh)
-            for lane, plan in (
-                ((a, b), plan_reshard(src.out_shape, src.dtype, src.out_layout, dst.in_layout,
-                                      strategy=self.strategy, cluster=cluster)),
-                ((b, a), plan_reshard(dst.in_shape, dst.dtype, dst.in_layout, src.out_layout,
-                                      strategy=self.strategy, cluster=cluster)),
-            ):  # fmt: skip
-                validate_plan(plan)
-                out[lane] = lower_plan(plan)
-                validate_program(out[lane])
+            hosts = device_hosts(src.mesh.mesh, dst.mesh.mesh)
+            cluster = runtime().planning_cluster(dst.mesh.backend, hosts)
+            options = compile_options(dst.mesh.backend)
+            for lane, (shape, s_layout, d_layout) in (
+                ((a, b), (src.out_shape, src.out_layout, dst.in_layout)),
+                ((b, a), (dst.in_shape, dst.in_layout, src.out_layout)),
+            ):
+                compiled = compile_reshard(
+                    shape, src.dtype, s_layout, d_layout, strategy=self.strategy, cluster=cluster, options=options
+                )
+                out[lane] = compiled.program
         return out
 
-    def _worker_spec(self, device: int, rendezvous: Sequence[tuple]):
-        from .pipeline_worker import WorkerSpec
+    def channel(self, what: str, index) -> str:
+        """The communicator channel of a lane ``(a, b)`` or of stage ``s``'s mesh."""
+        if what == "lane":
+            return f"pipeline:{self.pipeline_id}:lane:{index[0]}-{index[1]}"
+        return f"pipeline:{self.pipeline_id}:stage:{index}"
 
+    def _worker_spec(self, device: int) -> WorkerSpec:
         s = self.stage_of[device]
         stage = self.stages[s]
         mesh = self.meshes[s]
@@ -343,24 +303,25 @@ class Pipeline:
         out_local = _local_shape(stage.out_layout, stage.out_shape, flat)
         send = {lane: prog.for_device(device) for lane, prog in self._lane_programs.items() if lane[0] == s}
         recv = {lane: prog.for_device(device) for lane, prog in self._lane_programs.items() if lane[1] == s}
+        channels = {lane: self.channel("lane", lane) for lane in (*send, *recv)}
         return WorkerSpec(
             pipeline_id=self.pipeline_id, stage=s, n_stages=self.n_stages, device=device,
             coords=mesh.coords(flat), mesh_shape=mesh.shape, mesh_devices=mesh.device_ids,
             forward=stage.forward, backward=stage.backward, setup=stage.setup, dtype=stage.dtype,
             in_local_shape=in_local, out_local_shape=out_local, send_programs=send, recv_programs=recv,
-            timeout_s=self.timeout_s, name=stage.name,
-            rendezvous=tuple((ch, g, info) for ch, g, info in rendezvous if device in g),
+            timeout_s=self.timeout_s, name=stage.name, lane_channels=channels,
+            stage_channel=self.channel("stage", s),
         )  # fmt: skip
 
-    def _connect_order(self) -> list[tuple[tuple, tuple[int, ...]]]:
-        """Every (channel, group) communicator of this pipeline, in one global order: each lane
-        (directed stage pair) and each stage mesh (its intra-stage groups) is a channel with
-        communicators of its own."""
-        pairs: dict = {}
-        for lane, program in self._lane_programs.items():
-            pairs[("lane", lane)] = list(program.groups)
-        pairs.update(self._stage_groups())
-        return sorted(((ch, tuple(g)) for ch, gs in pairs.items() for g in gs), key=repr)
+    def _connect_order(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every communicator of this pipeline as a group key ``(channel, devices)``, in one
+        global order: each lane and each stage mesh is a channel with communicators of its own."""
+        keys = []
+        for lane, program in sorted(self._lane_programs.items()):
+            keys += [(self.channel("lane", lane), tuple(g)) for g in program.groups]
+        for s, groups in sorted(self._stage_groups().items()):
+            keys += [(self.channel("stage", s), g) for g in groups]
+        return keys
 
     def _stage_groups(self) -> dict:
         groups: dict = {}
@@ -377,7 +338,7 @@ class Pipeline:
                     ]  # fmt: skip
                     if len(members) > 1:
                         gs.add(tuple(sorted(members)))
-            groups[("stage", s)] = sorted(gs)
+            groups[s] = sorted(gs)
         return groups
 
     def plan(self, schedule: Schedule, *, overlap: bool = True) -> PipelinePlan:
@@ -398,34 +359,52 @@ class Pipeline:
 
     # -- setup
 
-    def _ensure_installed(self) -> _Devices:
+    def _ensure_installed(self) -> None:
         if self._closed:
             raise ReshardError("this pipeline was closed; build a new one")
-        if self._backend is None:
-            self._backend = _Devices([s.mesh for s in self.stages])
-        self._backend.check_open()
+        for st in self.stages:
+            st.mesh.check_open()
+        rt = runtime()
+        if not self._connected:
+            self._keys = rt.ensure_keys(self._connect_order(), timeout_s=self.timeout_s, pin=True)
+            self._connected = True
         if not self._installed:
-            order = self._connect_order()
-            infos = self._backend.rendezvous([g for _, g in order])
-            rendezvous = [(ch, g, r.info) for (ch, g), r in zip(order, infos, strict=True)]
-            refs = [self._backend.call_async(d, _install, self._worker_spec(d, rendezvous)) for d in self.devices]
-            self._get(refs, self.timeout_s, "setting up the stage workers (communicators, setup callables)")
+            self._call(self.devices, _install, lambda d: (self._worker_spec(d),), self.timeout_s,
+                       "setting up the stage workers (setup callables)")  # fmt: skip
             self._installed = True
-        return self._backend
 
-    def _get(self, refs, timeout_s: float, what: str):
-        try:
-            return self._backend.get(refs, timeout_s)
-        except ReshardError:
-            raise
-        except Exception as exc:
-            cause = getattr(exc, "cause", None) or exc
-            text = str(cause)
-            if "GetTimeoutError" in type(exc).__name__ or isinstance(exc, TimeoutError):
-                raise PipelineTimeout(f"{what}: no answer within {timeout_s:g} s", kind="timeout") from exc
-            if "ActorDied" in type(exc).__name__ or "ActorError" in type(exc).__name__:
-                raise WorkerDied(f"{what}: a device actor died: {text}") from exc
-            raise PipelineError(f"{what} failed: {type(cause).__name__}: {text}") from exc
+    def _call(self, devices, fn, args_of, timeout_s: float, what: str, *, wait: bool = True):
+        """Ordered ``call(fn, *args_of(device))`` on ``devices``; their results in that order."""
+        rt = runtime()
+        deadline = time.monotonic() + timeout_s
+        wall = time.time() + timeout_s
+        refs = {}
+        with rt.lock:
+            for d in devices:
+                rec = self._records[d]
+                args = args_of(d)
+                refs[d] = rt.submit(rec, lambda t, rec=rec, args=args: rec.actor.call.remote(t, fn, args, {}, wall))
+        outcome = rt.wait(refs, deadline, what)
+        if outcome.ok:
+            return [outcome.results[d] for d in devices]
+        if outcome.died or outcome.pending:
+            self._installed = self._connected = False
+            self._forget_groups()
+        errors = [f for f in outcome.failures.values() if f.kind is FailureKind.ERROR]
+        if errors and not outcome.died:
+            err = errors[0].error
+            raise PipelineError(f"{what} failed: {type(err).__name__}: {err}") from err
+        if outcome.pending and not outcome.failures:
+            raise PipelineTimeout(f"{what}: no answer within {timeout_s:g} s", kind=ErrorKind.TIMEOUT)
+        raise failure_error(outcome, what, timeout_s)
+
+    def _forget_groups(self) -> None:
+        """Drop this pipeline's communicators everywhere (new ones are set up before the next run)."""
+        rt = runtime()
+        with rt.lock:
+            rt.unpin_groups(self._keys)
+            rt.forget_keys(self._keys)
+        self._connected = False
 
     # -- running
 
@@ -454,27 +433,22 @@ class Pipeline:
             targets = [np.ascontiguousarray(np.asarray(t)) for t in targets]
             if len(targets) != m:
                 raise ValueError(f"targets: expected one per microbatch ({m}), got {len(targets)}")
-        backend = self._ensure_installed()
-        from .pipeline_worker import IterationSpec
+        self._ensure_installed()
+
+        def spec(d):
+            s = self.stage_of[d]
+            last = s == self.n_stages - 1
+            iteration = IterationSpec(plan.stages[s], bool(overlap), per_device_inputs.get(d),
+                                      targets if last else None, timeout_s)  # fmt: skip
+            return self.pipeline_id, iteration
 
         t0 = time.perf_counter()
-        refs = []
-        for d in self.devices:
-            s = self.stage_of[d]
-            spec = IterationSpec(
-                plan=plan.stages[s],
-                overlap=bool(overlap),
-                inputs=per_device_inputs.get(d),
-                targets=targets if s == self.n_stages - 1 else None,
-                timeout_s=timeout_s,
-            )
-            refs.append(backend.call_async(d, _start, self.pipeline_id, d, spec))
-        self._get(refs, min(timeout_s, 60.0), "starting the iteration")
+        self._call(self.devices, _start, spec, min(timeout_s, 60.0), "starting the iteration")
         statuses = self._wait_all(timeout_s)
         driver_s = time.perf_counter() - t0
         errors = [e for st in statuses.values() for e in st["errors"]]
         if any(st["broken_lanes"] for st in statuses.values()):
-            self._installed = False  # fresh communicators (new rendezvous) before the next run
+            self._forget_groups()  # fresh communicators (new generations) before the next run
         if errors:
             raise _as_error(errors)
         return self._result(schedule, bool(overlap), statuses, driver_s)
@@ -500,7 +474,6 @@ class Pipeline:
         return out
 
     def _wait_all(self, timeout_s: float) -> dict[int, dict]:
-        backend = self._backend
         deadline = time.monotonic() + timeout_s + 15.0
         pending = list(self.devices)
         statuses: dict[int, dict] = {}
@@ -511,18 +484,14 @@ class Pipeline:
             if remaining <= 0:
                 raise self._timeout_error(timeout_s, pending, last)
             wait_s = min(1.0, max(0.05, remaining))
-            refs = [backend.call_async(d, _poll, self.pipeline_id, d, wait_s) for d in pending]
-            answers = self._get(refs, wait_s + 30.0, "waiting for the iteration")
+            args = (self.pipeline_id, wait_s)
+            answers = self._call(pending, _poll, lambda d, args=args: args, wait_s + 30.0, "waiting for the iteration")
             still = []
             for d, st in zip(pending, answers, strict=True):
                 last[d] = st
                 if st["errors"] and not aborted:
                     aborted = True
-                    self._get(
-                        [backend.call_async(x, _abort, self.pipeline_id, x) for x in self.devices],
-                        30.0,
-                        "aborting the iteration",
-                    )
+                    self._call(self.devices, _abort, lambda d: (self.pipeline_id,), 30.0, "aborting the iteration")
                 if st["state"] == "done":
                     statuses[d] = st
                 else:
@@ -532,6 +501,7 @@ class Pipeline:
 
     def _timeout_error(self, timeout_s: float, pending: list[int], last: dict[int, dict]) -> PipelineTimeout:
         self._installed = False  # fresh workers and communicators before the next run
+        self._forget_groups()
         where = "; ".join(
             f"stage {self.stage_of[d]} device {d}: {last.get(d, {}).get('current', 'no answer')}" for d in pending
         )
@@ -546,7 +516,7 @@ class Pipeline:
             )  # fmt: skip
         return PipelineTimeout(
             f"pipeline iteration did not finish within {timeout_s:g} s; still running: {where}",
-            kind="timeout",
+            kind=ErrorKind.TIMEOUT,
             stage=self.stage_of[first],
             device=first,
         )
@@ -611,30 +581,23 @@ class Pipeline:
     def apply(self, fn: Callable, *args, stages: Sequence[int] | None = None) -> list[list[Any]]:
         """Run ``fn(ctx, *args)`` on every device of the chosen stages (default all), between
         iterations (read gradients, step an optimizer); results per stage, per device in mesh order."""
-        backend = self._ensure_installed()
+        self._ensure_installed()
         chosen = range(self.n_stages) if stages is None else list(stages)
-        refs = {
-            (s, d): backend.call_async(d, _apply, self.pipeline_id, d, fn, args)
-            for s in chosen
-            for d in self.meshes[s].device_ids
-        }
-        values = self._get(list(refs.values()), self.timeout_s, "apply")
-        out: list[list[Any]] = [[] for _ in chosen]
-        for (s, _), v in zip(refs, values, strict=True):
-            out[list(chosen).index(s)].append(v)
-        return out
+        devices = [d for s in chosen for d in self.meshes[s].device_ids]
+        values = dict(zip(devices, self._call(devices, _apply, lambda d: (self.pipeline_id, fn, args),
+                                               self.timeout_s, "apply"), strict=True))  # fmt: skip
+        return [[values[d] for d in self.meshes[s].device_ids] for s in chosen]
 
     def close(self) -> None:
         """Stop the workers' threads and drop their state (the meshes stay up)."""
         if self._closed:
             return
         self._closed = True
-        if self._backend is not None:  # also after a failure that left workers to be re-installed
-            try:
-                refs = [self._backend.call_async(d, _uninstall, self.pipeline_id, d) for d in self.devices]
-                self._backend.get(refs, 30.0)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+        try:  # also after a failure that left workers to be re-installed
+            self._call(self.devices, _uninstall, lambda d: (self.pipeline_id,), 30.0, "closing the pipeline")
+        except Exception:  # noqa: BLE001 - best effort at shutdown: a dead or closed mesh has nothing left
+            pass
+        self._forget_groups()
 
     def __enter__(self) -> Pipeline:
         return self
@@ -716,23 +679,24 @@ def _local_shape(layout: Layout | None, shape, flat: int):
 
 def _as_error(errors: Sequence[dict]) -> PipelineError:
     """The root cause among the workers' errors: a user error first, then the earliest."""
-    root = min(errors, key=lambda e: (_ERROR_RANK.get(e["kind"], 9), e["time"]))
+    root = min(errors, key=lambda e: (list(ErrorKind).index(ErrorKind(e["kind"])), e["time"]))
     phase = {"F": "forward", "B": "backward"}.get(root["phase"], "step")
     where = f"stage {root['stage']} (device {root['device']})"
     if root["microbatch"] is not None:
         where += f" {phase} of microbatch {root['microbatch']}"
-    what = {"user": "raised", "slow": "timed out:", "transfer": "transfer failed:", "timeout": "timed out:"}.get(
-        root["kind"], "failed:"
-    )
+    what = {
+        ErrorKind.USER: "raised", ErrorKind.SLOW: "timed out:", ErrorKind.TRANSFER: "transfer failed:",
+        ErrorKind.TIMEOUT: "timed out:",
+    }.get(ErrorKind(root["kind"]), "failed:")  # fmt: skip
     extra = f" [{root['transfer']}]" if "transfer" in root else ""
     message = f"{where}{extra} {what} {root['type']}: {root['message']}"
     if len(errors) > 1:
         message += f" (+{len(errors) - 1} follow-on error(s) on other workers)"
     message += "\n--- remote traceback ---\n" + root["traceback"]
-    cls = PipelineTimeout if root["kind"] in ("timeout", "slow") else PipelineError
+    cls = PipelineTimeout if ErrorKind(root["kind"]) in (ErrorKind.TIMEOUT, ErrorKind.SLOW) else PipelineError
     return cls(
         message,
-        kind=root["kind"],
+        kind=ErrorKind(root["kind"]),
         stage=root["stage"],
         device=root["device"],
         microbatch=root["microbatch"],

@@ -1,6 +1,6 @@
 """Actor side of the pipeline runtime: one `StageWorker` per device of every stage mesh.
 
-Runtime layer (imports torch). The driver (`scheduler.pipeline`) ships each device a `WorkerSpec`
+Runtime layer (imports torch). The driver (`scheduler.runtime.pipeline`) ships each device a `WorkerSpec`
 once and a `StagePlan` per iteration; this module runs them.
 
 Threads of one worker:
@@ -27,6 +27,7 @@ iteration. Every wait has a deadline.
 
 from __future__ import annotations
 
+import enum
 import math
 import queue
 import threading
@@ -38,12 +39,23 @@ from typing import Any
 
 import torch
 
-from reshard.lowering import DeviceProgram
-from reshard.runtime.communicator import Rendezvous
-from reshard.runtime.executor import StagingBuffer, compile_program, run_program, torch_dtype
+from reshard.errors import ReshardTimeout
+from reshard.program import DeviceProgram
+from reshard.runtime.executor import Run, StagingBuffer, execute, prepare, torch_dtype
+from scheduler.ir import Payload, Phase
+from scheduler.pipeline_plan import Lane, StagePlan, payload_name
 
-from .ir import Payload, Phase
-from .pipeline_plan import Lane, StagePlan, payload_name
+LANE_STAGING_KEEP_BYTES = 1 << 20
+
+
+class ErrorKind(str, enum.Enum):
+    """What failed in an iteration, in the order the root cause is chosen."""
+
+    USER = "user"  # a stage callable raised
+    SLOW = "slow"  # a callable ran past the iteration deadline
+    TRANSFER = "transfer"  # a transfer failed
+    TIMEOUT = "timeout"  # a wait passed the iteration deadline
+    INTERNAL = "internal"
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,8 @@ class WorkerSpec:
     recv_programs: dict[Lane, DeviceProgram]
     timeout_s: float
     name: str = ""
-    rendezvous: tuple = ()  # (channel, group, info) with this device, in the global connect order
+    lane_channels: dict[Lane, str] = field(default_factory=dict)  # lane -> its communicator channel
+    stage_channel: str = ""  # the channel of this stage mesh's groups (all_reduce)
 
 
 @dataclass
@@ -156,29 +169,17 @@ class MicrobatchContext:
 
 
 # ----------------------------------------------------------------------------------------------
-# what a lane hands the runtime's program interpreter
+# what a lane hands the runtime's executor
 
 
-class _LaneExec:
-    """The slice of a ``DeviceContext`` that ``reshard.runtime.executor.run_program`` uses, owned
-    by one lane thread (its own staging buffer), and the lane's communicators as ``groups``."""
+class _LaneGroups:
+    """A lane's communicators, by device tuple, from the controller's cache on this device."""
 
-    def __init__(self, worker: StageWorker, channel: tuple):
-        self.worker = worker
-        self.channel = channel
-        self.device = worker.spec.device
-        self.staging = StagingBuffer(worker.torch_device, 1 << 20)
+    def __init__(self, worker: StageWorker, channel: str):
+        self.worker, self.channel = worker, channel
 
-    @property
-    def before_op(self):
-        """The device's ``before_op(ctx, op)`` hook (tracing, fault injection), read at each run."""
-        return getattr(self.worker.device_ctx, "before_op", None)
-
-    def note_peak(self, nbytes: int) -> None:
-        pass
-
-    def get(self, group: tuple[int, ...]):
-        return self.worker.communicator(self.channel, group)
+    def get(self, devices):
+        return self.worker.communicator(self.channel, devices)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,19 +278,19 @@ class _LaneThread:
 class StageWorker:
     """One device's share of a pipeline: user state, lane threads, the running iteration."""
 
-    def __init__(self, spec: WorkerSpec, device_ctx: Any):
+    def __init__(self, spec: WorkerSpec, device_ctx: Any, groups):
         self.spec = spec
         self.device_ctx = device_ctx
+        self.groups = groups  # the controller's GroupCache on this device
         self.torch_device = getattr(device_ctx, "torch_device", torch.device("cpu"))
         self.dtype = torch_dtype(spec.dtype)
         self.ctx = StageContext(self)
-        self.comms: dict[tuple, Any] = {}
-        self.compiled = {
-            (lane, role): compile_program(program, spec.dtype)
+        self.prepared = {
+            (lane, role): prepare(program, spec.dtype)
             for role, programs in (("send", spec.send_programs), ("recv", spec.recv_programs))
             for lane, program in programs.items()
         }
-        self.execs: dict[tuple, _LaneExec] = {}
+        self.staging = {key: StagingBuffer(self.torch_device, LANE_STAGING_KEEP_BYTES) for key in self.prepared}
         self.lanes: dict[tuple[Lane, str], _LaneThread] = {}
         for lane in spec.send_programs:
             self.lanes[(lane, "send")] = _LaneThread(self, lane, "send")
@@ -297,7 +298,6 @@ class StageWorker:
             self.lanes[(lane, "recv")] = _LaneThread(self, lane, "recv")
         self.iteration: _Iteration | None = None
         self.saved: dict[int, MicrobatchContext] = {}
-        self.connect(spec.rendezvous)
         if spec.setup is not None:
             try:
                 self.ctx.state = spec.setup(self.ctx)
@@ -307,28 +307,8 @@ class StageWorker:
                     f"stage {spec.stage} (device {spec.device}): setup raised {type(exc).__name__}: {exc}"
                 ) from exc
 
-    def connect(self, rendezvous) -> None:
-        """Create and connect every communicator this device uses, one at a time, in the
-        driver's global order (the same on every device, so no two groups wait on each other):
-        lane threads then never create or connect a group concurrently. Each (channel, group) is
-        a communicator of its own, from its own rendezvous: two lanes over the same devices never
-        share one."""
-        backend = self.device_ctx.backend
-        device = self.spec.device
-        for channel, group, info in rendezvous:
-            group = tuple(group)
-            comm = backend.connect(Rendezvous(group, info), device, self.spec.timeout_s)
-            self.comms[(channel, group)] = comm
-            comm.timeout_s = min(self.spec.timeout_s, 60.0)
-            comm.broadcast(torch.zeros(1, dtype=torch.float32, device=self.torch_device), 0)
-
-    def communicator(self, channel: tuple, group: tuple[int, ...]):
-        try:
-            return self.comms[(channel, tuple(group))]
-        except KeyError:
-            raise RuntimeError(
-                f"device {self.spec.device}: no communicator for {channel} group {group} (not set up by the driver)"
-            ) from None
+    def communicator(self, channel: str, group: tuple[int, ...]):
+        return self.groups.get((channel, tuple(sorted(group))))
 
     # -- collectives inside the stage mesh (compute thread or driver calls only)
 
@@ -349,16 +329,12 @@ class StageWorker:
         group = self._axis_group(axis)
         if len(group) == 1:
             return tensor
-        comm = self.communicator(("stage", self.spec.stage), group)
+        comm = self.communicator(self.spec.stage_channel, group)
         it = self.iteration
         running = it is not None and not it.finished.is_set()
         comm.timeout_s = max(it.remaining_s(), 1e-3) if running else self.spec.timeout_s
-        tensor = tensor.contiguous()
-        total = None
-        for rank in range(len(group)):
-            buf = tensor.clone() if group[rank] == self.spec.device else torch.empty_like(tensor)
-            comm.broadcast(buf, rank)
-            total = buf if total is None else total + buf
+        total = tensor.contiguous().clone()
+        comm.all_reduce(total, "sum")
         return total
 
     # -- iteration control (called by the driver through the device actor)
@@ -410,15 +386,9 @@ class StageWorker:
         return status
 
     def close(self) -> None:
+        """Stop the lane threads (the communicators are the controller's: it drops them)."""
         for lane in self.lanes.values():
             lane.stop()
-        broken = self.iteration is not None and (self.iteration.broken_lanes or not self.iteration.finished.is_set())
-        for comm in self.comms.values():
-            try:
-                comm.abort() if broken else comm.close()
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-        self.comms.clear()
 
     # -- the compute thread
 
@@ -455,7 +425,7 @@ class StageWorker:
                                 f"{'forward' if forward else 'backward'} ran {time.time() - start:.3g} s and "
                                 f"passed the iteration deadline ({it.spec.timeout_s:g} s)"
                             )
-                            it.fail(_error_info("slow", spec, k, action.phase, late))
+                            it.fail(_error_info(ErrorKind.SLOW, spec, k, action.phase, late))
                 end = time.time()
                 it.events.append(("forward" if forward else "backward", label, start, end))
                 it.held.append(len(self.saved))
@@ -468,7 +438,13 @@ class StageWorker:
                         it.wait(it.slots[p].done, f"send {payload_name(p)} after {label} on stage {spec.stage}")
             except BaseException as exc:  # noqa: BLE001 - a deadline or an internal error: stop computing
                 it.fail(
-                    _error_info("timeout" if isinstance(exc, TimeoutError) else "internal", spec, k, action.phase, exc)
+                    _error_info(
+                        ErrorKind.TIMEOUT if isinstance(exc, TimeoutError) else ErrorKind.INTERNAL,
+                        spec,
+                        k,
+                        action.phase,
+                        exc,
+                    )
                 )
                 for p in step.outputs:  # let the lanes drain with zeros
                     if not it.slots[p].ready.is_set():
@@ -477,7 +453,8 @@ class StageWorker:
                 break
         it.current = "finished computing"
         if len(self.saved) and not it.errors:
-            it.fail(_error_info("internal", spec, None, None, RuntimeError(f"{len(self.saved)} saved contexts left")))
+            left = RuntimeError(f"{len(self.saved)} saved contexts left")
+            it.fail(_error_info(ErrorKind.INTERNAL, spec, None, None, left))
         self.saved.clear()
         it.one_done()
 
@@ -531,7 +508,7 @@ class StageWorker:
         except StageFailure:
             raise
         except BaseException as exc:  # noqa: BLE001 - the user's callable failed
-            raise StageFailure(_error_info("user", spec, k, phase, exc)) from exc
+            raise StageFailure(_error_info(ErrorKind.USER, spec, k, phase, exc)) from exc
 
     def _check_out(self, t, shape, what: str, k: int, name: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -552,16 +529,24 @@ class StageWorker:
         if lane in it.broken_lanes:
             self._fill_broken(it, role, p)
             return
-        compiled = self.compiled[(lane, role)]
-        program = compiled.program
-        ex = self.execs.get((lane, role))
-        if ex is None:
-            ex = self.execs[(lane, role)] = _LaneExec(self, ("lane", lane))
+        prepared = self.prepared[(lane, role)]
+        program = prepared.program
+        staging = self.staging[(lane, role)]
+        groups = _LaneGroups(self, self.spec.lane_channels[lane])
+
+        def run(src, dst) -> None:
+            staging.reserve(program.staging_bytes)
+            try:
+                deadline = time.monotonic() + max(it.remaining_s(), 1e-3)
+                execute(Run(prepared, src, dst, {}, groups, staging, deadline, self.device_ctx.before_op))
+            finally:
+                staging.trim()
+
         if role == "send":
             it.wait(slot.ready, f"the output {payload_name(p)} to send")
             src = slot.tensor
             start = time.time()
-            run_program(ex, compiled, src, None, max(it.remaining_s(), 1e-3), ex)
+            run(src, None)
             end = time.time()
             slot.tensor = None
             slot.done.set()
@@ -569,7 +554,7 @@ class StageWorker:
             shape = program.dst_shape
             dst = None if shape is None else torch.empty(shape, dtype=self.dtype, device=self.torch_device)
             start = time.time()
-            run_program(ex, compiled, None, dst, max(it.remaining_s(), 1e-3), ex)
+            run(None, dst)
             end = time.time()
             slot.tensor = dst
             slot.ready.set()
@@ -596,16 +581,14 @@ class StageWorker:
         blocked on them fail at once instead of at their timeout), fill this lane's remaining
         receives with zeros, and let the driver re-create the communicators before the next run."""
         it.broken_lanes.add(lane)
-        kind = "timeout" if isinstance(exc, TimeoutError) or "imeout" in str(exc) else "transfer"
+        kind = ErrorKind.TIMEOUT if isinstance(exc, TimeoutError | ReshardTimeout) else ErrorKind.TRANSFER
         info = _error_info(kind, self.spec, p.microbatch, p.phase, exc)
         info["transfer"] = f"{role} {payload_name(p)}"
         it.fail(info)
-        for (channel, _), comm in list(self.comms.items()):
-            if channel == ("lane", lane):
-                try:
-                    comm.abort()
-                except Exception:  # noqa: BLE001 - already broken
-                    pass
+        channel = self.spec.lane_channels[lane]
+        programs = (self.spec.send_programs.get(lane), self.spec.recv_programs.get(lane))
+        keys = [(channel, g) for prog in programs if prog is not None for g in prog.connect]
+        self.groups.abort(keys, f"the lane {lane} failed")
         self._fill_broken(it, role, p)
 
 
@@ -623,9 +606,9 @@ def _as_float(y) -> float:
     return float(y)
 
 
-def _error_info(kind: str, spec: WorkerSpec, microbatch, phase, exc: BaseException) -> dict:
+def _error_info(kind: ErrorKind, spec: WorkerSpec, microbatch, phase, exc: BaseException) -> dict:
     return {
-        "kind": kind,
+        "kind": kind.value,
         "stage": spec.stage,
         "device": spec.device,
         "microbatch": microbatch,
@@ -638,34 +621,30 @@ def _error_info(kind: str, spec: WorkerSpec, microbatch, phase, exc: BaseExcepti
 
 
 # ----------------------------------------------------------------------------------------------
-# per-process registry: entry points the driver calls through the device actor
+# this device's workers, kept on its DeviceContext (one per pipeline)
 
-
-@dataclass
-class _Registry:
-    workers: dict[tuple[str, int], StageWorker] = field(default_factory=dict)
-
-
-REGISTRY = _Registry()
+_KEY = "scheduler.pipelines"
 
 
 def install(device_ctx: Any, spec: WorkerSpec) -> None:
-    """(Re)create this device's worker for `spec.pipeline_id` (closing an older one)."""
-    key = (spec.pipeline_id, spec.device)
-    old = REGISTRY.workers.pop(key, None)
+    """(Re)create this device's worker for ``spec.pipeline_id`` (closing an older one), with the
+    communicators of the calling controller (this runs inside an ordered ``call``)."""
+    workers = device_ctx.extensions.setdefault(_KEY, {})
+    old = workers.pop(spec.pipeline_id, None)
     if old is not None:
         old.close()
-    REGISTRY.workers[key] = StageWorker(spec, device_ctx)
+    groups = device_ctx.controller(device_ctx.caller).groups
+    workers[spec.pipeline_id] = StageWorker(spec, device_ctx, groups)
 
 
-def worker(pipeline_id: str, device: int) -> StageWorker:
+def worker(device_ctx: Any, pipeline_id: str) -> StageWorker:
     try:
-        return REGISTRY.workers[(pipeline_id, device)]
+        return device_ctx.extensions.get(_KEY, {})[pipeline_id]
     except KeyError:
-        raise RuntimeError(f"pipeline {pipeline_id} has no worker on device {device} (closed?)") from None
+        raise RuntimeError(f"pipeline {pipeline_id} has no worker on device {device_ctx.device} (closed?)") from None
 
 
-def uninstall(pipeline_id: str, device: int) -> None:
-    w = REGISTRY.workers.pop((pipeline_id, device), None)
+def uninstall(device_ctx: Any, pipeline_id: str) -> None:
+    w = device_ctx.extensions.get(_KEY, {}).pop(pipeline_id, None)
     if w is not None:
         w.close()

@@ -133,7 +133,7 @@ def model_pipeline(pool):
     from functools import partial
 
     from reshard import DeviceMesh
-    from scheduler.pipeline import Pipeline, Stage
+    from scheduler.runtime import Pipeline, Stage
 
     ids = pool.device_ids
     m0 = DeviceMesh.from_devices(ids[0:2], (1, 2))
@@ -241,7 +241,7 @@ def setup_small(ctx):
 @pytest.fixture(scope="module")
 def small_pipeline(pool):
     from reshard import DeviceMesh
-    from scheduler.pipeline import Pipeline, Stage
+    from scheduler.runtime import Pipeline, Stage
 
     a = DeviceMesh.from_devices(pool.device_ids[5:6], (1, 1))
     b = DeviceMesh.from_devices(pool.device_ids[6:7], (1, 1))
@@ -261,7 +261,7 @@ def set_state(ctx, key, value):
 
 
 def test_callable_error_names_stage_and_microbatch_then_pipeline_still_works(small_pipeline):
-    from scheduler.pipeline import PipelineError
+    from scheduler.runtime import PipelineError
 
     pipe = small_pipeline
     pipe.apply(set_state, "fail", (1, 2), stages=[1])
@@ -280,7 +280,7 @@ def test_callable_error_names_stage_and_microbatch_then_pipeline_still_works(sma
 
 
 def test_backward_error_is_located(small_pipeline):
-    from scheduler.pipeline import PipelineError
+    from scheduler.runtime import PipelineError
 
     pipe = small_pipeline
     pipe.apply(set_state, "fail_b", (1, 3), stages=[1])
@@ -292,7 +292,7 @@ def test_backward_error_is_located(small_pipeline):
 
 
 def test_output_of_the_wrong_shape_is_located(small_pipeline):
-    from scheduler.pipeline import PipelineError
+    from scheduler.runtime import PipelineError
 
     pipe = small_pipeline
     pipe.apply(set_state, "bad_shape", (0, 1), stages=[0])
@@ -305,7 +305,7 @@ def test_output_of_the_wrong_shape_is_located(small_pipeline):
 
 
 def test_slow_callable_times_out_located_then_pipeline_recovers(small_pipeline):
-    from scheduler.pipeline import PipelineTimeout
+    from scheduler.runtime import PipelineTimeout
 
     pipe = small_pipeline
     pipe.apply(set_state, "sleep", (1, 1), stages=[1])
@@ -321,10 +321,10 @@ def test_slow_callable_times_out_located_then_pipeline_recovers(small_pipeline):
 def _fail_first_pipeline_send(ctx):
     state = {"armed": True}
 
-    def hook(lane_ctx, op):
-        from reshard.lowering import OpKind
+    def hook(run, op):
+        from reshard.program import Send
 
-        if state["armed"] and hasattr(lane_ctx, "channel") and op.kind is OpKind.SEND:
+        if state["armed"] and run.groups.channel.startswith("pipeline:") and isinstance(op, Send):
             state["armed"] = False
             raise RuntimeError("injected link failure")
 
@@ -336,7 +336,7 @@ def _clear_hook(ctx):
 
 
 def test_transfer_failure_surfaces_fast_and_communicators_are_rebuilt(small_pipeline, pool):
-    from scheduler.pipeline import PipelineError
+    from scheduler.runtime import PipelineError
 
     pipe = small_pipeline
     pipe.run(eager_one_f_one_b(2, 2))
@@ -366,7 +366,7 @@ def test_invalid_schedule_shows_the_grid(small_pipeline):
 
 
 def test_bad_pipeline_definitions():
-    from scheduler.pipeline import Pipeline, Stage
+    from scheduler.runtime import Pipeline, Stage
     from topology import Mesh
 
     a, b = Mesh((1, 1), [100]), Mesh((1, 2), [101, 102])

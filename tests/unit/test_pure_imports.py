@@ -19,11 +19,10 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("ray", "torch", "cupy")
-PIPELINE_RUNTIME = {"scheduler.pipeline", "scheduler.pipeline_worker"}
 
 
 def _is_runtime(path: Path, name: str) -> bool:
-    if name in PIPELINE_RUNTIME or name.startswith("reshard.runtime"):
+    if name.startswith(("reshard.runtime", "scheduler.runtime")):
         return True
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     return "Runtime layer" in doc
