@@ -9,14 +9,18 @@ import sys
 def main(argv: list[str]) -> int:
     if argv[:1] == ["pipeline"]:
         from bench.pipeline import main as run
+
         return run(argv[1:])
     if argv[:1] == ["emulate"]:
         from bench.emulate import main as run
+
         return run(argv[1:])
     if "--simulate" in argv:
         from bench.simulated import main as run
+
         return run([a for a in argv if a != "--simulate"])
     from bench.local import main as run
+
     return run(argv)
 
 

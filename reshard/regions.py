@@ -78,4 +78,3 @@ def is_contiguous(box: Box, holder_shape: tuple[int, ...]) -> bool:
         return True
     dims.pop()  # the innermost partial dim may be any range
     return all(hi - lo == 1 for (lo, hi), _ in dims)
-

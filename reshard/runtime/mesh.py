@@ -348,7 +348,7 @@ class DeviceMesh:
     def check_open(self) -> None:
         """Raise MeshClosed (shut down, or Ray gone) or WorkerDied (a device died) unless usable."""
         if self._closed:
-            raise MeshClosed(f"{self!r} was shut down ({self._closed}); create a new mesh with DeviceMesh.create(...)")
+            raise MeshClosed(f"{self!r}: {self._closed}; create a new mesh with DeviceMesh.create(...)")
         runtime().registry.check(self.device_ids, repr(self))
 
     # ---------------------------------------------------------------- remote calls
@@ -392,7 +392,7 @@ class DeviceMesh:
         if self._closed:
             return
         reason = f"{self!r} was shut down"
-        self._closed = reason
+        self._closed = "it was shut down" if self.owned else "this view was shut down"
         rt = runtime()
         rt.registry.unregister_mesh(self, reason)
         if not self.owned:

@@ -150,6 +150,18 @@ class DeviceRegistry:
                 out.append(rec)
             return out
 
+    def check_session(self, devices, what: str) -> None:
+        """``MeshClosed`` unless Ray runs the session these devices were made in."""
+        session = Session.current()
+        with self.lock:
+            for d in devices:
+                rec = self.devices.get(d)
+                if rec is not None and rec.session != session:
+                    raise MeshClosed(
+                        f"{what}: device {d} belongs to Ray session {rec.session.name} job {rec.session.job}, "
+                        f"not to this one ({session.name} job {session.job}); its shards are gone with it"
+                    )
+
     def mark(self, devices, state: DeviceState, reason: str) -> None:
         with self.lock:
             for d in devices:

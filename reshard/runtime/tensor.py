@@ -155,12 +155,13 @@ class ShardedTensor:
     # ---------------------------------------------------------------- lifetime
 
     def free(self) -> None:
-        """Drop the shards on every device, for every handle (idempotent)."""
+        """Drop the shards on every device, for every handle (idempotent). ``MeshClosed`` when the
+        Ray session the tensor lived in is gone (its shards went with it)."""
         if self._freed:
             return
         self._freed = True
-        if ray.is_initialized():
-            runtime().free(self.mesh.device_ids, self.name)
+        runtime().registry.check_session(self.mesh.device_ids, f"freeing {self!r}")
+        runtime().free(self.mesh.device_ids, self.name)
 
     def __del__(self):
         try:

@@ -48,6 +48,13 @@ from scheduler.pipeline_plan import Lane, StagePlan, payload_name
 LANE_STAGING_KEEP_BYTES = 1 << 20
 
 
+class Role(str, enum.Enum):
+    """A lane thread's side of its transfers."""
+
+    SEND = "send"
+    RECV = "recv"
+
+
 class ErrorKind(str, enum.Enum):
     """What failed in an iteration, in the order the root cause is chosen."""
 
@@ -250,11 +257,11 @@ class _Iteration:
 class _LaneThread:
     """A persistent communication thread for one lane, with its queue."""
 
-    def __init__(self, worker: StageWorker, lane: Lane, role: str):
+    def __init__(self, worker: StageWorker, lane: Lane, role: Role):
         self.worker, self.lane, self.role = worker, lane, role
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(
-            target=self._loop, name=f"pipeline-lane-{lane[0]}->{lane[1]}-{role}", daemon=True
+            target=self._loop, name=f"pipeline-lane-{lane[0]}->{lane[1]}-{role.value}", daemon=True
         )
         self.thread.start()
 
@@ -287,15 +294,15 @@ class StageWorker:
         self.ctx = StageContext(self)
         self.prepared = {
             (lane, role): prepare(program, spec.dtype)
-            for role, programs in (("send", spec.send_programs), ("recv", spec.recv_programs))
+            for role, programs in ((Role.SEND, spec.send_programs), (Role.RECV, spec.recv_programs))
             for lane, program in programs.items()
         }
         self.staging = {key: StagingBuffer(self.torch_device, LANE_STAGING_KEEP_BYTES) for key in self.prepared}
         self.lanes: dict[tuple[Lane, str], _LaneThread] = {}
         for lane in spec.send_programs:
-            self.lanes[(lane, "send")] = _LaneThread(self, lane, "send")
+            self.lanes[(lane, Role.SEND)] = _LaneThread(self, lane, Role.SEND)
         for lane in spec.recv_programs:
-            self.lanes[(lane, "recv")] = _LaneThread(self, lane, "recv")
+            self.lanes[(lane, Role.RECV)] = _LaneThread(self, lane, Role.RECV)
         self.iteration: _Iteration | None = None
         self.saved: dict[int, MicrobatchContext] = {}
         if spec.setup is not None:
@@ -350,10 +357,10 @@ class StageWorker:
         self.iteration = it
         for lane, payloads in spec.plan.send_lanes.items():
             for p in payloads:
-                self.lanes[(lane, "send")].queue.put((it, p))
+                self.lanes[(lane, Role.SEND)].queue.put((it, p))
         for lane, payloads in spec.plan.recv_lanes.items():
             for p in payloads:
-                self.lanes[(lane, "recv")].queue.put((it, p))
+                self.lanes[(lane, Role.RECV)].queue.put((it, p))
         threading.Thread(target=self._compute_loop, args=(it,), name="pipeline-compute", daemon=True).start()
 
     def abort(self) -> None:
@@ -524,7 +531,7 @@ class StageWorker:
 
     # -- the lane threads
 
-    def _transfer(self, it: _Iteration, lane: Lane, role: str, p: Payload) -> None:
+    def _transfer(self, it: _Iteration, lane: Lane, role: Role, p: Payload) -> None:
         slot = it.slots[p]
         if lane in it.broken_lanes:
             self._fill_broken(it, role, p)
@@ -542,7 +549,7 @@ class StageWorker:
             finally:
                 staging.trim()
 
-        if role == "send":
+        if role is Role.SEND:
             it.wait(slot.ready, f"the output {payload_name(p)} to send")
             src = slot.tensor
             start = time.time()
@@ -561,14 +568,14 @@ class StageWorker:
         if program.ops:
             it.transfers.append(
                 {"payload": str(p), "phase": p.phase.value, "microbatch": p.microbatch, "src": p.src,
-                 "dst": p.dst, "role": role, "start": start, "end": end}
+                 "dst": p.dst, "role": role.value, "start": start, "end": end}
             )  # fmt: skip
-            if role == "send":
+            if role is Role.SEND:
                 it.events.append(("send", f"{p.phase.value}{p.microbatch}->{p.dst}", start, end))
 
-    def _fill_broken(self, it: _Iteration, role: str, p: Payload) -> None:
+    def _fill_broken(self, it: _Iteration, role: Role, p: Payload) -> None:
         slot = it.slots[p]
-        if role == "send":
+        if role is Role.SEND:
             slot.done.set()
         else:
             forward = p.phase is Phase.FORWARD
@@ -576,14 +583,14 @@ class StageWorker:
             slot.tensor = None if shape is None else torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
             slot.ready.set()
 
-    def _lane_failed(self, it: _Iteration, lane: Lane, role: str, p: Payload, exc: BaseException) -> None:
+    def _lane_failed(self, it: _Iteration, lane: Lane, role: Role, p: Payload, exc: BaseException) -> None:
         """A transfer failed: the lane's communicators are in an unknown state. Abort them (peers
         blocked on them fail at once instead of at their timeout), fill this lane's remaining
         receives with zeros, and let the driver re-create the communicators before the next run."""
         it.broken_lanes.add(lane)
         kind = ErrorKind.TIMEOUT if isinstance(exc, TimeoutError | ReshardTimeout) else ErrorKind.TRANSFER
         info = _error_info(kind, self.spec, p.microbatch, p.phase, exc)
-        info["transfer"] = f"{role} {payload_name(p)}"
+        info["transfer"] = f"{role.value} {payload_name(p)}"
         it.fail(info)
         channel = self.spec.lane_channels[lane]
         programs = (self.spec.send_programs.get(lane), self.spec.recv_programs.get(lane))

@@ -5,7 +5,6 @@ Recorded figures for the issue's target (4 stages, 8 microbatches, forward 1.0 s
 36.0 s (1.091x the no-communication time), GPipe 36.0 s.
 """
 
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
