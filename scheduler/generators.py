@@ -17,6 +17,7 @@ number of activations the stage holds.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from .grid import render_grid
 from .ir import (
@@ -112,12 +113,13 @@ def schedule_from_orders(
         for action in order:
             if not isinstance(action, Compute) or action.stage != s:
                 raise ValueError(f"orders[{s}]: {action!r} is not a compute of stage {s}")
+    computes = cast(list[tuple[Compute, ...]], parsed)  # checked just above
     return Schedule(
         name=name,
         n_stages=n,
         n_microbatches=n_microbatches,
-        streams=build_streams(parsed, skips),
-        clock_table=list_schedule(parsed, skips),
+        streams=build_streams(computes, skips),
+        clock_table=list_schedule(computes, skips),
         skips=skips,
     )
 

@@ -26,6 +26,7 @@ import enum
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from .grid import render_grid
 
@@ -226,9 +227,8 @@ def peers(
     """
     lower = ([stage - 1] if stage > 0 else []) + [i for i, j in skips if j == stage]
     upper = ([stage + 1] if stage < n_stages - 1 else []) + [j for i, j in skips if i == stage]
-    lower = tuple(sorted(lower, reverse=True))
-    upper = tuple(sorted(upper))
-    return (lower, upper) if phase is Phase.FORWARD else (upper, lower)
+    below, above = tuple(sorted(lower, reverse=True)), tuple(sorted(upper))
+    return (below, above) if phase is Phase.FORWARD else (above, below)
 
 
 def inputs_of(action: Compute, n_stages: int, skips: Sequence[tuple[int, int]] = ()) -> tuple[Payload, ...]:
@@ -365,9 +365,12 @@ class Schedule:
             n_stages=data["n_stages"],
             n_microbatches=data["n_microbatches"],
             streams=tuple(tuple(parse_action(t, i) for t in stream) for i, stream in enumerate(data["streams"])),
-            clock_table=tuple(
-                tuple(None if t is None else parse_action(t, i) for i, t in enumerate(row))
-                for row in data["clock_table"]
+            clock_table=cast(  # __post_init__ checks that every cell is a Compute or None
+                ClockTable,
+                tuple(
+                    tuple(None if t is None else parse_action(t, i) for i, t in enumerate(row))
+                    for row in data["clock_table"]
+                ),
             ),
             skips=tuple(tuple(p) for p in data["skips"]),
         )

@@ -185,7 +185,7 @@ def _durations(name: str, value: Seconds, count: int) -> tuple[float, ...]:
     """One value for each of `count` slots: a scalar is repeated, a sequence must have `count`."""
     if isinstance(value, bool | str | bytes):
         raise TypeError(f"{name} must be seconds (a number or a sequence of numbers), got {value!r}")
-    if isinstance(value, numbers.Real):
+    if isinstance(value, float | int | numbers.Real):
         values = [value] * count
     else:
         try:

@@ -181,7 +181,7 @@ def linear_boundaries(
     `shapes` is one shape for every boundary or one shape per boundary.
     """
     if shapes and isinstance(shapes[0], int):
-        shapes = [tuple(shapes)] * len(layouts)  # type: ignore[arg-type]
+        shapes = [tuple(shapes)] * len(layouts)  # type: ignore[assignment]
     if len(shapes) != len(layouts):
         raise ValueError(f"{len(shapes)} shapes for {len(layouts)} boundaries")
     return [

@@ -71,7 +71,7 @@ Key = tuple[int, Phase, int]
 def _check_clock_table(schedule: Schedule) -> dict[Key, int]:
     clock_of: dict[Key, int] = {}
     for s in range(schedule.n_stages):
-        column = [(c, row[s]) for c, row in enumerate(schedule.clock_table) if row[s] is not None]
+        column = [(c, cell) for c, row in enumerate(schedule.clock_table) if (cell := row[s]) is not None]
         order = schedule.compute_order(s)
         for index, (c, action) in enumerate(column):
             expected = order[index] if index < len(order) else None
@@ -94,10 +94,11 @@ def _check_complete(schedule: Schedule, clock_of: dict[Key, int]) -> None:
         seen: set[tuple[Phase, int]] = set()
         for action in schedule.compute_order(s):
             key = (action.phase, action.microbatch)
+            at = (s, *key)
             if key in seen:
-                raise fail(schedule, f"stage {s} runs {action} twice", clock_of[(s, *key)], s)
+                raise fail(schedule, f"stage {s} runs {action} twice", clock_of[at], s)
             if action.phase is Phase.BACKWARD and (Phase.FORWARD, action.microbatch) not in seen:
-                raise fail(schedule, f"stage {s} runs {action} before F{action.microbatch}", clock_of[(s, *key)], s)
+                raise fail(schedule, f"stage {s} runs {action} before F{action.microbatch}", clock_of[at], s)
             seen.add(key)
         missing = len(seen) < 2 * schedule.n_microbatches
         if missing:
