@@ -1,14 +1,17 @@
-"""The pure layer imports neither ray, torch nor cupy (checked in a fresh interpreter).
+"""The pure layer imports neither ray, torch nor cupy.
 
-Pure: every module of ``topology/``, ``reshard/`` (except ``reshard/runtime/``) and ``scheduler/``
-(except the pipeline runtime: modules whose docstring says "Runtime layer", plus the known
-pipeline runtime modules below).
+Pure, by package path: every module of ``topology/``, ``reshard/`` and ``scheduler/`` outside the
+runtime packages ``topology.runtime``, ``reshard.runtime`` and ``scheduler.runtime``. Checked
+statically by the import-linter contracts in pyproject.toml (``lint-imports``, which a copy of the
+tree with a heavy import or a cycle planted in it must fail), and in a fresh interpreter that imports
+every pure module.
 """
 
 from __future__ import annotations
 
-import ast
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,32 +21,49 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("topology", "reshard", "scheduler")
+RUNTIME = ("topology.runtime", "reshard.runtime", "scheduler.runtime")
 HEAVY = ("ray", "torch", "cupy")
+ROOT_PACKAGES = (*PACKAGES, "bench")  # what the contracts analyse
+ENTRY_POINTS = {"reshard", "scheduler", "topology.cluster"}  # load their runtime package on first use
+LINK = re.compile(r"^-\s+(\S+) -> (\S+) \(l\.", re.MULTILINE)
 
 
-def _is_runtime(path: Path, name: str) -> bool:
-    if name.startswith(("reshard.runtime", "scheduler.runtime")):
-        return True
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    return "Runtime layer" in doc
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
 
 
-def pure_modules() -> list[str]:
-    out = []
-    for package in ("topology", "reshard", "scheduler"):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            rel = path.relative_to(ROOT).with_suffix("")
-            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-            name = ".".join(parts)
-            if not _is_runtime(path, name):
-                out.append(name)
+def is_runtime(name: str) -> bool:
+    return any(name == r or name.startswith(r + ".") for r in RUNTIME)
+
+
+def pure_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every pure module's name and file under ``root``."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            name = module_name(path, root)
+            if not is_runtime(name):
+                out[name] = path
     return out
+
+
+def test_the_pure_set_follows_the_package_paths():
+    modules = pure_modules()
+    assert {"topology", "topology.mesh", "reshard", "reshard.lowering", "reshard.planner.auto", "scheduler.ir"} <= set(
+        modules
+    )
+    assert not [m for m in modules if "runtime" in m.split(".")]
+    for package in RUNTIME:
+        path = ROOT / package.replace(".", "/")
+        assert path.is_dir() or path.with_suffix(".py").is_file(), f"no runtime package {package}"
 
 
 _PROBE = """
 import importlib, json, sys
 heavy = {heavy!r}
-out = {{"loaded": [], "culprit": None, "errors": {{}}}}
+out = {{"culprit": None, "errors": {{}}}}
 for name in {modules!r}:
     try:
         importlib.import_module(name)
@@ -52,15 +72,13 @@ for name in {modules!r}:
     leaked = [m for m in heavy if m in sys.modules]
     if leaked and out["culprit"] is None:
         out["culprit"] = [name, leaked]
-    out["loaded"].append(name)
 print(json.dumps(out))
 """
 
 
 def test_pure_modules_do_not_import_ray_torch_cupy():
-    modules = pure_modules()
-    assert {"topology.mesh", "reshard.lowering", "reshard.serialize", "scheduler.ir"} <= set(modules)
-    assert not any(m.startswith("reshard.runtime") for m in modules)
+    """Importing every pure module, in a fresh interpreter, loads none of ray, torch, cupy."""
+    modules = sorted(pure_modules())
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE.format(heavy=HEAVY, modules=modules)],
         cwd=ROOT,
@@ -80,3 +98,62 @@ def test_runtime_names_load_lazily():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------- import-linter
+
+
+def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess:
+    """``lint-imports`` on the tree at ``root`` (its pyproject.toml), limited to ``contracts``."""
+    pytest.importorskip("importlinter", reason="lint-imports comes with the dev extra: pip install -e '.[dev]'")
+    command = [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"]
+    command += ["--no-cache", "--no-logo", *(f"--contract={c}" for c in contracts)]
+    return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=120)
+
+
+def test_import_contracts_hold():
+    proc = lint_imports(ROOT, "layers", "heavy", "entry", "acyclic")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Contracts: 4 kept, 0 broken." in proc.stdout, proc.stdout
+
+
+def _copy_tree(dst: Path) -> dict[str, Path]:
+    """The Python files of the analysed packages and pyproject.toml, copied under ``dst``."""
+    for package in ROOT_PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            target = dst / path.relative_to(ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+    shutil.copyfile(ROOT / "pyproject.toml", dst / "pyproject.toml")
+    return pure_modules(dst)
+
+
+def test_every_pure_module_is_covered_by_the_contracts(tmp_path):
+    """A heavy import, or a runtime package imported at module level, planted in any pure module
+    breaks a contract; only the lazy entry points may import their runtime package."""
+    modules = _copy_tree(tmp_path)
+    for i, (name, path) in enumerate(sorted(modules.items())):
+        runtime = f"{name.split('.')[0]}.runtime"
+        path.write_text(path.read_text() + f"\nimport {HEAVY[i % len(HEAVY)]}\nimport {runtime}\n")
+    proc = lint_imports(tmp_path, "heavy")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    heavy = {importer for importer, imported in LINK.findall(proc.stdout) if imported in HEAVY}
+    assert heavy == set(modules), sorted(set(modules) ^ heavy)
+
+    proc = lint_imports(tmp_path, "entry")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    entry = {importer for importer, imported in LINK.findall(proc.stdout) if is_runtime(imported)}
+    assert entry == set(modules) - ENTRY_POINTS, sorted((set(modules) - ENTRY_POINTS) ^ entry)
+
+
+def test_a_cycle_in_a_pure_package_breaks_the_contracts(tmp_path):
+    _copy_tree(tmp_path)
+    packages = ("topology", "reshard", "reshard.planner", "scheduler")
+    for package in packages:
+        folder = tmp_path / package.replace(".", "/")
+        (folder / "cycle_a.py").write_text(f"import {package}.cycle_b\n")
+        (folder / "cycle_b.py").write_text(f"import {package}.cycle_a\n")
+    proc = lint_imports(tmp_path, "acyclic")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    broken = set(re.findall(r"No cycles are allowed in (\S+)\.", proc.stdout))
+    assert broken == set(packages), proc.stdout
