@@ -20,8 +20,14 @@ bench: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
+# Formatting, lint, types of the pure layer ([tool.mypy]), import layers ([tool.importlinter]).
 lint: $(STAMP)
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 
+# The virtualenv, tool caches and scratch bench output; tracked files (the quoted bench results) stay.
 clean:
-	rm -rf $(VENV) bench/results
+	rm -rf $(VENV) .mypy_cache .import_linter_cache .ruff_cache .pytest_cache
+	git clean -fdX -- bench/results
