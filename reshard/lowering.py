@@ -3,16 +3,31 @@
 Every device gets the ops of the plan's transfers it takes part in, in the plan's global transfer
 order, so two groups never wait on each other in opposite orders; its groups are connected in
 order of first use. A slice that is strided in its buffer passes through the device's staging
-buffer (one op at a time here, so every staged op uses offset 0). Order and overlap beyond that
-are decided later (``reshard.sequencing``).
+buffer (one op at a time here, so every staged op uses offset 0), and so does every received
+contribution that is combined into a box. Order and overlap beyond that are decided later
+(``reshard.sequencing``). Contributions combine by the source's reduce op (``avg`` by summing, then
+``Scale``).
 """
 
 from __future__ import annotations
 
 from reshard.dtypes import itemsize
+from reshard.placement import ReduceOp
 from reshard.plan import ReshardPlan, TransferKind
-from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Program, Recv, Send, first_use_groups
+from reshard.program import (
+    Broadcast,
+    Buffer,
+    Copy,
+    DeviceProgram,
+    Op,
+    Program,
+    Recv,
+    Scale,
+    Send,
+    first_use_groups,
+)
 from reshard.regions import Box, box_shape, box_volume, contains, is_contiguous, layout_regions, relative
+from reshard.tasks import zero_devices
 
 
 def lower_plan(plan: ReshardPlan) -> Program:
@@ -21,25 +36,29 @@ def lower_plan(plan: ReshardPlan) -> Program:
     dst_regions = dict(zip(plan.dst.mesh.device_ids, layout_regions(plan.dst, plan.shape), strict=True))
     ops: dict[int, list[Op]] = {d: [] for d in (*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids)}
     staging: dict[int, int] = dict.fromkeys(ops, 0)
+    tmp: set[int] = set()
     item = itemsize(plan.dtype)
+    op = plan.reduce_op
+    combine = ReduceOp.SUM if op is ReduceOp.AVG else op
+    regions = {Buffer.SRC: src_regions, Buffer.TMP: src_regions, Buffer.DST: dst_regions}
 
-    def read_of(device: int, box: Box) -> tuple[Buffer, Box, bool]:
-        region = src_regions.get(device)
-        if region is not None and contains(region, box):
-            local = relative(box, region)
-            return Buffer.SRC, local, not is_contiguous(local, box_shape(region))
-        region = dst_regions.get(device)
+    def local(device: int, buffer: Buffer, box: Box, what: str) -> tuple[Box, bool]:
+        region = regions[buffer].get(device)
         if region is None or not contains(region, box):
-            raise ValueError(f"device {device} holds {box} in neither its source nor its destination shard")
-        local = relative(box, region)
-        return Buffer.DST, local, not is_contiguous(local, box_shape(region))
+            raise ValueError(f"device {device} {what} {box} outside its {buffer.name.lower()} buffer ({region})")
+        if buffer is Buffer.TMP:
+            tmp.add(device)
+        box = relative(box, region)
+        return box, not is_contiguous(box, box_shape(region))
 
-    def write_of(device: int, box: Box) -> tuple[Box, bool]:
-        region = dst_regions.get(device)
-        if region is None or not contains(region, box):
-            raise ValueError(f"device {device} receives {box} outside its destination shard {region}")
-        local = relative(box, region)
-        return local, not is_contiguous(local, box_shape(region))
+    def read_of(device: int, box: Box, buffer: Buffer | None) -> tuple[Buffer, Box, bool]:
+        if buffer is None:
+            region = src_regions.get(device)
+            buffer = Buffer.SRC if region is not None and contains(region, box) else Buffer.DST
+        return (buffer, *local(device, buffer, box, "reads"))
+
+    def write_of(device: int, box: Box, target: Buffer) -> tuple[Box, bool]:
+        return local(device, target, box, "writes")
 
     def stage(device: int, strided: bool, box: Box) -> int | None:
         if not strided:
@@ -48,25 +67,30 @@ def lower_plan(plan: ReshardPlan) -> Program:
         return 0
 
     for step, t in enumerate(plan.transfers):
-        if t.kind is TransferKind.COPY:
-            buffer, read, _ = read_of(t.src, t.box)
-            write, _ = write_of(t.src, t.box)
-            ops[t.src].append(Copy(step, buffer, read, write))
+        reduce = combine if t.reduce else None
+        if t.kind is TransferKind.SCALE:
+            write, _ = write_of(t.src, t.box, Buffer.DST)
+            ops[t.src].append(Scale(step, write, len(plan.tasks[t.task].contributions)))
             continue
-        buffer, read, strided = read_of(t.src, t.box)
+        buffer, read, strided = read_of(t.src, t.box, t.read)
+        if t.kind is TransferKind.COPY:
+            write, _ = write_of(t.src, t.box, t.write)
+            ops[t.src].append(Copy(step, buffer, read, write, t.write, reduce))
+            continue
         at = stage(t.src, strided, t.box)
         if t.kind is TransferKind.SEND:
             ops[t.src].append(Send(step, t.group, buffer, read, at))
         else:
             ops[t.src].append(Broadcast(step, t.group, buffer, read, None, at))
         for r in t.dsts:
-            write, strided = write_of(r, t.box)
-            at = stage(r, strided, t.box)
+            write, strided = write_of(r, t.box, t.write)
+            at = stage(r, strided or reduce is not None, t.box)
             if t.kind is TransferKind.SEND:
-                ops[r].append(Recv(step, t.group, write, at))
+                ops[r].append(Recv(step, t.group, write, at, t.write, reduce))
             else:
                 ops[r].append(Broadcast(step, t.group, None, None, write, at))
 
+    zeros = set(zero_devices(plan.dst.for_shape(plan.shape)))
     programs = tuple(
         DeviceProgram(
             d,
@@ -75,6 +99,8 @@ def lower_plan(plan: ReshardPlan) -> Program:
             tuple(ops[d]),
             staging[d],
             first_use_groups(ops[d]),
+            tmp=d in tmp,
+            zero_dst=d in zeros,
         )
         for d in sorted(ops)
     )

@@ -1,7 +1,15 @@
-"""Placements: how one mesh axis lays a tensor out (DTensor convention)."""
+"""Placements: how one mesh axis lays a tensor out (DTensor convention).
+
+``Shard(dim)`` splits a tensor dim over the axis (``Shard(-1)``: the last dim, resolved once the
+tensor's rank is known), ``Replicate()`` copies it, ``Partial(op)`` leaves each device along the axis
+one contribution, the tensor being their reduction. torch's own placement objects
+(``torch.distributed.tensor.Shard/Replicate/Partial``) are accepted wherever ours are
+(``as_placement``) without importing torch.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -13,15 +21,14 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class Shard(Placement):
-    """The mesh axis splits tensor dim ``dim`` (torch.chunk semantics: leading shards take the ceiling)."""
+    """The mesh axis splits tensor dim ``dim`` (torch.chunk semantics: leading shards take the
+    ceiling). A negative ``dim`` counts from the last dim."""
 
     dim: int
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool):
             raise TypeError(f"Shard(dim) needs an int tensor dim, got {self.dim!r}")
-        if self.dim < 0:
-            raise ValueError(f"Shard(dim={self.dim}): negative dims are not accepted; count dims from 0")
 
     def __str__(self) -> str:
         return f"S({self.dim})"
@@ -33,3 +40,59 @@ class Replicate(Placement):
 
     def __str__(self) -> str:
         return "R"
+
+
+class ReduceOp(str, enum.Enum):
+    """How the contributions of a ``Partial`` axis combine."""
+
+    SUM = "sum"
+    AVG = "avg"  # the sum divided by the number of contributions (floating point dtypes)
+    MAX = "max"
+    MIN = "min"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """Every device along the mesh axis holds a contribution of the whole (unsharded along this
+    axis) region; the tensor is their reduction by ``reduce_op`` (DTensor's pending reduction)."""
+
+    reduce_op: ReduceOp = ReduceOp.SUM
+
+    def __init__(self, reduce_op: ReduceOp | str = ReduceOp.SUM):
+        try:
+            op = ReduceOp(getattr(reduce_op, "value", reduce_op))
+        except ValueError:
+            ops = ", ".join(o.value for o in ReduceOp)
+            raise ValueError(f"Partial(reduce_op={reduce_op!r}): unknown reduce op; choose one of {ops}") from None
+        object.__setattr__(self, "reduce_op", op)
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op.value})"
+
+
+_TORCH_OPS = {"sum": "sum", "avg": "avg", "mean": "avg", "max": "max", "min": "min"}
+
+
+def as_placement(p) -> Placement:
+    """``p`` as one of our placements: ours as is, torch's ``Shard``/``Replicate``/``Partial``
+    converted (recognised by type, without importing torch); TypeError for anything else."""
+    if isinstance(p, Placement):
+        return p
+    cls = type(p)
+    if cls.__module__.startswith("torch.distributed"):
+        name = cls.__name__
+        if name == "Shard":
+            return Shard(int(p.dim))
+        if name == "Replicate":
+            return Replicate()
+        if name == "Partial":
+            op = str(getattr(p, "reduce_op", "sum")).lower().removeprefix("reduceop.")
+            if op not in _TORCH_OPS:
+                raise ValueError(
+                    f"torch Partial with reduce op {op!r} has no counterpart; use one of sum, avg, max, min"
+                )
+            return Partial(_TORCH_OPS[op])
+    raise TypeError(
+        f"placements must be Shard(dim), Replicate() or Partial(op) values (ours or torch.distributed.tensor's), "
+        f"got {p!r}"
+    )

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from reshard.cost import lower_bound_s, resolve_cluster
 from reshard.dtypes import itemsize
 from reshard.layout import Layout
+from reshard.placement import ReduceOp
+from reshard.program import Buffer
 from reshard.regions import Box, box_volume
 from reshard.tasks import UnitTask
 from topology.cluster import Cluster
@@ -20,14 +22,18 @@ class TransferKind(enum.IntEnum):
     COPY = 0  # the receiver already holds the box in its source shard: a local copy
     SEND = 1  # point-to-point from ``src`` to the one device in ``dsts``
     BROADCAST = 2  # one broadcast over the group (src, *dsts)
+    SCALE = 3  # ``src`` divides its (reduced) box by the number of contributions (Partial avg)
 
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
     """Move ``box`` from device ``src`` to devices ``dsts``.
 
-    ``src`` reads the box from its source shard when it holds it there, otherwise from its
-    destination shard, which an earlier transfer of the plan must have filled (a relay).
+    ``src`` reads the box from ``read``; by default from its source shard when it holds it there,
+    otherwise from its destination shard, which an earlier transfer of the plan must have filled (a
+    relay). Receivers write it into ``write`` (their destination shard, or their scratch buffer
+    while they combine contributions of a Partial source), combining it with what is there when
+    ``reduce`` (the source layout's reduce op).
     """
 
     kind: TransferKind
@@ -35,12 +41,19 @@ class Transfer:
     src: int
     dsts: tuple[int, ...]
     task: int
+    reduce: bool = False
+    read: Buffer | None = None
+    write: Buffer = Buffer.DST
 
     def __post_init__(self):
         if not self.dsts:
             raise ValueError(f"transfer of {self.box} from {self.src} has no receivers")
-        if self.kind is TransferKind.COPY and self.dsts != (self.src,):
-            raise ValueError(f"a COPY stays on one device, got {self.src} -> {self.dsts}")
+        if self.kind in (TransferKind.COPY, TransferKind.SCALE) and self.dsts != (self.src,):
+            raise ValueError(f"a {self.kind.name} stays on one device, got {self.src} -> {self.dsts}")
+        if self.reduce and self.kind is TransferKind.BROADCAST:
+            raise ValueError("contributions are combined point to point, not by broadcast")
+        if self.write is Buffer.SRC:
+            raise ValueError(f"transfer of {self.box}: source shards are never written")
         if self.kind is TransferKind.SEND and (len(self.dsts) != 1 or self.dsts[0] == self.src):
             raise ValueError(f"a SEND goes to exactly one other device, got {self.src} -> {self.dsts}")
         if self.kind is TransferKind.BROADCAST and (self.src in self.dsts or len(set(self.dsts)) != len(self.dsts)):
@@ -49,14 +62,21 @@ class Transfer:
     @property
     def group(self) -> tuple[int, ...]:
         """Participating devices, sender first."""
-        return (self.src,) if self.kind is TransferKind.COPY else (self.src, *self.dsts)
+        return (self.src,) if self.kind in (TransferKind.COPY, TransferKind.SCALE) else (self.src, *self.dsts)
 
     def __str__(self) -> str:
         box = "[" + ", ".join(f"{lo}:{hi}" for lo, hi in self.box) + "]"
-        return f"{self.kind.name.lower()} {box} {self.src} -> {list(self.dsts)}"
+        how = " (reduce)" if self.reduce else ""
+        bufs = ""
+        if self.read is not None or self.write is not Buffer.DST:
+            bufs = f" {self.read.name.lower() if self.read is not None else ''}->{self.write.name.lower()}"
+        return f"{self.kind.name.lower()}{how} {box} {self.src} -> {list(self.dsts)}{bufs}"
 
 
-_SIM_KIND = {TransferKind.COPY: SimKind.COPY, TransferKind.SEND: SimKind.P2P, TransferKind.BROADCAST: SimKind.BROADCAST}
+_SIM_KIND = {
+    TransferKind.COPY: SimKind.COPY, TransferKind.SEND: SimKind.P2P, TransferKind.BROADCAST: SimKind.BROADCAST,
+    TransferKind.SCALE: SimKind.COPY,
+}  # fmt: skip
 
 
 def sim_transfers(transfers: Iterable[Transfer], itemsize: int) -> list[SimTransfer]:
@@ -100,6 +120,11 @@ class ReshardPlan:
     @property
     def itemsize(self) -> int:
         return itemsize(self.dtype)
+
+    @property
+    def reduce_op(self) -> ReduceOp | None:
+        """How contributions combine (the source's Partial op), None for a source without Partial axes."""
+        return self.src.reduce_op
 
     @property
     def size_bytes(self) -> int:

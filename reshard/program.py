@@ -10,12 +10,14 @@ A ``Program`` holds one ``DeviceProgram`` per participating device. A device pro
 - ``staging_bytes``: the one staging buffer its strided slices pass through (each such op names
   its byte offset in it).
 
-Ops are a small tagged union: ``Copy`` and ``Pull`` are local (a pull reads a peer's source shard
-through shared memory); ``Send``, ``Recv`` and ``Broadcast`` are messages over a group, named root
-first. Every op carries the plan step it serves (the global issue order), devices by global id and
-buffers by local boxes. Lowering (``reshard.lowering``), pulls (``reshard.pulls``) and sequencing
-(``reshard.sequencing``) build programs, ``reshard.validate`` checks them, and the runtime's
-executor only interprets them.
+Ops are a small tagged union: ``Copy``, ``Pull`` and ``Scale`` are local (a pull reads a peer's
+source shard through shared memory); ``Send``, ``Recv`` and ``Broadcast`` are messages over a group,
+named root first. Receiving ops may combine (``reduce``) what arrives with what their target box
+holds: contributions of a Partial source, combined in the destination shard or in a scratch buffer
+(``Buffer.TMP``, the shape of the source shard). Every op carries the plan step it serves (the
+global issue order), devices by global id and buffers by local boxes. Lowering
+(``reshard.lowering``), pulls (``reshard.pulls``) and sequencing (``reshard.sequencing``) build
+programs, ``reshard.validate`` checks them, and the runtime's executor only interprets them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from reshard.placement import ReduceOp
 from reshard.regions import Box, box_shape, box_volume
 
 Group = tuple[int, ...]
@@ -31,26 +34,42 @@ Group = tuple[int, ...]
 class Buffer(enum.IntEnum):
     SRC = 0  # this device's shard of the source tensor
     DST = 1  # this device's shard of the destination tensor
+    TMP = 2  # scratch of the source shard's shape, where a device combines contributions (Partial)
 
 
 @dataclass(frozen=True, slots=True)
 class Copy:
-    """Copy box ``read`` of this device's ``buffer`` into box ``write`` of its destination shard."""
+    """Copy box ``read`` of this device's ``buffer`` into box ``write`` of its ``target`` buffer
+    (combining with what is there by ``reduce``, when set)."""
 
     step: int
     buffer: Buffer
     read: Box
     write: Box
+    target: Buffer = Buffer.DST
+    reduce: ReduceOp | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Pull:
-    """Copy box ``read`` of device ``holder``'s source shard (shared memory) into box ``write``."""
+    """Copy box ``read`` of device ``holder``'s source shard (shared memory) into box ``write`` of
+    this device's ``target`` buffer (combining by ``reduce``, when set)."""
 
     step: int
     holder: int
     read: Box
     write: Box
+    target: Buffer = Buffer.DST
+    reduce: ReduceOp | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Scale:
+    """Divide box ``write`` of the destination shard by ``divisor`` (a Partial avg, once summed)."""
+
+    step: int
+    write: Box
+    divisor: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +86,15 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Recv:
-    """Receive from ``group[0]`` into box ``write``; ``group`` is (peer, this device)."""
+    """Receive from ``group[0]`` into box ``write`` of the ``target`` buffer; ``group`` is (peer,
+    this device). With ``reduce`` the data lands in staging and is combined into the box."""
 
     step: int
     group: Group
     write: Box
     staging: int | None = None
+    target: Buffer = Buffer.DST
+    reduce: ReduceOp | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +114,8 @@ class Broadcast:
             raise ValueError(f"a broadcast op either reads (root) or writes (receiver): {self}")
 
 
-Op = Copy | Pull | Send | Recv | Broadcast
-LOCAL_OPS = (Copy, Pull)
+Op = Copy | Pull | Scale | Send | Recv | Broadcast
+LOCAL_OPS = (Copy, Pull, Scale)
 MESSAGE_OPS = (Send, Recv, Broadcast)
 
 
@@ -116,13 +138,23 @@ def op_numel(op: Op) -> int:
     return box_volume(op_box(op))
 
 
-def reads_dst(op: Op) -> bool:
-    return getattr(op, "buffer", None) is Buffer.DST
+def reads_output(op: Op) -> Buffer | None:
+    """The buffer an op reads that ops of the same program write (destination or scratch):
+    what it sends or copies from there, or the box it combines into or scales. None: none."""
+    buffer = getattr(op, "buffer", None)
+    if buffer in (Buffer.DST, Buffer.TMP):
+        return buffer
+    if isinstance(op, Scale):
+        return Buffer.DST
+    if getattr(op, "reduce", None) is not None:
+        return op.target
+    return None
 
 
-def writes(op: Op) -> Box | None:
-    """The destination box an op writes, or None."""
-    return getattr(op, "write", None)
+def writes(op: Op) -> tuple[Buffer, Box] | None:
+    """The buffer and box an op writes, or None."""
+    box = getattr(op, "write", None)
+    return None if box is None else (getattr(op, "target", Buffer.DST), box)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +170,8 @@ class DeviceProgram:
     connect: tuple[Group, ...] = ()
     windows: tuple[int, ...] = ()
     background: tuple[Op, ...] = ()
+    tmp: bool = False  # a scratch buffer of ``src_shape`` (Buffer.TMP) for combining contributions
+    zero_dst: bool = False  # the destination starts as zeros (a Partial destination's other devices)
 
     def __post_init__(self):
         if self.windows and (sum(self.windows) != len(self.ops) or min(self.windows) < 1):

@@ -11,13 +11,13 @@ forwarding what it received earlier in the same program) keeps its messages.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
+from dataclasses import replace
 
 from reshard.dtypes import itemsize
 from reshard.program import (
     MESSAGE_OPS,
     Broadcast,
     Buffer,
-    DeviceProgram,
     Op,
     Program,
     Pull,
@@ -56,9 +56,10 @@ def to_pulls(program: Program, domain_of: Mapping[int, Hashable | None]) -> Prog
             if root is None:
                 ops.append(op)
             elif p.device != (holder := root.group[0]):
-                ops.append(Pull(op.step, holder, root.read, op.write))
+                target = getattr(op, "target", Buffer.DST)
+                ops.append(Pull(op.step, holder, root.read, op.write, target, getattr(op, "reduce", None)))
         staging = max(
             (op_numel(op) * item for op in ops if isinstance(op, MESSAGE_OPS) and op.staging is not None), default=0
         )
-        devices.append(DeviceProgram(p.device, p.src_shape, p.dst_shape, tuple(ops), staging, first_use_groups(ops)))
+        devices.append(replace(p, ops=tuple(ops), staging_bytes=staging, connect=first_use_groups(ops)))
     return Program(program.dtype, program.shape, tuple(devices))

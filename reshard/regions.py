@@ -24,8 +24,9 @@ def chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
 
 @lru_cache(maxsize=256)
 def layout_regions(layout: Layout, shape: tuple[int, ...]) -> tuple[Box, ...]:
-    """The box held by each device of ``layout.mesh``, indexed by flat mesh position."""
-    layout.check_shape(shape)
+    """The box held by each device of ``layout.mesh``, indexed by flat mesh position (a Partial
+    axis holds whole regions, like Replicate)."""
+    layout = layout.for_shape(shape)
     mesh = layout.mesh
     axes_of_dim = [layout.sharded_axes(d) for d in range(len(shape))]
     out = []

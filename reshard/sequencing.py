@@ -1,14 +1,13 @@
 """Sequencing: the order and overlap in which each device runs its ops.
 
 Message ops keep the plan's global order (deadlock freedom). Local ops (``Copy``, ``Pull``) wait
-for nobody, so when nothing a device does reads its destination shard (it relays nothing) they go
-after its messages: the peers waiting on this device are served first. When those local ops move
-at least ``overlap_copy_bytes`` and the device also communicates, they run on the device's helper
-thread instead (``background``), overlapping its messages (CPU devices only: a GPU copies on its
-streams). With ``window_ops`` > 1 consecutive message ops are issued together, up to that many, as
-long as their staged slices fit ``window_staging_bytes`` side by side and no op reads a box the
-window writes (a relay waits for what it forwards). ``reshard.validate.validate_program`` replays
-the result.
+for nobody, so when no op of a device reads what its ops write (it relays, combines or scales
+nothing) they go after its messages: the peers waiting on this device are served first. When those
+local ops move at least ``overlap_copy_bytes`` and the device also communicates, they run on the
+device's helper thread instead (``background``), overlapping its messages (CPU devices only: a GPU
+copies on its streams). With ``window_ops`` > 1 consecutive message ops are issued together, up to
+that many, as long as their staged slices fit ``window_staging_bytes`` side by side and no op reads
+a box the window writes. ``reshard.validate.validate_program`` replays the result.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from reshard.dtypes import itemsize
-from reshard.program import LOCAL_OPS, MESSAGE_OPS, DeviceProgram, Op, Program, op_numel, reads_dst
+from reshard.program import LOCAL_OPS, MESSAGE_OPS, DeviceProgram, Op, Program, op_numel, reads_output
 
 OVERLAP_COPY_BYTES = 1 << 20  # below it the hand-off to the helper thread costs more than it saves
 WINDOW_STAGING_BYTES = 64 << 20
@@ -45,7 +44,7 @@ def _sequence_device(p: DeviceProgram, item: int, overlap_bytes, window_ops: int
     messages = [op for op in ops if isinstance(op, MESSAGE_OPS)]
     local = [op for op in ops if isinstance(op, LOCAL_OPS)]
     background: list[Op] = []
-    if messages and local and not any(reads_dst(op) for op in ops):
+    if messages and local and not any(reads_output(op) for op in ops):
         if overlap_bytes is not None and sum(op_numel(op) for op in local) * item >= overlap_bytes:
             ops, background = messages, local
         else:
@@ -66,7 +65,7 @@ def _windows(ops: list[Op], item: int, most: int, bound: int, staging: int):
     for op in ops:
         nbytes = op_numel(op) * item if getattr(op, "staging", None) is not None else 0
         message = isinstance(op, MESSAGE_OPS)
-        depends = reads_dst(op) and written
+        depends = reads_output(op) is not None and written
         if lengths and (depends or (message and (count >= most or used + nbytes > max(bound, nbytes)))):
             lengths.append(0)
             count = used = 0

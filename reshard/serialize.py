@@ -11,15 +11,16 @@ from dataclasses import fields
 import msgpack
 
 from reshard.layout import Layout
-from reshard.placement import Replicate, Shard
+from reshard.placement import Partial, ReduceOp, Replicate, Shard
 from reshard.plan import ReshardPlan, Transfer, TransferKind
-from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Program, Pull, Recv, Send
+from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Program, Pull, Recv, Scale, Send
 from reshard.tasks import UnitTask
 from topology.mesh import Mesh
 
-SCHEMA_VERSION = 3  # 2: pulls; 3: ops as a tagged union, connect order, windows, background ops, plan hosts
+SCHEMA_VERSION = 4  # 2: pulls; 3: ops as a tagged union, connect order, windows, background ops, plan hosts;
+# 4: Partial sources (combining ops, scratch buffer, Scale, transfers' read/write/reduce), zero-filled destinations
 
-OP_TAGS: dict[type, int] = {Copy: 0, Pull: 1, Send: 2, Recv: 3, Broadcast: 4}
+OP_TAGS: dict[type, int] = {Copy: 0, Pull: 1, Send: 2, Recv: 3, Broadcast: 4, Scale: 5}
 _OP_TYPES = {tag: cls for cls, tag in OP_TAGS.items()}
 _BOXES = {"read", "write"}
 
@@ -28,13 +29,26 @@ def _box(obj) -> tuple:
     return tuple(tuple(iv) for iv in obj)
 
 
+def _placement_obj(p) -> list:
+    if isinstance(p, Shard):
+        return ["S", p.dim]
+    if isinstance(p, Partial):
+        return ["P", p.reduce_op.value]
+    return ["R"]
+
+
+def _placement(obj):
+    kind = obj[0]
+    return Shard(obj[1]) if kind == "S" else Partial(obj[1]) if kind == "P" else Replicate()
+
+
 def _layout_obj(layout: Layout) -> list:
-    return [layout.mesh.to_msgpack_obj(), [-1 if isinstance(p, Replicate) else p.dim for p in layout.placements]]
+    return [layout.mesh.to_msgpack_obj(), [_placement_obj(p) for p in layout.placements]]
 
 
 def _layout(obj) -> Layout:
     mesh, placements = obj
-    return Layout(Mesh.from_msgpack_obj(mesh), tuple(Replicate() if d < 0 else Shard(d) for d in placements))
+    return Layout(Mesh.from_msgpack_obj(mesh), tuple(_placement(p) for p in placements))
 
 
 def _check_version(kind: str, obj) -> list:
@@ -48,8 +62,10 @@ def _check_version(kind: str, obj) -> list:
 def encode_plan(plan: ReshardPlan) -> bytes:
     body = [
         list(plan.shape), plan.dtype, _layout_obj(plan.src), _layout_obj(plan.dst), plan.strategy,
-        [[[list(iv) for iv in t.box], list(t.senders), list(t.receivers), t.size_bytes] for t in plan.tasks],
-        [[int(t.kind), [list(iv) for iv in t.box], t.src, list(t.dsts), t.task] for t in plan.transfers],
+        [[[list(iv) for iv in t.box], list(t.senders), list(t.receivers), t.size_bytes,
+          [list(c) for c in t.contributions]] for t in plan.tasks],
+        [[int(t.kind), [list(iv) for iv in t.box], t.src, list(t.dsts), t.task, t.reduce,
+          None if t.read is None else int(t.read), int(t.write)] for t in plan.transfers],
         [list(pair) for pair in plan.hosts],
     ]  # fmt: skip
     return msgpack.packb(["plan", SCHEMA_VERSION, body])
@@ -59,8 +75,9 @@ def decode_plan(data: bytes) -> ReshardPlan:
     shape, dtype, src, dst, strategy, tasks, transfers, hosts = _check_version("plan", msgpack.unpackb(data))
     return ReshardPlan(
         tuple(shape), dtype, _layout(src), _layout(dst), strategy,
-        tuple(UnitTask(_box(b), tuple(s), tuple(r), n) for b, s, r, n in tasks),
-        tuple(Transfer(TransferKind(k), _box(b), s, tuple(d), i) for k, b, s, d, i in transfers),
+        tuple(UnitTask(_box(b), tuple(s), tuple(r), n, tuple(tuple(c) for c in cs)) for b, s, r, n, cs in tasks),
+        tuple(Transfer(TransferKind(k), _box(b), s, tuple(d), i, red, None if rd is None else Buffer(rd), Buffer(wr))
+              for k, b, s, d, i, red, rd, wr in transfers),
         tuple((d, h) for d, h in hosts),
     )  # fmt: skip
 
@@ -69,7 +86,9 @@ def op_to_obj(op: Op) -> list:
     out: list = [OP_TAGS[type(op)]]
     for f in fields(op):
         v = getattr(op, f.name)
-        if v is None or isinstance(v, int):
+        if isinstance(v, ReduceOp):
+            out.append(v.value)
+        elif v is None or isinstance(v, int):
             out.append(int(v) if v is not None else None)
         else:  # a box or a group
             out.append([list(iv) for iv in v] if f.name in _BOXES else list(v))
@@ -85,8 +104,10 @@ def op_from_obj(obj) -> Op:
                 v = _box(v)
             elif f.name == "group":
                 v = tuple(v)
-            elif f.name == "buffer":
+            elif f.name in ("buffer", "target"):
                 v = Buffer(v)
+            elif f.name == "reduce":
+                v = ReduceOp(v)
         values.append(v)
     return cls(*values)
 
@@ -103,15 +124,15 @@ def device_program_to_obj(p: DeviceProgram) -> list:
     return [
         p.device, _list(p.src_shape), _list(p.dst_shape),
         [op_to_obj(op) for op in p.ops], p.staging_bytes, [list(g) for g in p.connect], list(p.windows),
-        [op_to_obj(op) for op in p.background],
+        [op_to_obj(op) for op in p.background], p.tmp, p.zero_dst,
     ]  # fmt: skip
 
 
 def device_program_from_obj(obj) -> DeviceProgram:
-    device, src, dst, ops, staging, connect, windows, background = obj
+    device, src, dst, ops, staging, connect, windows, background, tmp, zero_dst = obj
     return DeviceProgram(
         device, _shape(src), _shape(dst), tuple(op_from_obj(o) for o in ops), staging,
-        tuple(tuple(g) for g in connect), tuple(windows), tuple(op_from_obj(o) for o in background),
+        tuple(tuple(g) for g in connect), tuple(windows), tuple(op_from_obj(o) for o in background), tmp, zero_dst,
     )  # fmt: skip
 
 

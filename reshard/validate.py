@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from reshard.dtypes import itemsize
 from reshard.errors import PlanError
-from reshard.plan import ReshardPlan
+from reshard.plan import ReshardPlan, TransferKind
 from reshard.program import (
     LOCAL_OPS,
     MESSAGE_OPS,
@@ -18,45 +18,104 @@ from reshard.program import (
     Program,
     Pull,
     Recv,
+    Scale,
     Send,
     first_use_groups,
     op_box,
     op_numel,
-    reads_dst,
+    reads_output,
     writes,
 )
 from reshard.regions import box_volume, contains, intersect, is_contiguous, layout_regions
+from reshard.tasks import zero_devices
 
 
 def validate_plan(plan: ReshardPlan) -> None:
-    """Raise PlanError unless every destination element arrives exactly once from a device holding it."""
-    src_regions = dict(zip(plan.src.mesh.device_ids, layout_regions(plan.src, plan.shape), strict=True))
-    dst_regions = dict(zip(plan.dst.mesh.device_ids, layout_regions(plan.dst, plan.shape), strict=True))
-    delivered: dict[int, list] = defaultdict(list)
-    for step, t in enumerate(plan.transfers):
-        src_region = src_regions.get(t.src)
-        if src_region is None or not contains(src_region, t.box):
-            if _covered(t.box, delivered[t.src]) != box_volume(t.box):
-                raise PlanError(f"transfer {step} ({t}): device {t.src} does not hold {t.box} when it sends it")
-        for r in t.dsts:
-            region = dst_regions.get(r)
+    """Raise PlanError unless every destination element arrives exactly once, from a device holding
+    it, with every contribution combined (Partial sources), on the devices that want it.
+
+    Replays the transfers over what each device holds: its source shard (one contribution of its
+    region, or the value), and what earlier transfers wrote into its scratch and destination shards,
+    each box with the set of contributions combined in it. A read must find the box whole in one
+    place; a plain write must land on nothing; a combining write must land on a box holding
+    contributions the incoming one does not; relays and the final shards need all contributions.
+    """
+    src = plan.src.for_shape(plan.shape)
+    dst = plan.dst.for_shape(plan.shape)
+    src_regions = dict(zip(src.mesh.device_ids, layout_regions(src, plan.shape), strict=True))
+    dst_regions = dict(zip(dst.mesh.device_ids, layout_regions(dst, plan.shape), strict=True))
+    contribution = {d: src.contribution(i) for i, d in enumerate(src.mesh.device_ids)}
+    every = frozenset(src.contribution(i) for i in range(src.mesh.size))
+    wants = {d: r for d, r in dst_regions.items() if d not in set(zero_devices(dst))}
+    held: dict[tuple[int, Buffer], dict] = defaultdict(dict)  # (device, buffer) -> {box: contributions}
+
+    def read(step, t) -> frozenset:
+        buffer = t.read
+        region = src_regions.get(t.src)
+        if buffer is None:
+            buffer = Buffer.SRC if region is not None and contains(region, t.box) else Buffer.DST
+        if buffer is Buffer.SRC:
             if region is None or not contains(region, t.box):
-                raise PlanError(f"transfer {step} ({t}): {t.box} lies outside device {r}'s destination shard")
-            for earlier in delivered[r]:
-                if intersect(earlier, t.box):
+                raise PlanError(f"transfer {step} ({t}): device {t.src} does not hold {t.box} in its source shard")
+            return frozenset({contribution[t.src]})
+        got = _held(held[(t.src, buffer)], t.box)
+        if got is None:
+            raise PlanError(f"transfer {step} ({t}): device {t.src} does not hold {t.box} when it sends it")
+        if buffer is Buffer.DST and got != every:
+            raise PlanError(f"transfer {step} ({t}): device {t.src} relays {t.box} before all contributions arrived")
+        return got
+
+    for step, t in enumerate(plan.transfers):
+        if t.kind is TransferKind.SCALE:
+            if _held(held[(t.src, Buffer.DST)], t.box) != every:
+                raise PlanError(f"transfer {step} ({t}): scales {t.box} before all contributions arrived")
+            continue
+        value = read(step, t)
+        for r in t.dsts:
+            if t.write is Buffer.DST:
+                region = dst_regions.get(r)
+                if region is None or not contains(region, t.box) or r not in wants:
+                    raise PlanError(f"transfer {step} ({t}): {t.box} lies outside device {r}'s destination shard")
+            else:
+                region = src_regions.get(r)
+                if region is None or not contains(region, t.box):
+                    raise PlanError(f"transfer {step} ({t}): scratch {t.box} outside device {r}'s source shard shape")
+            boxes = held[(r, t.write)]
+            if t.reduce:
+                there = boxes.get(t.box)
+                if there is None or there & value:
+                    raise PlanError(
+                        f"transfer {step} ({t}): device {r} combines {t.box} with contributions it "
+                        f"{'does not hold yet' if there is None else 'already holds'}"
+                    )
+                boxes[t.box] = there | value
+                continue
+            for earlier in boxes:
+                if intersect(earlier, t.box) is not None:
                     raise PlanError(f"transfer {step} ({t}): device {r} receives elements of {t.box} twice")
-            delivered[r].append(t.box)
-    for device, region in dst_regions.items():
-        got = sum(box_volume(b) for b in delivered[device])
+            boxes[t.box] = value
+    for device, region in wants.items():
+        boxes = held[(device, Buffer.DST)]
+        got = sum(box_volume(b) for b, v in boxes.items() if v == every)
         if got != box_volume(region):
             raise PlanError(
                 f"device {device} receives {got} of the {box_volume(region)} elements of its shard {region}"
+                + (" with every contribution combined" if src.partial_axes else "")
             )
+
+
+def _held(boxes: dict, box) -> frozenset | None:
+    """The contributions in ``box`` if earlier writes cover it whole with one set of them."""
+    near = [b for b in boxes if intersect(b, box) is not None]
+    sets = {boxes[b] for b in near}
+    if len(sets) != 1 or _covered(box, near) != box_volume(box):
+        return None
+    return sets.pop()
 
 
 def _covered(box, boxes) -> int:
     """Elements of ``box`` inside ``boxes`` (which do not overlap each other)."""
-    return sum(box_volume(b) for other in boxes if (b := intersect(other, box)))
+    return sum(box_volume(b) for other in boxes if (b := intersect(other, box)) is not None)
 
 
 def validate_program(program: Program) -> None:
@@ -95,9 +154,9 @@ def validate_program(program: Program) -> None:
         first = next(iter(ops.values()))
         if isinstance(first, Pull):
             _check_pulls(step, ops, src_shapes)
-        elif isinstance(first, Copy):
+        elif isinstance(first, Copy | Scale):
             if len(ops) != 1:
-                raise PlanError(f"step {step}: a local copy on several devices {sorted(ops)}")
+                raise PlanError(f"step {step}: a local op on several devices {sorted(ops)}")
         else:
             _check_message(step, ops)
     _check_progress(program, members)
@@ -141,41 +200,60 @@ def _check_pulls(step: int, ops: dict, src_shapes: dict) -> None:
 
 
 def _check_dataflow(p: DeviceProgram) -> None:
-    """Destination boxes are read only once written in an earlier window (or by an earlier local op
-    of the same window); background ops read no destination box and write none the foreground reads."""
-    done: list = []  # boxes written by completed windows and by local ops so far
-    reads: list = []
+    """A device reads (relays, combines into, scales) a box of its destination or scratch buffer
+    only once it was written in an earlier window (or by an earlier local op of the same window);
+    background ops read neither buffer and write nothing its other ops read."""
+    if p.tmp and p.src_shape is None:
+        raise PlanError(f"device {p.device} uses a scratch buffer but holds no source shard to shape it")
+    done: dict = defaultdict(list)  # buffer -> boxes written by completed windows and local ops so far
+    reads: dict = defaultdict(list)
     for window in p.issue_windows:
         pending = []
         for op in window:
-            if reads_dst(op):
-                box = op_box(op)
-                if _covered(box, done) != box_volume(box):
+            buffer = reads_output(op)
+            if buffer is not None:
+                box = op.write if getattr(op, "reduce", None) is not None or isinstance(op, Scale) else op_box(op)
+                if buffer is Buffer.TMP and not p.tmp:
+                    raise PlanError(f"device {p.device} step {op.step} reads a scratch buffer it does not have")
+                if _covered(box, done[buffer]) != box_volume(box):
                     raise PlanError(
-                        f"device {p.device} step {op.step} reads {box} of its destination shard before it arrived"
+                        f"device {p.device} step {op.step} reads {box} of its {buffer.name.lower()} buffer "
+                        "before it arrived"
                     )
-                reads.append(box)
-            box = writes(op)
-            if box is not None:
-                (done if isinstance(op, LOCAL_OPS) else pending).append(box)
-        done += pending
+                reads[buffer].append(box)
+            written = writes(op)
+            if written is not None and not isinstance(op, Scale) and getattr(op, "reduce", None) is None:
+                if isinstance(op, LOCAL_OPS):
+                    done[written[0]].append(written[1])
+                else:
+                    pending.append(written)
+        for buffer, box in pending:
+            done[buffer].append(box)
     for op in p.background:
-        if reads_dst(op) or any(intersect(op.write, r) for r in reads):
+        written = writes(op)
+        if reads_output(op) is not None or (
+            written and any(intersect(written[1], r) is not None for r in reads[written[0]])
+        ):
             raise PlanError(f"device {p.device}: background op of step {op.step} touches what its other ops read")
 
 
 def _check_staging(p: DeviceProgram, item: int) -> None:
+    """Staged slices are exactly the strided ones (and every received contribution that is
+    combined), inside the staging buffer, side by side within a window."""
+    shapes = {Buffer.SRC: p.src_shape, Buffer.TMP: p.src_shape, Buffer.DST: p.dst_shape}
     for window in p.issue_windows:
         spans = []
         for op in window:
             if not isinstance(op, MESSAGE_OPS):
                 continue
             box = op_box(op)
-            shape = p.src_shape if getattr(op, "buffer", None) is Buffer.SRC else p.dst_shape
+            buffer = getattr(op, "buffer", None)
+            shape = shapes[buffer if buffer is not None else getattr(op, "target", Buffer.DST)]
             strided = shape is not None and not is_contiguous(box, shape)
-            if strided != (op.staging is not None):
-                need = "passes through staging" if strided else "is contiguous"
-                raise PlanError(f"device {p.device} step {op.step}: its slice {box} {need}; staging={op.staging}")
+            need = strided or getattr(op, "reduce", None) is not None
+            if need != (op.staging is not None):
+                why = "passes through staging" if need else "is contiguous"
+                raise PlanError(f"device {p.device} step {op.step}: its slice {box} {why}; staging={op.staging}")
             if op.staging is not None:
                 span = (op.staging, op.staging + op_numel(op) * item)
                 if span[0] < 0 or span[1] > p.staging_bytes:

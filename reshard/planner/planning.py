@@ -9,6 +9,7 @@ from reshard.dtypes import dtype_name, itemsize
 from reshard.layout import Layout
 from reshard.plan import ReshardPlan
 from reshard.planner.problem import Problem
+from reshard.planner.reduction import check_reducible, derived_problem, from_roots, plan_reductions
 from reshard.planner.registry import STRATEGIES
 from topology.cluster import Cluster
 from topology.mesh import device_hosts
@@ -38,6 +39,9 @@ def plan_reshard(
         if not isinstance(layout, Layout):
             raise TypeError(f"{what} must be a reshard.Layout, got {type(layout).__name__}")
         layout.check_shape(shape)
+    src_layout, dst_layout = src_layout.for_shape(shape), dst_layout.for_shape(shape)
+    if src_layout.reduce_op is not None:
+        check_reducible(name, src_layout.reduce_op)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(sorted(STRATEGIES))}")
     if cluster is not None and not isinstance(cluster, Cluster):
@@ -55,7 +59,13 @@ def clear_plan_cache() -> None:
 def _plan_cached(shape, dtype, src, dst, strategy, cluster, hosts) -> ReshardPlan:
     size = itemsize(dtype)
     problem = Problem.build(shape, size, src, dst, cluster=cluster, hosts=None if hosts is None else dict(hosts))
-    transfers = STRATEGIES[strategy](problem)
+    if src.reduce_op is None:
+        transfers = STRATEGIES[strategy](problem)
+    else:  # combine the contributions on roots, then plan the multicast from them
+        reductions, roots = plan_reductions(problem, src.reduce_op)
+        derived, origin = derived_problem(problem, roots)
+        spread = from_roots(STRATEGIES[strategy](derived), origin) if derived.tasks else ()
+        transfers = (*reductions, *spread)
     return ReshardPlan(shape, dtype, src, dst, strategy, problem.tasks, transfers, tuple(sorted(problem.hosts.items())))
 
 

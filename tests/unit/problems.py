@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from reshard import STRATEGIES, Layout, Replicate, Shard
 from reshard.dtypes import ITEMSIZE
+from reshard.placement import Partial, ReduceOp
 from reshard.regions import layout_regions
 from topology import Mesh
 
@@ -52,9 +53,17 @@ def mesh_pairs(draw):
     return make_mesh(src_shape, src_ids), make_mesh(dst_shape, dst_ids)
 
 
-def placements(draw, mesh_ndim, tensor_ndim):
-    choices = [Replicate()] + [Shard(d) for d in range(tensor_ndim)]
-    return tuple(draw(st.sampled_from(choices)) for _ in range(mesh_ndim))
+def placements(draw, mesh_ndim, tensor_ndim, partial: ReduceOp | None = None):
+    """One placement per mesh axis; negative shard dims too; with ``partial``, at least one axis is
+    Partial(partial) when the mesh has an axis to spare for it."""
+    choices = (
+        [Replicate()] + [Shard(d) for d in range(tensor_ndim)] + [Shard(d - tensor_ndim) for d in range(tensor_ndim)]
+    )
+    out = [draw(st.sampled_from(choices)) for _ in range(mesh_ndim)]
+    if partial is not None:
+        for a in sorted(draw(st.sets(st.integers(0, mesh_ndim - 1), min_size=1))):
+            out[a] = Partial(partial)
+    return tuple(out)
 
 
 @st.composite
@@ -89,7 +98,7 @@ def expected_region(layout: Layout, shape, flat: int):
     for dim, n in enumerate(shape):
         lo, hi = 0, n
         for axis, p in enumerate(layout.placements):
-            if isinstance(p, Shard) and p.dim == dim:
+            if isinstance(p, Shard) and p.dim % len(shape) == dim:  # negative dims count from the last
                 a, b = torch_chunk_pieces(hi - lo, mesh.shape[axis])[coords[axis]]
                 lo, hi = lo + a, lo + b
         box.append((lo, hi))
@@ -109,3 +118,19 @@ def regions_by_device(layout: Layout, shape) -> dict[int, tuple]:
 # ------------------------------------------------------------------------------------ properties
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def partial_problems(draw):
+    """Problems with a Partial source (every reduce op; integers, so results are exact, except
+    ``avg`` on float64), the destination Partial at times too."""
+    src_mesh, dst_mesh = draw(mesh_pairs())
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
+    op = draw(st.sampled_from(list(ReduceOp)))
+    src = Layout(src_mesh, placements(draw, src_mesh.ndim, ndim, partial=op))
+    dst_partial = draw(st.sampled_from([None, op]))
+    dst = Layout(dst_mesh, placements(draw, dst_mesh.ndim, ndim, partial=dst_partial))
+    dtype = "float64" if op is ReduceOp.AVG else draw(st.sampled_from(["int32", "int64"]))
+    strategy = draw(st.sampled_from(sorted(STRATEGIES)))
+    return shape, dtype, src, dst, strategy

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from problems import SETTINGS, problems, regions_by_device
+from problems import SETTINGS, partial_problems, problems, regions_by_device
 
 from reshard import lower_plan, plan_reshard, validate_program
 from reshard.errors import PlanError
-from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Program, Pull, Recv, Send
+from reshard.placement import ReduceOp
+from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Program, Pull, Recv, Scale, Send
 from reshard.pulls import pulled_steps, to_pulls
 from reshard.sequencing import sequence_program
 from reshard.serialize import decode_device_program, decode_program, encode_device_program, encode_program
@@ -30,21 +31,48 @@ def sl(box):
     return tuple(slice(lo, hi) for lo, hi in box)
 
 
-def interpret(program, src_layout, full: np.ndarray) -> dict[int, np.ndarray]:
+COMBINE = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
+
+
+def interpret(program, src_layout, full: np.ndarray, contributions=None) -> dict[int, np.ndarray]:
     """Run the program in numpy as the executor would: each device connects nothing (groups are
     free here), runs its background ops first (they touch nothing the others read), then its windows
     in order: local ops at once, message ops issued; a message completes (data moves) once every
-    member issued its op; a window ends when its messages completed. Raises if it gets stuck."""
-    src = {d: full[sl(box)].copy() for d, box in regions_by_device(src_layout, full.shape).items()}
-    dst = {p.device: np.zeros(p.dst_shape, full.dtype) for p in program.devices if p.dst_shape is not None}
+    member issued its op; a window ends when its messages completed. Raises if it gets stuck.
+    ``contributions[c]``: the full tensor contribution ``c`` of a Partial source holds."""
+    src_layout = src_layout.for_shape(full.shape)
+    regions = regions_by_device(src_layout, full.shape)
+    src = {}
+    for flat, (d, box) in enumerate(regions.items()):
+        whole = full if contributions is None else contributions[src_layout.contribution(flat)]
+        src[d] = whole[sl(box)].copy()
+    buffers = {(p.device, Buffer.SRC): src.get(p.device) for p in program.devices}
+    for p in program.devices:
+        if p.dst_shape is not None:
+            buffers[(p.device, Buffer.DST)] = np.zeros(p.dst_shape, full.dtype)
+        if p.tmp:
+            buffers[(p.device, Buffer.TMP)] = np.zeros(p.src_shape, full.dtype)
 
     def read(device, op):
-        return (src[device] if op.buffer is Buffer.SRC else dst[device])[sl(op.read)].copy()
+        return buffers[(device, op.buffer)][sl(op.read)].copy()
+
+    def land(device, op, data):
+        box = buffers[(device, getattr(op, "target", Buffer.DST))]
+        reduce = getattr(op, "reduce", None)
+        box[sl(op.write)] = data if reduce is None else COMBINE[reduce](box[sl(op.write)], data)
+
+    def run_local(device, op):
+        if isinstance(op, Scale):
+            buffers[(device, Buffer.DST)][sl(op.write)] /= op.divisor
+        elif isinstance(op, Pull):
+            land(device, op, buffers[(op.holder, Buffer.SRC)][sl(op.read)])
+        else:
+            land(device, op, read(device, op))
 
     windows = {p.device: list(p.issue_windows) for p in program.devices}
     for p in program.devices:
         for op in p.background:
-            dst[p.device][sl(op.write)] = src[op.holder if isinstance(op, Pull) else p.device][sl(op.read)]
+            run_local(p.device, op)
     issued: dict[int, dict[int, object]] = defaultdict(dict)
     members = {op.step: set(op.group) for p in program.devices for op in p.ops if isinstance(op, MESSAGES)}
     head = dict.fromkeys(windows, 0)
@@ -58,26 +86,21 @@ def interpret(program, src_layout, full: np.ndarray) -> dict[int, np.ndarray]:
                 window = ws[head[d]]
                 if not started[d]:
                     for op in window:
-                        if isinstance(op, Copy):
-                            dst[d][sl(op.write)] = read(d, op)
-                        elif isinstance(op, Pull):
-                            dst[d][sl(op.write)] = src[op.holder][sl(op.read)]
-                        else:
+                        if isinstance(op, MESSAGES):
                             issued[op.step][d] = op
+                        else:
+                            run_local(d, op)
                     started[d] = True
                     progress = True
                 for op in window:
-                    if (
-                        isinstance(op, MESSAGES)
-                        and op.step not in done_steps
-                        and set(issued[op.step]) == members[op.step]
-                    ):
+                    complete = isinstance(op, MESSAGES) and set(issued[op.step]) == members[op.step]
+                    if complete and op.step not in done_steps:
                         ops = issued[op.step]
                         root = op.group[0]
                         data = read(root, ops[root])
                         for r, rop in ops.items():
                             if r != root:
-                                dst[r][sl(rop.write)] = data
+                                land(r, rop, data)
                         done_steps.add(op.step)
                 if any(isinstance(op, MESSAGES) and op.step not in done_steps for op in window):
                     break
@@ -86,7 +109,7 @@ def interpret(program, src_layout, full: np.ndarray) -> dict[int, np.ndarray]:
                 progress = True
     stuck = {d: h for d, h in head.items() if h < len(windows[d])}
     assert not stuck, f"interpreter stuck at windows {stuck}"
-    return dst
+    return {d: buffers[(d, Buffer.DST)] for d in (p.device for p in program.devices) if (d, Buffer.DST) in buffers}
 
 
 def expected(dst_layout, full):
@@ -259,3 +282,81 @@ def test_validate_replays_connects_and_windows():
         DeviceProgram(2, None, (4,), (Recv(0, g02, a), Recv(1, g12, b)), 0, (g02, g12), (2,)),
     ))  # fmt: skip
     validate_program(together)
+
+
+def _contributions(src, shape, dtype, seed):
+    """A random full tensor per contribution of ``src`` (one per coordinate of its Partial axes)."""
+    rng = np.random.default_rng(seed)
+    layout = src.for_shape(shape)
+    keys = {layout.contribution(i) for i in range(layout.mesh.size)}
+    if dtype == "float64":
+        return {k: rng.integers(-8, 8, size=shape).astype(dtype) / 4 for k in sorted(keys)}
+    return {k: rng.integers(-1000, 1000, size=shape).astype(dtype) for k in sorted(keys)}
+
+
+def _reduced(contributions, op):
+    values = list(contributions.values())
+    out = values[0].copy()
+    for v in values[1:]:
+        out = COMBINE[op](out, v)
+    return out / len(values) if op is ReduceOp.AVG else out
+
+
+@SETTINGS
+@given(partial_problems(), st.integers(0, 2**16), st.sampled_from([None, 0, 1]), st.integers(1, 3))
+def test_partial_sources_are_combined_exactly(case, seed, domain, window_ops):
+    """A Partial source arrives reduced (sum, max, min exactly; avg of quarter-integers exactly in
+    float64) on every destination device that wants the value; a Partial destination's other
+    devices hold zeros. Through lowering, pulls and sequencing, validated at every stage."""
+    shape, dtype, src, dst, strategy = case
+    plan = plan_reshard(shape, dtype, src, dst, strategy=strategy)
+    program = lower_plan(plan)
+    validate_program(program)
+    devices = {*src.mesh.device_ids, *dst.mesh.device_ids}
+    program = to_pulls(program, dict.fromkeys(devices, domain))
+    program = sequence_program(program, window_ops=window_ops)
+    validate_program(program)
+    assert decode_program(encode_program(program)) == program
+    contributions = _contributions(src, shape, dtype, seed)
+    want = _reduced(contributions, src.reduce_op)
+    got = interpret(program, src, want, contributions)
+    dst_n = dst.for_shape(shape)
+    for flat, (d, box) in enumerate(regions_by_device(dst_n, shape).items()):
+        expect = np.zeros_like(want[sl(box)]) if any(dst_n.contribution(flat)) else want[sl(box)]
+        np.testing.assert_array_equal(got[d], expect)
+
+
+def test_partial_combines_inside_a_host_before_crossing():
+    """Four contributions on two hosts (two each) reduced onto a third host: each source host sends
+    the box once (a partial sum), not once per contribution."""
+    from reshard import Layout, Replicate
+    from reshard.placement import Partial
+    from reshard.plan import TransferKind
+    from topology import Mesh
+
+    src = Layout(Mesh((2, 2), [0, 1, 2, 3], [0, 0, 1, 1]), (Partial(), Partial()))
+    dst = Layout(Mesh((1, 2), [4, 5], [2, 2]), (Replicate(), Replicate()))
+    plan = plan_reshard((64, 64), "int32", src, dst)
+    hosts = plan.host_map
+    crossing = [t for t in plan.transfers if t.kind is not TransferKind.COPY and hosts[t.src] != hosts[t.dsts[0]]]
+    assert sorted(hosts[t.src] for t in crossing) == [0, 1]  # one message out of each source host
+    assert all(plan.transfer_bytes(t) == 64 * 64 * 4 for t in crossing)
+    contributions = _contributions(src, (64, 64), "int32", 3)
+    want = _reduced(contributions, ReduceOp.SUM)
+    got = interpret(lower_plan(plan), src, want, contributions)
+    for d in (4, 5):
+        np.testing.assert_array_equal(got[d], want)
+
+
+@pytest.mark.parametrize(
+    "dtype, op, message",
+    [("bool", ReduceOp.SUM, "cannot be reduced"), ("int32", ReduceOp.AVG, "floating-point")],
+)
+def test_partial_refuses_what_it_cannot_reduce(dtype, op, message):
+    from reshard import Layout, Replicate
+    from reshard.placement import Partial
+    from topology import Mesh
+
+    src = Layout(Mesh((2,), [0, 1]), (Partial(op),))
+    with pytest.raises(ValueError, match=message):
+        plan_reshard((4,), dtype, src, Layout(Mesh((1,), [2]), (Replicate(),)))
