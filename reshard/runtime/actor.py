@@ -141,7 +141,8 @@ class DeviceContext:
                 state.groups.connect(keys, timeout_s)
                 groups = _Channel(state.groups, "")
             state.staging.reserve(program.staging_bytes)
-            run = Run(prepared, src, dst, peers or {}, groups, state.staging, deadline, self.before_op)
+            tmp = self.store.allocate(program.src_shape, torch_dtype(prepared.dtype)) if program.tmp else None
+            run = Run(prepared, src, dst, peers or {}, groups, state.staging, deadline, self.before_op, tmp)
             return execute(run)
         except BaseException:
             state.groups.abort(keys, "its program failed")
@@ -194,9 +195,9 @@ class DeviceActor:
 
     # ---------------------------------------------------------------- shards
 
-    def load(self, ticket: Ticket, name: str, holder: str, array: np.ndarray, box, dtype: str, deadline: float):
-        """Keep ``array[box]`` (a read-only object-store array) as shard ``name`` held by
-        ``holder``; returns its shared-memory descriptor (None: private memory)."""
+    def load(self, ticket: Ticket, name: str, holder: str, array, box, dtype: str, deadline: float):
+        """Keep ``array[box]`` (a read-only object-store array; None: zeros of the box's shape) as
+        shard ``name`` held by ``holder``; returns its shared-memory descriptor (None: private)."""
         ctx = self.ctx
         with ctx.inbox.turn(ticket, deadline, f"loading {name}"):
             _check_deadline(ctx.device, deadline, f"loading {name}")
@@ -209,7 +210,10 @@ class DeviceActor:
                     if on_host
                     else torch.empty(shape, dtype=torch_dtype(wire))
                 )
-                t.numpy()[...] = array[tuple(slice(lo, hi) for lo, hi in box)]
+                if array is None:
+                    t.zero_()
+                else:
+                    t.numpy()[...] = array[tuple(slice(lo, hi) for lo, hi in box)]
             except (MemoryError, RuntimeError, OSError) as e:
                 raise ReshardError(
                     f"device {ctx.device}: could not allocate its shard {name} of shape {shape}: {e}"
@@ -311,9 +315,12 @@ class DeviceActor:
                     ) from e
             state.groups.connect(keys, deadline - time.monotonic())
             state.staging.reserve(prog.staging_bytes)
+            tmp = ctx.store.allocate(prog.src_shape, tdtype) if prog.tmp else None
             ctx.peak_bytes = (0 if dst is None else dst.numel() * dst.element_size()) + state.staging.nbytes
             ctx.counters["runs"] += 1
-            run = Run(prepared, src, dst, peers, _Channel(state.groups, ""), state.staging, deadline, ctx.before_op)
+            run = Run(
+                prepared, src, dst, peers, _Channel(state.groups, ""), state.staging, deadline, ctx.before_op, tmp
+            )
             stats = execute(run)
         except BaseException as e:
             ctx.counters["failed_runs"] += 1

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Pull, Recv, Send, group_key, op_shape
+from reshard.placement import ReduceOp
+from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Pull, Recv, Scale, Send, group_key, op_shape
 
 TORCH_DTYPES = {
     "float64": torch.float64,
@@ -110,11 +111,12 @@ class PreparedProgram:
 class Run:
     """The state of one program run: buffers, peers' shards, communicators, staging, deadline."""
 
-    def __init__(self, prepared, src, dst, peers, groups, staging, deadline, before_op=None):
+    def __init__(self, prepared, src, dst, peers, groups, staging, deadline, before_op=None, tmp=None):
         self.prepared = prepared
         self.device = prepared.device
         self.src = src
         self.dst = dst
+        self.tmp = tmp  # scratch of the source shard's shape, where contributions combine (Partial)
         self.peers = peers
         self.groups = groups
         self.staging = staging
@@ -130,7 +132,7 @@ class Run:
         return left
 
     def buffer(self, which: Buffer) -> torch.Tensor:
-        return self.src if which is Buffer.SRC else self.dst
+        return self.src if which is Buffer.SRC else self.dst if which is Buffer.DST else self.tmp
 
     def comm(self, step: Step):
         comm = self.groups.get(step.key)
@@ -147,12 +149,24 @@ class Run:
 
     def incoming(self, step: Step) -> torch.Tensor:
         if step.op.staging is None:
-            return _contiguous(self.dst[step.write], step, self.device)
+            return _contiguous(self.target(step)[step.write], step, self.device)
         return self.staging.view(step.op.staging, self.dtype, step.shape)
+
+    def target(self, step: Step) -> torch.Tensor:
+        return self.buffer(getattr(step.op, "target", Buffer.DST))
+
+    def land(self, step: Step, data: torch.Tensor) -> None:
+        """Write (or combine, by the op's ``reduce``) ``data`` into the op's target box."""
+        view = self.target(step)[step.write]
+        reduce = getattr(step.op, "reduce", None)
+        if reduce is None:
+            view.copy_(data)
+        else:
+            COMBINE[reduce](view, data)
 
     def landed(self, step: Step, t: torch.Tensor) -> None:
         if step.op.staging is not None:
-            self.dst[step.write].copy_(t)
+            self.land(step, t)
 
 
 # ------------------------------------------------------------------------------------- handlers
@@ -160,11 +174,15 @@ class Run:
 
 
 def _copy(run: Run, step: Step):
-    run.dst[step.write].copy_(run.buffer(step.op.buffer)[step.read])
+    run.land(step, run.buffer(step.op.buffer)[step.read])
 
 
 def _pull(run: Run, step: Step):
-    run.dst[step.write].copy_(run.peers[step.op.holder][step.read])
+    run.land(step, run.peers[step.op.holder][step.read])
+
+
+def _scale(run: Run, step: Step):
+    run.dst[step.write].div_(step.op.divisor)
 
 
 def _send(run: Run, step: Step):
@@ -183,7 +201,15 @@ def _broadcast(run: Run, step: Step):
     return run.comm(step).ibroadcast(t, step.root), t
 
 
-HANDLERS: dict[type, Callable] = {Copy: _copy, Pull: _pull, Send: _send, Recv: _recv, Broadcast: _broadcast}
+HANDLERS: dict[type, Callable] = {
+    Copy: _copy, Pull: _pull, Scale: _scale, Send: _send, Recv: _recv, Broadcast: _broadcast,
+}  # fmt: skip
+
+COMBINE: dict[ReduceOp, Callable] = {
+    ReduceOp.SUM: lambda view, data: view.add_(data),
+    ReduceOp.MAX: lambda view, data: torch.maximum(view, data, out=view),
+    ReduceOp.MIN: lambda view, data: torch.minimum(view, data, out=view),
+}
 
 
 def _slices(box):
@@ -228,6 +254,10 @@ def execute(run: Run) -> dict:
     prog = prepared.program
     _check_buffer("source", run.src, prog.src_shape, run.dtype, run.device)
     _check_buffer("destination", run.dst, prog.dst_shape, run.dtype, run.device)
+    if prog.tmp:
+        _check_buffer("scratch", run.tmp, prog.src_shape, run.dtype, run.device)
+    if prog.zero_dst:
+        run.dst.zero_()
     _check_peers(prog, run.peers, run.dtype)
     background = None
     if prepared.background:

@@ -209,25 +209,41 @@ def _as_numpy(array) -> tuple[np.ndarray, str]:
 
 
 def distribute(array, layout: Layout, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> ShardedTensor:
-    """Lay ``array`` (numpy array or CPU torch tensor) out over ``layout`` on its DeviceMesh."""
+    """Lay a tensor out over ``layout`` on its DeviceMesh.
+
+    ``array``: the whole tensor (numpy array or CPU torch tensor); on a layout with Partial axes the
+    devices at coordinate 0 of those axes hold it and the others zeros. Or every device's own shard:
+    a dict ``{flat device index: array}`` or a list in flat device order (each of the shape the
+    layout gives the device; on Partial axes, each device's contribution); the tensor's shape is
+    inferred from them."""
     if not isinstance(layout, Layout):
         raise TypeError(f"distribute needs a reshard.Layout, got {type(layout).__name__}")
     timeout_s = check_timeout(timeout_s)
-    arr, dtype = _as_numpy(array)
-    shape = tuple(arr.shape)
-    layout.check_shape(shape)
     rt = runtime()
     dmesh = rt.registry.resolve_mesh(layout.mesh, f"distribute onto {layout}")
-    regions = layout_regions(layout, shape)
+    if isinstance(array, dict | list | tuple):
+        shards, dtype, shape = _local_shards(array, layout)
+        layout = layout.for_shape(shape)
+        loads = {i: (ray.put(a), tuple((0, n) for n in a.shape)) for i, a in enumerate(shards)}
+    else:
+        arr, dtype = _as_numpy(array)
+        shape = tuple(arr.shape)
+        layout = layout.for_shape(shape)
+        ref = ray.put(arr)
+        zeros = ray.put(None)
+        loads = {
+            i: (zeros if any(layout.contribution(i)) else ref, box)
+            for i, box in enumerate(layout_regions(layout, shape))
+        }
     name = rt.new_name()
     deadline = deadline_of(timeout_s)
     wall = time.time() + (deadline - time.monotonic())
-    ref = ray.put(arr)
     refs = {}
     with rt.lock:
-        for rec, box in zip(dmesh.records, regions, strict=True):
+        for i, rec in enumerate(dmesh.records):
+            src, box = loads[i]
             refs[rec.id] = rt.submit(
-                rec, lambda t, rec=rec, box=box: rec.actor.load.remote(t, name, name, ref, box, dtype, wall)
+                rec, lambda t, rec=rec, src=src, box=box: rec.actor.load.remote(t, name, name, src, box, dtype, wall)
             )
     try:
         outcome = rt.wait(refs, deadline, f"distribute onto {layout}")
@@ -239,6 +255,49 @@ def distribute(array, layout: Layout, *, timeout_s: float | None = DEFAULT_TIMEO
         raise failure_error(outcome, f"distribute onto {layout}", timeout_s, tail="Nothing was kept.")
     shared = {d: desc for d, desc in outcome.results.items() if desc is not None}
     return ShardedTensor(dmesh, layout, shape, dtype, name, shared)
+
+
+def _local_shards(given, layout: Layout) -> tuple[list[np.ndarray], str, tuple[int, ...]]:
+    """Every device's shard (numpy, C-contiguous) in flat order, their dtype and the tensor's shape
+    (inferred, then each shard checked against the shape the layout gives its device)."""
+    size = layout.mesh.size
+    if isinstance(given, dict):
+        missing = sorted(set(range(size)) - set(given))
+        extra = sorted(set(given) - set(range(size)))
+        if missing or extra:
+            raise ValueError(
+                f"distribute onto {layout}: local shards need exactly the flat device indices 0..{size - 1}; "
+                f"missing {missing}, unknown {extra}"
+            )
+        given = [given[i] for i in range(size)]
+    if len(given) != size:
+        raise ValueError(f"distribute onto {layout}: {len(given)} local shards for a mesh of {size} devices")
+    shards, dtypes = zip(*(_as_numpy(a) for a in given), strict=True)
+    if len(set(dtypes)) > 1:
+        raise TypeError(f"distribute onto {layout}: local shards of different dtypes {sorted(set(dtypes))}")
+    ndims = {a.ndim for a in shards}
+    if len(ndims) > 1:
+        raise ValueError(f"distribute onto {layout}: local shards of different ranks {sorted(ndims)}")
+    ndim = ndims.pop()
+    layout.check_shape((0,) * ndim)
+    norm = layout.for_shape((0,) * ndim)
+    shape = []
+    for dim in range(ndim):
+        axes = norm.sharded_axes(dim)
+        seen: dict[tuple[int, ...], int] = {}
+        for flat, a in enumerate(shards):
+            coords = layout.mesh.coords(flat)
+            seen.setdefault(tuple(coords[x] for x in axes), a.shape[dim])
+        shape.append(sum(seen.values()))
+    shape = tuple(shape)
+    for flat, (a, box) in enumerate(zip(shards, layout_regions(norm, shape), strict=True)):
+        want = tuple(hi - lo for lo, hi in box)
+        if tuple(a.shape) != want:
+            raise ValueError(
+                f"distribute onto {layout}: the local shard of flat device {flat} has shape {tuple(a.shape)}, "
+                f"but a tensor of shape {shape} in this layout gives that device {want}"
+            )
+    return list(shards), dtypes[0], shape
 
 
 def _pending(refs):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from dist_helpers import assert_bit_exact, assert_shards, pl, random_array, read
 
-from reshard import STRATEGIES, Layout, distribute, reshard
+from reshard import STRATEGIES, Layout, Replicate, Shard, distribute, reshard
 from reshard.dtypes import ITEMSIZE
 from reshard.runtime import runtime_stats
 
@@ -233,7 +233,7 @@ def test_private_memory_mesh(view, ray_cluster):
     """A mesh created with shared_memory=False keeps private shards: reshards to and from it go
     through gloo."""
     from reshard import DeviceMesh
-    from reshard.program import MESSAGE_OPS, Pull
+    from reshard.program import Pull
     from reshard.runtime import lowered_reshard
 
     own = DeviceMesh.create((1,), backend="gloo", shared_memory=False, startup_timeout_s=180)
@@ -250,3 +250,43 @@ def test_private_memory_mesh(view, ray_cluster):
         assert_bit_exact(reshard(y, dst, back).to_numpy(), x)
     finally:
         own.shutdown()
+
+
+# ------------------------------------------------------------------------------ Partial sources
+
+
+@TRANSPORTS
+@pytest.mark.parametrize("op", ["sum", "max", "min", "avg"])
+def test_partial_sources_arrive_reduced(view, shared_memory, op):
+    """Every device's contribution (``distribute`` of local shards) reduced on the way: exact for
+    integers, and for avg of float64 values whose sum is exact."""
+    from reshard.placement import Partial
+
+    src = view([0, 1, 4, 5], (2, 2))  # contributions along axis 1, rows sharded along axis 0
+    dst = view([2, 3, 6], (3,))
+    rng = np.random.default_rng(17)
+    dtype = np.float64 if op == "avg" else np.int32
+    parts = [rng.integers(-50, 50, size=(6, 5)).astype(dtype) for _ in range(2)]
+    reduce = {"sum": np.add, "max": np.maximum, "min": np.minimum, "avg": np.add}[op]
+    want = reduce(parts[0], parts[1]) / (2 if op == "avg" else 1)
+    layout = Layout(src, (Shard(0), Partial(op)))
+    shards = {flat: parts[flat % 2][(flat // 2) * 3 : (flat // 2 + 1) * 3] for flat in range(4)}
+    t = distribute(shards, layout)
+    assert t.shape == (6, 5)
+    for spec in ("S1", "R"):
+        y = reshard(t, src, Layout(dst, pl(spec)), shared_memory=shared_memory)
+        assert_bit_exact(y.to_numpy(), want.astype(dtype))
+    back = reshard(t, src, Layout(src, (Replicate(), Partial(op))), shared_memory=shared_memory)
+    shards = back.local_shards()  # the value at coordinate 0 of the Partial axis, zeros elsewhere
+    assert_bit_exact(shards[0], want.astype(dtype))
+    assert_bit_exact(shards[1], np.zeros_like(want, dtype=dtype))
+
+
+def test_distribute_checks_local_shards(view):
+    a = view([0, 1], (2,))
+    with pytest.raises(ValueError, match="flat device 1 has shape"):
+        distribute({0: np.zeros((3, 2)), 1: np.zeros((3, 3))}, Layout(a, pl("S0")))
+    with pytest.raises(ValueError, match="missing \\[1\\]"):
+        distribute({0: np.zeros((3, 2))}, Layout(a, pl("S0")))
+    t = distribute([np.arange(3), np.arange(3, 5)], Layout(a, pl("S0")))  # uneven: 3 + 2
+    assert t.shape == (5,) and t.to_numpy().tolist() == list(range(5))
