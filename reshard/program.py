@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import cast
 
 from reshard.placement import ReduceOp
 from reshard.regions import Box, box_shape, box_volume
@@ -126,8 +127,11 @@ def group_key(devices) -> Group:
 
 def op_box(op: Op) -> Box:
     """The box an op moves (what it reads, or for receivers what they write)."""
-    box = getattr(op, "read", None)
-    return op.write if box is None else box
+    if isinstance(op, Recv | Scale):
+        return op.write
+    if isinstance(op, Broadcast):  # exactly one of read and write is set (checked on construction)
+        return cast(Box, op.write if op.read is None else op.read)
+    return op.read
 
 
 def op_shape(op: Op) -> tuple[int, ...]:
@@ -146,7 +150,7 @@ def reads_output(op: Op) -> Buffer | None:
         return buffer
     if isinstance(op, Scale):
         return Buffer.DST
-    if getattr(op, "reduce", None) is not None:
+    if isinstance(op, Copy | Pull | Recv) and op.reduce is not None:
         return op.target
     return None
 

@@ -23,6 +23,7 @@ from reshard.program import (
     Pull,
     Send,
     first_use_groups,
+    op_box,
     op_numel,
 )
 
@@ -57,7 +58,7 @@ def to_pulls(program: Program, domain_of: Mapping[int, Hashable | None]) -> Prog
                 ops.append(op)
             elif p.device != (holder := root.group[0]):
                 target = getattr(op, "target", Buffer.DST)
-                ops.append(Pull(op.step, holder, root.read, op.write, target, getattr(op, "reduce", None)))
+                ops.append(Pull(op.step, holder, op_box(root), op_box(op), target, getattr(op, "reduce", None)))
         staging = max(
             (op_numel(op) * item for op in ops if isinstance(op, MESSAGE_OPS) and op.staging is not None), default=0
         )

@@ -40,9 +40,9 @@ def sequence_program(
 
 
 def _sequence_device(p: DeviceProgram, item: int, overlap_bytes, window_ops: int, window_staging: int) -> DeviceProgram:
-    ops = p.ops + p.background
-    messages = [op for op in ops if isinstance(op, MESSAGE_OPS)]
-    local = [op for op in ops if isinstance(op, LOCAL_OPS)]
+    ops: list[Op] = [*p.ops, *p.background]
+    messages: list[Op] = [op for op in ops if isinstance(op, MESSAGE_OPS)]
+    local: list[Op] = [op for op in ops if isinstance(op, LOCAL_OPS)]
     background: list[Op] = []
     if messages and local and not any(reads_output(op) for op in ops):
         if overlap_bytes is not None and sum(op_numel(op) for op in local) * item >= overlap_bytes:
@@ -72,7 +72,7 @@ def _windows(ops: list[Op], item: int, most: int, bound: int, staging: int):
             written = []
         if not lengths:
             lengths.append(0)
-        if nbytes:
+        if nbytes and isinstance(op, MESSAGE_OPS):  # only messages are staged
             op = replace(op, staging=used)
             used += nbytes
             peak = max(peak, used)

@@ -212,7 +212,11 @@ def _check_dataflow(p: DeviceProgram) -> None:
         for op in window:
             buffer = reads_output(op)
             if buffer is not None:
-                box = op.write if getattr(op, "reduce", None) is not None or isinstance(op, Scale) else op_box(op)
+                box = (
+                    op.write
+                    if isinstance(op, Scale) or (isinstance(op, Copy | Pull | Recv) and op.reduce is not None)
+                    else op_box(op)
+                )
                 if buffer is Buffer.TMP and not p.tmp:
                     raise PlanError(f"device {p.device} step {op.step} reads a scratch buffer it does not have")
                 if _covered(box, done[buffer]) != box_volume(box):
@@ -242,7 +246,7 @@ def _check_staging(p: DeviceProgram, item: int) -> None:
     combined), inside the staging buffer, side by side within a window."""
     shapes = {Buffer.SRC: p.src_shape, Buffer.TMP: p.src_shape, Buffer.DST: p.dst_shape}
     for window in p.issue_windows:
-        spans = []
+        spans: list[tuple[int, int]] = []
         for op in window:
             if not isinstance(op, MESSAGE_OPS):
                 continue

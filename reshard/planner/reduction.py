@@ -109,7 +109,7 @@ def from_roots(transfers: tuple[Transfer, ...], origin: tuple[int, ...]) -> tupl
 
 
 def _root(task: UnitTask, hosts, rooted) -> int:
-    held = defaultdict(int)  # host -> contributions held there
+    held: defaultdict[int, int] = defaultdict(int)  # host -> contributions held there
     for group in task.contributions:
         for h in {hosts[d] for d in group}:
             held[h] += 1
@@ -120,7 +120,7 @@ def _root(task: UnitTask, hosts, rooted) -> int:
 def _representative(group: tuple[int, ...], root: int, task: UnitTask, hosts) -> int:
     """The holder of one contribution to read it from: the root itself, else one on the root's
     host, else one on the host holding the most contributions (combined there before crossing)."""
-    held = defaultdict(int)
+    held: defaultdict[int, int] = defaultdict(int)
     for g in task.contributions:
         for h in {hosts[d] for d in g}:
             held[h] += 1
