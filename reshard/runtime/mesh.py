@@ -335,6 +335,28 @@ class DeviceMesh:
     def closed(self) -> bool:
         return self._closed is not None
 
+    def __getitem__(self, axes) -> tuple[DeviceMesh, ...]:
+        """The sub-meshes along mesh axes named ``axes`` (a name or a tuple of names): one view per
+        position of the other axes, in mesh order, each over the devices that differ only along
+        ``axes`` (e.g. ``mesh["tp"]`` on a ("dp", "tp") mesh: one "tp" group per "dp" index).
+        torch's ``DeviceMesh["tp"]`` is the one holding the calling rank; a driver has none."""
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        known = self.axis_names or ()
+        for n in names:
+            if n not in known:
+                raise KeyError(f"{n!r} is not an axis of {self!r}; its axes are {list(known)}")
+        picked = [known.index(n) for n in names]
+        shape = tuple(self.shape[a] for a in picked)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for flat, d in enumerate(self.device_ids):
+            coords = self.mesh.coords(flat)
+            groups.setdefault(tuple(c for a, c in enumerate(coords) if a not in picked), []).append((flat, d))
+        out = []
+        for members in groups.values():
+            ordered = sorted(members, key=lambda fd: tuple(self.mesh.coords(fd[0])[a] for a in picked))
+            out.append(DeviceMesh.from_devices([d for _, d in ordered], shape, axis_names=names))
+        return tuple(out)
+
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         kind = "" if self.owned else " view"

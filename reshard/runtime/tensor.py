@@ -54,14 +54,17 @@ def deadline_of(timeout_s: float | None) -> float:
 class ShardedTensor:
     """A tensor laid out over a DeviceMesh; its bytes live on the device actors.
 
-    ``shape`` (tuple), ``dtype`` (canonical name, e.g. "float32"), ``layout``, ``mesh`` (the
-    DeviceMesh), ``name`` (the actors' shard name)."""
+    ``shape`` (tuple), ``dtype`` (numpy dtype; ``dtype_name`` the canonical name, ``torch_dtype``
+    torch's), ``layout``, ``mesh`` (the DeviceMesh), ``name`` (the actors' shard name). DTensor's
+    vocabulary: ``placements``, ``device_mesh``, ``full_tensor()``. Reading it back is explicit
+    (``full_tensor``, ``to_numpy``, ``to_torch``, ``local_shards``): ``np.asarray`` of a handle is
+    refused rather than silently making an object array."""
 
     def __init__(self, mesh: DeviceMesh, layout: Layout, shape, dtype: str, name: str, shared=None, holder=None):
         self.mesh = mesh
         self.layout = layout
         self.shape = tuple(shape)
-        self.dtype = dtype
+        self.dtype_name = dtype
         self.name = name
         self._shared = dict(shared or {})  # device -> shared-memory descriptor of its shard
         self._holder = name if holder is None else holder
@@ -69,22 +72,60 @@ class ShardedTensor:
 
     def __repr__(self) -> str:
         state = ", freed" if self._freed else ""
-        return f"ShardedTensor({self.dtype}{list(self.shape)}, {self.layout}, shard={self.name!r}{state})"
+        return f"ShardedTensor({self.dtype_name}{list(self.shape)}, {self.layout}, shard={self.name!r}{state})"
 
     def __reduce__(self):
         """A copy holds the shards under a token until it is unpickled (module docstring)."""
         self._check("pickling")
         token = f"{self.name}/pickled/{uuid.uuid4().hex[:12]}"
         runtime().hold_later(True, self.mesh.device_ids, self.name, token)
-        return _rebuild, (self.mesh, self.layout, self.shape, self.dtype, self.name, self._shared, token)
+        return _rebuild, (self.mesh, self.layout, self.shape, self.dtype_name, self.name, self._shared, token)
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
     @property
+    def dtype(self) -> np.dtype:
+        """The numpy dtype (bfloat16: ``ml_dtypes.bfloat16`` when installed; ``torch_dtype`` always works)."""
+        if self.dtype_name != "bfloat16":
+            return np.dtype(self.dtype_name)
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(
+                f"{self!r}: numpy has no bfloat16 (install ml_dtypes); use .torch_dtype or .dtype_name"
+            ) from None
+        return np.dtype(ml_dtypes.bfloat16)
+
+    @property
+    def torch_dtype(self):
+        from reshard.runtime.executor import torch_dtype
+
+        return torch_dtype(self.dtype_name)
+
+    @property
+    def placements(self) -> tuple:
+        """One placement per mesh axis (DTensor's name for ``layout.placements``)."""
+        return self.layout.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The DeviceMesh the shards live on (DTensor's name)."""
+        return self.mesh
+
+    def full_tensor(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+        """The whole tensor gathered here as a torch tensor (DTensor's ``full_tensor``)."""
+        return self.to_torch(timeout_s=timeout_s)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError(
+            f"{self!r} lives on its device actors; gather it explicitly with .full_tensor() (torch) or .to_numpy()"
+        )
+
+    @property
     def size_bytes(self) -> int:
-        return box_volume(tuple((0, n) for n in self.shape)) * itemsize(self.dtype)
+        return box_volume(tuple((0, n) for n in self.shape)) * itemsize(self.dtype_name)
 
     @property
     def freed(self) -> bool:
@@ -116,7 +157,7 @@ class ShardedTensor:
         for i, box in enumerate(regions):
             if box_volume(box) and box not in first:
                 first[box] = i
-        wire = np.int16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+        wire = np.int16 if self.dtype_name == "bfloat16" else np.dtype(self.dtype_name)
         out = np.empty(self.shape, dtype=wire)
         shards = self._fetch(sorted(first.values()), check_timeout(timeout_s))
         for box, i in first.items():
@@ -125,7 +166,7 @@ class ShardedTensor:
 
     def to_numpy(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> np.ndarray:
         """The full tensor, assembled here (one holder per distinct region)."""
-        if self.dtype == "bfloat16":
+        if self.dtype_name == "bfloat16":
             raise TypeError(f"{self!r}: numpy has no bfloat16; use .to_torch() (or .to_torch().float().numpy())")
         return self._assemble(timeout_s)
 
@@ -134,11 +175,11 @@ class ShardedTensor:
         import torch
 
         out = torch.from_numpy(self._assemble(timeout_s))
-        return out.view(torch.bfloat16) if self.dtype == "bfloat16" else out
+        return out.view(torch.bfloat16) if self.dtype_name == "bfloat16" else out
 
     def local_shards(self, *, as_torch: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict:
         """``{flat device index in mesh: shard}`` as numpy arrays (torch tensors with ``as_torch``)."""
-        if self.dtype == "bfloat16" and not as_torch:
+        if self.dtype_name == "bfloat16" and not as_torch:
             raise TypeError(f"{self!r}: numpy has no bfloat16; use .local_shards(as_torch=True)")
         self._check("local_shards")
         shards = self._fetch(range(self.mesh.size), check_timeout(timeout_s))
@@ -149,7 +190,7 @@ class ShardedTensor:
         out = {}
         for i in range(self.mesh.size):
             t = torch.from_numpy(np.array(shards[i]))
-            out[i] = t.view(torch.bfloat16) if self.dtype == "bfloat16" else t
+            out[i] = t.view(torch.bfloat16) if self.dtype_name == "bfloat16" else t
         return out
 
     # ---------------------------------------------------------------- lifetime
@@ -337,7 +378,7 @@ def _compile(tensor: ShardedTensor, dst_layout: Layout, strategy: str, cluster, 
         hosts = planning_hosts(tensor.layout, dst_layout, domains) or device_hosts(tensor.layout.mesh, dst_layout.mesh)
         cluster = rt.planning_cluster(dmesh.backend, hosts)
     compiled = compile_reshard(
-        tensor.shape, tensor.dtype, tensor.layout, dst_layout, strategy=strategy, cluster=cluster, domains=domains,
+        tensor.shape, tensor.dtype_name, tensor.layout, dst_layout, strategy=strategy, cluster=cluster, domains=domains,
         options=compile_options(dmesh.backend),
     )  # fmt: skip
     return dmesh, compiled
@@ -384,10 +425,10 @@ def reshard(
     dmesh, compiled = _compile(tensor, dst_layout, strategy, cluster, shared_memory)
     rt = runtime()
     name = rt.new_name()
-    what = f"reshard {tensor.dtype}{list(tensor.shape)} {tensor.layout} -> {dst_layout} (strategy {strategy!r})"
+    what = f"reshard {tensor.dtype_name}{list(tensor.shape)} {tensor.layout} -> {dst_layout} (strategy {strategy!r})"
     results = rt.execute(compiled, tensor.name, name, deadline, what, timeout_s, tensor._shared)
     shared = {d: r.descriptor for d, r in results.items() if r.descriptor is not None}
-    return ShardedTensor(dmesh, dst_layout, tensor.shape, tensor.dtype, name, shared)
+    return ShardedTensor(dmesh, dst_layout, tensor.shape, tensor.dtype_name, name, shared)
 
 
 __all__ = ["INTACT", "ShardedTensor", "distribute", "lowered_reshard", "reshard"]

@@ -48,7 +48,7 @@ def assert_bit_exact(got, expected) -> None:
 
 def assert_shards(tensor, full) -> None:
     """Every device holds exactly its region of ``full``."""
-    shards = tensor.local_shards(as_torch=tensor.dtype == "bfloat16")
+    shards = tensor.local_shards(as_torch=tensor.dtype_name == "bfloat16")
     regions = layout_regions(tensor.layout, tuple(full.shape))
     assert sorted(shards) == list(range(tensor.mesh.size))
     for i, box in enumerate(regions):
@@ -57,7 +57,7 @@ def assert_shards(tensor, full) -> None:
 
 
 def read(tensor):
-    return tensor.to_torch() if tensor.dtype == "bfloat16" else tensor.to_numpy()
+    return tensor.to_torch() if tensor.dtype_name == "bfloat16" else tensor.to_numpy()
 
 
 def groups_of(stats: dict, channel: str = "") -> set[tuple[int, ...]]:

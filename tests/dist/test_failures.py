@@ -20,7 +20,6 @@ from reshard import (
     Shard,
     WorkerDied,
     distribute,
-    plan_reshard,
     reshard,
 )
 from reshard.runtime import lowered_reshard

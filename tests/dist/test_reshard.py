@@ -45,7 +45,7 @@ def _run_case(view, case, dtype="float32", strategy="auto", seed=0, shared_memor
     x = random_array(shape, dtype, seed)
     t = distribute(x, Layout(src, pl(sp)))
     y = reshard(t, src, Layout(dst, pl(dp)), strategy=strategy, shared_memory=shared_memory)
-    assert y.shape == tuple(shape) and y.dtype == dtype and y.mesh is dst
+    assert y.shape == tuple(shape) and y.dtype_name == dtype and y.mesh is dst
     assert_bit_exact(read(y), x)
     assert_shards(y, x)
     assert_bit_exact(read(t), x)  # the source is intact

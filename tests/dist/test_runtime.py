@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from dist_helpers import assert_bit_exact, assert_shards, groups_of, pl, random_array
 
-from reshard import DeviceMesh, Layout, distribute, plan_reshard, reshard
+from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, plan_reshard, reshard
 from reshard.lowering import lower_plan
 from reshard.regions import box_shape, box_volume, layout_regions
 from reshard.runtime import ensure_groups, lowered_reshard, runtime_stats, settle
@@ -199,7 +199,8 @@ def test_sharded_tensor_api(view):
     a = view([0, 1, 4, 5], (2, 2))
     x = random_array((5, 3), "bfloat16", 14)
     t = distribute(x, Layout(a, pl("S0 R")))
-    assert t.shape == (5, 3) and t.dtype == "bfloat16" and t.mesh is a and t.layout == Layout(a, pl("S0 R"))
+    assert t.shape == (5, 3) and t.dtype_name == "bfloat16" and t.torch_dtype == torch.bfloat16
+    assert t.mesh is a and t.device_mesh is a and t.layout == Layout(a, pl("S0 R")) and t.placements == pl("S0 R")
     assert "bfloat16[5, 3]" in repr(t)
     with pytest.raises(TypeError, match="to_torch"):
         t.to_numpy()
@@ -216,6 +217,35 @@ def test_sharded_tensor_api(view):
     y = distribute(np.arange(3, dtype=np.uint8), Layout(a, pl("S0 S0")))  # chunks [0:2] [2:3], then halves
     shards = y.local_shards()
     assert [s.tolist() for s in shards.values()] == [[0], [1], [2], []]
+    assert y.dtype == np.uint8 and torch.equal(y.full_tensor(), torch.arange(3, dtype=torch.uint8))
+    with pytest.raises(TypeError, match=r"full_tensor\(\)"):
+        np.asarray(y)
+
+
+def test_named_axes_torch_placements_and_negative_dims(pool):
+    """Meshes with axis names: sub-meshes by name, layouts by name or PartitionSpec; torch's own
+    placement objects and Shard(-1) work wherever ours do."""
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    mesh = DeviceMesh.from_devices(pool.device_ids[:4], (2, 2), axis_names=("dp", "tp"))
+    assert str(Layout(mesh, pl("S0 R"))) == "(dp: S(0), tp: R) on mesh (2, 2)"
+    tp = mesh["tp"]
+    assert [m.device_ids for m in tp] == [pool.device_ids[0:2], pool.device_ids[2:4]]
+    assert [m.device_ids for m in mesh["dp"]] == [pool.device_ids[0:4:2], pool.device_ids[1:4:2]]
+    with pytest.raises(KeyError, match="'pp' is not an axis"):
+        mesh["pp"]
+    x = random_array((6, 4), "int32", 21)
+    by_name = Layout.from_spec(mesh, {"tp": Shard(-1)})
+    assert by_name == Layout(mesh, (Replicate(), Shard(-1)))
+    assert Layout.from_spec(mesh, (None, "tp")).for_shape(x.shape) == by_name.for_shape(x.shape)
+    t = distribute(x, by_name)
+    assert t.layout.placements == (Replicate(), Shard(1))  # resolved against the tensor's rank
+    y = reshard(t, mesh, Layout(mesh, (TorchShard(0), TorchReplicate())))
+    assert y.placements == (Shard(0), Replicate())
+    assert_bit_exact(y.to_numpy(), x)
+    with pytest.raises(ValueError, match="'ep' is not an axis"):
+        Layout.from_spec(mesh, {"ep": Shard(0)})
 
 
 def test_views_keep_device_hosts(pool):
