@@ -19,6 +19,11 @@ share:
 ``GBps`` is 1e9 bytes per second. Device ``d`` of a cluster built mesh lives on host
 ``d // devices_per_host`` (``Cluster.mesh``); plans may carry their own host ids, which must stay
 below ``num_hosts`` (``check_meshes``, ``check_hosts``).
+
+A Ray cluster (``Cluster.from_ray`` / ``from_nodes``) has one host per node, numbered with the
+job-wide host ids the runtime gives its meshes. Its link figures are MEASURED when a
+``LinkFigures`` (``reshard.runtime.probe.probe_links``) is given, and otherwise GUESSES: Ray does
+not know link speeds (``GUESSED_GLOO``, ``DEFAULT_*``).
 """
 
 from __future__ import annotations
@@ -52,6 +57,78 @@ PRESETS: dict[str, tuple[int, float, float, float]] = {
 DEFAULT_NIC_GBPS = 12.5
 DEFAULT_INTRA_HOST_GBPS = 100.0
 DEFAULT_LATENCY_US = 10.0
+
+# Guesses for a Ray cluster of CPU nodes (gloo over TCP between CPU processes) that was not probed:
+# a 10 Gbit/s NIC, 5 GB/s between two processes of a node, 50 us per network message and 10 us per
+# message inside a node. Measured on emulated hosts, gloo between two actors of one node moved
+# ~0.85 GB/s; probe (``LinkFigures``) to plan with real figures.
+GUESSED_GLOO = {"nic_GBps": 1.25, "intra_host_GBps": 5.0, "latency_us": 50.0, "intra_host_latency_us": 10.0}
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFigures:
+    """Link figures measured between device actors on some Ray nodes (``reshard.runtime.probe``).
+
+    ``node_ids``: the probed nodes (sorted); ``nic_GBps[i]``: node ``i``'s NIC rate per direction
+    (None when it had no partner node to measure against); ``intra_host_GBps``: one device to
+    another of the same node through the backend (None: no node held two devices); latencies: one
+    message, half a measured round trip (None: not measured). ``size_bytes``: bytes per timed
+    transfer; ``backend``: the communicator backend measured.
+    """
+
+    node_ids: tuple[str, ...]
+    nic_GBps: tuple[float | None, ...]
+    intra_host_GBps: float | None
+    latency_us: float | None
+    intra_host_latency_us: float | None
+    size_bytes: int
+    backend: str = "gloo"
+
+    def __post_init__(self):
+        if not isinstance(self.node_ids, tuple) or not self.node_ids or list(self.node_ids) != sorted(self.node_ids):
+            raise ValueError(f"LinkFigures node_ids must be a non-empty sorted tuple, got {self.node_ids!r}")
+        if len(set(self.node_ids)) != len(self.node_ids):
+            raise ValueError(f"LinkFigures node_ids repeat a node: {self.node_ids!r}")
+        if not isinstance(self.nic_GBps, tuple) or len(self.nic_GBps) != len(self.node_ids):
+            raise ValueError(
+                f"LinkFigures nic_GBps must be a tuple with one rate (or None) per node, got {self.nic_GBps!r} "
+                f"for {len(self.node_ids)} nodes"
+            )
+        for name, value in (("intra_host_GBps", self.intra_host_GBps), *(("nic_GBps", v) for v in self.nic_GBps)):
+            if value is not None and not _is_bandwidth(value):
+                raise ValueError(f"LinkFigures {name} must be a positive finite GB/s or None, got {value!r}")
+        for name in ("latency_us", "intra_host_latency_us"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ValueError(f"LinkFigures {name} must be a finite latency >= 0 in us or None, got {value!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"LinkFigures backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.size_bytes, int) or self.size_bytes <= 0:
+            raise ValueError(f"LinkFigures size_bytes must be a positive int, got {self.size_bytes!r}")
+
+    def nic_of(self, node_id: str) -> float | None:
+        """The measured NIC rate of ``node_id`` (None: not probed, or no partner to measure against)."""
+        try:
+            return self.nic_GBps[self.node_ids.index(node_id)]
+        except ValueError:
+            return None
+
+    def covers(self, node_ids) -> bool:
+        """Whether every node of ``node_ids`` was probed (with a NIC rate when there are several)."""
+        nodes = set(node_ids)
+        if not nodes <= set(self.node_ids):
+            return False
+        return len(nodes) < 2 or all(self.nic_of(n) is not None for n in nodes)
+
+    def __str__(self) -> str:
+        nics = [v for v in self.nic_GBps if v is not None]
+        nic = "-" if not nics else _spread(tuple(nics)) if len(set(nics)) > 1 else f"{nics[0]:.4g}"
+        intra = "-" if self.intra_host_GBps is None else f"{self.intra_host_GBps:.3g}"
+        lat = "-" if self.latency_us is None else f"{self.latency_us:.0f}"
+        return (
+            f"links of {len(self.node_ids)} node(s): NIC {nic} GB/s, intra-node {intra} GB/s, "
+            f"latency {lat} us ({self.backend}, {self.size_bytes >> 20} MiB transfers)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,11 +269,39 @@ class Cluster:
 
     @classmethod
     def for_hosts(
-        cls, hosts: Mapping[int, int], *, nic_GBps=DEFAULT_NIC_GBPS, intra_host_GBps=DEFAULT_INTRA_HOST_GBPS
+        cls,
+        hosts: Mapping[int, int],
+        *,
+        nic_GBps=DEFAULT_NIC_GBPS,
+        intra_host_GBps=DEFAULT_INTRA_HOST_GBPS,
+        latency_us=DEFAULT_LATENCY_US,
+        intra_host_latency_us=2.0,
+        backend="nccl",
+        name="default",
     ) -> Cluster:
-        """The smallest homogeneous cluster holding the devices of ``hosts`` (global device id -> host
-        id), with default figures: what a plan with that host map is costed on without a cluster."""
-        return cls._smallest(hosts.items(), nic_GBps, intra_host_GBps)
+        """The smallest cluster holding the devices of ``hosts`` (global device id -> host id), with
+        default figures unless given: what a plan with that host map is costed on without a cluster.
+
+        ``nic_GBps`` is one rate for every host or a mapping host -> rate (hosts it leaves out, which
+        hold none of the devices, get the fastest rate)."""
+        per_host = _devices_per_host(hosts.items())
+        num_hosts = 1 + max(per_host, default=0)
+        devices = max(per_host.values(), default=1)
+        if isinstance(nic_GBps, Mapping):
+            rates = {h: _bandwidth("nic_GBps", v) for h, v in nic_GBps.items()}
+            missing = sorted(set(per_host) - set(rates))
+            if missing:
+                raise ValueError(f"Cluster.for_hosts nic_GBps has no rate for hosts {missing}; give one per host")
+            top = max(rates.values())
+            nics = tuple(rates.get(h, top) for h in range(num_hosts))
+            return cls(
+                num_hosts, devices, top, _bandwidth("intra_host_GBps", intra_host_GBps), float(latency_us), name,
+                float(intra_host_latency_us), backend, None, _unless_uniform(nics),
+            )  # fmt: skip
+        return cls(
+            num_hosts, devices, _bandwidth("nic_GBps", nic_GBps), _bandwidth("intra_host_GBps", intra_host_GBps),
+            float(latency_us), name, float(intra_host_latency_us), backend,
+        )  # fmt: skip
 
     @classmethod
     def _smallest(cls, pairs: Iterable[tuple[int, int]], nic_GBps, intra_host_GBps) -> Cluster:
@@ -207,41 +312,118 @@ class Cluster:
         )  # fmt: skip
 
     @classmethod
-    def from_ray(cls, *, nic_GBps=None, intra_host_GBps=None, latency_us=None) -> Cluster:
-        """The connected Ray cluster: one host per alive node (in ``ray.nodes()`` order).
-
-        Devices per host: the most GPUs any node has, or, on a cluster without GPUs, the most CPUs
-        (the runtime's CPU "devices"; backend gloo). Ray does not know link speeds, so the figures
-        default to ``DEFAULT_NIC_GBPS`` / ``DEFAULT_INTRA_HOST_GBPS`` (GPUs) or 1.25 / 5 GB/s (gloo
-        over TCP between CPU processes); pass the real ones when known. ``host_names`` holds the
+    def from_ray(cls, *, links: LinkFigures | None = None, nic_GBps=None, intra_host_GBps=None, latency_us=None):
+        """The connected Ray cluster: one host per alive node, numbered with the job-wide host ids
+        the runtime gives its meshes' nodes (claimed in Ray's key-value store; on a single node,
+        whose meshes have logical hosts, the node is host 0). See ``from_nodes`` for devices and
+        figures: measured ones from ``links``, by default the latest this process measured for
+        these nodes (``reshard.runtime.probe.probe_links``), else guesses. ``host_names`` holds the
         Ray node ids. Requires ``ray.init()`` to have been called.
         """
-        from topology.runtime import alive_ray_nodes  # the runtime layer, loaded only here
+        from topology.runtime import alive_ray_nodes, cached_links, node_host_ids  # runtime layer, loaded here
 
+        nodes = [n for n in alive_ray_nodes() if n.get("Alive")]
+        ids = node_host_ids([n["NodeID"] for n in nodes]) if len(nodes) > 1 else None
+        if links is None:
+            links = cached_links([n["NodeID"] for n in nodes])
         return cls.from_nodes(
-            alive_ray_nodes(), nic_GBps=nic_GBps, intra_host_GBps=intra_host_GBps, latency_us=latency_us
+            nodes, host_ids=ids, links=links, nic_GBps=nic_GBps, intra_host_GBps=intra_host_GBps, latency_us=latency_us
         )
 
     @classmethod
-    def from_nodes(cls, nodes, *, nic_GBps=None, intra_host_GBps=None, latency_us=None) -> Cluster:
-        """A cluster of the alive nodes in ``nodes`` (``ray.nodes()`` records); see ``from_ray``."""
+    def from_links(
+        cls, hosts: Mapping[int, int], node_of: Mapping[int, str], links: LinkFigures, *, backend: str = "gloo"
+    ) -> Cluster:
+        """The smallest cluster holding the devices of ``hosts`` (device -> host), with the figures
+        ``links`` measured on their Ray nodes (``node_of``: device -> node id): each host's NIC rate
+        is its node's (the slowest when its devices sit on several nodes; the fastest measured for a
+        node that had no partner to measure against), the intra-node rate and latencies as measured
+        (``GUESSED_GLOO`` / ``DEFAULT_*`` where a figure was not measured)."""
+        if not isinstance(links, LinkFigures):
+            raise TypeError(f"links must be a topology.cluster.LinkFigures, got {type(links).__name__}")
+        missing = sorted(d for d in hosts if d not in node_of)
+        if missing:
+            raise ValueError(f"Cluster.from_links: node_of has no node for devices {missing[:8]}")
+        gloo = backend == "gloo"
+        measured = [v for v in links.nic_GBps if v is not None]
+        fallback = max(measured) if measured else GUESSED_GLOO["nic_GBps"] if gloo else DEFAULT_NIC_GBPS
+        nic: dict[int, float] = {}
+        for d, h in hosts.items():
+            rate = links.nic_of(node_of[d]) or fallback
+            nic[h] = min(nic.get(h, rate), rate)
+        guess = GUESSED_GLOO if gloo else {"intra_host_GBps": DEFAULT_INTRA_HOST_GBPS, "latency_us": DEFAULT_LATENCY_US,
+                                           "intra_host_latency_us": 2.0}  # fmt: skip
+
+        def figure(value, key):
+            return guess[key] if value is None else value
+
+        return cls.for_hosts(
+            hosts, nic_GBps=nic, intra_host_GBps=figure(links.intra_host_GBps, "intra_host_GBps"),
+            latency_us=figure(links.latency_us, "latency_us"),
+            intra_host_latency_us=figure(links.intra_host_latency_us, "intra_host_latency_us"),
+            backend=backend, name="ray-probed",
+        )  # fmt: skip
+
+    @classmethod
+    def from_nodes(
+        cls, nodes, *, host_ids=None, links=None, nic_GBps=None, intra_host_GBps=None, latency_us=None
+    ) -> Cluster:
+        """A cluster of the alive nodes in ``nodes`` (``ray.nodes()`` records).
+
+        Hosts: ``host_ids`` maps node id -> host id (default: the nodes in order, 0..n-1); a host id
+        no node has (a logical host the runtime numbered) becomes a placeholder host named
+        "logical" with the largest device count. Devices per host: the node's GPUs, or, on a
+        cluster without GPUs, its CPUs (the runtime's CPU "devices"; backend gloo). Figures, each:
+        the value given here, else the measured one from ``links`` (per node NIC rates), else a
+        guess: ``DEFAULT_*`` (GPUs) or ``GUESSED_GLOO`` (CPUs).
+        """
         nodes = [n for n in nodes if n.get("Alive", n.get("alive", False))]
         if not nodes:
             raise RuntimeError("the connected Ray cluster reports no alive node")
+        if links is not None and not isinstance(links, LinkFigures):
+            raise TypeError(f"links must be a topology.cluster.LinkFigures, got {type(links).__name__}")
+        names = [str(n.get("NodeID", i)) for i, n in enumerate(nodes)]
+        if host_ids is None:
+            host_ids = {name: i for i, name in enumerate(names)}
+        missing = [name for name in names if name not in host_ids]
+        if missing:
+            raise ValueError(f"from_nodes host_ids has no host id for nodes {missing}")
+        hosts = [host_ids[name] for name in names]
+        if len(set(hosts)) != len(hosts) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
+                                                     for h in hosts):  # fmt: skip
+            raise ValueError(f"from_nodes host_ids must give the nodes distinct ints >= 0, got {dict(host_ids)}")
         gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
         cpus = [int(n.get("Resources", {}).get("CPU", 0)) for n in nodes]
         has_gpus = max(gpus) > 0
-        per_host = max(gpus) if has_gpus else max(max(cpus), 1)
-        if nic_GBps is None:
-            nic_GBps = DEFAULT_NIC_GBPS if has_gpus else 1.25
-        if intra_host_GBps is None:
-            intra_host_GBps = DEFAULT_INTRA_HOST_GBPS if has_gpus else 5.0
-        if latency_us is None:
-            latency_us = DEFAULT_LATENCY_US if has_gpus else 50.0
-        names = tuple(str(n.get("NodeID", i)) for i, n in enumerate(nodes))
+        counts = [max(g, 1) for g in gpus] if has_gpus else [max(c, 1) for c in cpus]
+        guess = (
+            {"nic_GBps": DEFAULT_NIC_GBPS, "intra_host_GBps": DEFAULT_INTRA_HOST_GBPS, "latency_us": DEFAULT_LATENCY_US,
+             "intra_host_latency_us": 2.0}
+            if has_gpus else GUESSED_GLOO
+        )  # fmt: skip
+
+        def figure(given, measured, key):
+            return given if given is not None else measured if measured is not None else guess[key]
+
+        probed = links or LinkFigures((names[0],), (None,), None, None, None, 1, "nccl" if has_gpus else "gloo")
+        nic_by_host = {
+            h: _bandwidth("nic_GBps", figure(nic_GBps, probed.nic_of(name), "nic_GBps"))
+            for h, name in zip(hosts, names, strict=True)
+        }
+        count_by_host = dict(zip(hosts, counts, strict=True))
+        num_hosts = max(hosts) + 1
+        top_count = max(max(counts), 1)
+        top_nic = max(nic_by_host.values())
+        nics = tuple(nic_by_host.get(h, top_nic) for h in range(num_hosts))
+        devs = tuple(count_by_host.get(h, top_count) for h in range(num_hosts))
+        by_host = dict(zip(hosts, names, strict=True))
         return cls(
-            len(nodes), per_host, _bandwidth("nic_GBps", nic_GBps), _bandwidth("intra_host_GBps", intra_host_GBps),
-            float(latency_us), "ray", 2.0 if has_gpus else 10.0, "nccl" if has_gpus else "gloo", names,
+            num_hosts, max(devs), top_nic,
+            _bandwidth("intra_host_GBps", figure(intra_host_GBps, probed.intra_host_GBps, "intra_host_GBps")),
+            float(figure(latency_us, probed.latency_us, "latency_us")), "ray" if links is None else "ray-probed",
+            float(figure(None, probed.intra_host_latency_us, "intra_host_latency_us")),
+            "nccl" if has_gpus else "gloo", tuple(by_host.get(h, "logical") for h in range(num_hosts)),
+            _unless_uniform(nics), _unless_uniform(devs),
         )  # fmt: skip
 
     @property

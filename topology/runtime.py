@@ -1,8 +1,54 @@
-"""Runtime layer of the topology: what the connected Ray cluster says about its nodes."""
+"""Runtime layer of the topology: what the connected Ray cluster says about its nodes, the
+job-wide host id of each node, and the link figures measured between nodes in this process.
+
+Host ids. Every process of a job must number hosts alike, so a node's host id is claimed once per
+Ray session in Ray's internal key-value store (namespace ``reshard``): the lowest free number
+under ``hosts/<n>``, recorded under ``hosts-by-name/node:<node id>``. This is the protocol of the
+device runtime's registry (``reshard.runtime.registry``: ``host_of_node``, which also claims
+numbers for logical hosts from the same counter), so ``Cluster.from_ray`` and the meshes agree.
+"""
 
 from __future__ import annotations
 
+import itertools
+import threading
+
 import ray
+
+KV_NAMESPACE = "reshard"
+_LINKS_LOCK = threading.Lock()
+_LINKS: dict[frozenset, object] = {}  # node set -> topology.cluster.LinkFigures, latest last
+_LINKS_GENERATION = [0]
+
+
+def record_links(links) -> None:
+    """Remember measured ``LinkFigures`` (``reshard.runtime.probe.probe_links`` records its result)."""
+    with _LINKS_LOCK:
+        key = frozenset(links.node_ids)
+        _LINKS.pop(key, None)
+        _LINKS[key] = links
+        _LINKS_GENERATION[0] += 1
+
+
+def cached_links(node_ids):
+    """The latest recorded ``LinkFigures`` that covers every node of ``node_ids``, or None."""
+    with _LINKS_LOCK:
+        for links in reversed(list(_LINKS.values())):
+            if links.covers(node_ids):
+                return links
+    return None
+
+
+def forget_links() -> None:
+    """Forget every recorded measurement (planning goes back to guessed figures)."""
+    with _LINKS_LOCK:
+        _LINKS.clear()
+        _LINKS_GENERATION[0] += 1
+
+
+def links_generation() -> int:
+    """Changes whenever measurements are recorded or forgotten (planning caches key on it)."""
+    return _LINKS_GENERATION[0]
 
 
 def alive_ray_nodes() -> list[dict]:
@@ -10,3 +56,34 @@ def alive_ray_nodes() -> list[dict]:
     if not ray.is_initialized():
         raise RuntimeError("Cluster.from_ray() describes the connected Ray cluster: call ray.init() first")
     return ray.nodes()
+
+
+def node_host_ids(node_ids) -> dict[str, int]:
+    """The job-wide host id of each Ray node in ``node_ids``, claimed in this order when new."""
+    return {n: _claim_named("hosts", f"node:{n}") for n in node_ids}
+
+
+def _kv():
+    from ray.experimental import internal_kv
+
+    return internal_kv
+
+
+def _claim(kind: str, value: str) -> int:
+    kv = _kv()
+    for n in itertools.count():
+        if not kv._internal_kv_put(f"{kind}/{n}", value, overwrite=False, namespace=KV_NAMESPACE):
+            return n
+    raise AssertionError("unreachable")
+
+
+def _claim_named(kind: str, name: str) -> int:
+    kv = _kv()
+    key = f"{kind}-by-name/{name}"
+    found = kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+    if found is not None:
+        return int(found)
+    n = _claim(kind, name)
+    if kv._internal_kv_put(key, str(n), overwrite=False, namespace=KV_NAMESPACE):
+        n = int(kv._internal_kv_get(key, namespace=KV_NAMESPACE))  # another process was first
+    return n
