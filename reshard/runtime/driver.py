@@ -373,11 +373,20 @@ class Runtime:
     # ---------------------------------------------------------------- planning
 
     def planning_cluster(self, backend: str, hosts: dict[int, int]) -> Cluster:
-        """The cost model "auto" plans for: the hosts of ``hosts`` (device -> host) with the live
-        Ray cluster's link figures (``Cluster.from_ray``) and the backend that will run the plan."""
-        key = (backend, tuple(sorted(hosts.items())))
+        """The cost model "auto" plans for: the hosts of ``hosts`` (device -> host) with the link
+        figures measured for their nodes (``reshard.runtime.probe``; ``Cluster.from_links``), else
+        the live Ray cluster's guessed ones (``Cluster.from_ray``), and the backend that will run
+        the plan."""
+        from topology.runtime import cached_links, links_generation
+
+        key = (backend, tuple(sorted(hosts.items())), links_generation())
         with self.lock:
             hit = self._clusters.get(key)
+            if hit is None:
+                node_of = {d: r.node_id for d in hosts if (r := self.registry.devices.get(d)) is not None}
+                links = cached_links(set(node_of.values())) if len(node_of) == len(hosts) else None
+                if links is not None:
+                    hit = Cluster.from_links(hosts, node_of, links, backend=backend)
             if hit is None:
                 if self._live_cluster is None:
                     self._live_cluster = Cluster.from_ray()
@@ -387,6 +396,7 @@ class Runtime:
                     sized, latency_us=live.latency_us, intra_host_latency_us=live.intra_host_latency_us,
                     backend=backend, name="ray",
                 )  # fmt: skip
+            if key not in self._clusters:
                 if len(self._clusters) > 256:
                     self._clusters.clear()
                 self._clusters[key] = hit
