@@ -407,7 +407,7 @@ class Suite:
             out = []
             for _ in range(RTT_PER_ROUND):
                 t0 = time.perf_counter()
-                ray.get([a.ping.remote() for a in actors], timeout=60)
+                ray.get([a.reshard_ping.remote() for a in actors], timeout=60)
                 out.append(time.perf_counter() - t0)
             return out
 

@@ -41,7 +41,7 @@ def install(ctx, cprofile: bool = False) -> int:
     ctx._tl_cprofile = cprofile
     ctx._tl_stats = None
     log = ctx._tl_log
-    run, execute = actor.DeviceActor._run, actor.execute
+    run, execute = actor.DeviceRole._reshard_run, actor.execute
     ctx._tl_originals = (run, execute)
 
     def timed_run(self, *a, **k):
@@ -72,7 +72,7 @@ def install(ctx, cprofile: bool = False) -> int:
     def before_op(run, op):
         log.append((f"op{op.step}:{type(op).__name__}", time.time()))
 
-    actor.DeviceActor._run, actor.execute = timed_run, timed_execute
+    actor.DeviceRole._reshard_run, actor.execute = timed_run, timed_execute
     ctx.before_op = before_op
     ctx._tl_installed = True
     return os.getpid()
@@ -89,7 +89,7 @@ def uninstall(ctx) -> None:
     from reshard.runtime import actor
 
     if getattr(ctx, "_tl_installed", False):
-        actor.DeviceActor._run, actor.execute = ctx._tl_originals
+        actor.DeviceRole._reshard_run, actor.execute = ctx._tl_originals
     ctx.before_op = None
     ctx._tl_installed = False
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(18)
                 print("  driver cProfile (cumulative):\n    " + "\n    ".join(s.getvalue().splitlines()[:40]))
         t0 = time.time()
-        ray.get([a.ping.remote() for a in actors])
+        ray.get([a.reshard_ping.remote() for a in actors])
         print(f"\nempty call round trip to the {len(actors)} actors: {(time.time() - t0) * 1e3:.1f} ms")
         each(uninstall)
         x.free()

@@ -14,7 +14,7 @@ from reshard.runtime.backends import BACKENDS, register_backend
 from reshard.runtime.communicator import Backend, Communicator, Rendezvous
 from reshard.runtime.driver import runtime
 from reshard.runtime.mesh import DeviceMesh
-from reshard.runtime.tensor import ShardedTensor, distribute, lowered_reshard, reshard
+from reshard.runtime.tensor import ShardedTensor, adopt, distribute, lowered_reshard, reshard
 
 
 def ensure_groups(groups, *, channel: str = "", timeout_s: float = 60.0) -> list:
@@ -42,6 +42,16 @@ def runtime_stats() -> dict:
 
 
 __all__ = [
-    "BACKENDS", "Backend", "Communicator", "DeviceMesh", "Rendezvous", "ShardedTensor", "distribute",
+    "BACKENDS", "Backend", "Communicator", "DeviceContext", "DeviceMesh", "DeviceRole", "Rendezvous", "ShardedTensor",
+    "adopt", "distribute",
     "ensure_groups", "lowered_reshard", "register_backend", "reshard", "runtime", "runtime_stats", "settle",
 ]  # fmt: skip
+
+
+def __getattr__(name):
+    """``DeviceRole`` and ``DeviceContext`` load on first use (they import torch; a driver need not)."""
+    if name in ("DeviceRole", "DeviceContext"):
+        from reshard.runtime import actor
+
+        return getattr(actor, name)
+    raise AttributeError(f"module 'reshard.runtime' has no attribute {name!r}")

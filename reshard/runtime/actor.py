@@ -2,8 +2,9 @@
 
 Threads. The actor serves several calls at once (a threaded actor). Calls that change state carry
 a ``Ticket`` and run in their controller's order (``reshard.runtime.inbox``), one at a time per
-controller; ``ready``, ``fetch``, ``stats`` and ``abort_run`` run on threads of their own
-(concurrency group ``control``), so they never wait behind a stuck run. Each controller (a
+controller; ``reshard_ready``, ``reshard_fetch``, ``reshard_stats`` and ``reshard_abort_run`` run on
+threads of their own (concurrency group ``control``), so they never wait behind a stuck run. The
+calls live on ``DeviceRole``, which a user's own actor may mix in (``DeviceMesh.from_actors``). Each controller (a
 process that uses this device) has communicators, programs and a staging buffer of its own
 (``ControllerState``): two processes resharding over the same devices never wait on each other.
 
@@ -31,6 +32,7 @@ import numpy as np
 import ray
 import torch
 
+from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.program import DeviceProgram
 from reshard.runtime.communicator import Backend, Communicator, PeerFailed
@@ -122,6 +124,74 @@ class DeviceContext:
         state.groups.connect([key])
         return state.groups.get(key)
 
+    # ---------------------------------------------------------------- for the user's code in an attached actor
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        """A new tensor in this device's shard memory (shared memory on CPU devices): keep the
+        tensors you share in it, and peers on this machine pull from them without a copy."""
+        return self.store.allocate(tuple(shape), torch_dtype(dtype_name(dtype)))
+
+    def share(self, name: str, tensor: torch.Tensor, *, shape=None, placements=None, mesh_shape=None,
+              coordinate=None) -> None:  # fmt: skip
+        """Offer ``tensor`` (this device's shard of a sharded tensor; no copy) as shard ``name``, for
+        ``reshard.runtime.adopt`` on the driver. ``shape``/``placements`` say what it is a shard of
+        (the driver checks them against the layout it adopts it with); ``reshard`` may write into
+        it in place (``out=``). Stays the user's: ``unshare`` takes it back."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"share needs a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_contiguous() or tensor.device != self.torch_device:
+            raise ValueError(
+                f"device {self.device}: share({name!r}) needs a contiguous tensor on {self.torch_device}, got one on "
+                f"{tensor.device} with strides {tensor.stride()}; pass tensor.contiguous() (a copy) or allocate it "
+                "with reshard_device.empty(...)"
+            )
+        dtype_name(tensor.dtype)  # a dtype the runtime moves
+        meta = {"shape": None if shape is None else tuple(shape), "placements": placements,
+                "mesh_shape": mesh_shape, "coordinate": coordinate}  # fmt: skip
+        self.store.share(name, tensor, meta)
+
+    def unshare(self, name: str) -> None:
+        self.store.unshare(name)
+
+    def local(self, name: str) -> torch.Tensor:
+        """This device's shard ``name`` (its own memory: a reshard's result, or a shared tensor)."""
+        t = self.store.get(name)
+        if t is None:
+            raise KeyError(f"device {self.device} holds no shard {name!r} (never shared, freed, or not resharded here)")
+        return t
+
+    def from_dtensor(self, name: str, dt) -> None:
+        """``share`` a torch DTensor's local shard (no copy) with its placements and global shape;
+        the driver's ``adopt`` checks its device mesh against the mesh it adopts it on."""
+        from reshard.placement import as_placement
+
+        mesh = dt.device_mesh
+        self.share(
+            name, dt.to_local(), shape=tuple(dt.shape), placements=tuple(as_placement(p) for p in dt.placements),
+            mesh_shape=tuple(mesh.shape), coordinate=tuple(mesh.get_coordinate() or ()),
+        )  # fmt: skip
+
+    def to_dtensor(self, name: str, device_mesh):
+        """Shard ``name`` as a torch DTensor over ``device_mesh`` (the user's torch DeviceMesh, whose
+        shape and rank order must be this mesh's), no copy."""
+        from torch.distributed.tensor import DTensor
+
+        local = self.local(name)
+        meta = self.store.meta.get(name) or {}
+        if meta.get("placements") is None or meta.get("shape") is None:
+            raise ValueError(
+                f"device {self.device}: shard {name!r} carries no layout to build a DTensor from (only reshard results "
+                "and shards shared with placements do)"
+            )
+        placements = tuple(_torch_placement(p) for p in meta["placements"])
+        if tuple(device_mesh.shape) != tuple(meta.get("mesh_shape") or device_mesh.shape):
+            raise ValueError(
+                f"device {self.device}: {name!r} lives on a mesh of shape {meta['mesh_shape']}, the DeviceMesh given "
+                f"has shape {tuple(device_mesh.shape)}"
+            )
+        return DTensor.from_local(local, device_mesh, placements, shape=torch.Size(meta["shape"]),
+                                  stride=_stride(meta["shape"]), run_check=False)  # fmt: skip
+
     def run_program(self, program: DeviceProgram, src, dst, *, dtype: str | None = None, timeout_s: float = 60.0,
                     groups=None, peers=None) -> dict:  # fmt: skip
         """Run one ``DeviceProgram`` over ``src``/``dst`` tensors with the calling controller's
@@ -161,44 +231,86 @@ class _Channel:
         return self.groups.get((self.channel, devices))
 
 
+def _torch_placement(p):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from reshard.placement import Partial as OurPartial
+    from reshard.placement import Shard as OurShard
+
+    if isinstance(p, OurShard):
+        return Shard(p.dim)
+    if isinstance(p, OurPartial):
+        return Partial(p.reduce_op.value)
+    return Replicate()
+
+
+def _stride(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
 def _monotonic(wall_deadline: float) -> float:
     return time.monotonic() + (wall_deadline - time.time())
 
 
-class DeviceActor:
-    """Ray actor of one device (wrapped with ``ray.remote`` by the mesh, module docstring)."""
+class DeviceRole:
+    """What makes a Ray actor a device: the calls the runtime makes (all named ``reshard_*``, so
+    they do not clash with an actor's own methods) and ``reshard_device``, its ``DeviceContext``.
 
-    def __init__(self, device: int, backend: Backend, options: dict):
-        threads = int(options.get("torch_threads", 1))
+    Our ``DeviceActor`` is one; a user's actor class may mix it in to serve as a device of
+    ``DeviceMesh.from_actors`` (the runtime then calls ``reshard_attach`` on it). A threaded actor
+    (``max_concurrency`` > 1) runs each controller's calls in order and serves ``reshard_stats`` and
+    aborts even while a reshard runs; a single-threaded one (Ray's default) serves them after it.
+    """
+
+    _reshard_ctx: DeviceContext | None = None
+
+    def reshard_attach(self, device: int, backend: Backend, options: dict) -> dict:
+        """Become device ``device`` (once): set up the device context; returns ``reshard_ready()``."""
+        if self._reshard_ctx is not None:
+            raise RuntimeError(
+                f"this actor is device {self._reshard_ctx.device} of a mesh already; "
+                "detach it (DeviceMesh.shutdown) before attaching it again"
+            )
+        threads = int(options.get("torch_threads", 0))
         if threads > 0:
             torch.set_num_threads(threads)
-        self.ctx = DeviceContext(device, backend, options)
+        self._reshard_ctx = DeviceContext(device, backend, options)
         setup = getattr(backend, "setup_actor", None)  # optional backend hook
         if setup is not None:
             setup()
+        return self.reshard_ready()
 
-    @ray.method(concurrency_group=CONTROL)
-    def ready(self) -> dict:
+    @property
+    def reshard_device(self) -> DeviceContext:
+        """This actor's device context (shards, ``share``/``local``/``empty``/DTensor helpers)."""
+        if self._reshard_ctx is None:
+            raise RuntimeError("this actor is not a device of any mesh yet (DeviceMesh.from_actors attaches it)")
+        return self._reshard_ctx
+
+    def reshard_ready(self) -> dict:
         rc = ray.get_runtime_context()
         return {
-            "device": self.ctx.device,
+            "device": self._reshard_ctx.device,
             "pid": os.getpid(),
             "node_id": rc.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
-            "torch_device": str(self.ctx.torch_device),
-            "shared_memory": self.ctx.shared is not None,
+            "torch_device": str(self._reshard_ctx.torch_device),
+            "shared_memory": self._reshard_ctx.shared is not None,
         }
 
-    @ray.method(concurrency_group=CONTROL)
-    def ping(self) -> None:
+    def reshard_ping(self) -> None:
         """The empty call (a floor for latency measurements)."""
 
     # ---------------------------------------------------------------- shards
 
-    def load(self, ticket: Ticket, name: str, holder: str, array, box, dtype: str, deadline: float):
+    def reshard_load(self, ticket: Ticket, name: str, holder: str, array, box, dtype: str, deadline: float):
         """Keep ``array[box]`` (a read-only object-store array; None: zeros of the box's shape) as
         shard ``name`` held by ``holder``; returns its shared-memory descriptor (None: private)."""
-        ctx = self.ctx
+        ctx = self._reshard_ctx
         with ctx.inbox.turn(ticket, deadline, f"loading {name}"):
             _check_deadline(ctx.device, deadline, f"loading {name}")
             shape = tuple(hi - lo for lo, hi in box)
@@ -225,12 +337,11 @@ class DeviceActor:
             ctx.store.put(name, t, holder)
             return ctx.store.descriptor(t)
 
-    @ray.method(concurrency_group=CONTROL)
-    def fetch(self, name: str) -> np.ndarray:
+    def reshard_fetch(self, name: str) -> np.ndarray:
         """Shard ``name`` as a numpy array (bfloat16 as its int16 bit pattern)."""
-        t = self.ctx.store.get(name)
+        t = self._reshard_ctx.store.get(name)
         if t is None:
-            raise KeyError(f"device {self.ctx.device} holds no shard {name!r} (it was freed)")
+            raise KeyError(f"device {self._reshard_ctx.device} holds no shard {name!r} (it was freed)")
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -238,23 +349,23 @@ class DeviceActor:
             t = t.view(torch.int16)
         return t.numpy()
 
-    def acquire(self, ticket: Ticket, name: str, holder: str) -> bool:
-        with self.ctx.inbox.turn(ticket, NO_DEADLINE):
-            return self.ctx.store.acquire(name, holder)
+    def reshard_acquire(self, ticket: Ticket, name: str, holder: str) -> bool:
+        with self._reshard_ctx.inbox.turn(ticket, NO_DEADLINE):
+            return self._reshard_ctx.store.acquire(name, holder)
 
-    def release(self, ticket: Ticket, name: str, holder: str) -> None:
-        with self.ctx.inbox.turn(ticket, NO_DEADLINE):
-            self.ctx.store.release(name, holder)
+    def reshard_release(self, ticket: Ticket, name: str, holder: str) -> None:
+        with self._reshard_ctx.inbox.turn(ticket, NO_DEADLINE):
+            self._reshard_ctx.store.release(name, holder)
 
-    def free(self, ticket: Ticket, *names: str) -> int:
-        with self.ctx.inbox.turn(ticket, NO_DEADLINE):
-            return sum(self.ctx.store.free(n) for n in names)
+    def reshard_free(self, ticket: Ticket, *names: str) -> int:
+        with self._reshard_ctx.inbox.turn(ticket, NO_DEADLINE):
+            return sum(self._reshard_ctx.store.free(n) for n in names)
 
     # ---------------------------------------------------------------- programs
 
-    def update(self, ticket: Ticket, updates: Updates, connect=(), deadline: float = NO_DEADLINE) -> None:
+    def reshard_update(self, ticket: Ticket, updates: Updates, connect=(), deadline: float = NO_DEADLINE) -> None:
         """Apply controller updates; then connect ``connect`` (group keys, in that order)."""
-        ctx = self.ctx
+        ctx = self._reshard_ctx
         with ctx.inbox.turn(ticket, deadline, "a group update"):
             state = ctx.controller(ticket.controller)
             state.apply(updates)
@@ -265,16 +376,16 @@ class DeviceActor:
                     state.groups.abort(list(connect), "it could not connect")
                     raise
 
-    def run(self, req: RunRequest) -> RunResult:
+    def reshard_run(self, req: RunRequest) -> RunResult:
         t0 = time.monotonic()
-        ctx = self.ctx
+        ctx = self._reshard_ctx
         state = ctx.controller(req.ticket.controller)
         with ctx.inbox.turn(req.ticket, req.deadline, f"the reshard into {req.dst_name}"):
             state.apply(req.updates)  # bookkeeping is never lost, even when the run is dropped
-            return self._run(req, state, t0)
+            return self._reshard_run(req, state, t0)
 
-    def _run(self, req: RunRequest, state: ControllerState, t0: float) -> RunResult:
-        ctx = self.ctx
+    def _reshard_run(self, req: RunRequest, state: ControllerState, t0: float) -> RunResult:
+        ctx = self._reshard_ctx
         deadline = _monotonic(req.deadline)
         prepared = None
         dst = None
@@ -306,7 +417,9 @@ class DeviceActor:
             if req.pulls:
                 peers = {h: ctx.peers.get(h, desc, tdtype) for h, desc in req.pulls.items()}
                 ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
-            if prog.dst_shape is not None:
+            if prog.dst_shape is not None and req.direct:
+                dst = self._out(req.out, prog.dst_shape, tdtype)
+            elif prog.dst_shape is not None:
                 try:
                     dst = ctx.store.allocate(prog.dst_shape, tdtype)
                 except (MemoryError, RuntimeError, OSError) as e:
@@ -335,18 +448,53 @@ class DeviceActor:
             state.active = None
             state.staging.trim()
         desc = None
-        if dst is not None:
-            if not ctx.store.put(req.dst_name, dst, req.dst_name):
+        if dst is not None and not req.direct:
+            if not ctx.store.put(req.dst_name, dst, req.dst_name, req.meta):
                 raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard into {req.dst_name}")
+            desc = ctx.store.descriptor(dst)
+        elif dst is not None:
             desc = ctx.store.descriptor(dst)
         return RunResult(time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], ctx.peak_bytes, desc)
 
-    @ray.method(concurrency_group=CONTROL)
-    def abort_run(self, controller: str, dst_name: str | None, group_drops=()) -> None:
+    def _out(self, name: str, shape, dtype) -> torch.Tensor:
+        """The user's tensor a reshard writes into, checked against what the program writes."""
+        t = self._reshard_ctx.store.get(name)
+        device = self._reshard_ctx.device
+        if t is None:
+            raise ReshardError(f"device {device}: the output shard {name!r} is gone (unshared or freed)")
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+            raise ReshardError(
+                f"device {device}: output shard {name!r} is {t.dtype}{list(t.shape)}, the reshard writes "
+                f"{dtype}{list(shape)} (contiguous)"
+            )
+        return t
+
+    def reshard_describe(self, ticket: Ticket, name: str, deadline: float) -> dict:
+        """What this device holds under ``name``: its local shape, dtype name, shared-memory
+        descriptor, and what its owner said of it (``DeviceContext.share``: global ``shape``, ...)."""
+        ctx = self._reshard_ctx
+        with ctx.inbox.turn(ticket, deadline, f"describing {name}"):
+            t = ctx.local(name)
+            return {
+                "local_shape": tuple(t.shape), "dtype": dtype_name(t.dtype), "descriptor": ctx.store.descriptor(t),
+                **(ctx.store.meta.get(name) or {}),
+            }  # fmt: skip
+
+    def reshard_commit(self, ticket: Ticket, staged: str, out: str, deadline: float) -> None:
+        """Copy the staged result ``staged`` into the output shard ``out`` and drop it (the second
+        phase of a reshard into a user's tensor)."""
+        ctx = self._reshard_ctx
+        with ctx.inbox.turn(ticket, deadline, f"committing {staged} into {out}"):
+            src = ctx.store.get(staged)
+            if src is not None:
+                self._out(out, src.shape, src.dtype).copy_(src)
+                ctx.store.free(staged)
+
+    def reshard_abort_run(self, controller: str, dst_name: str | None, group_drops=()) -> None:
         """The controller gave up on a reshard: drop its destination shard (now, or when the run
         finishes), abort its groups if it is still running (peers blocked on them fail at once)
         and drop the given group generations."""
-        ctx = self.ctx
+        ctx = self._reshard_ctx
         if dst_name is not None:
             ctx.store.tombstone(dst_name)
         state = ctx.controllers.get(controller)
@@ -359,9 +507,9 @@ class DeviceActor:
 
     # ---------------------------------------------------------------- extension point
 
-    def call(self, ticket: Ticket, fn, args, kwargs, deadline: float):
+    def reshard_call(self, ticket: Ticket, fn, args, kwargs, deadline: float):
         """Run ``fn(ctx, *args, **kwargs)`` on this device in the controller's order."""
-        ctx = self.ctx
+        ctx = self._reshard_ctx
         with ctx.inbox.turn(ticket, deadline, f"call({getattr(fn, '__name__', fn)})"):
             ctx._local.controller = ticket.controller
             try:
@@ -369,9 +517,8 @@ class DeviceActor:
             finally:
                 ctx._local.controller = None
 
-    @ray.method(concurrency_group=CONTROL)
-    def stats(self) -> dict:
-        ctx = self.ctx
+    def reshard_stats(self) -> dict:
+        ctx = self._reshard_ctx
         groups = {}
         programs = []
         for cid, state in list(ctx.controllers.items()):
@@ -390,13 +537,84 @@ class DeviceActor:
             **ctx.store.memory(),
         }
 
-    @ray.method(concurrency_group=CONTROL)
-    def close(self) -> None:
-        for state in self.ctx.controllers.values():
+    def reshard_close(self) -> None:
+        """Leave the mesh: close the communicators and drop the shards (a user's own tensors it
+        shared stay theirs); the actor may be attached again."""
+        ctx = self._reshard_ctx
+        if ctx is None:
+            return
+        for state in ctx.controllers.values():
             state.groups.close_all()
             state.staging.buf = None
-        self.ctx.store.clear()
-        self.ctx.peers.clear()
+        ctx.store.clear()
+        ctx.peers.clear()
+        self._reshard_ctx = None
+
+
+class DeviceActor(DeviceRole):
+    """Ray actor of one device (wrapped with ``ray.remote`` by ``DeviceMesh.create``): a
+    ``DeviceRole`` whose quick calls run on their own threads (concurrency group ``control``)."""
+
+    def __init__(self, device: int, backend: Backend, options: dict):
+        self.reshard_attach(device, backend, {"torch_threads": 1, **options})
+
+    @ray.method(concurrency_group=CONTROL)
+    def reshard_ready(self) -> dict:
+        return DeviceRole.reshard_ready(self)
+
+    @ray.method(concurrency_group=CONTROL)
+    def reshard_ping(self) -> None:
+        """The empty call (a floor for latency measurements)."""
+
+    @ray.method(concurrency_group=CONTROL)
+    def reshard_fetch(self, name: str) -> np.ndarray:
+        return DeviceRole.reshard_fetch(self, name)
+
+    @ray.method(concurrency_group=CONTROL)
+    def _out(self, name: str, shape, dtype) -> torch.Tensor:
+        """The user's tensor a reshard writes into, checked against what the program writes."""
+        t = self._reshard_ctx.store.get(name)
+        device = self._reshard_ctx.device
+        if t is None:
+            raise ReshardError(f"device {device}: the output shard {name!r} is gone (unshared or freed)")
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+            raise ReshardError(
+                f"device {device}: output shard {name!r} is {t.dtype}{list(t.shape)}, the reshard writes "
+                f"{dtype}{list(shape)} (contiguous)"
+            )
+        return t
+
+    def reshard_describe(self, ticket: Ticket, name: str, deadline: float) -> dict:
+        """What this device holds under ``name``: its local shape, dtype name, shared-memory
+        descriptor, and what its owner said of it (``DeviceContext.share``: global ``shape``, ...)."""
+        ctx = self._reshard_ctx
+        with ctx.inbox.turn(ticket, deadline, f"describing {name}"):
+            t = ctx.local(name)
+            return {
+                "local_shape": tuple(t.shape), "dtype": dtype_name(t.dtype), "descriptor": ctx.store.descriptor(t),
+                **(ctx.store.meta.get(name) or {}),
+            }  # fmt: skip
+
+    def reshard_commit(self, ticket: Ticket, staged: str, out: str, deadline: float) -> None:
+        """Copy the staged result ``staged`` into the output shard ``out`` and drop it (the second
+        phase of a reshard into a user's tensor)."""
+        ctx = self._reshard_ctx
+        with ctx.inbox.turn(ticket, deadline, f"committing {staged} into {out}"):
+            src = ctx.store.get(staged)
+            if src is not None:
+                self._out(out, src.shape, src.dtype).copy_(src)
+                ctx.store.free(staged)
+
+    def reshard_abort_run(self, controller: str, dst_name: str | None, group_drops=()) -> None:
+        DeviceRole.reshard_abort_run(self, controller, dst_name, group_drops)
+
+    @ray.method(concurrency_group=CONTROL)
+    def reshard_stats(self) -> dict:
+        return DeviceRole.reshard_stats(self)
+
+    @ray.method(concurrency_group=CONTROL)
+    def reshard_close(self) -> None:
+        DeviceRole.reshard_close(self)
 
 
 def _check_deadline(device: int, deadline: float, what: str) -> None:

@@ -148,7 +148,10 @@ class Runtime:
                 mine = [k for k in keys if rec.id in k[1]]
                 upd = self.updates_for(rec.id, sets.get(rec.id, ()))
                 refs[rec.id] = self.submit(
-                    rec, lambda t, rec=rec, upd=upd, mine=mine: rec.actor.update.remote(t, upd, mine, _wall(deadline))
+                    rec,
+                    lambda t, rec=rec, upd=upd, mine=mine: rec.actor.reshard_update.remote(
+                        t, upd, mine, _wall(deadline)
+                    ),
                 )
         outcome = self.wait(refs, deadline, "ensure_groups")
         if not outcome.ok:
@@ -172,10 +175,13 @@ class Runtime:
     # ---------------------------------------------------------------- reshards
 
     def execute(self, compiled, src_name: str | None, dst_name: str, deadline: float, what: str,
-                timeout_s: float | None, shared: dict) -> dict:  # fmt: skip
+                timeout_s: float | None, shared: dict, *, out: str | None = None, direct: bool = False,
+                meta: dict | None = None) -> dict:  # fmt: skip
         """Run a compiled reshard (``reshard.compile``): one ordered ``run`` call per participant.
-        ``shared`` maps source devices to their shards' shared-memory descriptors (for pulls).
-        Returns ``{device: RunResult}``; raises a ``ReshardError`` after ``abandon``."""
+        ``shared`` maps source devices to their shards' shared-memory descriptors (for pulls);
+        ``out``/``direct``: the existing shard the result is for (``RunRequest``); ``meta``: per
+        destination device, what its shard is a shard of. Returns ``{device: RunResult}``; raises
+        a ``ReshardError`` after ``abandon``."""
         with self.lock:
             recs = self.registry.check(compiled.participants, what)
             backend = recs[0].backend if recs else "gloo"
@@ -189,8 +195,10 @@ class Runtime:
                 upd = self.updates_for(rec.id, sets.get(rec.id, ()))
                 holders = compiled.pull_sources.get(rec.id)
                 pulls = {h: shared[h] for h in holders} if holders else None
-                req = (pid, blob, upd or None, src_name, dst_name, wall, pulls)
-                refs[rec.id] = self.submit(rec, lambda t, rec=rec, req=req: rec.actor.run.remote(RunRequest(t, *req)))
+                req = (pid, blob, upd or None, src_name, dst_name, wall, pulls, out, direct, (meta or {}).get(rec.id))
+                refs[rec.id] = self.submit(
+                    rec, lambda t, rec=rec, req=req: rec.actor.reshard_run.remote(RunRequest(t, *req))
+                )
             self.stats["runs"] += 1
             self.stats["run_calls"] += len(refs)
         try:
@@ -229,7 +237,7 @@ class Runtime:
                     continue
                 mine = [(k, gen) for k, gen in drops if d in k[1]]
                 try:
-                    acks[d] = rec.actor.abort_run.remote(self.id, dst_name, mine)
+                    acks[d] = rec.actor.reshard_abort_run.remote(self.id, dst_name, mine)
                 except Exception as e:  # the actor may be going away as well
                     log.warning("cleanup of device %d failed: %s", d, e)
             for k, gen in drops:  # members outside the call get the drops with their next one
@@ -249,7 +257,7 @@ class Runtime:
         for d in devices:
             rec = self.registry.devices.get(d)
             if rec is not None and rec.state is DeviceState.ALIVE:
-                refs[d] = rec.actor.stats.remote()
+                refs[d] = rec.actor.reshard_stats.remote()
         if not refs:
             return ""
         outcome = gather(refs, time.monotonic() + DESCRIBE_S, settle_s=None)
@@ -296,7 +304,7 @@ class Runtime:
             for rec in recs:
                 fn, args, kwargs = calls[rec.id]
                 refs[rec.id] = self.submit(
-                    rec, lambda t, rec=rec, fn=fn, a=args, k=kwargs: rec.actor.call.remote(t, fn, a, k, wall)
+                    rec, lambda t, rec=rec, fn=fn, a=args, k=kwargs: rec.actor.reshard_call.remote(t, fn, a, k, wall)
                 )
         outcome = self.wait(refs, deadline, what)
         if not outcome.ok:
@@ -323,7 +331,7 @@ class Runtime:
 
     def release(self, devices, name: str, holder: str) -> None:
         """``holder`` lets go of shard ``name`` on ``devices`` (fire and forget, ordered)."""
-        self._fire(devices, lambda rec: lambda t: rec.actor.release.remote(t, name, holder))
+        self._fire(devices, lambda rec: lambda t: rec.actor.reshard_release.remote(t, name, holder))
 
     def hold_later(self, acquire: bool, devices, name: str, holder: str) -> None:
         """``acquire`` or ``release`` from a finalizer or a pickler: garbage collection and pickling
@@ -355,10 +363,10 @@ class Runtime:
             (self.acquire if acquire else self.release)(devices, name, holder)
 
     def acquire(self, devices, name: str, holder: str) -> None:
-        self._fire(devices, lambda rec: lambda t: rec.actor.acquire.remote(t, name, holder))
+        self._fire(devices, lambda rec: lambda t: rec.actor.reshard_acquire.remote(t, name, holder))
 
     def free(self, devices, name: str) -> None:
-        self._fire(devices, lambda rec: lambda t: rec.actor.free.remote(t, name))
+        self._fire(devices, lambda rec: lambda t: rec.actor.reshard_free.remote(t, name))
 
     def _fire(self, devices, make) -> None:
         with self.lock:

@@ -91,12 +91,14 @@ def _positive_seconds(name: str, value) -> float:
 class DeviceMesh:
     """A grid of device actors. Build with ``create`` (new actors) or ``from_devices`` (a view)."""
 
-    def __init__(self, mesh: Mesh, backend: str, records, *, owned: bool, placement_group=None, _token=None):
+    def __init__(self, mesh: Mesh, backend: str, records, *, owned: bool, placement_group=None, attached=False,
+                 _token=None):  # fmt: skip
         if _token is not _PRIVATE:
             raise TypeError("use DeviceMesh.create(shape) or DeviceMesh.from_devices(devices, shape)")
         self.mesh = mesh
         self.backend = backend
         self.owned = owned
+        self.attached = attached  # over the user's own actors (from_actors): shutdown detaches, kills nothing
         self._records = list(records)
         self._placement_group = placement_group
         self._closed: str | None = None
@@ -187,7 +189,9 @@ class DeviceMesh:
             )
             for d, opts in zip(ids, where.options, strict=True)
         ]
-        outcome = gather({d: a.ready.remote() for d, a in zip(ids, actors, strict=True)}, deadline, settle_s=None)
+        outcome = gather(
+            {d: a.reshard_ready.remote() for d, a in zip(ids, actors, strict=True)}, deadline, settle_s=None
+        )
         if not outcome.ok:
             for a in actors:
                 ray.kill(a, no_restart=True)
@@ -228,6 +232,97 @@ class DeviceMesh:
             rt.backends.setdefault(name, instance)
             records = rt.registry.add(records)
         dmesh = cls(mesh, name, records, owned=True, placement_group=where.placement_group, _token=_PRIVATE)
+        rt.registry.register_mesh(dmesh)
+        return dmesh
+
+    @classmethod
+    def from_actors(
+        cls,
+        actors,
+        shape,
+        *,
+        devices_per_host: int | None = None,
+        axis_names=None,
+        backend="gloo",
+        shared_memory: bool = True,
+        max_communicators: int = 64,
+        max_programs: int = 256,
+        op_timeout_s: float = 300.0,
+        startup_timeout_s: float = 120.0,
+        buffer_pool_bytes: int = 256 << 20,
+    ) -> DeviceMesh:
+        """A mesh over the user's own Ray actors (flat order), whose classes mix in
+        ``reshard.runtime.DeviceRole``: each actor becomes a device (``reshard_attach``) and keeps
+        its state; its code shares its tensors (``self.reshard_device.share(...)``) for
+        ``reshard.runtime.adopt``, and reshards write into its memory (``reshard(..., out=...)``).
+        Hosts: the actors' Ray nodes when they sit on several, else logical hosts as in ``create``.
+        ``shutdown()`` detaches the actors and leaves them running."""
+        actors = list(actors)
+        probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)
+        if len(actors) != probe.size:
+            raise ValueError(
+                f"DeviceMesh.from_actors: shape {probe.shape} needs {probe.size} actors, got {len(actors)}"
+            )
+        for a in actors:
+            if not hasattr(a, "reshard_attach"):
+                raise TypeError(
+                    "DeviceMesh.from_actors needs Ray actors whose class mixes in reshard.runtime.DeviceRole, "
+                    f"got {a!r}"
+                )
+        _positive_int("max_communicators", max_communicators)
+        _positive_int("max_programs", max_programs)
+        deadline = time.monotonic() + _positive_seconds("startup_timeout_s", startup_timeout_s)
+        rt = runtime()
+        session = Session.current()
+        if isinstance(backend, str) and backend in rt.backends:
+            name, instance = backend, rt.backends[backend]
+        else:
+            name, instance = make_backend(backend)
+        spec = backend_spec(name)
+        ids = rt.registry.new_device_ids(probe.size)
+        options = {
+            "op_timeout_s": _positive_seconds("op_timeout_s", op_timeout_s),
+            "buffer_pool_bytes": int(buffer_pool_bytes),
+            "device_type": spec.device_type,
+            "shared_memory": bool(shared_memory) and spec.device_type == "cpu",
+        }
+        refs = {d: a.reshard_attach.remote(d, instance, options) for d, a in zip(ids, actors, strict=True)}
+        outcome = gather(refs, deadline, settle_s=None)
+        if not outcome.ok:
+            for d, a in zip(ids, actors, strict=True):
+                if d in outcome.results:
+                    a.reshard_close.remote()
+            raise failure_error(outcome, f"DeviceMesh.from_actors({probe.shape})", startup_timeout_s)
+        infos = outcome.results
+        dph = default_devices_per_host(probe.shape) if devices_per_host is None else devices_per_host
+        node_of = [infos[d]["node_id"] for d in ids]
+        if len(set(node_of)) > 1:
+            hosts = [rt.registry.host_of_node(n) for n in node_of]
+        else:
+            base = rt.registry.new_logical_hosts(probe.size // dph)
+            hosts = [base[i // dph] for i in range(probe.size)]
+        mesh = Mesh(probe.shape, ids, hosts, axis_names=axis_names)
+        owner = f"DeviceMesh.from_actors{probe.shape} devices {ids[0]}..{ids[-1]}"
+        records = [
+            DeviceRecord(
+                d,
+                a,
+                h,
+                name,
+                infos[d]["node_id"],
+                infos[d]["node_ip"],
+                owner,
+                session,
+                infos[d]["shared_memory"],
+                max_communicators,
+                max_programs,
+            )  # fmt: skip
+            for d, a, h in zip(ids, actors, hosts, strict=True)
+        ]
+        with rt.lock:
+            rt.backends.setdefault(name, instance)
+            records = rt.registry.add(records)
+        dmesh = cls(mesh, name, records, owned=False, attached=True, _token=_PRIVATE)
         rt.registry.register_mesh(dmesh)
         return dmesh
 
@@ -359,7 +454,7 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
-        kind = "" if self.owned else " view"
+        kind = "" if self.owned else " attached" if self.attached else " view"
         names = f", axes={list(self.axis_names)}" if self.axis_names else ""
         memory = ", shared memory" if self.shared_memory else ""
         return (
@@ -400,7 +495,7 @@ class DeviceMesh:
         """Each device's state: shards and bytes, holders, cached programs, live groups, counters."""
         self.check_open()
         deadline = time.monotonic() + _positive_seconds("timeout_s", timeout_s)
-        refs = {r.id: r.actor.stats.remote() for r in self._records}
+        refs = {r.id: r.actor.reshard_stats.remote() for r in self._records}
         outcome = runtime().wait(refs, deadline, "stats")
         if not outcome.ok:
             raise failure_error(outcome, f"{self!r}.stats()", timeout_s)
@@ -417,12 +512,18 @@ class DeviceMesh:
         self._closed = "it was shut down" if self.owned else "this view was shut down"
         rt = runtime()
         rt.registry.unregister_mesh(self, reason)
+        if self.attached:  # the user's actors: detach them, leave them running
+            live = [r for r in self._records if r.state is DeviceState.ALIVE]
+            rt.close_devices(self.device_ids, reason)
+            if ray.is_initialized() and live:
+                ray.wait([r.actor.reshard_close.remote() for r in live], num_returns=len(live), timeout=timeout_s)
+            return
         if not self.owned:
             return
         live = [r for r in self._records if r.state is DeviceState.ALIVE]
         rt.close_devices(self.device_ids, reason)
         if ray.is_initialized():
-            refs = [r.actor.close.remote() for r in live]
+            refs = [r.actor.reshard_close.remote() for r in live]
             if refs:
                 ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
             for r in self._records:

@@ -30,6 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 TOMBSTONES = 4096  # names of aborted runs remembered
+USER = "user"  # the holder of a user's own tensor, until the user takes it back
 RELEASED_TOKENS = 4096  # releases that arrived before their acquire
 
 
@@ -103,6 +104,8 @@ class ShardStore:
         self.holders: dict[str, set[str]] = {}
         self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self.meta: dict[str, dict] = {}  # name -> what its owner said of it (global shape, placements, ...)
+        self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
         self._lock = threading.RLock()
 
     def __contains__(self, name: str) -> bool:
@@ -128,9 +131,9 @@ class ShardStore:
             return torch.empty(tuple(shape), dtype=dtype, device=self.torch_device)
         return flat.view(dtype).view(tuple(shape))
 
-    def put(self, name: str, t: torch.Tensor, holder: str) -> bool:
+    def put(self, name: str, t: torch.Tensor, holder: str, meta: dict | None = None) -> bool:
         """Keep ``t`` as shard ``name`` held by ``holder``; False (and ``t`` dropped) when the run
-        that made it was aborted meanwhile."""
+        that made it was aborted meanwhile. ``meta``: what it is a shard of."""
         with self._lock:
             if name in self._tombstones:
                 self._tombstones.pop(name)
@@ -138,7 +141,25 @@ class ShardStore:
                 return False
             self.shards[name] = t
             self.holders[name] = {holder}
+            if meta:
+                self.meta[name] = meta
             return True
+
+    def share(self, name: str, t: torch.Tensor, meta: dict) -> None:
+        """Make the user's tensor ``t`` shard ``name`` (no copy; held by its user until ``unshare``)."""
+        with self._lock:
+            if name in self.shards and name not in self.users:
+                raise ValueError(f"device {self.device} already holds a shard {name!r} of its own; pick another name")
+            self.shards[name] = t
+            self.holders[name] = {USER}
+            self.users.add(name)
+            self.meta[name] = meta
+
+    def unshare(self, name: str) -> None:
+        """The user takes ``name`` back: handles on it can no longer read or reshard it."""
+        with self._lock:
+            if name in self.users:
+                self._drop(name)
 
     def acquire(self, name: str, holder: str) -> bool:
         with self._lock:
@@ -151,7 +172,8 @@ class ShardStore:
             return True
 
     def release(self, name: str, holder: str) -> None:
-        """``holder`` lets go; the shard is dropped when nobody holds it."""
+        """``holder`` lets go; the shard is dropped when nobody holds it (a user's shard stays
+        while its user holds it)."""
         with self._lock:
             held = self.holders.get(name)
             if held is None or holder not in held:
@@ -165,7 +187,7 @@ class ShardStore:
                 self._drop(name)
 
     def free(self, name: str) -> bool:
-        """Drop shard ``name`` whoever holds it."""
+        """Drop shard ``name`` whoever holds it (a user's own tensor only leaves the store)."""
         with self._lock:
             return self._drop(name)
 
@@ -180,8 +202,12 @@ class ShardStore:
     def _drop(self, name: str) -> bool:
         t = self.shards.pop(name, None)
         self.holders.pop(name, None)
+        self.meta.pop(name, None)
         if t is None:
             return False
+        if name in self.users:  # the user's tensor: forget it, never recycle its memory
+            self.users.discard(name)
+            return True
         self.pool.put(t, 1)
         return True
 

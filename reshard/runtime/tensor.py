@@ -141,7 +141,7 @@ class ShardedTensor:
     def _fetch(self, indices, timeout_s: float | None) -> dict[int, np.ndarray]:
         rt = runtime()
         ids = {i: self.mesh.device_ids[i] for i in indices}
-        refs = {ids[i]: self.mesh.actor(i).fetch.remote(self.name) for i in indices}
+        refs = {ids[i]: self.mesh.actor(i).reshard_fetch.remote(self.name) for i in indices}
         outcome = rt.wait(refs, deadline_of(timeout_s), "reading a tensor back")
         if not outcome.ok:
             gone = [d for d, f in outcome.failures.items() if isinstance(f.error, KeyError)]
@@ -284,7 +284,10 @@ def distribute(array, layout: Layout, *, timeout_s: float | None = DEFAULT_TIMEO
         for i, rec in enumerate(dmesh.records):
             src, box = loads[i]
             refs[rec.id] = rt.submit(
-                rec, lambda t, rec=rec, src=src, box=box: rec.actor.load.remote(t, name, name, src, box, dtype, wall)
+                rec,
+                lambda t, rec=rec, src=src, box=box: rec.actor.reshard_load.remote(
+                    t, name, name, src, box, dtype, wall
+                ),
             )
     try:
         outcome = rt.wait(refs, deadline, f"distribute onto {layout}")
@@ -316,28 +319,7 @@ def _local_shards(given, layout: Layout) -> tuple[list[np.ndarray], str, tuple[i
     shards, dtypes = zip(*(_as_numpy(a) for a in given), strict=True)
     if len(set(dtypes)) > 1:
         raise TypeError(f"distribute onto {layout}: local shards of different dtypes {sorted(set(dtypes))}")
-    ndims = {a.ndim for a in shards}
-    if len(ndims) > 1:
-        raise ValueError(f"distribute onto {layout}: local shards of different ranks {sorted(ndims)}")
-    ndim = ndims.pop()
-    layout.check_shape((0,) * ndim)
-    norm = layout.for_shape((0,) * ndim)
-    shape = []
-    for dim in range(ndim):
-        axes = norm.sharded_axes(dim)
-        seen: dict[tuple[int, ...], int] = {}
-        for flat, a in enumerate(shards):
-            coords = layout.mesh.coords(flat)
-            seen.setdefault(tuple(coords[x] for x in axes), a.shape[dim])
-        shape.append(sum(seen.values()))
-    shape = tuple(shape)
-    for flat, (a, box) in enumerate(zip(shards, layout_regions(norm, shape), strict=True)):
-        want = tuple(hi - lo for lo, hi in box)
-        if tuple(a.shape) != want:
-            raise ValueError(
-                f"distribute onto {layout}: the local shard of flat device {flat} has shape {tuple(a.shape)}, "
-                f"but a tensor of shape {shape} in this layout gives that device {want}"
-            )
+    shape = _infer_shape(layout, [a.shape for a in shards], f"distribute onto {layout}")
     return list(shards), dtypes[0], shape
 
 
@@ -398,6 +380,7 @@ def memory_domains(tensor: ShardedTensor, dst_mesh: DeviceMesh) -> dict:
 def reshard(
     tensor: ShardedTensor, src_mesh: DeviceMesh, dst_layout: Layout, *, strategy: str = "auto",
     timeout_s: float | None = DEFAULT_TIMEOUT_S, cluster=None, shared_memory: bool = True,
+    out: ShardedTensor | None = None, direct: bool = False,
 ) -> ShardedTensor:  # fmt: skip
     """Move ``tensor`` (on ``src_mesh``, its own mesh) to ``dst_layout`` (on a DeviceMesh).
 
@@ -405,9 +388,16 @@ def reshard(
     Slices between actors of one machine are pulled through shared memory (see ``DeviceMesh``);
     ``shared_memory=False`` sends everything through the backend instead.
 
-    Returns a new ShardedTensor; the source stays intact. Raises ValueError/TypeError for misuse,
-    ``WorkerDied`` / ``ReshardTimeout`` / ``ReshardError`` if the run fails (within ``timeout_s``
-    plus a bounded cleanup), ``MeshClosed`` for a shut-down mesh or a Ray session that is gone."""
+    ``out``: write the result into these existing shards (``adopt``ed tensors of the destination
+    actors, e.g. inference weights) and return ``out``. By default the result is staged and then
+    copied into ``out`` once every device has it, so a failed reshard leaves ``out`` untouched;
+    ``direct=True`` writes straight into ``out`` (no extra copy) and a failure leaves it partly
+    written.
+
+    Returns a new ShardedTensor (or ``out``); the source stays intact. Raises ValueError/TypeError
+    for misuse, ``WorkerDied`` / ``ReshardTimeout`` / ``ReshardError`` if the run fails (within
+    ``timeout_s`` plus a bounded cleanup), ``MeshClosed`` for a shut-down mesh or a Ray session
+    that is gone."""
     if not isinstance(tensor, ShardedTensor):
         raise TypeError(f"reshard needs a ShardedTensor (from distribute or reshard), got {type(tensor).__name__}")
     if not isinstance(src_mesh, DeviceMesh):
@@ -421,14 +411,145 @@ def reshard(
             "pass tensor.mesh as src_mesh"
         )
     tensor._check("reshard source")
+    dst_layout.check_shape(tensor.shape)
+    dst_layout = dst_layout.for_shape(tensor.shape)
+    if out is not None:
+        _check_out(out, tensor, dst_layout)
+    elif direct:
+        raise ValueError("direct=True writes into existing shards: pass them as out=")
     deadline = deadline_of(timeout_s)
     dmesh, compiled = _compile(tensor, dst_layout, strategy, cluster, shared_memory)
     rt = runtime()
     name = rt.new_name()
     what = f"reshard {tensor.dtype_name}{list(tensor.shape)} {tensor.layout} -> {dst_layout} (strategy {strategy!r})"
-    results = rt.execute(compiled, tensor.name, name, deadline, what, timeout_s, tensor._shared)
-    shared = {d: r.descriptor for d, r in results.items() if r.descriptor is not None}
-    return ShardedTensor(dmesh, dst_layout, tensor.shape, tensor.dtype_name, name, shared)
+    meta = _meta(dst_layout, tensor.shape)
+    results = rt.execute(compiled, tensor.name, name, deadline, what, timeout_s, tensor._shared,
+                         out=None if out is None else out.name, direct=direct, meta=meta)  # fmt: skip
+    if out is None:
+        shared = {d: r.descriptor for d, r in results.items() if r.descriptor is not None}
+        return ShardedTensor(dmesh, dst_layout, tensor.shape, tensor.dtype_name, name, shared)
+    if not direct:
+        _commit(rt, dmesh, name, out, deadline, timeout_s, what)
+    return out
 
 
-__all__ = ["INTACT", "ShardedTensor", "distribute", "lowered_reshard", "reshard"]
+def _check_out(out, tensor: ShardedTensor, layout: Layout) -> None:
+    if not isinstance(out, ShardedTensor):
+        raise TypeError(f"out must be a ShardedTensor (adopt() the destination's tensors), got {type(out).__name__}")
+    out._check("reshard output")
+    if out.layout.mesh != layout.mesh or out.layout.for_shape(out.shape) != layout:
+        raise ValueError(f"out is laid out {out.layout}, the reshard produces {layout}; adopt it with that layout")
+    if out.shape != tensor.shape or out.dtype_name != tensor.dtype_name:
+        raise ValueError(
+            f"out is {out.dtype_name}{list(out.shape)} but the reshard moves {tensor.dtype_name}{list(tensor.shape)}"
+        )
+
+
+def _meta(layout: Layout, shape) -> dict:
+    """Per destination device, what its shard is a shard of (kept with the shard, for to_dtensor)."""
+    return {
+        d: {"shape": tuple(shape), "placements": layout.placements, "mesh_shape": layout.mesh.shape,
+            "coordinate": layout.mesh.coords(flat)}
+        for flat, d in enumerate(layout.mesh.device_ids)
+    }  # fmt: skip
+
+
+def _commit(rt, dmesh: DeviceMesh, staged: str, out: ShardedTensor, deadline: float, timeout_s, what: str) -> None:
+    """Copy the staged result into ``out`` on every destination device (the second phase)."""
+    wall = time.time() + (deadline - time.monotonic())
+    refs = {}
+    with rt.lock:
+        for rec in dmesh.records:
+            refs[rec.id] = rt.submit(rec, lambda t, rec=rec: rec.actor.reshard_commit.remote(t, staged, out.name, wall))
+    outcome = rt.wait(refs, deadline, f"{what}: committing into {out.name}")
+    if not outcome.ok:
+        rt.free(dmesh.device_ids, staged)
+        raise failure_error(
+            outcome, f"{what}: committing into {out!r}", timeout_s,
+            tail="Devices that did not fail hold the new values in out; the others may hold old or partial ones.",
+        )  # fmt: skip
+
+
+def adopt(layout, name: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> ShardedTensor:
+    """A handle on tensors the devices' own code shared as ``name`` (``DeviceContext.share`` /
+    ``from_dtensor`` inside attached actors), laid out as ``layout`` (a Layout, or the DeviceMesh
+    when every device shared its placements, e.g. from a DTensor). The global shape is inferred
+    from the shards and checked against what each device said; nothing is copied. Dropping the
+    handle leaves the user's tensors where they are."""
+    mesh = layout if isinstance(layout, DeviceMesh) else None
+    timeout_s = check_timeout(timeout_s)
+    rt = runtime()
+    dmesh = mesh if mesh is not None else rt.registry.resolve_mesh(layout.mesh, f"adopt {name!r}")
+    dmesh.check_open()
+    deadline = deadline_of(timeout_s)
+    wall = time.time() + (deadline - time.monotonic())
+    refs = {}
+    with rt.lock:
+        for rec in dmesh.records:
+            refs[rec.id] = rt.submit(rec, lambda t, rec=rec: rec.actor.reshard_describe.remote(t, name, wall))
+    outcome = rt.wait(refs, deadline, f"adopt {name!r}")
+    if not outcome.ok:
+        raise failure_error(outcome, f"adopt {name!r} on {dmesh!r}", timeout_s)
+    infos = [outcome.results[d] for d in dmesh.device_ids]
+    if mesh is not None:
+        said = {tuple(i.get("placements") or ()) for i in infos}
+        if len(said) != 1 or not next(iter(said)):
+            raise ValueError(
+                f"adopt {name!r}: the devices did not all share their placements ({sorted(map(str, said))}); "
+                "pass a Layout"
+            )
+        layout = Layout(dmesh, next(iter(said)))
+    dtypes = {i["dtype"] for i in infos}
+    if len(dtypes) > 1:
+        raise TypeError(f"adopt {name!r}: the devices' shards have different dtypes {sorted(dtypes)}")
+    shape = _infer_shape(layout, [i["local_shape"] for i in infos], f"adopt {name!r} as {layout}")
+    for flat, i in enumerate(infos):
+        if i.get("shape") is not None and i.get("placements") is not None:
+            if tuple(i["shape"]) != shape or Layout(dmesh, i["placements"]).for_shape(shape) != layout.for_shape(shape):
+                raise ValueError(
+                    f"adopt {name!r}: flat device {flat} shared a shard of {tuple(i['shape'])} laid out "
+                    f"{tuple(map(str, i['placements']))}, not of {shape} laid out {layout}"
+                )
+        if i.get("mesh_shape") and tuple(i["mesh_shape"]) != dmesh.shape:
+            raise ValueError(
+                f"adopt {name!r}: flat device {flat} shared a DTensor of a device mesh of shape {i['mesh_shape']}, "
+                f"but this DeviceMesh has shape {dmesh.shape}; build the DeviceMesh like the DTensor's"
+            )
+        if i.get("coordinate") and tuple(i["coordinate"]) != dmesh.mesh.coords(flat):
+            raise ValueError(
+                f"adopt {name!r}: flat device {flat} sits at {dmesh.mesh.coords(flat)} in this mesh but at "
+                f"{tuple(i['coordinate'])} in its DTensor's device mesh; order the actors like the DTensor's ranks"
+            )
+    shared = {d: i["descriptor"] for d, i in zip(dmesh.device_ids, infos, strict=True) if i["descriptor"] is not None}
+    holder = f"{name}/adopted/{uuid.uuid4().hex[:12]}"
+    rt.acquire(dmesh.device_ids, name, holder)
+    return ShardedTensor(dmesh, layout.for_shape(shape), shape, dtypes.pop(), name, shared, holder)
+
+
+def _infer_shape(layout: Layout, shapes, what: str) -> tuple[int, ...]:
+    """The global shape of shards ``shapes`` (flat device order) laid out as ``layout``, checked."""
+    ndims = {len(s) for s in shapes}
+    if len(ndims) != 1:
+        raise ValueError(f"{what}: shards of different ranks {sorted(ndims)}")
+    ndim = ndims.pop()
+    norm = layout.for_shape((0,) * ndim)
+    shape = []
+    for dim in range(ndim):
+        axes = norm.sharded_axes(dim)
+        seen: dict[tuple[int, ...], int] = {}
+        for flat, s in enumerate(shapes):
+            coords = layout.mesh.coords(flat)
+            seen.setdefault(tuple(coords[x] for x in axes), s[dim])
+        shape.append(sum(seen.values()))
+    shape = tuple(shape)
+    for flat, (s, box) in enumerate(zip(shapes, layout_regions(norm, shape), strict=True)):
+        want = tuple(hi - lo for lo, hi in box)
+        if tuple(s) != want:
+            raise ValueError(
+                f"{what}: the shard of flat device {flat} has shape {tuple(s)}, but a tensor of shape {shape} in this "
+                f"layout gives that device {want}"
+            )
+    return shape
+
+
+__all__ = ["INTACT", "ShardedTensor", "adopt", "distribute", "lowered_reshard", "reshard"]

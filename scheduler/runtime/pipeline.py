@@ -383,7 +383,9 @@ class Pipeline:
             for d in devices:
                 rec = self._records[d]
                 args = args_of(d)
-                refs[d] = rt.submit(rec, lambda t, rec=rec, args=args: rec.actor.call.remote(t, fn, args, {}, wall))
+                refs[d] = rt.submit(
+                    rec, lambda t, rec=rec, args=args: rec.actor.reshard_call.remote(t, fn, args, {}, wall)
+                )
         outcome = rt.wait(refs, deadline, what)
         if outcome.ok:
             return [outcome.results[d] for d in devices]

@@ -69,9 +69,13 @@ def test_shard_dim_out_of_range_and_shape_mismatch(view):
     _still_works(view)
 
 
-def test_negative_dims():
-    with pytest.raises(ValueError, match="negative dims"):
-        Shard(-1)
+def test_negative_dims(view):
+    """Shard(-1) counts from the last dim (resolved against the tensor's rank); out of range is refused."""
+    a = view([0, 1], (2,))
+    t = distribute(np.arange(12).reshape(3, 4), Layout(a, (Shard(-1),)))
+    assert t.placements == (Shard(1),)
+    with pytest.raises(ValueError, match=r"shards dim -3 .* use Shard\(d\) with -2 <= d < 2"):
+        distribute(np.zeros((3, 4)), Layout(a, (Shard(-3),)))
     with pytest.raises(TypeError, match="int tensor dim"):
         Shard(1.0)
 
@@ -99,7 +103,7 @@ def test_unsupported_dtypes(view, bad):
         "complex64": np.zeros(3, np.complex64),
         "uint16": np.zeros(3, np.uint16),
         "torch.int16": torch.zeros(3, dtype=torch.int16),
-        "list": [1, 2, 3],
+        "list": [[1, 2], [3]],  # local shards of lists: not arrays
     }[bad]
     with pytest.raises(TypeError, match="unsupported dtype|numpy array or a torch tensor"):
         distribute(array, Layout(a, pl("S0")))
@@ -291,3 +295,20 @@ def test_error_inside_actor_is_a_reshard_error(pool, view, shared_memory, error)
         reshard(t, src, Layout(dst, pl("R")), timeout_s=20, shared_memory=shared_memory)
     _still_works(view, 6)  # the peers of the failed device did not wait for their deadline
     assert time.monotonic() - t0 < 10
+
+
+def test_join_barrier_never_lets_a_store_wait_time_out(capfd):
+    """A member waiting for its group's peers polls the rendezvous store without timed-out waits:
+    torch logs each timed-out TCPStore wait, and formatting that warning looks the store's address
+    up in reverse DNS, which stalls for seconds when the resolver throttles (a waiting peer would
+    overrun its deadline and hold the store connection that aborts need)."""
+    from reshard.runtime.gloo import GlooBackend
+
+    backend = GlooBackend(host="127.0.0.1")
+    try:
+        [rdv] = backend.rendezvous([(0, 1)], {})
+        with pytest.raises(ReshardTimeout, match=r"devices \[1\] never joined"):
+            backend.connect(rdv, 0, timeout_s=0.5)
+    finally:
+        backend.close()
+    assert "timed out" not in capfd.readouterr().err
