@@ -26,13 +26,15 @@ owner died (a crashed or killed run).
 
 Drivers: ``EmulatedCluster.run`` starts a process inside the head namespace with the environment
 of the emulated cluster (``RAY_ADDRESS``, ``BENCH_EMULATE_NODE_IP``, ``BENCH_EMULATE_HOST`` (the
-host index, which the Ray workers of each host also see), ``BENCH_EMULATE_ADDRESSES``); there
+host index, which the Ray workers of each host also see), ``BENCH_EMULATE_ADDRESSES``); with
+``host=k`` inside host ``k``'s namespace instead (a driver that is not on the head node). There
 ``connect()`` joins the cluster and ``host_addresses()`` lists the hosts. Scenarios are the way
 tests send code to a driver: a script defines plain functions that take and return JSON-able
 values and ends with ``sys.exit(scenario_main(SCENARIOS))``; ``cluster.scenario(script, "name",
-**kwargs)`` runs ``python script name '<kwargs json>'`` in the head namespace and returns the
-function's result (the script prints it on one line after ``SCENARIO_RESULT_MARK``; a failing
-scenario raises ``EmulationError`` with its stderr). ``tests/multihost/scenarios.py`` is one.
+**kwargs)`` runs ``python script name '<kwargs json>'`` in the head namespace (or ``host=k``'s)
+and returns the function's result (the script prints it on one line after
+``SCENARIO_RESULT_MARK``; a failing scenario raises ``EmulationError`` with its stderr).
+``tests/multihost/scenarios.py`` is one.
 
 CLI: ``python -m bench.emulate up|run|measure|check|cleanup|down`` (``--help`` on each).
 Needs root, ``ip`` and ``tc``, and the ``ray`` CLI next to the interpreter; ``available()``
@@ -297,9 +299,15 @@ def leftovers(token: str | None = None) -> tuple[Run, ...]:
 
 
 def _remove(token: str, extra_ns_ids: dict[tuple[int, int], str] | None = None) -> None:
-    """Remove everything of run ``token``: processes, veths, bridge, namespaces, run directory."""
+    """Remove everything of run ``token``: processes, veths, bridge, namespaces, run directory.
+
+    ``extra_ns_ids``: identities of the run's namespaces recorded when they were made, so that
+    processes in one that lost its name are found too. A namespace's identity is recycled once it
+    is gone, so a recorded identity that now belongs to a namespace of another name is skipped."""
     namespaces = [n for n in _list_netns() if (m := _NAME.match(n)) and m.group(1) == token]
-    ns_ids = {**(extra_ns_ids or {}), **_netns_ids(namespaces)}
+    others = _netns_ids(n for n in _list_netns() if not ((m := _NAME.match(n)) and m.group(1) == token))
+    recorded = {k: v for k, v in (extra_ns_ids or {}).items() if k not in others}
+    ns_ids = {**recorded, **_netns_ids(namespaces)}
     _kill_in(ns_ids)
     links = [n for n in _list_links() if (m := _NAME.match(n)) and m.group(1) == token]
     for link in sorted(links, key=lambda n: n.endswith("br")):
@@ -691,23 +699,28 @@ class EmulatedCluster:
             timeout=timeout_s,
         )
 
-    def run(self, argv: Sequence[str], *, timeout_s: float = 300.0, **kwargs) -> subprocess.CompletedProcess:
-        """Run a driver ``argv`` inside the head namespace (output captured unless ``capture_output``
-        is overridden)."""
+    def run(
+        self, argv: Sequence[str], *, timeout_s: float = 300.0, host: int = 0, **kwargs
+    ) -> subprocess.CompletedProcess:
+        """Run a driver ``argv`` inside the head namespace, or inside ``host``'s (a driver that is not
+        on the head node); output captured unless ``capture_output`` is overridden."""
         self._check_up()
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
-        kwargs.setdefault("env", self.env(0))
+        kwargs.setdefault("env", self.env(host))
         kwargs.setdefault("cwd", str(_REPO))
-        return subprocess.run(self.command(0, argv), timeout=timeout_s, **kwargs)
+        return subprocess.run(self.command(host, argv), timeout=timeout_s, **kwargs)
 
     def python(self, code: str, *, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
         """Run Python ``code`` as a driver inside the head namespace."""
         return self.run([sys.executable, "-c", code], timeout_s=timeout_s)
 
-    def scenario(self, script: str | os.PathLike, name: str, *, timeout_s: float = 300.0, **kwargs) -> Any:
-        """Run scenario ``name`` of ``script`` as a driver in the head namespace; its result."""
-        done = self.run([sys.executable, str(script), name, json.dumps(kwargs)], timeout_s=timeout_s)
+    def scenario(
+        self, script: str | os.PathLike, name: str, *, timeout_s: float = 300.0, host: int = 0, **kwargs
+    ) -> Any:
+        """Run scenario ``name`` of ``script`` as a driver in the head namespace (or ``host``'s);
+        its result."""
+        done = self.run([sys.executable, str(script), name, json.dumps(kwargs)], timeout_s=timeout_s, host=host)
         results = [
             ln[len(SCENARIO_RESULT_MARK) :] for ln in done.stdout.splitlines() if ln.startswith(SCENARIO_RESULT_MARK)
         ]
