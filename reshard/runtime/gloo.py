@@ -189,7 +189,6 @@ class GlooBackend(Backend):
         self.host = host  # the store's address; None: this process's node IP (loopback outside Ray)
         self._master = None
         self._master_host: str | None = None
-        self._listener: socket.socket | None = None
         self._token = uuid.uuid4().hex[:8]
         self._counter = itertools.count(1)
         self._clients: dict[tuple[str, int], object] = {}
@@ -217,7 +216,8 @@ class GlooBackend(Backend):
                 self._master = dist.TCPStore(
                     host, port, None, True, _td(60), wait_for_workers=False, master_listen_fd=listener.fileno()
                 )
-                self._listener, self._master_host = listener, host
+                listener.detach()  # the store owns the descriptor now: it closes it when it goes
+                self._master_host = host
             return self._master_host, self._master.port
 
     @property
@@ -254,9 +254,6 @@ class GlooBackend(Backend):
     def close(self) -> None:
         with self._lock:
             self._master = None
-            if self._listener is not None:
-                self._listener.close()
-                self._listener = None
 
     # ---------------------------------------------------------------- actor side
 

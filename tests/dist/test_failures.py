@@ -312,3 +312,23 @@ def test_join_barrier_never_lets_a_store_wait_time_out(capfd):
     finally:
         backend.close()
     assert "timed out" not in capfd.readouterr().err
+
+
+# --------------------------------------------------------------------------------------- gloo backend
+
+
+def test_gloo_backend_close_stops_its_store():
+    """``close`` drops the controller's store (which owns its listening descriptor) and no more."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from reshard.runtime.gloo import GlooBackend
+
+    backend = GlooBackend(host="127.0.0.1")
+    info = backend.rendezvous([(0, 1)], {})[0].info
+    backend.close()
+    backend.close()  # idempotent
+    assert backend.store_address is None
+    with pytest.raises(RuntimeError, match="(?i)connect|timed out|timeout"):
+        dist.TCPStore(info["host"], info["port"], is_master=False, timeout=datetime.timedelta(seconds=1))
