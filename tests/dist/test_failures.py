@@ -332,3 +332,20 @@ def test_gloo_backend_close_stops_its_store():
     assert backend.store_address is None
     with pytest.raises(RuntimeError, match="(?i)connect|timed out|timeout"):
         dist.TCPStore(info["host"], info["port"], is_master=False, timeout=datetime.timedelta(seconds=1))
+
+
+def test_join_barrier_never_lets_a_store_wait_time_out(capfd):
+    """A member waiting for its group's peers polls the rendezvous store without timed-out waits:
+    torch logs each timed-out TCPStore wait, and formatting that warning looks the store's address
+    up in reverse DNS, which stalls for seconds when the resolver throttles (a waiting peer would
+    overrun its deadline and hold the store connection that aborts need)."""
+    from reshard.runtime.gloo import GlooBackend
+
+    backend = GlooBackend(host="127.0.0.1")
+    try:
+        [rdv] = backend.rendezvous([(0, 1)], {})
+        with pytest.raises(ReshardTimeout, match=r"devices \[1\] never joined"):
+            backend.connect(rdv, 0, timeout_s=0.5)
+    finally:
+        backend.close()
+    assert "timed out" not in capfd.readouterr().err
