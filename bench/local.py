@@ -1,24 +1,42 @@
-"""``python -m bench``: real reshards on an embedded local Ray cluster, against a naive baseline
-and a raw-gloo ceiling measured in the same run, between the same actors.
+"""``python -m bench``: our reshard beside what a user would use instead, on an embedded local Ray
+cluster, in one run, every result checked bit-exact.
 
 One pool of device actors (``bench.cases.POOL_SHAPE``, 8) serves every case through mesh views.
-Per (case, size) the suite distributes one source tensor and measures, interleaved round by round
-so that drifting machine load hits every method alike:
+Per (case, size) the suite distributes one source tensor and times, interleaved round by round so
+that drifting machine load hits every method alike:
 
-* every strategy of ``reshard.STRATEGIES``: ``reshard(x, x.mesh, dst_layout, strategy=...)``;
-* ``naive``: what a Ray user writes by hand: ``distribute(x.to_numpy(), dst_layout)``;
-* ``raw gloo``: the bytes the default strategy's plan moves between actors, one contiguous
-  message per (sender, receiver) pair, all posted at once on a raw ``ProcessGroupGloo`` built for
-  the bench (``bench.ceiling``, run through the device actors' ``call`` extension point);
-* ``empty RTT``: one empty ``call`` to every actor of the case, gathered (Ray's floor).
+* ``ours``: ``reshard(x, x.mesh, dst_layout)``, the default path (slices between actors of this
+  machine pulled through shared memory), and ``ours_gloo``: ``shared_memory=False`` (every slice
+  through gloo, the path between machines);
+* peers (``bench.peers``): ``object_store`` (``ray.put`` of contiguous numpy pieces in the source
+  actors, ``ray.get`` and assembly in the destination actors), ``rdt`` (Ray Direct Transport over a
+  torch_gloo group, on plain actors of the pool's count), ``dtensor`` (torch DTensor
+  ``redistribute`` over a gloo world of the device actors; same-mesh cases only);
+* ceilings: ``memcpy`` (each destination actor copies its shard's bytes between resident buffers,
+  all at once): the default path's; ``raw_gloo`` (the bytes that cross between actors in the gloo
+  path's plan, one message per pair on a raw gloo group, ``bench.ceiling``): the gloo path's;
+* ``empty_rtt``: one empty call (``reshard_ping``) to every actor of the case, gathered;
+* optionally ``naive`` (``distribute(x.to_numpy(), dst_layout)``) and other strategies of ours on
+  the default path (``--strategies``).
 
-Each method runs once as a warm-up per case (at the case's first size: communicator set-up,
-program shipping), and again at a later size whose plan uses communicator groups the case has not
-used yet; plans for every size are computed and lowered before timing. Then ``repeats``
-timed rounds per size; the first result of every method at every size is checked bit-exact against
-the source array on every destination device (after its clock stopped). Latency is wall time on
-the driver, from the call until the destination tensor exists (``reshard`` returns).
-Results: a rich table on the terminal, JSON in ``bench/results/local-<timestamp>.json`` and
+Headline mode: outputs kept alive, as a user keeps activations or weights. No result is freed
+between repeats, so no destination reuses a freed shard's memory (the JSON's ``pool_hits_kept``
+counts reuses, and is 0); the peers keep theirs too. Kept outputs are released (and the devices'
+pools of freed memory emptied) only between rounds, untimed, when the next round would pass
+``--keep-limit``. Beside it the pooled mode (``ours_pooled``, ``ours_gloo_pooled``): each output
+freed before the next repeat, so a destination reuses the last one's memory (after one untimed
+run that fills the pool).
+
+Each method runs once untimed per case (communicator set-up, program shipping, RDT connections)
+and again at a size whose plan needs groups the case has not used yet; plans for every size are
+compiled before timing. The first result of every method at every size (``--quick``: once per
+case) is compared bit for bit with the source on every destination device, after its clock
+stopped. Latency is the driver's wall time from the call until every destination holds its shard.
+
+Start-up (when the suite starts its own pool): ``DeviceMesh.create(POOL_SHAPE)`` until every actor
+answered, against pools of as many bare Ray actors that import numpy, started before and after it.
+
+Results: rich tables on the terminal, JSON in ``bench/results/local-<timestamp>.json`` and
 ``bench/results/latest.json`` (or ``--out``); ``python -m bench.report`` re-renders a JSON file.
 """
 
@@ -53,11 +71,17 @@ from bench.cases import (  # noqa: E402
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_SIZES = ("64KiB", "1MiB", "16MiB", "64MiB", "256MiB")
 QUICK_SIZES = ("64KiB", "4MiB")
+STRATEGY = "auto"  # what reshard runs by default
+OURS, OURS_GLOO = "ours", "ours_gloo"
+OURS_POOLED, OURS_GLOO_POOLED = "ours_pooled", "ours_gloo_pooled"
+OBJECT_STORE, RDT, DTENSOR = "object_store", "rdt", "dtensor"
+PEERS = (OBJECT_STORE, RDT, DTENSOR)
 NAIVE = "naive"
-CEILING = "raw_gloo"
+MEMCPY, CEILING = "memcpy", "raw_gloo"
 RTT = "empty_rtt"
 RTT_PER_ROUND = 3
-SCHEMA = 1
+KEEP_LIMIT = 3 << 30
+SCHEMA = 2
 
 
 def default_repeats(size_bytes: int) -> int:
@@ -73,22 +97,31 @@ def default_repeats(size_bytes: int) -> int:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Reshard microbenchmarks on an embedded local Ray cluster (CPU devices: slices pulled "
-        "through shared memory between actors of the machine, gloo otherwise).",
+        description="Our reshard (default path and gloo path) beside the Ray object store, Ray Direct Transport "
+        "and torch DTensor, with memcpy and raw-gloo ceilings, on an embedded local Ray cluster.",
     )
     p.add_argument("--sizes", help=f"comma-separated tensor sizes (default {','.join(DEFAULT_SIZES)}); "
                    "units B/KiB/MiB/GiB, bare numbers are MiB")  # fmt: skip
     p.add_argument("--cases", help="comma-separated case names (default: all): " + ", ".join(c.name for c in CASES))
-    p.add_argument("--strategies", help="comma-separated strategy names (default: every one in reshard.STRATEGIES)")
+    p.add_argument("--peers", help=f"comma-separated peers (default: all of {', '.join(PEERS)}); 'none' for none")
+    p.add_argument("--strategies", help="other strategies of ours to time on the default path (default: none; "
+                   f"'{STRATEGY}' is what ours runs)")  # fmt: skip
+    p.add_argument("--naive", action="store_true", help="also time distribute(x.to_numpy(), dst_layout)")
     p.add_argument(
-        "--repeats", type=int, help="timed rounds per method (default: 10 up to 1 MiB, 5 up to 16 MiB, else 3)"
+        "--repeats",
+        type=int,
+        help="timed rounds per method (default: 7 up to 1 MiB, 5 up to 16 MiB, 3 up to 64, else 2)",
     )
-    p.add_argument("--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, 2 repeats: about a minute")
+    p.add_argument("--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, 2 repeats, verified once "
+                   "per case")  # fmt: skip
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
     p.add_argument("--out", help="JSON output path (default bench/results/local-<timestamp>.json + latest.json)")
-    p.add_argument("--no-naive", action="store_true", help="skip the naive gather-and-distribute baseline")
-    p.add_argument("--no-ceiling", action="store_true", help="skip the raw gloo ceiling")
-    p.add_argument("--timeout", type=float, default=300.0, help="per-reshard timeout in seconds (default 300)")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the memcpy and raw gloo ceilings")
+    p.add_argument("--no-pooled", action="store_true", help="skip the pooled mode (outputs freed between repeats)")
+    p.add_argument("--no-startup", action="store_true", help="skip the start-up comparison")
+    p.add_argument("--keep-limit", type=parse_size, default=KEEP_LIMIT, metavar="SIZE",
+                   help="kept outputs' bytes past which they are released between rounds (default 3GiB)")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=300.0, help="per-call timeout in seconds (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--staging-keep", type=parse_size, metavar="SIZE",
                    help="runtime knob: staging bytes each device keeps between reshards "
@@ -96,15 +129,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--buffer-pool", type=parse_size, metavar="SIZE",
                    help="runtime knob: idle bytes of freed shards each device keeps for reuse "
                    "(DeviceMesh.create(buffer_pool_bytes=...); runtime default 256 MiB; 0 disables)")  # fmt: skip
-    p.add_argument("--no-shared-memory", action="store_true",
-                   help="reshard(shared_memory=False): every slice through the backend, none pulled through "
-                   "shared memory (the path between machines)")  # fmt: skip
     p.add_argument("--backend", choices=("gloo", "nccl"),
                    help="communicator backend of the device pool (default: nccl when Ray reports a GPU per "
-                   "device, else gloo); with nccl the raw-gloo ceiling is skipped")  # fmt: skip
+                   "device, else gloo); with nccl the peers and ceilings (CPU) are skipped")  # fmt: skip
     args = p.parse_args(argv)
-    if args.backend == "nccl":
-        args.no_ceiling = True
     if args.quick:
         args.sizes = args.sizes or ",".join(QUICK_SIZES)
         args.repeats = args.repeats or 2
@@ -112,6 +140,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.case_list = select_cases([c.strip() for c in args.cases.split(",")] if args.cases else None)
     if args.repeats is not None and args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.peers is None:
+        args.peer_list = list(PEERS)
+    else:
+        args.peer_list = [s.strip() for s in args.peers.split(",") if s.strip() and s.strip() != "none"]
+        unknown = [s for s in args.peer_list if s not in PEERS]
+        if unknown:
+            p.error(f"unknown peers {unknown}; choose from {', '.join(PEERS)} or 'none'")
+    if args.backend == "nccl":
+        args.no_ceiling = True
+        args.peer_list = []
     return args
 
 
@@ -147,31 +185,34 @@ def make_array(shape, dtype: str, seed: int):
     return rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True)
 
 
-def verify(tensor, source) -> tuple[bool, str]:
-    """Every device's shard of ``tensor`` equals, bit for bit, its region of ``source``."""
+def compare(shards: dict, boxes: dict, source) -> tuple[bool, str]:
+    """Every device's array in ``shards`` equals, bit for bit, its box of ``source`` (``boxes``)."""
     import numpy as np
 
+    uint = np.dtype(f"u{source.dtype.itemsize}") if source.dtype.itemsize in (1, 2, 4, 8) else None
+    for d, box in boxes.items():
+        expected = source[tuple(slice(lo, hi) for lo, hi in box)]
+        got = np.asarray(shards[d])
+        if tuple(got.shape) != tuple(expected.shape) or got.dtype != expected.dtype:
+            return False, f"device {d}: got {got.dtype}{list(got.shape)}, want {expected.dtype}{list(expected.shape)}"
+        if uint is not None:
+            same = np.array_equal(got.view(uint), expected.view(uint))
+        else:
+            same = np.array_equal(got, expected)
+        if not same:
+            bad = int(np.count_nonzero(got.view(uint) != expected.view(uint))) if uint is not None else -1
+            return False, f"device {d}: {bad} of {expected.size} elements differ"
+    return True, f"{len(boxes)} shards bit-exact"
+
+
+def verify(tensor, source) -> tuple[bool, str]:
+    """Every device's shard of ``tensor`` (a ShardedTensor) equals its region of ``source``."""
     from reshard.regions import layout_regions
 
     regions = layout_regions(tensor.layout, tuple(source.shape))
+    ids = tensor.mesh.device_ids
     shards = tensor.local_shards()
-    uint = np.dtype(f"u{source.dtype.itemsize}") if source.dtype.itemsize in (1, 2, 4, 8) else None
-    for i, box in enumerate(regions):
-        expected = source[tuple(slice(lo, hi) for lo, hi in box)]
-        got = shards[i]
-        if tuple(got.shape) != tuple(expected.shape) or got.dtype != expected.dtype:
-            return (
-                False,
-                f"device {tensor.mesh.device_ids[i]}: got {got.dtype}{list(got.shape)}, "
-                f"want {expected.dtype}{list(expected.shape)}",
-            )
-        same = (
-            np.array_equal(got.view(uint), expected.view(uint)) if uint is not None else np.array_equal(got, expected)
-        )
-        if not same:
-            bad = int(np.count_nonzero(got.view(uint) != expected.view(uint))) if uint is not None else -1
-            return False, f"device {tensor.mesh.device_ids[i]}: {bad} of {expected.size} elements differ"
-    return True, f"{len(regions)} shards bit-exact"
+    return compare({ids[i]: shards[i] for i in range(len(regions))}, dict(zip(ids, regions, strict=True)), source)
 
 
 def pair_bytes(plan) -> dict[tuple[int, int], int]:
@@ -212,6 +253,15 @@ def program_bytes(program, itemsize: int) -> dict:
     return out
 
 
+def _pool_state(ctx, drain: bool) -> tuple[int, int]:
+    """In a device actor: (hits, misses) of its pool of freed shards; ``drain``: empty the pool
+    first (its memory goes back to the system), so the next shards are fresh memory."""
+    if drain:
+        ctx.store.pool.clear()
+    m = ctx.store.memory()
+    return m["pool_hits"], m["pool_misses"]
+
+
 def _git_rev() -> str:
     try:
         root = Path(__file__).resolve().parent.parent
@@ -227,11 +277,80 @@ def _git_rev() -> str:
         return "unknown"
 
 
+# ------------------------------------------------------------------------------------ methods
+
+
+class Ours:
+    """``reshard`` of one (case, size) on one path; its outputs live in ``kept`` until ``release``."""
+
+    def __init__(self, x, dst_layout, strategy: str, shared_memory: bool, timeout_s: float):
+        self.x, self.dst_layout, self.strategy = x, dst_layout, strategy
+        self.shared_memory, self.timeout_s = shared_memory, timeout_s
+        self.kept: list = []
+        self.breakdown: list[dict] = []
+
+    def run(self, keep: bool) -> float:
+        from reshard import reshard
+        from reshard.runtime.driver import runtime
+
+        runtime().last_run = {}
+        t0 = time.perf_counter()
+        y = reshard(self.x, self.x.mesh, self.dst_layout, strategy=self.strategy, timeout_s=self.timeout_s,
+                    shared_memory=self.shared_memory)  # fmt: skip
+        dt = time.perf_counter() - t0
+        if runtime().last_run:
+            self.breakdown.append(_split(dt, runtime().last_run))
+        self.kept.append(y)
+        return dt
+
+    def check(self, source) -> tuple[bool, str]:
+        return verify(self.kept[-1], source)
+
+    def release(self) -> None:
+        for y in self.kept:
+            y.free()
+        self.kept = []
+
+
+class Naive(Ours):
+    """``distribute(x.to_numpy(), dst_layout)``: gather on the driver, then scatter."""
+
+    def __init__(self, x, dst_layout, timeout_s: float):
+        super().__init__(x, dst_layout, "", True, timeout_s)
+
+    def run(self, keep: bool) -> float:
+        from reshard import distribute
+
+        t0 = time.perf_counter()
+        full = self.x.to_numpy(timeout_s=self.timeout_s)
+        y = distribute(full, self.dst_layout, timeout_s=self.timeout_s)
+        dt = time.perf_counter() - t0
+        self.kept.append(y)
+        return dt
+
+
+class Peer:
+    """A ``bench.peers`` method (``run(keep)``, ``last()``, ``release()``) and its destinations' boxes."""
+
+    def __init__(self, impl, dst_boxes: dict):
+        self.impl, self.dst_boxes = impl, dst_boxes
+
+    def run(self, keep: bool) -> float:
+        return self.impl.run(keep)
+
+    def check(self, source) -> tuple[bool, str]:
+        return compare(self.impl.last(), self.dst_boxes, source)
+
+    def release(self) -> None:
+        self.impl.release()
+
+
 # ------------------------------------------------------------------------------------ the suite
 
 
 class Suite:
-    """The device pool, its mesh views and the ceiling's store, for one run."""
+    """The device pool, its mesh views, the stores of the gloo ceilings and the DTensor world,
+    and the RDT actors, for one run."""
 
     def __init__(self, args, console, progress=None, task=None, pool=None):
         import torch.distributed as dist
@@ -243,6 +362,7 @@ class Suite:
         self.progress = progress
         self.task = task
         self.owns_pool = pool is None
+        self.create_s: float | None = None
         options = {}
         if getattr(args, "staging_keep", None) is not None:
             options["staging_keep_bytes"] = args.staging_keep
@@ -250,7 +370,11 @@ class Suite:
             options["buffer_pool_bytes"] = args.buffer_pool
         if getattr(args, "backend", None) is not None:
             options["backend"] = args.backend
-        self.pool = DeviceMesh.create(POOL_SHAPE, startup_timeout_s=180, **options) if pool is None else pool
+        if pool is None:
+            t0 = time.perf_counter()
+            pool = DeviceMesh.create(POOL_SHAPE, startup_timeout_s=180, **options)
+            self.create_s = time.perf_counter() - t0
+        self.pool = pool
         if tuple(self.pool.shape) != POOL_SHAPE:
             raise ValueError(f"the local suite needs a pool mesh of shape {POOL_SHAPE}, got {self.pool!r}")
         _check_host_pattern(MeshView(POOL_SHAPE, tuple(range(POOL_SIZE)), POOL_HOST_IDS), self.pool)
@@ -258,6 +382,29 @@ class Suite:
         self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                                    timeout=_dt.timedelta(seconds=120))  # fmt: skip
         self.ceiling_groups: set[str] = set()
+        self.rdt = None
+        self.rdt_error: str | None = None
+        self.dtensor = None
+        self.dtensor_error: str | None = None
+
+    def start_rdt(self) -> None:
+        """The RDT actors and their group (untimed; the error is recorded for every case)."""
+        from bench import peers
+
+        try:
+            self.rdt = peers.RdtPool(POOL_SIZE)
+        except Exception as e:
+            self.rdt_error = _error(e)
+
+    def dtensor_world(self):
+        from bench import peers
+
+        if self.dtensor is None and self.dtensor_error is None:
+            try:
+                self.dtensor = peers.DTensorWorld(list(self.pool.device_ids), self.call_each, self.store.port)
+            except Exception as e:
+                self.dtensor_error = _error(e)
+        return self.dtensor
 
     def close(self) -> None:
         from bench import ceiling
@@ -267,6 +414,13 @@ class Suite:
                 self.call_each({d: (ceiling.teardown, (key,), {}) for d in self.pool.device_ids}, 30.0)
             except Exception:
                 pass
+        if self.dtensor is not None:
+            try:
+                self.dtensor.close()
+            except Exception:
+                pass
+        if self.rdt is not None:
+            self.rdt.close()
         for view in self.views.values():
             if view is not self.pool:
                 view.shutdown()
@@ -298,6 +452,11 @@ class Suite:
 
         return runtime().call(calls, timeout_s, "bench")
 
+    def pool_state(self, drain: bool) -> tuple[int, int]:
+        """(hits, misses) of the pools of freed shards, summed over the devices; ``drain`` empties them."""
+        out = self.call_each({d: (_pool_state, (drain,), {}) for d in self.pool.device_ids}, 60.0)
+        return sum(h for h, _ in out.values()), sum(m for _, m in out.values())
+
     def actors(self, devices) -> list:
         return [self.pool.actor(self.pool.index_of(d)) for d in devices]
 
@@ -309,38 +468,38 @@ class Suite:
 
     # ---------------------------------------------------------------- one (case, size)
 
-    def run(
-        self, case: Case, size_bytes: int, strategies: list[str], repeats: int, warmed: set, checked: set[str]
-    ) -> dict:
+    def run(self, case: Case, size_bytes: int, strategies: list[str], repeats: int, warmed: set,
+            checked: set[str]) -> dict:  # fmt: skip
         """Measure one (case, size). ``warmed``: methods (and communicator groups) already warmed
-        up on this case (plan caching for other shapes is done here, untimed);
-        ``checked``: methods whose result was already verified (the first result of each
-        method not in it is verified, outside its timing)."""
+        up on this case; ``checked``: methods whose result was already verified (the first result
+        of each method not in it is verified, outside its timing)."""
         import ray
 
-        from bench import ceiling
-        from reshard import Layout, distribute, reshard
+        from bench import ceiling, peers
+        from reshard import Layout, distribute
+        from reshard.regions import box_volume, layout_regions
         from reshard.runtime import lowered_reshard
         from reshard.runtime.driver import runtime
 
         args = self.args
         shape = case.shape_for(size_bytes, args.dtype)
         source = make_array(shape, args.dtype, args.seed)
-        tensor_bytes = int(source.nbytes)
+        itemsize = source.dtype.itemsize
         src_mesh, dst_mesh = self.bind(case.src), self.bind(case.dst)
         src_layout = Layout(src_mesh, case.src_placements)
         dst_layout = Layout(dst_mesh, case.dst_placements)
         devices = sorted(set(src_mesh.device_ids) | set(dst_mesh.device_ids))
-        actors = self.actors(devices)
+        src_boxes = dict(zip(src_mesh.device_ids, layout_regions(src_layout, shape), strict=True))
+        dst_boxes = dict(zip(dst_mesh.device_ids, layout_regions(dst_layout, shape), strict=True))
+        out_bytes = sum(box_volume(b) for b in dst_boxes.values()) * itemsize
         x = distribute(source, src_layout, timeout_s=args.timeout)
         label = f"{case.name} {fmt_size(size_bytes)}"
 
-        # What reshard will run for this shape, planned and lowered before any timing (its caches).
-        shared_memory = not getattr(args, "no_shared_memory", False)
-        lowered = {s: lowered_reshard(x, dst_layout, strategy=s, shared_memory=shared_memory) for s in strategies}
-        plans = {s: low.plan for s, low in lowered.items()}
-        default = "auto" if "auto" in strategies else strategies[0]
-        pairs = pair_bytes(plans[default])
+        # What reshard runs for this shape on each path, compiled before any timing (its caches).
+        paths = {OURS: (STRATEGY, True), OURS_GLOO: (STRATEGY, False), **{s: (s, True) for s in strategies}}
+        lowered = {m: lowered_reshard(x, dst_layout, strategy=s, shared_memory=shm) for m, (s, shm) in paths.items()}
+        pairs = pair_bytes(lowered[OURS_GLOO].plan)
+        pieces = peers.assign_pieces(src_boxes, dst_boxes)
         entry: dict = {
             "case": case.name,
             "what": case.what,
@@ -348,7 +507,8 @@ class Suite:
             "src": str(src_layout),
             "dst": str(dst_layout),
             "size_bytes": size_bytes,
-            "tensor_bytes": tensor_bytes,
+            "tensor_bytes": int(source.nbytes),
+            "output_bytes": out_bytes,
             "shape": list(shape),
             "dtype": args.dtype,
             "devices": len(devices),
@@ -356,54 +516,77 @@ class Suite:
             "moved_bytes": sum(pairs.values()),
             "methods": {},
         }
-        for s, plan in plans.items():
-            moved = sum(pair_bytes(plan).values())
-            entry["methods"][s] = {
-                "kind": "strategy",
-                "transfers": len(plan.transfers),
-                "moved_bytes": moved,
-                **program_bytes(lowered[s].program, source.dtype.itemsize),
-            }
-        if not args.no_naive:
-            entry["methods"][NAIVE] = {"kind": "baseline"}
+        methods = entry["methods"]
+        for m, (s, shm) in paths.items():
+            methods[m] = {
+                "kind": "ours" if m in (OURS, OURS_GLOO) else "strategy", "strategy": s, "mode": "kept",
+                "path": "shared_memory" if shm else "gloo", "ceiling": MEMCPY if shm else CEILING,
+                "transfers": len(lowered[m].plan.transfers), "moved_bytes": sum(pair_bytes(lowered[m].plan).values()),
+                **program_bytes(lowered[m].program, itemsize),
+            }  # fmt: skip
+        pooled = {} if args.no_pooled else {OURS_POOLED: OURS, OURS_GLOO_POOLED: OURS_GLOO}
+        for m, base in pooled.items():
+            methods[m] = {**methods[base], "mode": "pooled"}
+        if args.naive:
+            methods[NAIVE] = {"kind": "baseline", "mode": "kept"}
+        for p in args.peer_list:
+            methods[p] = {"kind": "peer", "mode": "kept", "pieces": sum(len(v) for v in pieces.values())}
         if not args.no_ceiling:
-            entry["methods"][CEILING] = {"kind": "ceiling", "pairs": len(pairs), "moved_bytes": sum(pairs.values()),
-                                         "plan": default}  # fmt: skip
-        entry["methods"][RTT] = {"kind": "rtt", "actors": len(devices)}
+            methods[MEMCPY] = {"kind": "ceiling", "for_path": "shared_memory", "bytes": out_bytes}
+            methods[CEILING] = {"kind": "ceiling", "for_path": "gloo", "pairs": len(pairs),
+                                "moved_bytes": sum(pairs.values()), "plan": "gloo path"}  # fmt: skip
+        methods[RTT] = {"kind": "rtt", "actors": len(devices)}
 
-        # ---- method runners: run(check) -> seconds (a list for RTT); check: verify the result
-        breakdown: dict[str, list[dict]] = {s: [] for s in strategies}
+        # ---- the runners: keeping ones (run(keep), check(source), release()) and the others (run())
+        runners: dict = {m: Ours(x, dst_layout, s, shm, args.timeout) for m, (s, shm) in paths.items()}
+        for m, base in pooled.items():
+            runners[m] = Ours(x, dst_layout, STRATEGY, paths[base][1], args.timeout)
+        if args.naive:
+            runners[NAIVE] = Naive(x, dst_layout, args.timeout)
+        closers = []
+        key = f"{case.name}/{size_bytes}"
+        for p in args.peer_list:
+            try:
+                if p == OBJECT_STORE:
+                    handles = dict(zip(devices, self.actors(devices), strict=True))
+                    impl = peers.ObjectStore(f"os/{key}", handles, x.name, src_boxes, dst_boxes, pieces,
+                                             args.dtype, args.timeout)  # fmt: skip
+                elif p == RDT:
+                    if self.rdt is None:
+                        raise RuntimeError(self.rdt_error or "no RDT actors")
+                    position = {d: self.pool.index_of(d) for d in devices}
+                    impl = peers.DirectTransport(f"rdt/{key}", self.rdt, position, source, src_boxes, dst_boxes,
+                                                 pieces, args.timeout)  # fmt: skip
+                    closers.append(impl.close)
+                else:
+                    if case.src != case.dst or tuple(case.src.device_ids) != tuple(range(POOL_SIZE)):
+                        methods[p]["skipped"] = "not a same-mesh case over the whole pool"
+                        continue
+                    world = self.dtensor_world()
+                    if world is None:
+                        raise RuntimeError(self.dtensor_error)
+                    impl = peers.DTensorPeer(f"dt/{key}", world, x.name, case.src.shape, case.src_placements,
+                                             case.dst_placements, shape)  # fmt: skip
+                    closers.append(impl.close)
+                runners[p] = Peer(impl, dst_boxes)
+            except Exception as e:
+                methods[p]["error"] = _error(e)
+        keepers = [m for m in runners if m not in pooled]
+        raw = memcpy = None
+        if not args.no_ceiling:
+            dst_bytes = {d: box_volume(b) * itemsize for d, b in dst_boxes.items()}
+            memcpy = peers.Memcpy(f"mc/{key}", dst_bytes, self.call_each, args.timeout)
+            runners[MEMCPY] = memcpy.run
+            raw = ceiling.RawTransfer(case.name, pairs, self.call_each, self.store.port, args.timeout)
+            if pairs:
+                raw.setup()  # join the raw group (once per device set), allocate send buffers: untimed
+                self.ceiling_groups.add(raw.key)
+                runners[CEILING] = raw.run
+            else:
+                methods[CEILING]["error"] = "nothing crosses between actors"
+        actors = self.actors(devices)
 
-        def run_strategy(strategy: str, check: bool) -> float:
-            runtime().last_run = {}
-            t0 = time.perf_counter()
-            y = reshard(x, src_mesh, dst_layout, strategy=strategy, timeout_s=args.timeout, shared_memory=shared_memory)
-            dt = time.perf_counter() - t0
-            if runtime().last_run:
-                breakdown[strategy].append(_split(dt, runtime().last_run))
-            if check:
-                _record_check(entry["methods"][strategy], y, source)
-            y.free()
-            return dt
-
-        def run_naive(check: bool) -> float:
-            t0 = time.perf_counter()
-            full = x.to_numpy(timeout_s=args.timeout)
-            y = distribute(full, dst_layout, timeout_s=args.timeout)
-            dt = time.perf_counter() - t0
-            del full
-            if check:
-                _record_check(entry["methods"][NAIVE], y, source)
-            y.free()
-            return dt
-
-        raw = ceiling.RawTransfer(case.name, pairs, self.call_each, self.store.port, args.timeout)
-        in_actor = raw.in_actor
-
-        def run_ceiling(check: bool) -> float:
-            return raw.run()
-
-        def run_rtt(check: bool) -> list[float]:
+        def run_rtt() -> list[float]:
             out = []
             for _ in range(RTT_PER_ROUND):
                 t0 = time.perf_counter()
@@ -411,85 +594,152 @@ class Suite:
                 out.append(time.perf_counter() - t0)
             return out
 
-        runners: dict = {s: (lambda check, s=s: run_strategy(s, check)) for s in strategies}
-        if not args.no_naive:
-            runners[NAIVE] = run_naive
-        if not args.no_ceiling and pairs:
-            raw.setup()  # join the raw group (once per device set), allocate send buffers: untimed
-            self.ceiling_groups.add(raw.key)
-            runners[CEILING] = run_ceiling
-        elif not args.no_ceiling:
-            entry["methods"][CEILING]["error"] = "nothing crosses between actors"
         runners[RTT] = run_rtt
-
         samples: dict[str, list[float]] = {m: [] for m in runners}
         failed: set[str] = set()
 
-        def attempt(m: str, timed: bool, check: bool) -> None:
+        def attempt(m: str, timed: bool, keep: bool = False) -> None:
             if m in failed:
                 return
+            r = runners[m]
             try:
-                out = runners[m](check)
+                out = r.run(keep) if m in keepers or m in pooled else r()
+                if m in keepers or m in pooled:
+                    if m not in checked and (timed or m not in pooled):  # pooled: a result in reused memory
+                        ok, detail = r.check(source)
+                        methods[m]["verified"], methods[m]["verify_detail"] = ok, detail
+                        checked.add(m)
+                        if not ok:
+                            raise AssertionError(f"result not bit-exact: {detail}")
+                    if m in pooled:
+                        r.release()
                 if timed:
                     samples[m] += out if isinstance(out, list) else [out]
                 else:
-                    entry["methods"][m]["warmup_s"] = out[0] if isinstance(out, list) else out
-            except Exception as e:  # record and go on: one broken strategy must not sink the suite
+                    methods[m]["warmup_s"] = out[0] if isinstance(out, list) else out
+            except Exception as e:  # record and go on: one broken method must not sink the suite
                 failed.add(m)
-                entry["methods"][m]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                if m not in (CEILING, RTT):
-                    entry["methods"][m]["verified"] = False
+                methods[m]["error"] = _error(e)
+                if m in keepers or m in pooled:
+                    methods[m]["verified"] = False
+
+        def release_all() -> None:
+            for m in keepers:
+                if m not in failed:
+                    try:
+                        runners[m].release()
+                    except Exception as e:
+                        failed.add(m)
+                        methods[m]["error"] = _error(e)
+            self.pool_state(drain=True)
 
         stats = runtime().stats
+        created = stats["groups_created"]
+        releases = 0
         try:
-            for m in runners:  # warm-up once per (case, method), and again for communicator groups not used yet
-                wkey = CEILING + raw.key if m == CEILING else m
-                new_groups = [("group", g) for g in lowered[m].groups] if m in lowered else []
-                if wkey not in warmed or not warmed.issuperset(new_groups):
-                    warmed.update(new_groups)
-                    self.advance(f"{label} warm-up {m}")
-                    attempt(m, False, m in (NAIVE, *strategies))
-                    checked.add(m)
-                    warmed.add(wkey)
-                    breakdown.get(m, []).clear()
-                    if m == CEILING:
-                        in_actor.clear()
-                else:
+            # ---- warm-up: once per (case, method), again for communicator groups not used yet
+            for m in runners:
+                wkey = CEILING + raw.key if m == CEILING and raw is not None else m
+                groups = [("group", g) for g in lowered[m].groups] if m in lowered else []
+                if m in pooled or (wkey in warmed and warmed.issuperset(groups)):
                     self.advance(None)
+                    continue
+                warmed.update(groups)
+                warmed.add(wkey)
+                self.advance(f"{label} warm-up {m}")
+                attempt(m, False)
+                if m in keepers and m not in failed:
+                    runners[m].release()
+            for r in (raw, memcpy, getattr(runners.get(DTENSOR), "impl", None)):
+                if r is not None:
+                    r.in_actor.clear()
+            for m in keepers:
+                getattr(runners[m], "breakdown", []).clear()
             created = stats["groups_created"]
+
+            # ---- headline: outputs kept alive, nothing reused
+            release_all()
+            hits0, misses0 = self.pool_state(drain=False)
+            per_round = out_bytes * sum(1 for m in keepers if m not in failed)
+            kept = 0
+            headline = [m for m in runners if m not in pooled]
             for r in range(repeats):
-                for m in runners:
+                if kept and kept + per_round > args.keep_limit:
+                    release_all()
+                    releases += 1
+                    kept = 0
+                for m in headline:
                     self.advance(f"{label} round {r + 1}/{repeats} {m}")
-                    check = m in (NAIVE, *strategies) and m not in checked
-                    attempt(m, True, check)
-                    checked.add(m)
+                    attempt(m, True, keep=True)
+                kept += per_round
+            hits1, misses1 = self.pool_state(drain=False)
+            entry["pool_hits_kept"], entry["pool_misses_kept"] = hits1 - hits0, misses1 - misses0
+            entry["kept_releases"] = releases
+            release_all()
+
+            # ---- pooled: each output freed before the next repeat (after one untimed run per path)
+            if pooled:
+                for m in pooled:
+                    self.advance(f"{label} pooled warm-up {m}")
+                    attempt(m, False)
+                for r in range(repeats):
+                    for m in pooled:
+                        self.advance(f"{label} pooled round {r + 1}/{repeats} {m}")
+                        attempt(m, True)
+                hits2, misses2 = self.pool_state(drain=False)
+                entry["pool_hits_pooled"], entry["pool_misses_pooled"] = hits2 - hits1, misses2 - misses1
         finally:
-            x.free()
-            if raw.key in self.ceiling_groups:
+            for m in runners:
+                if m in keepers or m in pooled:
+                    try:
+                        runners[m].release()
+                    except Exception:
+                        pass
+            for close in closers:
                 try:
-                    raw.release()
+                    close()
                 except Exception:
                     pass
+            x.free()
+            for r in (raw, memcpy):
+                if r is not None:
+                    try:
+                        r.release()
+                    except Exception:
+                        pass
+            try:
+                self.pool_state(drain=True)
+            except Exception:
+                pass
 
         # communicators the runtime had to (re-)create inside timed rounds (cache evictions)
         entry["groups_created_timed"] = stats["groups_created"] - created
         for m, vals in samples.items():
             if vals:
-                entry["methods"][m]["latency_s"] = stats_of(vals)
-        for m, parts in breakdown.items():
+                methods[m]["latency_s"] = stats_of(vals)
+        for m in keepers + list(pooled):
+            parts = getattr(runners[m], "breakdown", None)
             if parts:
-                entry["methods"][m]["breakdown_s"] = {k: _median([p[k] for p in parts]) for k in parts[0]}
-        if in_actor:
-            entry["methods"][CEILING]["in_actor_s"] = stats_of(in_actor)
+                methods[m]["breakdown_s"] = {k: _median([p[k] for p in parts]) for k in parts[0]}
+        for name, r in ((CEILING, raw), (MEMCPY, memcpy)):
+            if r is not None and r.in_actor:
+                methods[name]["in_actor_s"] = stats_of(r.in_actor)
+        if DTENSOR in runners and runners[DTENSOR].impl.in_actor:
+            methods[DTENSOR]["in_actor_s"] = stats_of(runners[DTENSOR].impl.in_actor)
         derive_ratios(entry)
-        for m, v in entry["methods"].items():
-            if v["kind"] in ("strategy", "baseline") and "verified" not in v and m in checked:
+        for m, v in methods.items():
+            if v["kind"] in ("ours", "strategy", "baseline", "peer") and "verified" not in v and m in checked:
                 v["verified_earlier"] = True  # --quick: this method's result was verified at a smaller size
         entry["ok"] = all(
             (v.get("verified") is True or v.get("verified_earlier", False)) and "error" not in v
-            for v in entry["methods"].values() if v["kind"] in ("strategy", "baseline")
+            for v in methods.values() if v["kind"] in ("ours", "strategy", "baseline", "peer") and "skipped" not in v
         )  # fmt: skip
         return entry
+
+
+def _error(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _split(wall: float, per_device: dict) -> dict:
@@ -498,7 +748,7 @@ def _split(wall: float, per_device: dict) -> dict:
     ``ray_overhead``: driver wall minus the slowest device's ``run`` (dispatch, argument and result
     transport, the driver's own planning/bookkeeping, gather); ``actor_setup``: run minus program
     (decode, allocate the destination); ``copy_stage``: program minus communication (local copies,
-    staging); ``comm``: time inside gloo calls (including waiting for peers)."""
+    pulls, staging); ``comm``: time inside gloo calls (including waiting for peers)."""
     stats = [{"run_s": r.run_s, "elapsed_s": r.elapsed_s, "comm_s": r.comm_s} for r in (per_device or {}).values()]
     if not stats:
         return {"wall": wall}
@@ -520,14 +770,6 @@ def _median(vals: list[float]) -> float:
     return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
-def _record_check(method: dict, tensor, source) -> None:
-    ok, detail = verify(tensor, source)
-    method["verified"] = ok
-    method["verify_detail"] = detail
-    if not ok:
-        raise AssertionError(f"result not bit-exact: {detail}")
-
-
 def _check_host_pattern(view: MeshView, dmesh) -> None:
     """The runtime's hosts must group the view's devices as the case says (up to renaming)."""
     want, got = view.resolved_host_ids, dmesh.host_ids
@@ -536,51 +778,63 @@ def _check_host_pattern(view: MeshView, dmesh) -> None:
 
 
 def derive_ratios(entry: dict) -> None:
-    """Effective bandwidth and the ratios the targets speak of, from medians."""
+    """Effective bandwidth and the ratios the targets speak of, from medians: for our methods the
+    fraction of their path's ceiling (ceiling latency / ours), x an empty Ray round trip, and how
+    many times faster than each peer (peer latency / ours)."""
     methods = entry["methods"]
 
     def med(name):
-        m = methods.get(name, {})
-        return m.get("latency_s", {}).get("median")
+        return methods.get(name, {}).get("latency_s", {}).get("median")
 
-    naive, ceil, rtt = med(NAIVE), med(CEILING), med(RTT)
+    rtt = med(RTT)
     for name, m in methods.items():
         t = med(name)
         if t is None or m["kind"] == "rtt":
             continue
         m["eff_GBps"] = entry["tensor_bytes"] / t / 1e9
-        if m["kind"] == "strategy":
-            if naive:
-                m["speedup_vs_naive"] = naive / t
-            if ceil:
-                m["frac_of_ceiling"] = ceil / t  # = effective bandwidth / ceiling's, same bytes
-            if rtt:
-                m["x_empty_rtt"] = t / rtt
+        if m["kind"] == "ceiling":
+            continue
+        if rtt:
+            m["x_empty_rtt"] = t / rtt
+        if m["kind"] in ("ours", "strategy"):
+            if med(m["ceiling"]):
+                m["frac_of_ceiling"] = med(m["ceiling"]) / t
+            m["x_faster_than"] = {p: med(p) / t for p in (*PEERS, NAIVE) if med(p)}
 
 
 # ------------------------------------------------------------------------------------ entry point
 
 
+def measure_startup(create_s: float, bare_s: list[float]) -> dict:
+    return {
+        "mesh_shape": list(POOL_SHAPE),
+        "mesh_create_s": create_s,
+        "bare_actors": POOL_SIZE,
+        "bare_s": bare_s,
+        "ratio": create_s / min(bare_s),
+    }
+
+
 def main(argv: list[str] | None = None, *, pool=None) -> int:
     """Run the suite; ``pool``: an existing 2x4 DeviceMesh to use instead of starting 8 actors
-    (Ray must then be running). Returns 0 when every result was verified bit-exact."""
+    (Ray must then be running; the start-up comparison is skipped). Returns 0 when every result
+    was verified bit-exact."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     import ray
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from bench import report
+    from bench import peers, report
     from reshard import STRATEGIES
 
     console = Console()
-    strategies = list(STRATEGIES)
+    strategies: list[str] = []
     if args.strategies:
-        wanted = [s.strip() for s in args.strategies.split(",") if s.strip()]
-        unknown = [s for s in wanted if s not in STRATEGIES]
+        strategies = [s.strip() for s in args.strategies.split(",") if s.strip() and s.strip() != STRATEGY]
+        unknown = [s for s in strategies if s not in STRATEGIES]
         if unknown:
             console.print(f"[red]unknown strategies {unknown}; registered: {', '.join(STRATEGIES)}")
             return 2
-        strategies = wanted
     started_ray = False
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -589,10 +843,15 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
     when = _dt.datetime.now()
     load_start = os.getloadavg()
     entries: list[dict] = []
-    n_methods = len(strategies) + 1 + (not args.no_naive) + (not args.no_ceiling)
-    total = sum(n_methods * (1 + (args.repeats or default_repeats(s))) for s in args.size_list) * len(args.case_list)
+    n_methods = 3 + len(strategies) + len(args.peer_list) + args.naive + 2 * (not args.no_ceiling)
+    n_pooled = 0 if args.no_pooled else 2
+    total = len(args.case_list) * sum(
+        n_methods * (1 + (args.repeats or default_repeats(s))) + n_pooled * (2 + (args.repeats or default_repeats(s)))
+        for s in args.size_list
+    )
     console = Console(width=max(console.width, 150)) if not console.is_terminal else console
     suite = None
+    startup = None
     try:
         with Progress(
             TextColumn("[bold]{task.description}", table_column=None),
@@ -603,7 +862,20 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
             transient=False,
         ) as progress:
             task = progress.add_task("starting device actors", total=total)
+            measure = pool is None and not args.no_startup
+            bare = []
+            if measure:
+                progress.update(task, description=f"start-up: {POOL_SIZE} bare actors")
+                bare.append(peers.bare_startup_s(POOL_SIZE))
+                progress.update(task, description=f"start-up: DeviceMesh.create({POOL_SHAPE})")
             suite = Suite(args, console, progress, task, pool=pool)
+            if measure:
+                progress.update(task, description=f"start-up: {POOL_SIZE} bare actors again")
+                bare.append(peers.bare_startup_s(POOL_SIZE))
+                startup = measure_startup(suite.create_s, bare)
+            if RDT in args.peer_list:
+                progress.update(task, description="starting the RDT actors and their torch_gloo group")
+                suite.start_rdt()
             for case in args.case_list:
                 warmed: set = set()
                 checked: set[str] = set()  # --quick: verify once per case; else once per size
@@ -611,7 +883,9 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
                     if not args.quick:
                         checked = set()
                     repeats = args.repeats or default_repeats(size)
+                    t0 = time.perf_counter()
                     entries.append(suite.run(case, size, strategies, repeats, warmed, checked))
+                    entries[-1]["duration_s"] = time.perf_counter() - t0
             progress.update(task, description="done")
     finally:
         if suite is not None:
@@ -636,12 +910,16 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         },  # fmt: skip
         "pool": list(POOL_SHAPE),
         "staging_keep_bytes": args.staging_keep,
-        "buffer_pool_bytes": getattr(args, "buffer_pool", None),
-        "shared_memory": not getattr(args, "no_shared_memory", False),
+        "buffer_pool_bytes": args.buffer_pool,
+        "keep_limit_bytes": args.keep_limit,
         "dtype": args.dtype,
         "sizes": args.size_list,
         "cases": [c.name for c in args.case_list],
+        "strategy": STRATEGY,
         "strategies": strategies,
+        "peers": args.peer_list,
+        "rdt_setup_s": None if suite is None or suite.rdt is None else suite.rdt.setup_s,
+        "startup": startup,
         "results": entries,
     }
     data["targets"] = report.targets(data)
