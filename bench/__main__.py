@@ -1,5 +1,6 @@
 """Benchmarks: ``python -m bench`` (real reshards on a local Ray cluster),
-``python -m bench --simulate ...`` (paper-scale simulation), ``python -m bench pipeline ...``."""
+``python -m bench --simulate ...`` (paper-scale simulation), ``python -m bench pipeline ...``,
+``python -m bench multihost`` (Ray nodes on emulated hosts with shaped NICs)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import sys
 def main(argv: list[str]) -> int:
     if argv[:1] == ["pipeline"]:
         from bench.pipeline import main as run
+
+        return run(argv[1:])
+    if argv[:1] == ["multihost"]:
+        from bench.multihost import main as run
 
         return run(argv[1:])
     if argv[:1] == ["emulate"]:
