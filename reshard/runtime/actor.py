@@ -24,19 +24,20 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
 
 import numpy as np
 import ray
-import torch
 
 from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.program import DeviceProgram
+from reshard.runtime import arrays
 from reshard.runtime.communicator import Backend, Communicator, PeerFailed
-from reshard.runtime.executor import PreparedProgram, Run, StagingBuffer, execute, prepare, torch_dtype
+from reshard.runtime.executor import PreparedProgram, Run, StagingBuffer, execute, prepare
 from reshard.runtime.groups import GroupCache, group_key
 from reshard.runtime.inbox import OrderedInbox
 from reshard.runtime.messages import RunRequest, RunResult, Ticket, Updates
@@ -58,7 +59,7 @@ class ControllerState:
     def __init__(self, ctx: DeviceContext):
         self.groups = GroupCache(ctx.backend, ctx.device, float(ctx.options.get("op_timeout_s", 300.0)))
         self.programs: OrderedDict[int, PreparedProgram] = OrderedDict()
-        self.staging = StagingBuffer(ctx.torch_device, int(ctx.options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))
+        self.staging = StagingBuffer(ctx.device_type, int(ctx.options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))
         self.active: tuple[str, tuple] | None = None  # (destination name, group keys) of the run in progress
 
     def apply(self, updates: Updates | None) -> None:
@@ -75,13 +76,12 @@ class DeviceContext:
     def __init__(self, device: int, backend: Backend, options: dict):
         self.device = device
         self.backend = backend
-        kind = options.get("device_type") or getattr(backend, "device_type", "cpu")
-        self.torch_device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+        self.device_type = _device_type(options.get("device_type") or getattr(backend, "device_type", "cpu"))
         self.options = dict(options)
-        want_shared = options.get("shared_memory", False) and self.torch_device.type == "cpu"
+        want_shared = options.get("shared_memory", False) and self.device_type == "cpu"
         shared = SharedShards() if want_shared and SharedShards.available() else None
         self.store = ShardStore(
-            device, self.torch_device, int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES)), shared
+            device, self.device_type, int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES)), shared
         )
         self.peers = PeerShards(device)
         self.controllers: dict[str, ControllerState] = {}
@@ -98,6 +98,13 @@ class DeviceContext:
         return self.store.shared
 
     @property
+    def torch_device(self):
+        """This device as a ``torch.device`` (imports torch)."""
+        import torch
+
+        return torch.device(self.device_type)
+
+    @property
     def caller(self) -> str | None:
         """The controller whose ``call`` runs on this thread (None outside ``call``)."""
         return getattr(self._local, "controller", None)
@@ -112,9 +119,9 @@ class DeviceContext:
     # ---------------------------------------------------------------- for functions run by ``call``
 
     @property
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """This device's shards by name."""
-        return self.store.shards
+    def buffers(self) -> dict:
+        """This device's shards by name, as torch tensors over their memory."""
+        return {name: self.local(name) for name in list(self.store.shards)}
 
     def communicator(self, group, channel: str = "") -> Communicator:
         """This device's communicator for ``group`` of the calling controller (set up by
@@ -126,39 +133,48 @@ class DeviceContext:
 
     # ---------------------------------------------------------------- for the user's code in an attached actor
 
-    def empty(self, shape, dtype) -> torch.Tensor:
-        """A new tensor in this device's shard memory (shared memory on CPU devices): keep the
-        tensors you share in it, and peers on this machine pull from them without a copy."""
-        return self.store.allocate(tuple(shape), torch_dtype(dtype_name(dtype)))
+    def empty(self, shape, dtype):
+        """A new torch tensor in this device's shard memory (shared memory on CPU devices): keep
+        the tensors you share in it, and peers on this machine pull from them without a copy."""
+        name = dtype_name(dtype)
+        a = self.store.allocate(tuple(shape), name)
+        return arrays.as_torch(a, name) if arrays.is_numpy(a) else a
 
-    def share(self, name: str, tensor: torch.Tensor, *, shape=None, placements=None, mesh_shape=None,
-              coordinate=None) -> None:  # fmt: skip
-        """Offer ``tensor`` (this device's shard of a sharded tensor; no copy) as shard ``name``, for
-        ``reshard.runtime.adopt`` on the driver. ``shape``/``placements`` say what it is a shard of
-        (the driver checks them against the layout it adopts it with); ``reshard`` may write into
-        it in place (``out=``). Stays the user's: ``unshare`` takes it back."""
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"share needs a torch.Tensor, got {type(tensor).__name__}")
-        if not tensor.is_contiguous() or tensor.device != self.torch_device:
+    def share(self, name: str, tensor, *, shape=None, placements=None, mesh_shape=None, coordinate=None) -> None:
+        """Offer ``tensor`` (a torch tensor or numpy array: this device's shard of a sharded
+        tensor; no copy) as shard ``name``, for ``reshard.runtime.adopt`` on the driver.
+        ``shape``/``placements`` say what it is a shard of (the driver checks them against the
+        layout it adopts it with); ``reshard`` may write into it in place (``out=``). Stays the
+        user's: ``unshare`` takes it back."""
+        if not arrays.is_numpy(tensor) and not hasattr(tensor, "untyped_storage"):
+            raise TypeError(f"share needs a torch.Tensor or numpy array, got {type(tensor).__name__}")
+        here = arrays.is_numpy(tensor) or str(tensor.device) == self.device_type or (
+            tensor.device.type == "cuda" and self.device_type.startswith("cuda") and tensor.device.index is None
+        )  # fmt: skip
+        if not arrays.contiguous(tensor) or not here:
+            where = "host memory" if arrays.is_numpy(tensor) else str(tensor.device)
             raise ValueError(
-                f"device {self.device}: share({name!r}) needs a contiguous tensor on {self.torch_device}, got one on "
-                f"{tensor.device} with strides {tensor.stride()}; pass tensor.contiguous() (a copy) or allocate it "
-                "with reshard_device.empty(...)"
+                f"device {self.device}: share({name!r}) needs a contiguous tensor on {self.device_type}, got one on "
+                f"{where} with strides {tensor.strides if arrays.is_numpy(tensor) else tensor.stride()}; pass a "
+                "contiguous copy or allocate it with reshard_device.empty(...)"
             )
-        dtype_name(tensor.dtype)  # a dtype the runtime moves
+        arrays.dtype_of(tensor)  # a dtype the runtime moves
         meta = {"shape": None if shape is None else tuple(shape), "placements": placements,
                 "mesh_shape": mesh_shape, "coordinate": coordinate}  # fmt: skip
+        if self.device_type == "cpu" and not arrays.is_numpy(tensor):
+            tensor = arrays.as_numpy(tensor)  # the same memory
         self.store.share(name, tensor, meta)
 
     def unshare(self, name: str) -> None:
         self.store.unshare(name)
 
-    def local(self, name: str) -> torch.Tensor:
-        """This device's shard ``name`` (its own memory: a reshard's result, or a shared tensor)."""
-        t = self.store.get(name)
-        if t is None:
+    def local(self, name: str):
+        """This device's shard ``name`` as a torch tensor over its memory (a reshard's result, or
+        a shared tensor)."""
+        a = self.store.get(name)
+        if a is None:
             raise KeyError(f"device {self.device} holds no shard {name!r} (never shared, freed, or not resharded here)")
-        return t
+        return arrays.as_torch(a, arrays.dtype_of(a)) if arrays.is_numpy(a) else a
 
     def from_dtensor(self, name: str, dt) -> None:
         """``share`` a torch DTensor's local shard (no copy) with its placements and global shape;
@@ -174,6 +190,7 @@ class DeviceContext:
     def to_dtensor(self, name: str, device_mesh):
         """Shard ``name`` as a torch DTensor over ``device_mesh`` (the user's torch DeviceMesh, whose
         shape and rank order must be this mesh's), no copy."""
+        import torch
         from torch.distributed.tensor import DTensor
 
         local = self.local(name)
@@ -201,7 +218,7 @@ class DeviceContext:
             t = src if src is not None else dst
             if t is None:
                 raise ValueError("run_program needs dtype= when neither src nor dst is given")
-            dtype = str(t.dtype).removeprefix("torch.")
+            dtype = arrays.dtype_of(t)
         prepared = prepare(program, dtype)
         state = self.controller(self.caller)
         keys = [group_key(g) for g in program.connect]
@@ -211,7 +228,7 @@ class DeviceContext:
                 state.groups.connect(keys, timeout_s)
                 groups = _Channel(state.groups, "")
             state.staging.reserve(program.staging_bytes)
-            tmp = self.store.allocate(program.src_shape, torch_dtype(prepared.dtype)) if program.tmp else None
+            tmp = self.store.allocate(program.src_shape, prepared.dtype) if program.tmp else None
             run = Run(prepared, src, dst, peers or {}, groups, state.staging, deadline, self.before_op, tmp)
             return execute(run)
         except BaseException:
@@ -252,6 +269,23 @@ def _stride(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _device_type(kind: str) -> str:
+    """ "cpu", or "cuda:<index>" of the current GPU (the actor sees one)."""
+    if kind != "cuda":
+        return kind
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def _set_threads(threads: int) -> None:
+    """torch's intra-op threads for this actor: now if torch is loaded, else when it is."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 def _monotonic(wall_deadline: float) -> float:
     return time.monotonic() + (wall_deadline - time.time())
 
@@ -277,7 +311,7 @@ class DeviceRole:
             )
         threads = int(options.get("torch_threads", 0))
         if threads > 0:
-            torch.set_num_threads(threads)
+            _set_threads(threads)
         self._reshard_ctx = DeviceContext(device, backend, options)
         setup = getattr(backend, "setup_actor", None)  # optional backend hook
         if setup is not None:
@@ -298,7 +332,7 @@ class DeviceRole:
             "pid": os.getpid(),
             "node_id": rc.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
-            "torch_device": str(self._reshard_ctx.torch_device),
+            "torch_device": self._reshard_ctx.device_type,
             "shared_memory": self._reshard_ctx.shared is not None,
         }
 
@@ -314,26 +348,16 @@ class DeviceRole:
         with ctx.inbox.turn(ticket, deadline, f"loading {name}"):
             _check_deadline(ctx.device, deadline, f"loading {name}")
             shape = tuple(hi - lo for lo, hi in box)
-            wire = "int16" if dtype == "bfloat16" else dtype
             try:
-                on_host = ctx.torch_device.type == "cpu"
-                t = (
-                    ctx.store.allocate(shape, torch_dtype(wire))
-                    if on_host
-                    else torch.empty(shape, dtype=torch_dtype(wire))
-                )
+                t = ctx.store.allocate(shape, dtype)
                 if array is None:
-                    t.zero_()
+                    t[...] = 0
                 else:
-                    t.numpy()[...] = array[tuple(slice(lo, hi) for lo, hi in box)]
+                    arrays.copy(t, array[(*(slice(lo, hi) for lo, hi in box), Ellipsis)])
             except (MemoryError, RuntimeError, OSError) as e:
                 raise ReshardError(
                     f"device {ctx.device}: could not allocate its shard {name} of shape {shape}: {e}"
                 ) from e
-            if dtype == "bfloat16":
-                t = t.view(torch.bfloat16)
-            if t.device != ctx.torch_device:
-                t = t.to(ctx.torch_device)
             ctx.store.put(name, t, holder)
             return ctx.store.descriptor(t)
 
@@ -342,12 +366,7 @@ class DeviceRole:
         t = self._reshard_ctx.store.get(name)
         if t is None:
             raise KeyError(f"device {self._reshard_ctx.device} holds no shard {name!r} (it was freed)")
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)
-        return t.numpy()
+        return t if arrays.is_numpy(t) else arrays.as_numpy(t.detach().cpu())
 
     def reshard_acquire(self, ticket: Ticket, name: str, holder: str) -> bool:
         with self._reshard_ctx.inbox.turn(ticket, NO_DEADLINE):
@@ -407,7 +426,7 @@ class DeviceRole:
                 ctx.counters["dropped_late"] += 1
                 raise ReshardTimeout(f"device {ctx.device}: the reshard's deadline passed before it started here")
             prog = prepared.program
-            tdtype = torch_dtype(prepared.dtype)
+            dtype = prepared.dtype
             src = None
             if prog.src_shape is not None:
                 src = ctx.store.get(req.src_name)
@@ -415,21 +434,21 @@ class DeviceRole:
                     raise ReshardError(f"device {ctx.device}: source shard {req.src_name!r} is missing (tensor freed?)")
             peers = {}
             if req.pulls:
-                peers = {h: ctx.peers.get(h, desc, tdtype) for h, desc in req.pulls.items()}
+                peers = {h: ctx.peers.get(h, desc, arrays.storage(dtype)) for h, desc in req.pulls.items()}
                 ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
             if prog.dst_shape is not None and req.direct:
-                dst = self._out(req.out, prog.dst_shape, tdtype)
+                dst = self._out(req.out, prog.dst_shape, dtype)
             elif prog.dst_shape is not None:
                 try:
-                    dst = ctx.store.allocate(prog.dst_shape, tdtype)
+                    dst = ctx.store.allocate(prog.dst_shape, dtype)
                 except (MemoryError, RuntimeError, OSError) as e:
                     raise ReshardError(
                         f"device {ctx.device}: could not allocate its destination shard {prog.dst_shape}: {e}"
                     ) from e
             state.groups.connect(keys, deadline - time.monotonic())
             state.staging.reserve(prog.staging_bytes)
-            tmp = ctx.store.allocate(prog.src_shape, tdtype) if prog.tmp else None
-            ctx.peak_bytes = (0 if dst is None else dst.numel() * dst.element_size()) + state.staging.nbytes
+            tmp = ctx.store.allocate(prog.src_shape, dtype) if prog.tmp else None
+            ctx.peak_bytes = (0 if dst is None else int(dst.nbytes)) + state.staging.nbytes
             ctx.counters["runs"] += 1
             run = Run(
                 prepared, src, dst, peers, _Channel(state.groups, ""), state.staging, deadline, ctx.before_op, tmp
@@ -456,15 +475,16 @@ class DeviceRole:
             desc = ctx.store.descriptor(dst)
         return RunResult(time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], ctx.peak_bytes, desc)
 
-    def _out(self, name: str, shape, dtype) -> torch.Tensor:
+    def _out(self, name: str, shape, dtype: str):
         """The user's tensor a reshard writes into, checked against what the program writes."""
         t = self._reshard_ctx.store.get(name)
         device = self._reshard_ctx.device
         if t is None:
             raise ReshardError(f"device {device}: the output shard {name!r} is gone (unshared or freed)")
-        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+        have = arrays.dtype_of(t)
+        if tuple(t.shape) != tuple(shape) or have != dtype or not arrays.contiguous(t):
             raise ReshardError(
-                f"device {device}: output shard {name!r} is {t.dtype}{list(t.shape)}, the reshard writes "
+                f"device {device}: output shard {name!r} is {have}{list(t.shape)}, the reshard writes "
                 f"{dtype}{list(shape)} (contiguous)"
             )
         return t
@@ -474,9 +494,11 @@ class DeviceRole:
         descriptor, and what its owner said of it (``DeviceContext.share``: global ``shape``, ...)."""
         ctx = self._reshard_ctx
         with ctx.inbox.turn(ticket, deadline, f"describing {name}"):
-            t = ctx.local(name)
+            t = ctx.store.get(name)
+            if t is None:
+                ctx.local(name)  # raises, naming the shard
             return {
-                "local_shape": tuple(t.shape), "dtype": dtype_name(t.dtype), "descriptor": ctx.store.descriptor(t),
+                "local_shape": tuple(t.shape), "dtype": arrays.dtype_of(t), "descriptor": ctx.store.descriptor(t),
                 **(ctx.store.meta.get(name) or {}),
             }  # fmt: skip
 
@@ -487,7 +509,7 @@ class DeviceRole:
         with ctx.inbox.turn(ticket, deadline, f"committing {staged} into {out}"):
             src = ctx.store.get(staged)
             if src is not None:
-                self._out(out, src.shape, src.dtype).copy_(src)
+                arrays.copy(self._out(out, src.shape, arrays.dtype_of(src)), src)
                 ctx.store.free(staged)
 
     def reshard_abort_run(self, controller: str, dst_name: str | None, group_drops=()) -> None:
@@ -571,40 +593,6 @@ class DeviceActor(DeviceRole):
         return DeviceRole.reshard_fetch(self, name)
 
     @ray.method(concurrency_group=CONTROL)
-    def _out(self, name: str, shape, dtype) -> torch.Tensor:
-        """The user's tensor a reshard writes into, checked against what the program writes."""
-        t = self._reshard_ctx.store.get(name)
-        device = self._reshard_ctx.device
-        if t is None:
-            raise ReshardError(f"device {device}: the output shard {name!r} is gone (unshared or freed)")
-        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
-            raise ReshardError(
-                f"device {device}: output shard {name!r} is {t.dtype}{list(t.shape)}, the reshard writes "
-                f"{dtype}{list(shape)} (contiguous)"
-            )
-        return t
-
-    def reshard_describe(self, ticket: Ticket, name: str, deadline: float) -> dict:
-        """What this device holds under ``name``: its local shape, dtype name, shared-memory
-        descriptor, and what its owner said of it (``DeviceContext.share``: global ``shape``, ...)."""
-        ctx = self._reshard_ctx
-        with ctx.inbox.turn(ticket, deadline, f"describing {name}"):
-            t = ctx.local(name)
-            return {
-                "local_shape": tuple(t.shape), "dtype": dtype_name(t.dtype), "descriptor": ctx.store.descriptor(t),
-                **(ctx.store.meta.get(name) or {}),
-            }  # fmt: skip
-
-    def reshard_commit(self, ticket: Ticket, staged: str, out: str, deadline: float) -> None:
-        """Copy the staged result ``staged`` into the output shard ``out`` and drop it (the second
-        phase of a reshard into a user's tensor)."""
-        ctx = self._reshard_ctx
-        with ctx.inbox.turn(ticket, deadline, f"committing {staged} into {out}"):
-            src = ctx.store.get(staged)
-            if src is not None:
-                self._out(out, src.shape, src.dtype).copy_(src)
-                ctx.store.free(staged)
-
     def reshard_abort_run(self, controller: str, dst_name: str | None, group_drops=()) -> None:
         DeviceRole.reshard_abort_run(self, controller, dst_name, group_drops)
 

@@ -1,4 +1,5 @@
-"""Executor: runs one ``DeviceProgram`` exactly as written (``reshard.program``).
+"""Executor: runs one ``DeviceProgram`` exactly as written (``reshard.program``), over numpy arrays
+(CPU devices) or torch tensors (GPU devices, and wherever the caller hands torch), ``arrays``.
 
 It connects the program's groups in the listed order (those not connected yet), starts the
 background ops on the process's helper thread, then runs the ops window by window: local ops at
@@ -15,61 +16,53 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.placement import ReduceOp
 from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Pull, Recv, Scale, Send, group_key, op_shape
-
-TORCH_DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return TORCH_DTYPES[name]
+from reshard.runtime import arrays
 
 
 class StagingBuffer:
-    """One byte buffer per device, reused by every staged op (ops name their offset in it).
+    """One byte buffer per device, reused by every staged op (ops name their offset in it): numpy
+    on a CPU device, torch on a GPU.
 
     ``reserve(nbytes)`` makes it exactly ``nbytes`` for a run (kept as is when the size repeats), so
     a run never holds more staging than its program says; ``trim()`` after a run frees it when it
     is bigger than ``keep_bytes``, so an idle device keeps at most ``keep_bytes``."""
 
-    def __init__(self, device: torch.device, keep_bytes: int):
-        self.device = device
+    def __init__(self, device: str, keep_bytes: int):
+        self.device = str(device)  # "cpu" or a torch device string
         self.keep_bytes = keep_bytes
-        self.buf: torch.Tensor | None = None
+        self.buf = None
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.buf is None else self.buf.numel()
+        return 0 if self.buf is None else int(self.buf.shape[0])
 
     def reserve(self, nbytes: int) -> None:
         if nbytes == self.nbytes:
             return
         self.buf = None  # free first: never hold two
         if nbytes:
-            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            if self.device == "cpu":
+                self.buf = np.empty(nbytes, dtype=np.uint8)
+            else:
+                import torch
 
-    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+                self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def view(self, offset: int, dtype: str, shape: tuple[int, ...]):
         numel = 1
         for n in shape:
             numel *= n
-        end = offset + numel * dtype.itemsize
-        if self.buf is None or end > self.buf.numel():
+        item = arrays.storage(dtype).itemsize
+        end = offset + numel * item
+        if self.buf is None or end > self.nbytes:
             raise ReshardError(f"staging buffer of {self.nbytes} B is too small for [{offset}, {end}) (program bug)")
-        return self.buf[offset:end].view(dtype).view(shape)
+        if isinstance(self.buf, np.ndarray):
+            return self.buf[offset:end].view(arrays.storage(dtype)).reshape(shape)
+        return self.buf[offset:end].view(arrays.torch_dtype(dtype)).view(shape)
 
     def trim(self) -> None:
         if self.nbytes > self.keep_bytes:
@@ -120,7 +113,7 @@ class Run:
         self.peers = peers
         self.groups = groups
         self.staging = staging
-        self.dtype = torch_dtype(prepared.dtype)
+        self.dtype = prepared.dtype  # the dtype name
         self.deadline = deadline
         self.before_op = before_op
         self.comm_s = 0.0
@@ -131,7 +124,7 @@ class Run:
             raise ReshardTimeout(f"device {self.device}: its deadline passed before step {step.op.step} ({step.op})")
         return left
 
-    def buffer(self, which: Buffer) -> torch.Tensor:
+    def buffer(self, which: Buffer):
         return self.src if which is Buffer.SRC else self.dst if which is Buffer.DST else self.tmp
 
     def comm(self, step: Step):
@@ -139,32 +132,33 @@ class Run:
         comm.timeout_s = self.left(step)
         return comm
 
-    def outgoing(self, step: Step) -> torch.Tensor:
+    def outgoing(self, step: Step):
         view = self.buffer(step.op.buffer)[step.read]
         if step.op.staging is None:
-            return _contiguous(view, step, self.device)
+            return arrays.wire(_contiguous(view, step, self.device))
         t = self.staging.view(step.op.staging, self.dtype, step.shape)
-        t.copy_(view)
-        return t
+        arrays.copy(t, view)
+        return arrays.wire(t)
 
-    def incoming(self, step: Step) -> torch.Tensor:
+    def incoming(self, step: Step):
+        """Where a message lands: the target box itself, or its staging slot (strided, combined)."""
         if step.op.staging is None:
             return _contiguous(self.target(step)[step.write], step, self.device)
         return self.staging.view(step.op.staging, self.dtype, step.shape)
 
-    def target(self, step: Step) -> torch.Tensor:
+    def target(self, step: Step):
         return self.buffer(getattr(step.op, "target", Buffer.DST))
 
-    def land(self, step: Step, data: torch.Tensor) -> None:
+    def land(self, step: Step, data) -> None:
         """Write (or combine, by the op's ``reduce``) ``data`` into the op's target box."""
         view = self.target(step)[step.write]
         reduce = getattr(step.op, "reduce", None)
         if reduce is None:
-            view.copy_(data)
+            arrays.copy(view, data)
         else:
-            COMBINE[reduce](view, data)
+            arrays.combine(reduce, view, data, self.dtype)
 
-    def landed(self, step: Step, t: torch.Tensor) -> None:
+    def landed(self, step: Step, t) -> None:
         if step.op.staging is not None:
             self.land(step, t)
 
@@ -182,7 +176,7 @@ def _pull(run: Run, step: Step):
 
 
 def _scale(run: Run, step: Step):
-    run.dst[step.write].div_(step.op.divisor)
+    arrays.scale(run.dst[step.write], step.op.divisor, run.dtype)
 
 
 def _send(run: Run, step: Step):
@@ -191,29 +185,24 @@ def _send(run: Run, step: Step):
 
 def _recv(run: Run, step: Step):
     t = run.incoming(step)
-    return run.comm(step).irecv(t, step.peer), t
+    return run.comm(step).irecv(arrays.wire(t), step.peer), t
 
 
 def _broadcast(run: Run, step: Step):
     if step.op.read is not None:
         return run.comm(step).ibroadcast(run.outgoing(step), step.root), None
     t = run.incoming(step)
-    return run.comm(step).ibroadcast(t, step.root), t
+    return run.comm(step).ibroadcast(arrays.wire(t), step.root), t
 
 
 HANDLERS: dict[type, Callable] = {
     Copy: _copy, Pull: _pull, Scale: _scale, Send: _send, Recv: _recv, Broadcast: _broadcast,
 }  # fmt: skip
 
-COMBINE: dict[ReduceOp, Callable] = {
-    ReduceOp.SUM: lambda view, data: view.add_(data),
-    ReduceOp.MAX: lambda view, data: torch.maximum(view, data, out=view),
-    ReduceOp.MIN: lambda view, data: torch.minimum(view, data, out=view),
-}
-
 
 def _slices(box):
-    return None if box is None else tuple(slice(lo, hi) for lo, hi in box)
+    """The index of ``box``: always a view, a 0-d one too (numpy gives a scalar for ``a[()]``)."""
+    return None if box is None else (*(slice(lo, hi) for lo, hi in box), Ellipsis)
 
 
 def _step(op, device: int) -> Step:
@@ -257,7 +246,7 @@ def execute(run: Run) -> dict:
     if prog.tmp:
         _check_buffer("scratch", run.tmp, prog.src_shape, run.dtype, run.device)
     if prog.zero_dst:
-        run.dst.zero_()
+        run.dst[...] = 0
     _check_peers(prog, run.peers, run.dtype)
     background = None
     if prepared.background:
@@ -295,17 +284,17 @@ def _run_window(run: Run, window: tuple[Step, ...]) -> None:
         run.comm_s += time.monotonic() - c0
 
 
-def _contiguous(view: torch.Tensor, step: Step, device: int) -> torch.Tensor:
-    if not view.is_contiguous():
+def _contiguous(view, step: Step, device: int):
+    if not arrays.contiguous(view):
         raise ReshardError(f"device {device}: step {step.op.step} slice is strided but not staged (program bug)")
     return view
 
 
-def _check_peers(prog: DeviceProgram, peers: dict, dtype: torch.dtype) -> None:
+def _check_peers(prog: DeviceProgram, peers: dict, dtype: str) -> None:
     """Every holder the program pulls from is mapped, with the program's dtype."""
     for holder in prog.holders:
         t = peers.get(holder)
-        if t is None or t.dtype != dtype:
+        if t is None or not _is(t, dtype):
             got = "nothing" if t is None else f"a {t.dtype} shard"
             raise ReshardError(
                 f"device {prog.device}: the program pulls from device {holder}'s source shard "
@@ -318,7 +307,12 @@ def _check_buffer(what: str, t, shape, dtype, device: int) -> None:
         return
     if t is None:
         raise ReshardError(f"device {device}: the program needs a {what} shard of shape {shape} but none is present")
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+    if tuple(t.shape) != tuple(shape) or not _is(t, dtype):
         raise ReshardError(
             f"device {device}: {what} shard is {t.dtype}{list(t.shape)}, the program expects {dtype}{list(shape)}"
         )
+
+
+def _is(a, dtype: str) -> bool:
+    """Whether array ``a`` holds ``dtype`` (a numpy array: its storage dtype)."""
+    return a.dtype == arrays.storage(dtype) if arrays.is_numpy(a) else a.dtype == arrays.torch_dtype(dtype)

@@ -25,7 +25,9 @@ import sys
 import threading
 from collections import OrderedDict
 
-import torch
+import numpy as np
+
+from reshard.runtime import arrays
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +37,19 @@ RELEASED_TOKENS = 4096  # releases that arrived before their acquire
 
 
 class BufferPool:
-    """Freed shards kept for reuse, keyed by byte size; idle bytes stay within ``limit_bytes``."""
+    """Freed numpy shards' memory kept for reuse, keyed by byte size; idle bytes stay within
+    ``limit_bytes``. (A GPU device's tensors go back to torch's caching allocator instead.)"""
 
-    def __init__(self, device: torch.device, limit_bytes: int):
-        self.device = device
+    def __init__(self, limit_bytes: int):
         self.limit_bytes = int(limit_bytes)
-        self.idle: OrderedDict = OrderedDict()  # (nbytes, serial) -> flat uint8 tensor
+        self.idle: OrderedDict = OrderedDict()  # (nbytes, serial) -> flat uint8 array
         self.by_size: dict[int, list[int]] = {}
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
         self._serial = 0
 
-    def take(self, nbytes: int) -> torch.Tensor | None:
+    def take(self, nbytes: int) -> np.ndarray | None:
         serials = self.by_size.get(nbytes)
         if not serials:
             self.misses += 1
@@ -59,20 +61,20 @@ class BufferPool:
         self.hits += 1
         return self.idle.pop((nbytes, serial))
 
-    def put(self, t: torch.Tensor, refs: int) -> bool:
-        """Keep ``t`` if nothing else references it (``refs``: the caller's own references) and it
-        owns its whole storage; evict the oldest entries to stay within the bound."""
-        nbytes = t.numel() * t.element_size()
-        if not 0 < nbytes <= self.limit_bytes or t.device != self.device or not t.is_contiguous():
+    def put(self, a, refs: int) -> bool:
+        """Keep ``a``'s memory if ``a`` is a numpy array that spans all of it and nothing else
+        references it or a view of it (``refs``: the caller's own references); evict the oldest
+        entries to stay within the bound."""
+        if not arrays.is_numpy(a) or not 0 < a.nbytes <= self.limit_bytes or not a.flags.c_contiguous:
             return False
-        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != nbytes:
-            return False
-        base = t._base
-        if sys.getrefcount(t) > refs + 2 or (base is not None and sys.getrefcount(base) > 3):
-            return False  # a view or an array of it is still alive elsewhere
-        flat = base if base is not None and base.dtype == torch.uint8 and base.dim() == 1 else None
-        if flat is None:
-            flat = t.reshape(-1).view(torch.uint8)
+        if sys.getrefcount(a) > refs + 2:
+            return False  # the array itself is referenced elsewhere (a torch tensor over it, say)
+        owner = a if a.base is None else a.base  # numpy points every view at the memory's owner
+        if owner is not a:
+            if not isinstance(owner, np.ndarray) or owner.nbytes != a.nbytes or sys.getrefcount(owner) > 3:
+                return False  # part of a bigger array, or another view of it is alive
+        flat = owner if owner.ndim == 1 and owner.dtype == np.uint8 else owner.reshape(-1).view(np.uint8)
+        nbytes = a.nbytes
         self._serial += 1
         self.idle[(nbytes, self._serial)] = flat
         self.by_size.setdefault(nbytes, []).append(self._serial)
@@ -95,12 +97,12 @@ class BufferPool:
 class ShardStore:
     """Named shards of one device with their holders (module docstring). Thread-safe."""
 
-    def __init__(self, device: int, torch_device: torch.device, pool_bytes: int, shared=None):
+    def __init__(self, device: int, device_type: str, pool_bytes: int, shared=None):
         self.device = device
-        self.torch_device = torch_device
-        self.pool = BufferPool(torch_device, pool_bytes)
+        self.device_type = device_type  # "cpu": numpy shards; else torch tensors on that device
+        self.pool = BufferPool(pool_bytes)
         self.shared = shared  # SharedShards, or None: private memory
-        self.shards: dict[str, torch.Tensor] = {}
+        self.shards: dict = {}  # name -> numpy array (CPU) or torch tensor
         self.holders: dict[str, set[str]] = {}
         self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
@@ -111,15 +113,21 @@ class ShardStore:
     def __contains__(self, name: str) -> bool:
         return name in self.shards
 
-    def get(self, name: str) -> torch.Tensor | None:
+    def get(self, name: str):
         return self.shards.get(name)
 
-    def allocate(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A new shard's memory: pooled memory of the same byte size, else fresh (shared) memory."""
+    def allocate(self, shape, dtype: str):
+        """A new shard's memory (dtype by name): on a CPU device a numpy array in pooled memory of
+        the same byte size, else fresh (shared) memory; on a GPU a torch tensor."""
+        if self.device_type != "cpu":
+            import torch
+
+            return torch.empty(tuple(shape), dtype=arrays.torch_dtype(dtype), device=self.device_type)
+        storage = arrays.storage(dtype)
         numel = 1
         for n in shape:
             numel *= n
-        nbytes = numel * dtype.itemsize
+        nbytes = numel * storage.itemsize
         with self._lock:
             flat = self.pool.take(nbytes) if nbytes else None
         if flat is None and nbytes and self.shared is not None:
@@ -128,10 +136,10 @@ class ShardStore:
             except OSError as e:  # out of descriptors, say: a private shard, moved by the backend
                 log.warning("device %d: shard of %s not in shared memory (%s)", self.device, tuple(shape), e)
         if flat is None:
-            return torch.empty(tuple(shape), dtype=dtype, device=self.torch_device)
-        return flat.view(dtype).view(tuple(shape))
+            return np.empty(tuple(shape), dtype=storage)
+        return flat.view(storage).reshape(tuple(shape))
 
-    def put(self, name: str, t: torch.Tensor, holder: str, meta: dict | None = None) -> bool:
+    def put(self, name: str, t, holder: str, meta: dict | None = None) -> bool:
         """Keep ``t`` as shard ``name`` held by ``holder``; False (and ``t`` dropped) when the run
         that made it was aborted meanwhile. ``meta``: what it is a shard of."""
         with self._lock:
@@ -145,7 +153,7 @@ class ShardStore:
                 self.meta[name] = meta
             return True
 
-    def share(self, name: str, t: torch.Tensor, meta: dict) -> None:
+    def share(self, name: str, t, meta: dict) -> None:
         """Make the user's tensor ``t`` shard ``name`` (no copy; held by its user until ``unshare``)."""
         with self._lock:
             if name in self.shards and name not in self.users:
@@ -211,13 +219,13 @@ class ShardStore:
         self.pool.put(t, 1)
         return True
 
-    def descriptor(self, t: torch.Tensor | None):
+    def descriptor(self, t):
         """How peers on this machine map shard ``t`` (None: they cannot, it is not shared)."""
         return None if self.shared is None else self.shared.descriptor(t)
 
     def memory(self) -> dict:
         with self._lock:
-            sizes = {k: v.numel() * v.element_size() for k, v in self.shards.items()}
+            sizes = {k: int(v.nbytes) for k, v in self.shards.items()}
             return {
                 "buffers": sizes,
                 "buffer_bytes": sum(sizes.values()),

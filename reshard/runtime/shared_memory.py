@@ -15,11 +15,10 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import warnings
 import weakref
 from collections import OrderedDict
 
-import torch
+import numpy as np
 
 from reshard.errors import ReshardError
 
@@ -27,49 +26,63 @@ from reshard.errors import ReshardError
 #: memory (the pages are the owner's); one whose owner dropped the shard pins that memory, so
 #: those are dropped whenever the device runs pulls (``PeerShards.purge``).
 PEER_MAPS = 256
+#: ``madvise`` advice that faults every page of a mapping in at once, writable (Linux >= 5.14; not
+#: named by Python's mmap module yet): a fresh shard's pages are made in one call instead of one
+#: trap per page while the first copy runs.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def base_address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
 class SharedShards:
-    """This actor's memfd-backed allocations, keyed by storage address while the storage lives."""
+    """This actor's memfd-backed allocations, by start address while their mapping lives."""
 
     @staticmethod
     def available() -> bool:
         """memfd and /proc are there (Linux): elsewhere shards stay in private memory."""
         return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
-    def __init__(self):
-        self.blocks: dict[int, tuple[int, int, weakref.ref]] = {}  # data_ptr -> (fd, inode, storage)
+    def __init__(self, populate: bool = True):
+        self.populate = populate
+        self.blocks: dict[int, tuple[int, int, int, weakref.ref]] = {}  # start -> (fd, inode, nbytes, mapping)
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 tensor of ``nbytes`` (> 0) in a fresh memfd; the fd closes when the storage
-        dies (torch keeps one Python object per storage, so a weak reference tracks it)."""
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """A flat uint8 array of ``nbytes`` (> 0) in a fresh memfd, its pages populated (when the
+        kernel can); the fd closes when the mapping dies (every array over it gone)."""
         fd = os.memfd_create(f"meshreshard-{nbytes}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
-            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             inode = os.fstat(fd).st_ino
         except BaseException:
             os.close(fd)
             raise
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
-        ptr = storage.data_ptr()
-        self.blocks[ptr] = (fd, inode, weakref.ref(storage))
-        weakref.finalize(storage, self._closed, ptr, fd)
+        if self.populate:
+            try:
+                mapping.madvise(MADV_POPULATE_WRITE)
+            except OSError:  # an older kernel: the pages fault in on first touch
+                self.populate = False
+        flat = np.frombuffer(mapping, dtype=np.uint8)
+        start = base_address(flat)
+        self.blocks[start] = (fd, inode, nbytes, weakref.ref(mapping))
+        weakref.finalize(mapping, self._closed, start, fd)
         return flat
 
-    def _closed(self, ptr: int, fd: int) -> None:
-        if self.blocks.get(ptr, (None,))[0] == fd:
-            del self.blocks[ptr]
+    def _closed(self, start: int, fd: int) -> None:
+        if self.blocks.get(start, (None,))[0] == fd:
+            del self.blocks[start]
         os.close(fd)
 
-    def descriptor(self, t: torch.Tensor | None) -> tuple | None:
-        """``(pid, fd, inode, shape)`` of shard ``t`` if it fills a live memfd block, else None."""
-        if t is None or t.device.type != "cpu" or t.storage_offset() != 0 or not t.is_contiguous():
+    def descriptor(self, a) -> tuple | None:
+        """``(pid, fd, inode, shape)`` of shard ``a`` if it fills a live memfd block, else None."""
+        if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
             return None
-        block = self.blocks.get(t.untyped_storage().data_ptr())
-        if block is None or block[2]() is None:
+        block = self.blocks.get(base_address(a))
+        if block is None or block[3]() is None or block[2] != a.nbytes:
             return None
-        return (os.getpid(), block[0], block[1], tuple(t.shape))
+        return (os.getpid(), block[0], block[1], tuple(a.shape))
 
 
 class PeerShards:
@@ -79,10 +92,10 @@ class PeerShards:
     def __init__(self, device: int, limit: int = PEER_MAPS):
         self.device = device
         self.limit = limit
-        self.maps: OrderedDict[tuple[int, int], tuple[int, torch.Tensor]] = OrderedDict()  # (pid, inode) -> fd, flat
+        self.maps: OrderedDict[tuple[int, int], tuple[int, np.ndarray]] = OrderedDict()  # (pid, inode) -> fd, flat
         self._lock = threading.Lock()
 
-    def get(self, holder: int, desc, dtype: torch.dtype) -> torch.Tensor:
+    def get(self, holder: int, desc, dtype: np.dtype) -> np.ndarray:
         """Device ``holder``'s shard named by ``desc``, viewed (read-only) as ``dtype`` of its shape."""
         pid, fd, inode, shape = desc
         key = (pid, inode)
@@ -97,7 +110,7 @@ class PeerShards:
         numel = 1
         for n in shape:
             numel *= n
-        return hit[1][: numel * dtype.itemsize].view(dtype).view(tuple(shape))
+        return hit[1][: numel * dtype.itemsize].view(dtype).reshape(tuple(shape))
 
     def purge(self) -> None:
         """Drop the mappings whose owner has let go of the shard (its descriptor is closed)."""
@@ -110,7 +123,7 @@ class PeerShards:
                 if not live:
                     del self.maps[(pid, inode)]
 
-    def _map(self, holder: int, pid: int, fd: int, inode: int) -> torch.Tensor:
+    def _map(self, holder: int, pid: int, fd: int, inode: int) -> np.ndarray:
         path = f"/proc/{pid}/fd/{fd}"
         try:
             peer = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -131,9 +144,7 @@ class PeerShards:
                 f"device {self.device}: device {holder}'s source shard is gone (the tensor was freed, or the actor "
                 f"of device {holder} died): {type(e).__name__}: {e}"
             ) from e
-        with warnings.catch_warnings():  # torch warns that the buffer is not writable: it must not be
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(view, dtype=torch.uint8)
+        return np.frombuffer(view, dtype=np.uint8)  # read-only, as the mapping
 
     def clear(self) -> None:
         with self._lock:

@@ -100,7 +100,7 @@ class ShardedTensor:
 
     @property
     def torch_dtype(self):
-        from reshard.runtime.executor import torch_dtype
+        from reshard.runtime.arrays import torch_dtype
 
         return torch_dtype(self.dtype_name)
 

@@ -41,7 +41,8 @@ import torch
 
 from reshard.errors import ReshardTimeout
 from reshard.program import DeviceProgram
-from reshard.runtime.executor import Run, StagingBuffer, execute, prepare, torch_dtype
+from reshard.runtime.arrays import torch_dtype
+from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
 from scheduler.ir import Payload, Phase
 from scheduler.pipeline_plan import Lane, StagePlan, payload_name
 
@@ -297,7 +298,7 @@ class StageWorker:
             for role, programs in ((Role.SEND, spec.send_programs), (Role.RECV, spec.recv_programs))
             for lane, program in programs.items()
         }
-        self.staging = {key: StagingBuffer(self.torch_device, LANE_STAGING_KEEP_BYTES) for key in self.prepared}
+        self.staging = {key: StagingBuffer(str(self.torch_device), LANE_STAGING_KEEP_BYTES) for key in self.prepared}
         self.lanes: dict[tuple[Lane, str], _LaneThread] = {}
         for lane in spec.send_programs:
             self.lanes[(lane, Role.SEND)] = _LaneThread(self, lane, Role.SEND)

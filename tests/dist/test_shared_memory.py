@@ -6,10 +6,12 @@ from __future__ import annotations
 import gc
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from reshard.errors import ReshardError
+from reshard.runtime.shards import BufferPool, ShardStore
 from reshard.runtime.shared_memory import PeerShards, SharedShards
 
 pytestmark = pytest.mark.dist
@@ -17,41 +19,84 @@ pytestmark = pytest.mark.dist
 
 def test_a_mapped_shard_is_the_owners_memory():
     owner, peers = SharedShards(), PeerShards(device=1)
-    t = owner.allocate(6 * 4).view(torch.float32).view(2, 3)
-    t.copy_(torch.arange(6, dtype=torch.float32).view(2, 3))
-    desc = owner.descriptor(t)
+    a = owner.allocate(6 * 4).view(np.float32).reshape(2, 3)
+    a[...] = np.arange(6, dtype=np.float32).reshape(2, 3)
+    desc = owner.descriptor(a)
     assert desc[0] == os.getpid() and desc[3] == (2, 3)
-    seen = peers.get(0, desc, torch.float32)
-    assert torch.equal(seen, t)
-    t[1, 2] = 42.0  # one memory, not a copy
+    seen = peers.get(0, desc, np.dtype(np.float32))
+    assert np.array_equal(seen, a) and not seen.flags.writeable  # peers map it read-only
+    a[1, 2] = 42.0  # one memory, not a copy
     assert float(seen[1, 2]) == 42.0
-    assert owner.descriptor(t[1:]) is None  # not a whole block
-    assert owner.descriptor(torch.zeros(3)) is None  # private memory
+    assert owner.descriptor(a[1:]) is None  # not a whole block
+    assert owner.descriptor(np.zeros(3)) is None  # private memory
 
 
-def test_the_descriptor_closes_with_the_storage_and_peers_let_go():
+def test_the_descriptor_closes_with_the_memory_and_peers_let_go():
     owner, peers = SharedShards(), PeerShards(device=1)
     flat = owner.allocate(64)
-    t = flat.view(torch.int64).view(8)
-    desc = owner.descriptor(t)
-    peers.get(0, desc, torch.int64)
-    del flat  # views keep the storage, and so the descriptor, alive
+    a = flat.view(np.int64).reshape(8)
+    desc = owner.descriptor(a)
+    peers.get(0, desc, np.dtype(np.int64))
+    del flat  # views keep the mapping, and so the descriptor, alive
     gc.collect()
-    assert owner.descriptor(t) == desc and os.path.exists(f"/proc/self/fd/{desc[1]}")
+    assert owner.descriptor(a) == desc and os.path.exists(f"/proc/self/fd/{desc[1]}")
+    t = torch.from_numpy(a)  # a torch tensor over it keeps it alive too
+    del a
+    gc.collect()
     peers.purge()
-    assert len(peers.maps) == 1
+    assert len(peers.maps) == 1 and os.path.exists(f"/proc/self/fd/{desc[1]}")
     del t
     gc.collect()
     assert not owner.blocks and not os.path.exists(f"/proc/self/fd/{desc[1]}")
     peers.purge()  # the owner dropped it: the mapping (which pinned the memory) goes too
     assert not peers.maps
     with pytest.raises(ReshardError, match="device 0's source shard is gone"):
-        peers.get(0, desc, torch.int64)
+        peers.get(0, desc, np.dtype(np.int64))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+def test_a_freed_shard_is_reused_only_when_nothing_references_it(shared):
+    store = ShardStore(0, "cpu", 1 << 20, SharedShards() if shared else None)
+    a = store.allocate((4, 8), "float32")
+    store.put("a", a, "h")
+    del a
+    store.free("a")
+    assert store.pool.nbytes == 128  # nothing else referenced it: idle, for the next shard of its size
+    b = store.allocate((32,), "int32")
+    assert store.pool.hits == 1 and store.pool.nbytes == 0
+    assert shared == (store.descriptor(b) is not None)  # reused shared memory is still shared
+    store.put("b", b, "h")
+    view = b[3:5]  # a view of it is still alive: its memory must not be handed out again
+    del b
+    store.free("b")
+    assert store.pool.nbytes == 0
+    c = store.allocate((32,), "int32")
+    store.put("c", c, "h")
+    t = torch.from_numpy(c)  # nor while a torch tensor over it lives
+    del c
+    store.free("c")
+    assert store.pool.nbytes == 0
+    del view, t
+
+
+def test_the_pool_keeps_within_its_bound_oldest_out():
+    pool = BufferPool(limit_bytes=100)
+    kept = []
+    for n in (40, 40, 40):
+        a = np.empty(n, np.uint8)
+        kept.append(pool.put(a, refs=1))  # refs: our name ``a``
+    assert kept == [True] * 3
+    del a
+    assert pool.nbytes == 80  # the oldest went
+    assert [pool.take(40) is not None for _ in range(3)] == [True, True, False]
+    big, part = np.empty(200, np.uint8), np.empty((4, 4))[:, :2]
+    assert not pool.put(big, refs=1)  # bigger than the bound: never kept
+    assert not pool.put(part, refs=1)  # part of an array: never kept
 
 
 def test_peer_mappings_are_bounded():
     owner, peers = SharedShards(), PeerShards(device=1, limit=2)
     shards = [owner.allocate(16) for _ in range(3)]
     for s in shards:
-        peers.get(0, owner.descriptor(s), torch.uint8)
+        peers.get(0, owner.descriptor(s), np.dtype(np.uint8))
     assert len(peers.maps) == 2

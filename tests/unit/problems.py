@@ -115,6 +115,26 @@ def regions_by_device(layout: Layout, shape) -> dict[int, tuple]:
     return dict(zip(layout.mesh.device_ids, layout_regions(layout, shape), strict=True))
 
 
+def contributions_of(src: Layout, shape, dtype, seed) -> dict:
+    """A random full tensor per contribution of ``src`` (one per coordinate of its Partial axes):
+    integers, or quarter-integers in float64 (so ``avg`` is exact)."""
+    rng = np.random.default_rng(seed)
+    layout = src.for_shape(shape)
+    keys = {layout.contribution(i) for i in range(layout.mesh.size)}
+    if dtype == "float64":
+        return {k: rng.integers(-8, 8, size=shape).astype(dtype) / 4 for k in sorted(keys)}
+    return {k: rng.integers(-1000, 1000, size=shape).astype(dtype) for k in sorted(keys)}
+
+
+def reduced(contributions: dict, op: ReduceOp) -> np.ndarray:
+    fold = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}[op]
+    values = list(contributions.values())
+    out = values[0].copy()
+    for v in values[1:]:
+        out = fold(out, v)
+    return out / len(values) if op is ReduceOp.AVG else out
+
+
 # ------------------------------------------------------------------------------------ properties
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from problems import SETTINGS, partial_problems, problems, regions_by_device
+from problems import SETTINGS, contributions_of, partial_problems, problems, reduced, regions_by_device
 
 from reshard import lower_plan, plan_reshard, validate_program
 from reshard.errors import PlanError
@@ -284,24 +284,6 @@ def test_validate_replays_connects_and_windows():
     validate_program(together)
 
 
-def _contributions(src, shape, dtype, seed):
-    """A random full tensor per contribution of ``src`` (one per coordinate of its Partial axes)."""
-    rng = np.random.default_rng(seed)
-    layout = src.for_shape(shape)
-    keys = {layout.contribution(i) for i in range(layout.mesh.size)}
-    if dtype == "float64":
-        return {k: rng.integers(-8, 8, size=shape).astype(dtype) / 4 for k in sorted(keys)}
-    return {k: rng.integers(-1000, 1000, size=shape).astype(dtype) for k in sorted(keys)}
-
-
-def _reduced(contributions, op):
-    values = list(contributions.values())
-    out = values[0].copy()
-    for v in values[1:]:
-        out = COMBINE[op](out, v)
-    return out / len(values) if op is ReduceOp.AVG else out
-
-
 @SETTINGS
 @given(partial_problems(), st.integers(0, 2**16), st.sampled_from([None, 0, 1]), st.integers(1, 3))
 def test_partial_sources_are_combined_exactly(case, seed, domain, window_ops):
@@ -317,8 +299,8 @@ def test_partial_sources_are_combined_exactly(case, seed, domain, window_ops):
     program = sequence_program(program, window_ops=window_ops)
     validate_program(program)
     assert decode_program(encode_program(program)) == program
-    contributions = _contributions(src, shape, dtype, seed)
-    want = _reduced(contributions, src.reduce_op)
+    contributions = contributions_of(src, shape, dtype, seed)
+    want = reduced(contributions, src.reduce_op)
     got = interpret(program, src, want, contributions)
     dst_n = dst.for_shape(shape)
     for flat, (d, box) in enumerate(regions_by_device(dst_n, shape).items()):
@@ -341,8 +323,8 @@ def test_partial_combines_inside_a_host_before_crossing():
     crossing = [t for t in plan.transfers if t.kind is not TransferKind.COPY and hosts[t.src] != hosts[t.dsts[0]]]
     assert sorted(hosts[t.src] for t in crossing) == [0, 1]  # one message out of each source host
     assert all(plan.transfer_bytes(t) == 64 * 64 * 4 for t in crossing)
-    contributions = _contributions(src, (64, 64), "int32", 3)
-    want = _reduced(contributions, ReduceOp.SUM)
+    contributions = contributions_of(src, (64, 64), "int32", 3)
+    want = reduced(contributions, ReduceOp.SUM)
     got = interpret(lower_plan(plan), src, want, contributions)
     for d in (4, 5):
         np.testing.assert_array_equal(got[d], want)

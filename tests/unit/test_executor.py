@@ -1,0 +1,285 @@
+"""The executor without Ray: every device of a compiled reshard runs ``execute`` on a thread of
+this process, over numpy shards, through in-process communicators that move the bytes and record
+what each device issued. Checked: exact destination shards (plain and Partial sources, pulls,
+windows, staging), that each device issues its messages exactly in its program's order (the
+executor decides nothing), and failures: an op that raises, a peer that aborts, a deadline, and
+buffers that do not match the program, each a ``ReshardError`` naming the cause, nobody hanging."""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections import defaultdict, deque
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from problems import SETTINGS, contributions_of, partial_problems, problems, reduced, regions_by_device
+
+from reshard import Layout, Replicate, Shard
+from reshard.compile import CompileOptions, compile_reshard
+from reshard.errors import ReshardError, ReshardTimeout
+from reshard.placement import Partial
+from reshard.program import Broadcast, Recv, Send, group_key
+from reshard.runtime import arrays
+from reshard.runtime.communicator import Communicator, PeerFailed
+from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
+from reshard.serialize import decode_device_program
+from topology import Mesh
+
+pytestmark = pytest.mark.unit
+MESSAGES = (Send, Recv, Broadcast)
+
+
+class Fabric:
+    """The wires between in-process communicators: per (group, from rank, to rank) a queue of
+    messages; a log of what each device issued; aborted groups."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.mail: dict[tuple, deque] = defaultdict(deque)
+        self.aborted: set[tuple] = set()
+        self.issued: dict[int, list[tuple]] = defaultdict(list)
+
+    def post(self, key, data: bytes) -> None:
+        with self.cond:
+            self.mail[key].append(data)
+            self.cond.notify_all()
+
+    def take(self, key, group, timeout_s: float) -> bytes:
+        with self.cond:
+            ok = self.cond.wait_for(lambda: self.mail[key] or group in self.aborted, timeout_s)
+            if self.mail[key]:
+                return self.mail[key].popleft()
+            if ok:
+                raise PeerFailed(f"group {group} was aborted")
+            raise ReshardTimeout(f"nothing arrived on {key} in {timeout_s:.1f} s")
+
+
+class Waiting:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def wait(self, timeout_s: float) -> None:
+        self.fn(timeout_s)
+
+
+class LocalComm(Communicator):
+    """A group member whose messages are byte copies through the ``Fabric``."""
+
+    def __init__(self, fabric: Fabric, group, device: int):
+        super().__init__(group, group.index(device), 60.0)
+        self.fabric, self.device = fabric, device
+
+    def _issue(self, kind, peer, t):
+        self.fabric.issued[self.device].append((kind, self.group, peer, int(t.numel())))
+
+    def isend(self, t, peer):
+        self._issue("send", peer, t)
+        self.fabric.post((self.group, self.rank, peer), t.numpy().tobytes())
+        return Waiting(lambda timeout_s: None)
+
+    def irecv(self, t, peer):
+        self._issue("recv", peer, t)
+        return Waiting(lambda timeout_s: self._land(t, (self.group, peer, self.rank), timeout_s))
+
+    def ibroadcast(self, t, root):
+        self._issue("broadcast", root, t)
+        if self.rank == root:
+            data = t.numpy().tobytes()
+            for r in range(self.size):
+                if r != root:
+                    self.fabric.post((self.group, root, r), data)
+            return Waiting(lambda timeout_s: None)
+        return Waiting(lambda timeout_s: self._land(t, (self.group, root, self.rank), timeout_s))
+
+    def _land(self, t, key, timeout_s):
+        data = self.fabric.take(key, self.group, timeout_s)
+        assert len(data) == t.numel(), f"{key}: {len(data)} B sent, {t.numel()} B expected"
+        t.numpy()[...] = np.frombuffer(data, np.uint8)
+
+    def send(self, t, peer):
+        self.isend(t, peer).wait(self.timeout_s)
+
+    def recv(self, t, peer):
+        self.irecv(t, peer).wait(self.timeout_s)
+
+    def broadcast(self, t, root):
+        self.ibroadcast(t, root).wait(self.timeout_s)
+
+    def all_reduce(self, t, op="sum"):
+        raise NotImplementedError("the executor never all-reduces")
+
+    def abort(self):
+        with self.fabric.cond:
+            self.fabric.aborted.add(self.group)
+            self.fabric.cond.notify_all()
+
+
+class Groups:
+    def __init__(self, fabric, device):
+        self.fabric, self.device, self.comms = fabric, device, {}
+
+    def get(self, group):
+        if group not in self.comms:
+            self.comms[group] = LocalComm(self.fabric, tuple(group), self.device)
+        return self.comms[group]
+
+
+def run_all(compiled, dtype: str, sources: dict, *, deadline_s=30.0, before_op=None, break_buffers=None):
+    """Run every participant's shipped program on its own thread; returns (destinations, errors,
+    fabric). A failing device aborts its program's groups, as the device actor does."""
+    fabric = Fabric()
+    dst, errors = {}, {}
+    deadline = time.monotonic() + deadline_s
+    prepared = {d: prepare(decode_device_program(blob)[1], dtype) for d, blob in compiled.blobs.items()}
+
+    def device(d):
+        p = prepared[d]
+        prog = p.program
+        groups = Groups(fabric, d)
+        out = None if prog.dst_shape is None else arrays.empty(prog.dst_shape, dtype)
+        tmp = arrays.empty(prog.src_shape, dtype) if prog.tmp else None
+        peers = {h: sources[h] for h in prog.holders}
+        staging = StagingBuffer("cpu", 1 << 20)
+        staging.reserve(prog.staging_bytes)
+        src = sources.get(d) if prog.src_shape is not None else None
+        if break_buffers is not None:
+            src, out = break_buffers(d, src, out)
+        try:
+            execute(Run(p, src, out, peers, groups, staging, deadline, before_op, tmp))
+            dst[d] = out
+        except BaseException as e:
+            errors[d] = e
+            for g in prog.connect:
+                groups.get(g).abort()
+
+    threads = [threading.Thread(target=device, args=(d,)) for d in prepared]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return dst, errors, fabric
+
+
+def source_shards(src: Layout, full, contributions=None):
+    regions = regions_by_device(src.for_shape(full.shape), full.shape)
+    out = {}
+    for flat, (d, box) in enumerate(regions.items()):
+        whole = full if contributions is None else contributions[src.for_shape(full.shape).contribution(flat)]
+        out[d] = whole[(*(slice(lo, hi) for lo, hi in box), Ellipsis)].copy()
+    return out
+
+
+@SETTINGS
+@given(problems(), st.sampled_from([None, "half", "all"]), st.integers(1, 4), st.sampled_from([0, 1 << 30]))
+def test_every_device_lands_exactly_its_destination_shard(problem, shared, window_ops, overlap):
+    shape, dtype, src, dst, strategy = problem
+    domains = {}
+    if shared is not None:
+        devices = sorted(set(src.mesh.device_ids) | set(dst.mesh.device_ids))
+        domains = {d: 0 if shared == "all" else d % 2 for d in devices}
+    options = CompileOptions(overlap_copy_bytes=overlap, window_ops=window_ops)
+    compiled = compile_reshard(shape, dtype, src, dst, strategy=strategy, domains=domains, options=options)
+    full = np.arange(math.prod(shape)).reshape(shape).astype(arrays.storage(dtype))
+    got, errors, fabric = run_all(compiled, dtype, source_shards(src, full))
+    assert not errors, errors
+    for d, box in regions_by_device(dst.for_shape(shape), shape).items():
+        np.testing.assert_array_equal(got[d], full[tuple(slice(lo, hi) for lo, hi in box)])
+    kinds = {Send: "send", Recv: "recv", Broadcast: "broadcast"}
+    for p in compiled.program.devices:  # issued as written: every message, in program order
+        want = [(kinds[type(op)], group_key(op.group)) for w in p.issue_windows for op in w if isinstance(op, MESSAGES)]
+        assert [i[:2] for i in fabric.issued[p.device]] == want, p.device
+
+
+@SETTINGS
+@given(partial_problems(), st.integers(0, 2**16))
+def test_partial_sources_combine_exactly(problem, seed):
+    shape, dtype, src, dst, strategy = problem
+    compiled = compile_reshard(shape, dtype, src, dst, strategy=strategy)
+    contributions = contributions_of(src, shape, dtype, seed)
+    whole = reduced(contributions, src.reduce_op)
+    got, errors, _ = run_all(compiled, dtype, source_shards(src, whole, contributions))
+    assert not errors, errors
+    dst_n = dst.for_shape(shape)
+    for flat, (d, box) in enumerate(regions_by_device(dst_n, shape).items()):
+        want = whole[tuple(slice(lo, hi) for lo, hi in box)]
+        np.testing.assert_array_equal(got[d], np.zeros_like(want) if any(dst_n.contribution(flat)) else want)
+
+
+def _case(dtype="float32", n=4):
+    src = Layout(Mesh((n,), list(range(n)), list(range(n))), (Shard(0),))
+    dst = Layout(Mesh((n,), list(range(n, 2 * n)), list(range(n, 2 * n))), (Replicate(),))
+    compiled = compile_reshard((8 * n, 6), dtype, src, dst, strategy="broadcast")
+    full = np.arange(8 * n * 6, dtype=arrays.storage(dtype)).reshape(8 * n, 6)
+    return compiled, source_shards(src, full), full
+
+
+def test_bfloat16_moves_as_bits_and_sums_in_bfloat16():
+    """numpy has no bfloat16: shards hold its bit patterns and only combining goes through torch."""
+    torch = pytest.importorskip("torch")
+    full = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6) / 3
+    parts = [full, full * 2]
+    src = Layout(Mesh((2,), [0, 1], [0, 1]), (Partial(),))
+    dst = Layout(Mesh((2,), [2, 3], [2, 3]), (Shard(0),))
+    compiled = compile_reshard((4, 6), "bfloat16", src, dst)
+    shards = {d: arrays.as_numpy(parts[i]).copy() for i, d in enumerate([0, 1])}
+    got, errors, _ = run_all(compiled, "bfloat16", shards)
+    assert not errors, errors
+    want = arrays.as_numpy(parts[0] + parts[1])
+    assert np.array_equal(np.concatenate([got[2], got[3]]), want)  # the same bits torch computes
+
+
+def test_an_op_that_fails_aborts_its_groups_and_peers_fail_as_peers():
+    """The failing device raises its own error; the peers waiting on it raise PeerFailed (the
+    groups were aborted), not a timeout, long before the deadline."""
+    compiled, shards, _ = _case()
+    root = compiled.plan.transfers[0].group[0]
+
+    def before_op(run, op):
+        if run.device == root:
+            raise RuntimeError("injected: the copy engine broke")
+
+    _, errors, _ = run_all(compiled, "float32", shards, deadline_s=600, before_op=before_op)
+    assert isinstance(errors.pop(root), RuntimeError)
+    assert errors and all(isinstance(e, PeerFailed) for e in errors.values()), errors
+
+
+def test_a_peer_that_never_comes_is_a_timeout():
+    compiled, shards, _ = _case()
+    sender = compiled.plan.transfers[0].group[0]
+
+    def before_op(run, op):
+        if run.device == sender:  # holds its first op until a receiver gave up and aborted
+            fabric = run.groups.fabric
+            with fabric.cond:
+                fabric.cond.wait_for(lambda: fabric.aborted, 60)
+
+    _, errors, _ = run_all(compiled, "float32", shards, deadline_s=0.5, before_op=before_op)
+    receivers = [d for d in errors if d != sender]
+    kinds = {type(errors[d]) for d in receivers}
+    assert ReshardTimeout in kinds and kinds <= {ReshardTimeout, PeerFailed}, errors  # the rest: its abort
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        (lambda src, dst: (src.astype(np.float64), dst), "source shard is float64"),
+        (lambda src, dst: (src[:1], dst), r"source shard is float32\[1, 6\]"),
+        (lambda src, dst: (None, dst), "needs a source shard"),
+    ],
+    ids=["dtype", "shape", "missing"],
+)
+def test_buffers_that_do_not_match_the_program_are_refused(broken, message):
+    compiled, shards, _ = _case()
+    bad = compiled.plan.transfers[0].group[0]
+
+    def break_buffers(d, src, dst):
+        return broken(src, dst) if d == bad else (src, dst)
+
+    _, errors, _ = run_all(compiled, "float32", shards, break_buffers=break_buffers)
+    assert isinstance(errors[bad], ReshardError) and not isinstance(errors[bad], PeerFailed)
+    assert re.search(message, str(errors[bad])), errors[bad]
