@@ -229,7 +229,8 @@ class DeviceContext:
                 groups = _Channel(state.groups, "")
             state.staging.reserve(program.staging_bytes)
             tmp = self.store.allocate(program.src_shape, prepared.dtype) if program.tmp else None
-            run = Run(prepared, src, dst, peers or {}, groups, state.staging, deadline, self.before_op, tmp)
+            run = Run(prepared, src, dst, peers or {}, groups, state.staging, deadline, self.before_op, tmp,
+                      getattr(self.backend, "grouped", None))  # fmt: skip
             return execute(run)
         except BaseException:
             state.groups.abort(keys, "its program failed")
@@ -450,9 +451,9 @@ class DeviceRole:
             tmp = ctx.store.allocate(prog.src_shape, dtype) if prog.tmp else None
             ctx.peak_bytes = (0 if dst is None else int(dst.nbytes)) + state.staging.nbytes
             ctx.counters["runs"] += 1
-            run = Run(
-                prepared, src, dst, peers, _Channel(state.groups, ""), state.staging, deadline, ctx.before_op, tmp
-            )
+            channel = _Channel(state.groups, "")
+            batch = getattr(ctx.backend, "grouped", None)
+            run = Run(prepared, src, dst, peers, channel, state.staging, deadline, ctx.before_op, tmp, batch)
             stats = execute(run)
         except BaseException as e:
             ctx.counters["failed_runs"] += 1

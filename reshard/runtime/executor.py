@@ -11,6 +11,7 @@ run returns or raises, so nothing writes the destination afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -104,7 +105,7 @@ class PreparedProgram:
 class Run:
     """The state of one program run: buffers, peers' shards, communicators, staging, deadline."""
 
-    def __init__(self, prepared, src, dst, peers, groups, staging, deadline, before_op=None, tmp=None):
+    def __init__(self, prepared, src, dst, peers, groups, staging, deadline, before_op=None, tmp=None, batch=None):
         self.prepared = prepared
         self.device = prepared.device
         self.src = src
@@ -116,6 +117,7 @@ class Run:
         self.dtype = prepared.dtype  # the dtype name
         self.deadline = deadline
         self.before_op = before_op
+        self.batch = batch  # the backend's ``grouped(timeout_s=)`` (NCCL: one group call per window), or None
         self.comm_s = 0.0
 
     def left(self, step: Step) -> float:
@@ -268,14 +270,18 @@ def _run_local(run: Run, steps) -> None:
 
 
 def _run_window(run: Run, window: tuple[Step, ...]) -> None:
+    """Issue the window's ops in order (inside one backend batch when the backend batches and the
+    window holds several), then wait for each and land what was staged."""
     pending = []
     c0 = time.monotonic()
-    for s in window:
-        if run.before_op is not None:
-            run.before_op(run, s.op)
-        issued = s.handler(run, s)
-        if issued is not None:
-            pending.append((s, *issued))
+    batched = run.batch is not None and len(window) > 1
+    with run.batch(timeout_s=run.deadline - c0) if batched else contextlib.nullcontext():
+        for s in window:
+            if run.before_op is not None:
+                run.before_op(run, s.op)
+            issued = s.handler(run, s)
+            if issued is not None:
+                pending.append((s, *issued))
     for s, work, landing in pending:
         work.wait(run.left(s))
         if landing is not None:

@@ -7,6 +7,7 @@ buffers that do not match the program, each a ``ReshardError`` naming the cause,
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import threading
@@ -129,7 +130,7 @@ class Groups:
         return self.comms[group]
 
 
-def run_all(compiled, dtype: str, sources: dict, *, deadline_s=30.0, before_op=None, break_buffers=None):
+def run_all(compiled, dtype: str, sources: dict, *, deadline_s=30.0, before_op=None, break_buffers=None, batch=None):
     """Run every participant's shipped program on its own thread; returns (destinations, errors,
     fabric). A failing device aborts its program's groups, as the device actor does."""
     fabric = Fabric()
@@ -150,7 +151,7 @@ def run_all(compiled, dtype: str, sources: dict, *, deadline_s=30.0, before_op=N
         if break_buffers is not None:
             src, out = break_buffers(d, src, out)
         try:
-            execute(Run(p, src, out, peers, groups, staging, deadline, before_op, tmp))
+            execute(Run(p, src, out, peers, groups, staging, deadline, before_op, tmp, batch and batch(d, fabric)))
             dst[d] = out
         except BaseException as e:
             errors[d] = e
@@ -283,3 +284,32 @@ def test_buffers_that_do_not_match_the_program_are_refused(broken, message):
     _, errors, _ = run_all(compiled, "float32", shards, break_buffers=break_buffers)
     assert isinstance(errors[bad], ReshardError) and not isinstance(errors[bad], PeerFailed)
     assert re.search(message, str(errors[bad])), errors[bad]
+
+
+def test_a_batching_backend_gets_one_block_per_window():
+    """Where the backend batches (NCCL's ``grouped``), each window of several messages is issued
+    inside one block, in program order, and waited for after it closes; single ops unbatched."""
+    compiled, shards, full = _case(n=4)
+    compiled = compile_reshard((32, 6), "float32", compiled.plan.src, compiled.plan.dst, strategy="broadcast",
+                               options=CompileOptions(window_ops=3))  # fmt: skip
+    blocks: dict[int, list] = defaultdict(list)
+
+    def batch(device, fabric):
+        @contextlib.contextmanager
+        def grouped(timeout_s):
+            assert timeout_s > 0
+            blocks[device].append(len(fabric.issued[device]))  # ops issued before the block opened
+            yield
+            blocks[device].append(len(fabric.issued[device]))
+
+        return grouped
+
+    got, errors, _ = run_all(compiled, "float32", shards, batch=batch)
+    assert not errors, errors
+    for d in range(4, 8):
+        np.testing.assert_array_equal(got[d], full)
+    for p in compiled.program.devices:
+        sizes = [n for n in p.windows if n > 1] if p.windows else []
+        spans = [b - a for a, b in zip(blocks[p.device][::2], blocks[p.device][1::2], strict=True)]
+        assert spans == sizes, (p.device, spans, p.windows)
+    assert any(n > 1 for p in compiled.program.devices for n in p.windows)  # windows were there to batch
