@@ -21,11 +21,11 @@ that drifting machine load hits every method alike:
 
 Headline mode: outputs kept alive, as a user keeps activations or weights. No result is freed
 between repeats, so no destination reuses a freed shard's memory (the JSON's ``pool_hits_kept``
-counts reuses, and is 0); the peers keep theirs too. Kept outputs are released (and the devices'
-pools of freed memory emptied) only between rounds, untimed, when the next round would pass
-``--keep-limit``. Beside it the pooled mode (``ours_pooled``, ``ours_gloo_pooled``): each output
-freed before the next repeat, so a destination reuses the last one's memory (after one untimed
-run that fills the pool).
+counts reuses, and is 0); the peers keep theirs too. To bound memory, kept outputs are released
+(and the devices' pools of freed memory emptied, so what follows still gets fresh memory), untimed,
+before a method whose output would take them past ``--keep-limit``. Beside it the pooled mode
+(``ours_pooled``, ``ours_gloo_pooled``): each output freed before the next repeat, so a destination
+reuses the last one's memory (after one untimed run that fills the pool).
 
 Each method runs once untimed per case (communicator set-up, program shipping, RDT connections)
 and again at a size whose plan needs groups the case has not used yet; plans for every size are
@@ -34,7 +34,8 @@ case) is compared bit for bit with the source on every destination device, after
 stopped. Latency is the driver's wall time from the call until every destination holds its shard.
 
 Start-up (when the suite starts its own pool): ``DeviceMesh.create(POOL_SHAPE)`` until every actor
-answered, against pools of as many bare Ray actors that import numpy, started before and after it.
+answered, against a pool of as many bare Ray actors that import numpy until each answered a first
+call; two of each, alternated (the second mesh is the suite's pool), the fastest of each compared.
 
 Results: rich tables on the terminal, JSON in ``bench/results/local-<timestamp>.json`` and
 ``bench/results/latest.json`` (or ``--out``); ``python -m bench.report`` re-renders a JSON file.
@@ -80,7 +81,7 @@ NAIVE = "naive"
 MEMCPY, CEILING = "memcpy", "raw_gloo"
 RTT = "empty_rtt"
 RTT_PER_ROUND = 3
-KEEP_LIMIT = 3 << 30
+KEEP_LIMIT = 2 << 30
 SCHEMA = 2
 
 
@@ -120,7 +121,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-pooled", action="store_true", help="skip the pooled mode (outputs freed between repeats)")
     p.add_argument("--no-startup", action="store_true", help="skip the start-up comparison")
     p.add_argument("--keep-limit", type=parse_size, default=KEEP_LIMIT, metavar="SIZE",
-                   help="kept outputs' bytes past which they are released between rounds (default 3GiB)")  # fmt: skip
+                   help="bytes of kept outputs past which they are released, untimed (default 2GiB)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=300.0, help="per-call timeout in seconds (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--staging-keep", type=parse_size, metavar="SIZE",
@@ -363,16 +364,9 @@ class Suite:
         self.task = task
         self.owns_pool = pool is None
         self.create_s: float | None = None
-        options = {}
-        if getattr(args, "staging_keep", None) is not None:
-            options["staging_keep_bytes"] = args.staging_keep
-        if getattr(args, "buffer_pool", None) is not None:
-            options["buffer_pool_bytes"] = args.buffer_pool
-        if getattr(args, "backend", None) is not None:
-            options["backend"] = args.backend
         if pool is None:
             t0 = time.perf_counter()
-            pool = DeviceMesh.create(POOL_SHAPE, startup_timeout_s=180, **options)
+            pool = DeviceMesh.create(POOL_SHAPE, startup_timeout_s=180, **mesh_options(args))
             self.create_s = time.perf_counter() - t0
         self.pool = pool
         if tuple(self.pool.shape) != POOL_SHAPE:
@@ -660,18 +654,18 @@ class Suite:
             # ---- headline: outputs kept alive, nothing reused
             release_all()
             hits0, misses0 = self.pool_state(drain=False)
-            per_round = out_bytes * sum(1 for m in keepers if m not in failed)
             kept = 0
             headline = [m for m in runners if m not in pooled]
             for r in range(repeats):
-                if kept and kept + per_round > args.keep_limit:
-                    release_all()
-                    releases += 1
-                    kept = 0
                 for m in headline:
+                    if m in keepers and m not in failed:
+                        if kept and kept + out_bytes > args.keep_limit:
+                            release_all()
+                            releases += 1
+                            kept = 0
+                        kept += out_bytes
                     self.advance(f"{label} round {r + 1}/{repeats} {m}")
                     attempt(m, True, keep=True)
-                kept += per_round
             hits1, misses1 = self.pool_state(drain=False)
             entry["pool_hits_kept"], entry["pool_misses_kept"] = hits1 - hits0, misses1 - misses0
             entry["kept_releases"] = releases
@@ -805,13 +799,37 @@ def derive_ratios(entry: dict) -> None:
 # ------------------------------------------------------------------------------------ entry point
 
 
-def measure_startup(create_s: float, bare_s: list[float]) -> dict:
+def mesh_options(args) -> dict:
+    """The runtime knobs of the command line, as ``DeviceMesh.create`` arguments."""
+    options = {}
+    if getattr(args, "staging_keep", None) is not None:
+        options["staging_keep_bytes"] = args.staging_keep
+    if getattr(args, "buffer_pool", None) is not None:
+        options["buffer_pool_bytes"] = args.buffer_pool
+    if getattr(args, "backend", None) is not None:
+        options["backend"] = args.backend
+    return options
+
+
+def mesh_startup_s(args) -> float:
+    """Seconds ``DeviceMesh.create(POOL_SHAPE)`` takes (every actor answered); the mesh is shut down."""
+    from reshard import DeviceMesh
+
+    t0 = time.perf_counter()
+    mesh = DeviceMesh.create(POOL_SHAPE, startup_timeout_s=180, **mesh_options(args))
+    dt = time.perf_counter() - t0
+    mesh.shutdown()
+    return dt
+
+
+def startup_entry(mesh_s: list[float], bare_s: list[float]) -> dict:
+    """The start-up comparison: the fastest of each kind of pool, as the machine's load drifts."""
     return {
         "mesh_shape": list(POOL_SHAPE),
-        "mesh_create_s": create_s,
+        "mesh_create_s": mesh_s,
         "bare_actors": POOL_SIZE,
         "bare_s": bare_s,
-        "ratio": create_s / min(bare_s),
+        "ratio": min(mesh_s) / min(bare_s),
     }
 
 
@@ -863,16 +881,17 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         ) as progress:
             task = progress.add_task("starting device actors", total=total)
             measure = pool is None and not args.no_startup
-            bare = []
-            if measure:
-                progress.update(task, description=f"start-up: {POOL_SIZE} bare actors")
+            bare: list[float] = []
+            mesh: list[float] = []
+            if measure:  # alternated: bare, mesh, bare, then the suite's own pool
+                progress.update(task, description=f"start-up: {POOL_SIZE} bare actors, DeviceMesh.create, again")
                 bare.append(peers.bare_startup_s(POOL_SIZE))
-                progress.update(task, description=f"start-up: DeviceMesh.create({POOL_SHAPE})")
+                mesh.append(mesh_startup_s(args))
+                bare.append(peers.bare_startup_s(POOL_SIZE))
             suite = Suite(args, console, progress, task, pool=pool)
             if measure:
-                progress.update(task, description=f"start-up: {POOL_SIZE} bare actors again")
-                bare.append(peers.bare_startup_s(POOL_SIZE))
-                startup = measure_startup(suite.create_s, bare)
+                mesh.append(suite.create_s)
+                startup = startup_entry(mesh, bare)
             if RDT in args.peer_list:
                 progress.update(task, description="starting the RDT actors and their torch_gloo group")
                 suite.start_rdt()
