@@ -106,7 +106,6 @@ def _os_put(actor, name: str, boxes: list) -> list:
     """In a source actor: ``ray.put`` each piece (local box of its shard ``name``) as a contiguous
     numpy array; returns the references."""
     import numpy as np
-    import ray
 
     shard = actor.reshard_device.local(name).numpy()
     return [ray.put(np.ascontiguousarray(shard[_slices(b)])) for b in boxes]
@@ -117,7 +116,6 @@ def _os_assemble(actor, key: str, name: str, shape, dtype: str, local: list, rem
     of source and destination local boxes) and the pieces the sources put (``remote``: (index of
     the source's reference list, index in it, destination local box))."""
     import numpy as np
-    import ray
 
     out = np.empty(shape, dtype=dtype)
     if remote:
@@ -167,20 +165,10 @@ class ObjectStore:
     def run(self, keep: bool) -> float:
         t0 = time.perf_counter()
         refs = {s: self.actors[s].__ray_call__.remote(_os_put, self.name, boxes) for s, boxes in self.sends.items()}
-        done = [
-            self.actors[d].__ray_call__.remote(
-                _os_assemble,
-                self.key,
-                self.name,
-                self.dst_shapes[d],
-                self.dtype,
-                local,
-                remote,
-                keep,
-                *(refs[s] for s in srcs),
-            )  # fmt: skip
-            for d, (srcs, local, remote) in self.plan.items()
-        ]
+        done = []
+        for d, (srcs, local, remote) in self.plan.items():
+            args = (self.key, self.name, self.dst_shapes[d], self.dtype, local, remote, keep)
+            done.append(self.actors[d].__ray_call__.remote(_os_assemble, *args, *(refs[s] for s in srcs)))
         _get(done, self.timeout_s)
         dt = time.perf_counter() - t0
         del refs
@@ -195,8 +183,6 @@ class ObjectStore:
 
 
 def _get(refs, timeout_s: float):
-    import ray
-
     return ray.get(refs, timeout=timeout_s)
 
 
@@ -260,7 +246,6 @@ class RdtPool:
     """``n`` RDT actors (one per pool position) in one torch_gloo collective group."""
 
     def __init__(self, n: int, timeout_s: float = 180.0):
-        import ray
         from ray.experimental.collective import create_collective_group
 
         t0 = time.perf_counter()
@@ -275,7 +260,6 @@ class RdtPool:
         self.setup_s = time.perf_counter() - t0
 
     def close(self) -> None:
-        import ray
         from ray.experimental.collective import destroy_collective_group
 
         group, self.group = getattr(self, "group", None), None
@@ -315,10 +299,7 @@ class DirectTransport:
                 args[i][1].append(relative(p.box, src_boxes[p.src]))
                 remote.append((i, len(args[i][1]) - 1, dbox))
             self.plan[d] = (args, local, remote)
-        import ray
-
         _get([self.actor[d].load.remote(key, ray.put(source[_slices(b)])) for d, b in src_boxes.items()], timeout_s)
-        self.sources = list(src_boxes)
 
     def run(self, keep: bool) -> float:
         t0 = time.perf_counter()
@@ -507,8 +488,6 @@ def bare_startup_s(n: int, timeout_s: float = 180.0) -> float:
     """Start ``n`` bare Ray actors that import numpy; seconds until every one answered a first
     call. The actors are killed before this returns."""
     global _BARE_CLASS
-    import ray
-
     if _BARE_CLASS is None:
 
         @ray.remote(num_cpus=0)
