@@ -261,11 +261,12 @@ def simulate_transfers(
         q = queues[device]
         if pos[device] < len(q):
             i = q[pos[device]]
-            if needs[i] is None:
+            waits = needs[i]
+            if waits is None:
                 roots = expand(i, transfers[i])
                 flows_left[i] = _count(roots, busy_with[i])
-                needs[i] = _waits(roots)
-            for f in needs[i].pop(device, ()):
+                waits = needs[i] = _waits(roots)
+            for f in waits.pop(device, ()):
                 ready(f, now)
 
     def finish(f: _Flow, now: float) -> None:
