@@ -68,21 +68,28 @@ from bench.cases import (  # noqa: E402
     parse_size,
     select_cases,
 )
+from bench.methods import (  # noqa: E402
+    CEILING,
+    DTENSOR,
+    MEMCPY,
+    NAIVE,
+    OBJECT_STORE,
+    OURS,
+    OURS_GLOO,
+    OURS_GLOO_POOLED,
+    OURS_POOLED,
+    PEERS,
+    RDT,
+    RTT,
+    SCHEMA,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_SIZES = ("64KiB", "1MiB", "16MiB", "64MiB", "256MiB")
 QUICK_SIZES = ("64KiB", "4MiB")
 STRATEGY = "auto"  # what reshard runs by default
-OURS, OURS_GLOO = "ours", "ours_gloo"
-OURS_POOLED, OURS_GLOO_POOLED = "ours_pooled", "ours_gloo_pooled"
-OBJECT_STORE, RDT, DTENSOR = "object_store", "rdt", "dtensor"
-PEERS = (OBJECT_STORE, RDT, DTENSOR)
-NAIVE = "naive"
-MEMCPY, CEILING = "memcpy", "raw_gloo"
-RTT = "empty_rtt"
 RTT_PER_ROUND = 3
 KEEP_LIMIT = 2 << 30
-SCHEMA = 2
 
 
 def default_repeats(size_bytes: int) -> int:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from bench.cases import fmt_size
-from bench.local import (
+from bench.methods import (
     CEILING,
     MEMCPY,
     NAIVE,

@@ -47,7 +47,8 @@ def test_assign_pieces_tiles_every_destination_from_holders():
 @pytest.mark.timeout(600)  # RDT actors import torch and form a gloo group: slow on a loaded 2-core machine
 def test_bench_local_smoke(pool, tmp_path):
     from bench.cases import CASES, POOL_SIZE, fmt_size
-    from bench.local import (
+    from bench.local import main
+    from bench.methods import (
         CEILING,
         DTENSOR,
         MEMCPY,
@@ -58,7 +59,6 @@ def test_bench_local_smoke(pool, tmp_path):
         PEERS,
         RTT,
         SCHEMA,
-        main,
     )
 
     out = tmp_path / "local.json"
