@@ -455,6 +455,8 @@ class DeviceRole:
             batch = getattr(ctx.backend, "grouped", None)
             run = Run(prepared, src, dst, peers, channel, state.staging, deadline, ctx.before_op, tmp, batch)
             stats = execute(run)
+            for h, desc in (req.pulls or {}).items():
+                ctx.peers.check(h, desc)  # still the shards pulled from: none was freed meanwhile
         except BaseException as e:
             ctx.counters["failed_runs"] += 1
             state.groups.abort(keys, f"it failed: {type(e).__name__}")  # peers fail fast

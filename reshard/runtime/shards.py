@@ -20,6 +20,7 @@ instead of keeping it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 import threading
@@ -133,7 +134,10 @@ class ShardStore:
         if flat is None and nbytes and self.shared is not None:
             try:
                 flat = self.shared.allocate(nbytes)
-            except OSError as e:  # out of descriptors, say: a private shard, moved by the backend
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE):  # out of memory: so would private memory be
+                    raise
+                # Out of descriptors: a private shard, moved by the backend (peers cannot pull it).
                 log.warning("device %d: shard of %s not in shared memory (%s)", self.device, tuple(shape), e)
         if flat is None:
             return np.empty(tuple(shape), dtype=storage)
@@ -149,6 +153,8 @@ class ShardStore:
                 return False
             self.shards[name] = t
             self.holders[name] = {holder}
+            if self.shared is not None:
+                self.shared.begin(t)
             if meta:
                 self.meta[name] = meta
             return True
@@ -161,6 +167,8 @@ class ShardStore:
             self.shards[name] = t
             self.holders[name] = {USER}
             self.users.add(name)
+            if self.shared is not None:
+                self.shared.begin(t)
             self.meta[name] = meta
 
     def unshare(self, name: str) -> None:
@@ -213,6 +221,8 @@ class ShardStore:
         self.meta.pop(name, None)
         if t is None:
             return False
+        if self.shared is not None:
+            self.shared.end(t)  # peers' descriptors of it stop mapping, whatever the memory holds next
         if name in self.users:  # the user's tensor: forget it, never recycle its memory
             self.users.discard(name)
             return True

@@ -357,11 +357,59 @@ def test_error_inside_actor_is_a_reshard_error(pool, view, shared_memory, error)
     _still_works(view, 6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime bug: a freed shard's memfd goes to the buffer pool with its (pid, fd, inode) descriptor "
-    "still mappable, so a puller given another handle's stale descriptor copies whatever tensor reuses that memory",
-)
+def _cap_address_space(ctx, margin: int) -> None:
+    """Cap this process's address space just above what it maps (RLIMIT_AS), after handing the
+    allocator's free memory back: its next allocations fail."""
+    import ctypes
+    import resource
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    ctx.extensions["test_rlimit_as"] = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + margin, ctx.extensions["test_rlimit_as"][1]))
+
+
+def _lift_cap(ctx) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, ctx.extensions.pop("test_rlimit_as"))
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["pull", "gloo"])
+def test_allocation_failure_is_a_clean_reshard_error(pool, view, shared_memory):
+    """A receiver that cannot get memory (its address space capped) fails the reshard with a
+    ReshardError that says so, fast; the source is intact, nothing is left behind, and the same
+    reshard succeeds once the device has memory again."""
+    # A device of its own (it may not survive), without a pool: the warm-up's freed shard must not
+    # serve the capped run's allocation.
+    own = DeviceMesh.create((1,), backend="gloo", startup_timeout_s=180, buffer_pool_bytes=0)
+    try:
+        src = view([0, 1], (2,))
+        dst = DeviceMesh.from_devices([pool.device_ids[2], own.device_ids[0]], (2,))
+        x = random_array((1024, 512), "float32", 7)  # 2 MiB: each receiver maps or allocates all of it
+        t = distribute(x, Layout(src, pl("S0")))
+        reshard(t, src, Layout(dst, pl("R")), shared_memory=False).free()  # its libraries loaded: what fails is the shard
+        before = _groups_and_buffers(pool, [0, 1, 2])
+        own.call(_cap_address_space, 64 << 10)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(ReshardError, match=rf"device {own.device_ids[0]}.*(memory|allocate)") as err:
+                reshard(t, src, Layout(dst, pl("R")), timeout_s=LONG_S, shared_memory=shared_memory)
+        finally:
+            own.call(_lift_cap)
+        assert time.monotonic() - t0 < HANG_S, "the peers of the failed device must not wait for their deadline"
+        assert "is gone" not in str(err.value), "a device out of memory must not blame its peer's shard"
+        assert_shards(t, x)
+        after = _groups_and_buffers(pool, [0, 1, 2])
+        assert all(after[i][1] <= before[i][1] for i in range(3)), "partial destination shards must be freed"
+        assert not own.stats()[0]["buffers"]
+        y = reshard(t, src, Layout(dst, pl("R")), shared_memory=shared_memory)
+        assert_bit_exact(y.to_numpy(), x)
+    finally:
+        own.shutdown()
+
+
 def test_a_tensor_freed_through_another_handle_is_never_read(view):
     """``free()`` on one handle drops the shards for every handle: resharding through a copy must
     then fail, never return the bytes of the tensor that reused that memory."""

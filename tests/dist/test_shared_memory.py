@@ -21,6 +21,8 @@ def test_a_mapped_shard_is_the_owners_memory():
     owner, peers = SharedShards(), PeerShards(device=1)
     a = owner.allocate(6 * 4).view(np.float32).reshape(2, 3)
     a[...] = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert owner.descriptor(a) is None  # no shard holds the block yet
+    owner.begin(a)
     desc = owner.descriptor(a)
     assert desc[0] == os.getpid() and desc[3] == (2, 3)
     seen = peers.get(0, desc, np.dtype(np.float32))
@@ -35,6 +37,7 @@ def test_the_descriptor_closes_with_the_memory_and_peers_let_go():
     owner, peers = SharedShards(), PeerShards(device=1)
     flat = owner.allocate(64)
     a = flat.view(np.int64).reshape(8)
+    owner.begin(a)
     desc = owner.descriptor(a)
     peers.get(0, desc, np.dtype(np.int64))
     del flat  # views keep the mapping, and so the descriptor, alive
@@ -54,6 +57,31 @@ def test_the_descriptor_closes_with_the_memory_and_peers_let_go():
         peers.get(0, desc, np.dtype(np.int64))
 
 
+def test_a_dropped_shard_never_maps_again_whatever_its_memory_holds_next():
+    """The tenure in the block's header: a descriptor of a shard that was dropped fails before
+    the copy (its memory idle in the pool) and after it (the memory reused meanwhile)."""
+    owner, peers = SharedShards(), PeerShards(device=1)
+    store = ShardStore(0, "cpu", 1 << 20, owner)
+    first = store.allocate((16,), "float32")
+    first[...] = 1.0
+    store.put("first", first, "h")
+    old = store.descriptor(first)
+    view = peers.get(0, old, np.dtype(np.float32))
+    np.testing.assert_array_equal(view, 1.0)
+    del first
+    store.free("first")
+    with pytest.raises(ReshardError, match="device 0's source shard is gone"):
+        peers.get(0, old, np.dtype(np.float32))  # the memory idles in the pool, still mapped here
+    second = store.allocate((16,), "float32")
+    assert store.pool.hits == 1  # the same memory
+    second[...] = 2.0
+    store.put("second", second, "h")
+    assert view[0] == 2.0  # what a puller that copied during the reuse would have read ...
+    with pytest.raises(ReshardError, match="source shard is gone"):
+        peers.check(0, old)  # ... and why it checks after copying
+    peers.check(0, store.descriptor(second))
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
 def test_a_freed_shard_is_reused_only_when_nothing_references_it(shared):
     store = ShardStore(0, "cpu", 1 << 20, SharedShards() if shared else None)
@@ -64,8 +92,8 @@ def test_a_freed_shard_is_reused_only_when_nothing_references_it(shared):
     assert store.pool.nbytes == 128  # nothing else referenced it: idle, for the next shard of its size
     b = store.allocate((32,), "int32")
     assert store.pool.hits == 1 and store.pool.nbytes == 0
-    assert shared == (store.descriptor(b) is not None)  # reused shared memory is still shared
     store.put("b", b, "h")
+    assert shared == (store.descriptor(b) is not None)  # reused shared memory is still shared
     view = b[3:5]  # a view of it is still alive: its memory must not be handed out again
     del b
     store.free("b")
@@ -98,5 +126,6 @@ def test_peer_mappings_are_bounded():
     owner, peers = SharedShards(), PeerShards(device=1, limit=2)
     shards = [owner.allocate(16) for _ in range(3)]
     for s in shards:
+        owner.begin(s)
         peers.get(0, owner.descriptor(s), np.dtype(np.uint8))
     assert len(peers.maps) == 2
