@@ -209,8 +209,9 @@ class Runtime:
         if outcome.ok:
             self.last_run = outcome.results
             return outcome.results
+        asked = self.ask(outcome.pending)  # before the cleanup: a stuck device costs one wait, not two
         self.abandon(refs, dst_name, compiled.groups, pid, outcome)
-        raise failure_error(outcome, what, timeout_s, tail=f"{self.describe(outcome.pending)}{INTACT}")
+        raise failure_error(outcome, what, timeout_s, tail=f"{self.describe(outcome.pending, asked)}{INTACT}")
 
     def abandon(self, refs: dict, dst_name: str | None, groups, pid: int | None, outcome: Outcome) -> None:
         """Clean up after a failed call (module docstring); bounded by ``CLEANUP_S``."""
@@ -250,17 +251,23 @@ class Runtime:
                 if f.kind is FailureKind.DIED:
                     self.mark_dead(d, f"actor died: {_first(f.error)}")
 
-    def describe(self, devices) -> str:
-        """What ``devices`` are doing (asked on their control threads, bounded): for messages about
-        calls that did not finish."""
+    def ask(self, devices) -> tuple[dict, float]:
+        """Ask ``devices`` what they are doing (on their control threads); ``describe`` reads the
+        answers. Returns the calls and when they were made."""
         refs = {}
         for d in devices:
             rec = self.registry.devices.get(d)
             if rec is not None and rec.state is DeviceState.ALIVE:
                 refs[d] = rec.actor.reshard_stats.remote()
+        return refs, time.monotonic()
+
+    def describe(self, devices, asked: tuple[dict, float] | None = None) -> str:
+        """What ``devices`` are doing (bounded: at most ``DESCRIBE_S`` after they were ``ask``ed):
+        for messages about calls that did not finish."""
+        refs, since = self.ask(devices) if asked is None else asked
         if not refs:
             return ""
-        outcome = gather(refs, time.monotonic() + DESCRIBE_S, settle_s=None)
+        outcome = gather(refs, since + DESCRIBE_S, settle_s=None)
         parts = []
         for d in sorted(refs):
             calls = outcome.results.get(d, {}).get("calls")
