@@ -9,21 +9,21 @@ from reshard.dtypes import dtype_name
 from reshard.errors import MeshClosed, PlanError, ReshardError, ReshardTimeout, WorkerDied
 from reshard.layout import Layout
 from reshard.lowering import lower_plan
-from reshard.placement import Placement, Replicate, Shard
+from reshard.placement import Partial, Placement, ReduceOp, Replicate, Shard
 from reshard.plan import ReshardPlan, Transfer, TransferKind
 from reshard.planner import STRATEGIES, plan_reshard
 from reshard.program import Broadcast, Copy, DeviceProgram, Op, Program, Pull, Recv, Send
 from reshard.tasks import UnitTask, plan_unit_tasks
 from reshard.validate import validate_plan, validate_program
 
-_RUNTIME = {"DeviceMesh", "ShardedTensor", "distribute", "reshard"}
+_RUNTIME = {"DeviceMesh", "ShardedTensor", "adopt", "distribute", "reshard"}
 
 __all__ = [
     "STRATEGIES", "Broadcast", "CompileOptions", "CompiledReshard", "Copy", "DeviceMesh", "DeviceProgram", "Layout",
-    "MeshClosed", "Op", "Placement", "PlanError", "Program", "Pull", "Recv", "Replicate", "ReshardError",
-    "ReshardPlan", "ReshardTimeout", "Send", "Shard", "ShardedTensor", "Transfer", "TransferKind", "UnitTask",
-    "WorkerDied", "compile_reshard", "distribute", "dtype_name", "lower_plan", "plan_reshard", "plan_unit_tasks",
-    "reshard", "validate_plan", "validate_program",
+    "MeshClosed", "Op", "Partial", "Placement", "PlanError", "Program", "Pull", "Recv", "ReduceOp", "Replicate",
+    "ReshardError", "ReshardPlan", "ReshardTimeout", "Send", "Shard", "ShardedTensor", "Transfer", "TransferKind",
+    "UnitTask", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "lower_plan", "plan_reshard",
+    "plan_unit_tasks", "reshard", "validate_plan", "validate_program",
 ]  # fmt: skip
 
 

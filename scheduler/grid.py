@@ -1,4 +1,5 @@
-"""Step x stage text grid of a schedule's clock table, as in PAPER.md's tables.
+"""Step x stage text grid of a schedule's clock table, as in the tables of
+"On Optimizing the Communication of Model Parallelism" (MLSys 2023).
 
 One row per clock, one column per stage, each cell the compute run there (``F3``, ``B0``) or ``.``
 when the stage idles. A marked cell is bracketed (``[F3]``) and its row starts with ``>>``; error

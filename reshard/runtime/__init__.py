@@ -49,7 +49,8 @@ __all__ = [
 
 
 def __getattr__(name):
-    """``DeviceRole`` and ``DeviceContext`` load on first use (they import torch; a driver need not)."""
+    """``DeviceRole`` and ``DeviceContext`` (the device side: executor, shards, backends) load on
+    first use; a driver that only creates meshes and reshards never loads them."""
     if name in ("DeviceRole", "DeviceContext"):
         from reshard.runtime import actor
 

@@ -1,4 +1,4 @@
-"""GPipe, 1F1B and eager 1F1B: PAPER.md's clock tables (golden), in-flight counts, clock counts."""
+"""GPipe, 1F1B and eager 1F1B: the paper's clock tables (golden), in-flight counts, clock counts."""
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +18,8 @@ from scheduler import (
 
 pytestmark = pytest.mark.unit
 
-# Verbatim from PAPER.md, "The overlap-friendly pipeline schedule" (n = 3 meshes, m = 6 microbatches).
+# The clock tables of "On Optimizing the Communication of Model Parallelism" (MLSys 2023), its
+# overlap-friendly schedule section (n = 3 meshes, m = 6 microbatches).
 PAPER_TABLES = """
     1F1B                      eager 1F1B
     clk mesh0 mesh1 mesh2     clk mesh0 mesh1 mesh2
