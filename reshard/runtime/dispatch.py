@@ -57,6 +57,20 @@ def classify_error(err: BaseException) -> Failure:
     return Failure(FailureKind.ERROR, err)
 
 
+def _wait(refs: list, **kwargs):
+    """``ray.wait``, asked again once when it fails inside Ray with a ``SystemError`` (seen once in
+    the chaos tier, while an actor of the call was being killed; waiting is idempotent). A
+    KeyboardInterrupt that Ray's wait wrapped so goes on as itself."""
+    import ray
+
+    try:
+        return ray.wait(refs, **kwargs)
+    except SystemError as e:
+        if isinstance(e.__cause__, KeyboardInterrupt):
+            raise e.__cause__ from None
+        return ray.wait(refs, **kwargs)
+
+
 def gather(refs: dict, deadline: float, *, settle_s: float | None = SETTLE_S) -> Outcome:
     """Wait for ``refs`` (key -> ObjectRef) until all are done or ``deadline`` (monotonic) passed."""
     import ray
@@ -72,7 +86,7 @@ def gather(refs: dict, deadline: float, *, settle_s: float | None = SETTLE_S) ->
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, FAILURE_POLL_S))
+        ready, waiting = _wait(waiting, num_returns=len(waiting), timeout=min(left, FAILURE_POLL_S))
         done.extend(ready)
         if waiting and ready:
             try:
@@ -91,7 +105,7 @@ def gather(refs: dict, deadline: float, *, settle_s: float | None = SETTLE_S) ->
     while by_ref:
         left = deadline - time.monotonic()
         # past the deadline: still collect what has finished, without waiting
-        ready, _ = ray.wait(
+        ready, _ = _wait(
             list(by_ref), num_returns=1 if left > 0 else len(by_ref), timeout=min(max(left, 0.0), _LONGEST_GET_S)
         )
         if not ready:

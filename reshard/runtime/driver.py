@@ -39,7 +39,7 @@ from topology.cluster import Cluster
 
 log = logging.getLogger(__name__)
 
-CLEANUP_S = 2.0  # how long a failed call waits for the survivors to drop its partial results
+CLEANUP_S = 1.5  # how long a failed call waits for the survivors to drop its partial results (timeout + 2 s in all)
 DESCRIBE_S = 1.0  # how long a failure message waits for the devices to say what they are doing
 JANITOR_IDLE_S = 5.0  # an idle janitor thread ends after this (the next release starts one)
 INTACT = "The source tensor is intact; the partial destination shards were freed."
