@@ -12,9 +12,13 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):
-    """Functions of the chaos modules run inside the actors (``DeviceMesh.call``, hooks): pickle
-    them by value, since the actors cannot import the test modules."""
+    """The chaos tier runs last (it starts and kills devices of its own; other tiers' tests name
+    their pool's device ids). Functions of the chaos modules run inside the actors
+    (``DeviceMesh.call``, hooks): pickle them by value, since the actors cannot import the test
+    modules."""
     import sys
+
+    items.sort(key=lambda item: item.get_closest_marker("chaos") is not None)  # stable: others keep their order
 
     from ray import cloudpickle
 
