@@ -20,6 +20,7 @@ process of the same user may still open ``/proc/<pid>/fd`` itself, as it may att
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import mmap
@@ -47,6 +48,17 @@ def base_address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _populate(mapping: mmap.mmap, length: int) -> bool:
+    """Make every page of ``mapping`` at once (``MADV_POPULATE_WRITE``), through ctypes so that
+    the GIL is released meanwhile (``mmap.madvise`` holds it); False where the kernel cannot."""
+    start = base_address(np.frombuffer(mapping, dtype=np.uint8, count=1))
+    return _LIBC.madvise(start, length, MADV_POPULATE_WRITE) == 0
+
+
 class SharedShards:
     """This actor's memfd-backed allocations, by start address while their mapping lives."""
 
@@ -71,11 +83,8 @@ class SharedShards:
         except BaseException:
             os.close(fd)
             raise
-        if self.populate:
-            try:
-                mapping.madvise(MADV_POPULATE_WRITE)
-            except OSError:  # an older kernel: the pages fault in on first touch
-                self.populate = False
+        if self.populate and not _populate(mapping, HEADER + nbytes):
+            self.populate = False  # an older kernel: the pages fault in on first touch
         flat = np.frombuffer(mapping, dtype=np.uint8, offset=HEADER)
         start = base_address(flat)
         self.blocks[start] = (fd, inode, nbytes, weakref.ref(mapping))
