@@ -25,10 +25,7 @@ counts reuses, and is 0); the peers keep theirs too. To bound memory, kept outpu
 (and the devices' pools of freed memory emptied, so what follows still gets fresh memory), untimed,
 before a method whose output would take them past ``--keep-limit``. Beside it the pooled mode
 (``ours_pooled``, ``ours_gloo_pooled``): each output freed before the next repeat, so a destination
-reuses the last one's memory (after one untimed run that fills the pool). After each of our runs
-the suite waits, untimed, until the devices have made their next shared blocks ahead
-(``reshard.runtime.shards``), as an application's compute between steps lets them, so that the
-next method is timed on idle cores.
+reuses the last one's memory (after one untimed run that fills the pool).
 
 Each method runs once untimed per case (communicator set-up, program shipping, RDT connections)
 and again at a size whose plan needs groups the case has not used yet; plans for every size are
@@ -273,12 +270,6 @@ def _pool_state(ctx, drain: bool) -> tuple[int, int]:
     return m["pool_hits"], m["pool_misses"]
 
 
-def _blocks_made(ctx) -> None:
-    """In a device actor: wait until the shared blocks its last shards asked to be made ahead are
-    made (``reshard.runtime.shards``), as they are between the steps of an application."""
-    ctx.store.blocks_made(60.0)
-
-
 def _git_rev() -> str:
     try:
         root = Path(__file__).resolve().parent.parent
@@ -318,7 +309,6 @@ class Ours:
         if runtime().last_run:
             self.breakdown.append(_split(dt, runtime().last_run))
         self.kept.append(y)
-        y.mesh.call(_blocks_made, timeout_s=self.timeout_s)  # untimed: the next method runs on idle cores
         return dt
 
     def check(self, source) -> tuple[bool, str]:

@@ -13,14 +13,6 @@ Reuse. A dropped shard's memory goes to a pool keyed by byte size (bounded by ``
 least recently freed evicted first) when nothing else references it, so a new shard of a size
 seen before does not page-fault fresh memory in.
 
-Blocks made ahead. Making the pages of a fresh shared-memory shard costs several times the copy
-that fills it (the kernel gives shared memory no huge pages by default), and a user who keeps
-outputs alive never frees memory for the pool to reuse. So after an allocation of a shard of
-``REFILL_MIN_BYTES`` or more that the pool could not serve, a helper thread makes one block of
-that size ahead (``ready``; the pages are made without holding the GIL), for the next shard of
-that size. Ready blocks are fresh memory, never a dropped shard's, and count against the pool's
-bound with it.
-
 Aborted runs. When the controller gives up on a run, it names the run's destination shard here
 (``tombstone``): the shard is dropped now if it exists, and a run that finishes later drops it
 instead of keeping it.
@@ -33,7 +25,6 @@ import logging
 import sys
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -44,7 +35,6 @@ log = logging.getLogger(__name__)
 TOMBSTONES = 4096  # names of aborted runs remembered
 USER = "user"  # the holder of a user's own tensor, until the user takes it back
 RELEASED_TOKENS = 4096  # releases that arrived before their acquire
-REFILL_MIN_BYTES = 1 << 20  # shards from this size up get a block of their size made ahead
 
 
 class BufferPool:
@@ -119,11 +109,6 @@ class ShardStore:
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.meta: dict[str, dict] = {}  # name -> what its owner said of it (global shape, placements, ...)
         self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
-        self.ready: dict[int, list[np.ndarray]] = {}  # nbytes -> fresh shared blocks made ahead
-        self.ready_bytes = 0
-        self.ready_hits = 0
-        self._making = 0  # bytes of blocks the helper is making
-        self._helper: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
 
     def __contains__(self, name: str) -> bool:
@@ -146,10 +131,6 @@ class ShardStore:
         nbytes = numel * storage.itemsize
         with self._lock:
             flat = self.pool.take(nbytes) if nbytes else None
-            if flat is None and nbytes:
-                flat = self._take_ready(nbytes)
-                if self.shared is not None and nbytes >= REFILL_MIN_BYTES:
-                    self._make_ahead(nbytes)
         if flat is None and nbytes and self.shared is not None:
             try:
                 flat = self.shared.allocate(nbytes)
@@ -161,45 +142,6 @@ class ShardStore:
         if flat is None:
             return np.empty(tuple(shape), dtype=storage)
         return flat.view(storage).reshape(tuple(shape))
-
-    def _take_ready(self, nbytes: int) -> np.ndarray | None:
-        blocks = self.ready.get(nbytes)
-        if not blocks:
-            return None
-        flat = blocks.pop()
-        if not blocks:
-            del self.ready[nbytes]
-        self.ready_bytes -= nbytes
-        self.ready_hits += 1
-        return flat
-
-    def _make_ahead(self, nbytes: int) -> None:
-        """Have the helper make a block of ``nbytes`` for the next shard of that size, if the
-        pool's bound leaves room (called with the lock held)."""
-        if self.pool.nbytes + self.ready_bytes + self._making + nbytes > self.pool.limit_bytes:
-            return
-        self._making += nbytes
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix=f"reshard-blocks-{self.device}")
-        self._helper.submit(self._make_block, nbytes)
-
-    def _make_block(self, nbytes: int) -> None:
-        try:
-            flat = self.shared.allocate(nbytes)
-        except OSError as e:  # out of memory or descriptors: the next shard is made when needed
-            log.debug("device %d: no block made ahead (%s)", self.device, e)
-            flat = None
-        with self._lock:
-            self._making -= nbytes
-            if flat is not None:
-                self.ready.setdefault(nbytes, []).append(flat)
-                self.ready_bytes += nbytes
-
-    def blocks_made(self, timeout_s: float) -> None:
-        """Wait until the blocks asked for so far are made (the helper runs them in order)."""
-        helper = self._helper
-        if helper is not None:
-            helper.submit(lambda: None).result(timeout=timeout_s)
 
     def put(self, name: str, t, holder: str, meta: dict | None = None) -> bool:
         """Keep ``t`` as shard ``name`` held by ``holder``; False (and ``t`` dropped) when the run
@@ -302,8 +244,6 @@ class ShardStore:
                 "pool_limit_bytes": self.pool.limit_bytes,
                 "pool_hits": self.pool.hits,
                 "pool_misses": self.pool.misses,
-                "ready_bytes": self.ready_bytes,  # fresh blocks made ahead (not live)
-                "ready_hits": self.ready_hits,
             }
 
     def clear(self) -> None:
@@ -311,5 +251,3 @@ class ShardStore:
             self.shards.clear()
             self.holders.clear()
             self.pool.clear()
-            self.ready.clear()
-            self.ready_bytes = 0
