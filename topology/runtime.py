@@ -60,7 +60,7 @@ def alive_ray_nodes() -> list[dict]:
 
 def node_host_ids(node_ids) -> dict[str, int]:
     """The job-wide host id of each Ray node in ``node_ids``, claimed in this order when new."""
-    return {n: _claim_named("hosts", f"node:{n}") for n in node_ids}
+    return {n: claim_named("hosts", f"node:{n}") for n in node_ids}
 
 
 def _kv():
@@ -69,7 +69,8 @@ def _kv():
     return internal_kv
 
 
-def _claim(kind: str, value: str) -> int:
+def claim(kind: str, value: str) -> int:
+    """The lowest free number of ``kind`` in the session's key-value store, claimed for ``value``."""
     kv = _kv()
     for n in itertools.count():
         if not kv._internal_kv_put(f"{kind}/{n}", value, overwrite=False, namespace=KV_NAMESPACE):
@@ -77,13 +78,14 @@ def _claim(kind: str, value: str) -> int:
     raise AssertionError("unreachable")
 
 
-def _claim_named(kind: str, name: str) -> int:
+def claim_named(kind: str, name: str) -> int:
+    """The number of ``name`` of ``kind``: claimed once per session, the same in every process."""
     kv = _kv()
     key = f"{kind}-by-name/{name}"
     found = kv._internal_kv_get(key, namespace=KV_NAMESPACE)
     if found is not None:
         return int(found)
-    n = _claim(kind, name)
+    n = claim(kind, name)
     if kv._internal_kv_put(key, str(n), overwrite=False, namespace=KV_NAMESPACE):
         n = int(kv._internal_kv_get(key, namespace=KV_NAMESPACE))  # another process was first
     return n

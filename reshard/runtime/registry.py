@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from reshard.errors import MeshClosed, WorkerDied
 from reshard.runtime.messages import DeviceState
+from topology.runtime import claim, claim_named
 
 ID_BLOCK = 1 << 12
-KV_NAMESPACE = "reshard"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ class DeviceRegistry:
             out = []
             for _ in range(n):
                 if not self._left_in_block:
-                    self._ids = itertools.count(_claim("devices", uuid.uuid4().hex) * ID_BLOCK)
+                    self._ids = itertools.count(claim("devices", uuid.uuid4().hex) * ID_BLOCK)
                     self._left_in_block = ID_BLOCK
                 out.append(next(self._ids))
                 self._left_in_block -= 1
@@ -105,12 +105,12 @@ class DeviceRegistry:
         """The job-wide host id of Ray node ``node_id``."""
         with self.lock:
             if node_id not in self._hosts:
-                self._hosts[node_id] = _claim_named("hosts", f"node:{node_id}")
+                self._hosts[node_id] = claim_named("hosts", f"node:{node_id}")
             return self._hosts[node_id]
 
     def new_logical_hosts(self, n: int) -> list[int]:
         """Fresh host ids for logical hosts (devices of one node that a mesh declares apart)."""
-        return [_claim("hosts", f"logical:{uuid.uuid4().hex}") for _ in range(n)]
+        return [claim("hosts", f"logical:{uuid.uuid4().hex}") for _ in range(n)]
 
     # ---------------------------------------------------------------- devices
 
@@ -201,31 +201,3 @@ class DeviceRegistry:
             dmesh = live[-1]
         dmesh.check_open()
         return dmesh
-
-
-def _kv():
-    from ray.experimental import internal_kv
-
-    return internal_kv
-
-
-def _claim(kind: str, value: str) -> int:
-    """The lowest free number of ``kind`` in the session's key-value store, claimed for ``value``."""
-    kv = _kv()
-    for n in itertools.count():
-        if not kv._internal_kv_put(f"{kind}/{n}", value, overwrite=False, namespace=KV_NAMESPACE):
-            return n
-    raise AssertionError("unreachable")
-
-
-def _claim_named(kind: str, name: str) -> int:
-    """The number of ``name`` of ``kind``: claimed once per session, the same in every process."""
-    kv = _kv()
-    key = f"{kind}-by-name/{name}"
-    found = kv._internal_kv_get(key, namespace=KV_NAMESPACE)
-    if found is not None:
-        return int(found)
-    n = _claim(kind, name)
-    if kv._internal_kv_put(key, str(n), overwrite=False, namespace=KV_NAMESPACE):
-        n = int(kv._internal_kv_get(key, namespace=KV_NAMESPACE))  # another process was first
-    return n
