@@ -203,37 +203,11 @@ class DeviceMesh:
                     f"and each device asks for {placement.demand(num_cpus, spec.gpus_per_device, resources)}"
                 )
             raise failure_error(outcome, f"DeviceMesh.create({probe.shape})", startup_timeout_s)
-        infos = outcome.results
-        node_of = [infos[d]["node_id"] for d in ids]
-        if len(set(node_of)) > 1:  # hosts are the Ray nodes
-            hosts = [rt.registry.host_of_node(n) for n in node_of]
-        else:
-            base = rt.registry.new_logical_hosts(n_hosts)
-            hosts = [base[i // dph] for i in range(size)]
-        mesh = Mesh(probe.shape, ids, hosts, axis_names=axis_names)
-        owner = f"DeviceMesh{probe.shape} devices {ids[0]}..{ids[-1]}"
-        records = [
-            DeviceRecord(
-                d,
-                a,
-                h,
-                name,
-                infos[d]["node_id"],
-                infos[d]["node_ip"],
-                owner,
-                session,
-                infos[d]["shared_memory"],
-                max_communicators,
-                max_programs,
-            )  # fmt: skip
-            for d, a, h in zip(ids, actors, hosts, strict=True)
-        ]
-        with rt.lock:
-            rt.backends.setdefault(name, instance)
-            records = rt.registry.add(records)
-        dmesh = cls(mesh, name, records, owned=True, placement_group=where.placement_group, _token=_PRIVATE)
-        rt.registry.register_mesh(dmesh)
-        return dmesh
+        return cls._register(
+            probe.shape, axis_names, dph, ids, actors, outcome.results, name, instance, session,
+            (max_communicators, max_programs), f"DeviceMesh{probe.shape}",
+            owned=True, placement_group=where.placement_group,
+        )  # fmt: skip
 
     @classmethod
     def from_actors(
@@ -293,16 +267,30 @@ class DeviceMesh:
                 if d in outcome.results:
                     a.reshard_close.remote()
             raise failure_error(outcome, f"DeviceMesh.from_actors({probe.shape})", startup_timeout_s)
-        infos = outcome.results
         dph = default_devices_per_host(probe.shape) if devices_per_host is None else devices_per_host
+        return cls._register(
+            probe.shape, axis_names, dph, ids, actors, outcome.results, name, instance, session,
+            (max_communicators, max_programs), f"DeviceMesh.from_actors{probe.shape}",
+            owned=False, attached=True,
+        )  # fmt: skip
+
+    @classmethod
+    def _register(
+        cls, shape, axis_names, dph: int, ids, actors, infos: dict, name: str, instance, session, limits: tuple,
+        what: str, **flags,
+    ) -> DeviceMesh:  # fmt: skip
+        """The mesh over started devices (``infos``: what each said when ready): hosts are the
+        devices' Ray nodes when they sit on several, else fresh logical hosts of ``dph`` devices;
+        its records join this process's registry."""
+        rt = runtime()
         node_of = [infos[d]["node_id"] for d in ids]
-        if len(set(node_of)) > 1:
+        if len(set(node_of)) > 1:  # hosts are the Ray nodes
             hosts = [rt.registry.host_of_node(n) for n in node_of]
         else:
-            base = rt.registry.new_logical_hosts(probe.size // dph)
-            hosts = [base[i // dph] for i in range(probe.size)]
-        mesh = Mesh(probe.shape, ids, hosts, axis_names=axis_names)
-        owner = f"DeviceMesh.from_actors{probe.shape} devices {ids[0]}..{ids[-1]}"
+            base = rt.registry.new_logical_hosts(len(ids) // dph)
+            hosts = [base[i // dph] for i in range(len(ids))]
+        mesh = Mesh(shape, ids, hosts, axis_names=axis_names)
+        owner = f"{what} devices {ids[0]}..{ids[-1]}"
         records = [
             DeviceRecord(
                 d,
@@ -314,15 +302,14 @@ class DeviceMesh:
                 owner,
                 session,
                 infos[d]["shared_memory"],
-                max_communicators,
-                max_programs,
-            )  # fmt: skip
+                *limits,
+            )
             for d, a, h in zip(ids, actors, hosts, strict=True)
         ]
         with rt.lock:
             rt.backends.setdefault(name, instance)
             records = rt.registry.add(records)
-        dmesh = cls(mesh, name, records, owned=False, attached=True, _token=_PRIVATE)
+        dmesh = cls(mesh, name, records, _token=_PRIVATE, **flags)
         rt.registry.register_mesh(dmesh)
         return dmesh
 
