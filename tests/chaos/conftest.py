@@ -1,14 +1,11 @@
-"""The chaos tier: one local Ray cluster; each test starts the device actors it kills."""
+"""The chaos tier: on the shared local Ray cluster (``ray_cluster``, tests/conftest.py); each test
+starts the device actors it kills."""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")  # the failed runs nobody reads back
-
-import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):
@@ -29,15 +26,3 @@ def pytest_collection_modifyitems(items):
         names.add(chaos_harness.__name__)
     for name in names:
         cloudpickle.register_pickle_by_value(sys.modules[name])
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()

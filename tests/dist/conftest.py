@@ -26,17 +26,6 @@ def pytest_collection_modifyitems(items):
         cloudpickle.register_pickle_by_value(sys.modules[name])
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
 
 @pytest.fixture(scope="session")
 def pool(ray_cluster):
