@@ -1,7 +1,8 @@
 """compile_reshard: everything decided about one reshard, in one pure function.
 
 plan (``plan_reshard``) -> ``validate_plan`` -> lower -> pulls (transfers inside one shared-memory
-domain become copies out of the holder's source shard) -> sequencing (order and overlap of local
+domain become copies out of the sender's source shard, or, for relays, out of its destination
+shard once it published the slice) -> sequencing (order and overlap of local
 ops, issue windows; groups connect in order of first use) -> ``validate_program`` -> msgpack, one
 blob per participating device. The runtime ships the blobs; its executor runs each device's ops in
 the order given and decides nothing. Results are cached by their inputs.
@@ -9,7 +10,7 @@ the order given and decides nothing. Results are cached by their inputs.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -45,6 +46,7 @@ class CompiledReshard:
     participants: tuple[int, ...]
     groups: tuple[Group, ...]
     pull_sources: Mapping[int, tuple[int, ...]]
+    relay_sources: Mapping[int, tuple[int, ...]]
     domains: tuple[tuple[int, Hashable], ...]
 
 
@@ -57,20 +59,23 @@ def compile_reshard(
     strategy: str = "auto",
     cluster=None,
     domains: Mapping[int, Hashable | None] | None = None,
+    publishers: Iterable[int] | None = None,
     options: CompileOptions = CompileOptions(),
 ) -> CompiledReshard:
     """Compile moving a ``dtype`` tensor of ``shape`` from ``src`` to ``dst`` (module docstring).
 
     ``domains`` maps devices to their shared-memory domain (e.g. their machine; None or absent:
     none): transfers inside one domain become pulls, and the planner counts the devices of one
-    domain as one host (their transfers cost no network). ``cluster``: the cost model the planner
-    plans for (``plan_reshard``)."""
+    domain as one host (their transfers cost no network). ``publishers``: the devices whose
+    destination shards peers may pull relays from (None: every device with a domain).
+    ``cluster``: the cost model the planner plans for (``plan_reshard``)."""
     shared = tuple(sorted((d, dom) for d, dom in (domains or {}).items() if dom is not None))
-    return _compile(tuple(shape), dtype, src, dst, strategy, cluster, shared, options)
+    relaying = None if publishers is None else frozenset(publishers)
+    return _compile(tuple(shape), dtype, src, dst, strategy, cluster, shared, relaying, options)
 
 
 @lru_cache(maxsize=512)
-def _compile(shape, dtype, src, dst, strategy, cluster, domains, options) -> CompiledReshard:
+def _compile(shape, dtype, src, dst, strategy, cluster, domains, publishers, options) -> CompiledReshard:
     domain_of = dict(domains)
     plan = plan_reshard(
         shape, dtype, src, dst, strategy=strategy, cluster=cluster, hosts=planning_hosts(src, dst, domain_of)
@@ -78,7 +83,7 @@ def _compile(shape, dtype, src, dst, strategy, cluster, domains, options) -> Com
     validate_plan(plan)
     program = lower_plan(plan)
     validate_program(program)
-    program = to_pulls(program, domain_of)
+    program = to_pulls(program, domain_of, publishers)
     program = sequence_program(
         program,
         overlap_copy_bytes=options.overlap_copy_bytes,
@@ -88,7 +93,9 @@ def _compile(shape, dtype, src, dst, strategy, cluster, domains, options) -> Com
     validate_program(program)
     participants = tuple(p.device for p in program.devices if p.ops or p.background or p.dst_shape is not None)
     blobs = {d: encode_device_program(program.for_device(d), program.dtype) for d in participants}
-    return CompiledReshard(plan, program, blobs, participants, program.groups, program.pull_sources, domains)
+    return CompiledReshard(
+        plan, program, blobs, participants, program.groups, program.pull_sources, program.relay_sources, domains
+    )
 
 
 def planning_hosts(src: Layout, dst: Layout, domain_of: Mapping[int, Hashable]) -> dict[int, int] | None:

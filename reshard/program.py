@@ -10,9 +10,10 @@ A ``Program`` holds one ``DeviceProgram`` per participating device. A device pro
 - ``staging_bytes``: the one staging buffer its strided slices pass through (each such op names
   its byte offset in it).
 
-Ops are a small tagged union: ``Copy``, ``Pull`` and ``Scale`` are local (a pull reads a peer's
-source shard through shared memory); ``Send``, ``Recv`` and ``Broadcast`` are messages over a group,
-named root first. Receiving ops may combine (``reduce``) what arrives with what their target box
+Ops are a small tagged union: ``Copy``, ``Pull``, ``Scale`` and ``Publish`` are local (a pull reads a
+peer's source shard through shared memory, or a box of its destination shard once the peer has
+published it: a relay inside one machine); ``Send``, ``Recv`` and ``Broadcast`` are messages over a
+group, named root first. Receiving ops may combine (``reduce``) what arrives with what their target box
 holds: contributions of a Partial source, combined in the destination shard or in a scratch buffer
 (``Buffer.TMP``, the shape of the source shard). Every op carries the plan step it serves (the
 global issue order), devices by global id and buffers by local boxes. Lowering
@@ -53,8 +54,10 @@ class Copy:
 
 @dataclass(frozen=True, slots=True)
 class Pull:
-    """Copy box ``read`` of device ``holder``'s source shard (shared memory) into box ``write`` of
-    this device's ``target`` buffer (combining by ``reduce``, when set)."""
+    """Copy box ``read`` of device ``holder``'s ``buffer`` (shared memory) into box ``write`` of
+    this device's ``target`` buffer (combining by ``reduce``, when set). A source shard is whole
+    before the reshard starts; a destination shard's box (a relay) is read once the holder's
+    ``after``-th ``Publish`` ran."""
 
     step: int
     holder: int
@@ -62,6 +65,23 @@ class Pull:
     write: Box
     target: Buffer = Buffer.DST
     reduce: ReduceOp | None = None
+    buffer: Buffer = Buffer.SRC
+    after: int = 0
+
+    def __post_init__(self):
+        if (self.buffer is Buffer.DST) != (self.after > 0) or self.buffer is Buffer.TMP:
+            raise ValueError(f"a pull reads a source shard, or a destination shard after a publication: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Tell the devices that pull from this one that box ``box`` of its destination shard is
+    complete: its ``count``-th publication (counted from 1 in each run). It runs once every earlier
+    window of this device completed; ``step`` is the relay it serves."""
+
+    step: int
+    box: Box
+    count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +135,8 @@ class Broadcast:
             raise ValueError(f"a broadcast op either reads (root) or writes (receiver): {self}")
 
 
-Op = Copy | Pull | Scale | Send | Recv | Broadcast
-LOCAL_OPS = (Copy, Pull, Scale)
+Op = Copy | Pull | Scale | Publish | Send | Recv | Broadcast
+LOCAL_OPS = (Copy, Pull, Scale, Publish)
 MESSAGE_OPS = (Send, Recv, Broadcast)
 
 
@@ -129,6 +149,8 @@ def op_box(op: Op) -> Box:
     """The box an op moves (what it reads, or for receivers what they write)."""
     if isinstance(op, Recv | Scale):
         return op.write
+    if isinstance(op, Publish):
+        return op.box
     if isinstance(op, Broadcast):  # exactly one of read and write is set (checked on construction)
         return cast(Box, op.write if op.read is None else op.read)
     return op.read
@@ -144,11 +166,12 @@ def op_numel(op: Op) -> int:
 
 def reads_output(op: Op) -> Buffer | None:
     """The buffer an op reads that ops of the same program write (destination or scratch):
-    what it sends or copies from there, or the box it combines into or scales. None: none."""
+    what it sends or copies from there, the box it combines into, scales or publishes. None: none
+    (a pull of a peer's destination shard reads the peer's)."""
     buffer = getattr(op, "buffer", None)
-    if buffer in (Buffer.DST, Buffer.TMP):
+    if buffer in (Buffer.DST, Buffer.TMP) and not isinstance(op, Pull):
         return buffer
-    if isinstance(op, Scale):
+    if isinstance(op, Scale | Publish):
         return Buffer.DST
     if isinstance(op, Copy | Pull | Recv) and op.reduce is not None:
         return op.target
@@ -176,6 +199,7 @@ class DeviceProgram:
     background: tuple[Op, ...] = ()
     tmp: bool = False  # a scratch buffer of ``src_shape`` (Buffer.TMP) for combining contributions
     zero_dst: bool = False  # the destination starts as zeros (a Partial destination's other devices)
+    relays: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (holder, its destination shape) it pulls relays from
 
     def __post_init__(self):
         if self.windows and (sum(self.windows) != len(self.ops) or min(self.windows) < 1):
@@ -199,7 +223,12 @@ class DeviceProgram:
     @property
     def holders(self) -> tuple[int, ...]:
         """Devices whose source shards this device pulls from."""
-        return tuple(sorted({op.holder for op in self.all_ops if isinstance(op, Pull)}))
+        return tuple(sorted({op.holder for op in self.all_ops if isinstance(op, Pull) and op.buffer is Buffer.SRC}))
+
+    @property
+    def publishes(self) -> bool:
+        """Whether peers pull relays out of this device's destination shard."""
+        return any(isinstance(op, Publish) for op in self.ops)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +254,11 @@ class Program:
     def pull_sources(self) -> dict[int, tuple[int, ...]]:
         """``{device: devices whose source shards it pulls}``, for the devices that pull."""
         return {p.device: p.holders for p in self.devices if p.holders}
+
+    @property
+    def relay_sources(self) -> dict[int, tuple[int, ...]]:
+        """``{device: devices whose destination shards it pulls relays from}``."""
+        return {p.device: tuple(h for h, _ in p.relays) for p in self.devices if p.relays}
 
 
 def first_use_groups(ops) -> tuple[Group, ...]:

@@ -1,13 +1,15 @@
 """Sequencing: the order and overlap in which each device runs its ops.
 
 Message ops keep the plan's global order (deadlock freedom). Local ops (``Copy``, ``Pull``) wait
-for nobody, so when no op of a device reads what its ops write (it relays, combines or scales
-nothing) they go after its messages: the peers waiting on this device are served first. When those
+for nobody but a relay's publication, so when no op of a device reads what its ops write (it
+relays, combines or scales nothing) they go after its messages, those that are ready first (pulls
+of relays by publication): the peers waiting on this device are served first. When those
 local ops move at least ``overlap_copy_bytes`` and the device also communicates, they run on the
 device's helper thread instead (``background``), overlapping its messages (CPU devices only: a GPU
 copies on its streams). With ``window_ops`` > 1 consecutive message ops are issued together, up to
 that many, as long as their staged slices fit ``window_staging_bytes`` side by side and no op reads
-a box the window writes. ``reshard.validate.validate_program`` replays the result.
+a box the window writes; a pull of a relay (it waits) gets a window of its own.
+``reshard.validate.validate_program`` replays the result.
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from reshard.dtypes import itemsize
-from reshard.program import LOCAL_OPS, MESSAGE_OPS, DeviceProgram, Op, Program, op_numel, reads_output
+from reshard.program import (
+    LOCAL_OPS,
+    MESSAGE_OPS,
+    Buffer,
+    DeviceProgram,
+    Op,
+    Program,
+    Pull,
+    op_numel,
+    reads_output,
+)
 
 OVERLAP_COPY_BYTES = 1 << 20  # below it the hand-off to the helper thread costs more than it saves
 WINDOW_STAGING_BYTES = 64 << 20
@@ -44,13 +56,19 @@ def _sequence_device(p: DeviceProgram, item: int, overlap_bytes, window_ops: int
     messages: list[Op] = [op for op in ops if isinstance(op, MESSAGE_OPS)]
     local: list[Op] = [op for op in ops if isinstance(op, LOCAL_OPS)]
     background: list[Op] = []
-    if messages and local and not any(reads_output(op) for op in ops):
-        if overlap_bytes is not None and sum(op_numel(op) for op in local) * item >= overlap_bytes:
+    if local and not any(reads_output(op) for op in ops):  # plain writes of disjoint boxes: any order
+        local.sort(key=_publication)
+        if messages and overlap_bytes is not None and sum(op_numel(op) for op in local) * item >= overlap_bytes:
             ops, background = messages, local
         else:
             ops = messages + local
     ops, windows, staging = _windows(list(ops), item, window_ops, window_staging, p.staging_bytes)
     return replace(p, ops=tuple(ops), background=tuple(background), windows=windows, staging_bytes=staging)
+
+
+def _publication(op: Op) -> int:
+    """The publication a local op waits for (0: none)."""
+    return op.after if isinstance(op, Pull) else 0
 
 
 def _windows(ops: list[Op], item: int, most: int, bound: int, staging: int):
@@ -62,11 +80,14 @@ def _windows(ops: list[Op], item: int, most: int, bound: int, staging: int):
     lengths: list[int] = []
     count = used = peak = 0
     written: list = []  # boxes written in the current window
+    alone = False  # the current window holds a pull of a relay
     for op in ops:
         nbytes = op_numel(op) * item if getattr(op, "staging", None) is not None else 0
         message = isinstance(op, MESSAGE_OPS)
         depends = reads_output(op) is not None and written
-        if lengths and (depends or (message and (count >= most or used + nbytes > max(bound, nbytes)))):
+        waits = isinstance(op, Pull) and op.buffer is Buffer.DST
+        full = message and (count >= most or used + nbytes > max(bound, nbytes))
+        if lengths and (depends or waits or alone or full):
             lengths.append(0)
             count = used = 0
             written = []
@@ -83,4 +104,5 @@ def _windows(ops: list[Op], item: int, most: int, bound: int, staging: int):
             written.append(write)
         out.append(op)
         lengths[-1] += 1
+        alone = waits
     return out, tuple(lengths), peak

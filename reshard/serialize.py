@@ -13,16 +13,17 @@ import msgpack
 from reshard.layout import Layout
 from reshard.placement import Partial, ReduceOp, Replicate, Shard
 from reshard.plan import ReshardPlan, Transfer, TransferKind
-from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Program, Pull, Recv, Scale, Send
+from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Program, Publish, Pull, Recv, Scale, Send
 from reshard.tasks import UnitTask
 from topology.mesh import Mesh
 
-SCHEMA_VERSION = 4  # 2: pulls; 3: ops as a tagged union, connect order, windows, background ops, plan hosts;
-# 4: Partial sources (combining ops, scratch buffer, Scale, transfers' read/write/reduce), zero-filled destinations
+SCHEMA_VERSION = 5  # 2: pulls; 3: ops as a tagged union, connect order, windows, background ops, plan hosts;
+# 4: Partial sources (combining ops, scratch buffer, Scale, transfers' read/write/reduce), zero-filled destinations;
+# 5: relays pulled out of destination shards (Publish, Pull.buffer/after, DeviceProgram.relays)
 
-OP_TAGS: dict[type, int] = {Copy: 0, Pull: 1, Send: 2, Recv: 3, Broadcast: 4, Scale: 5}
+OP_TAGS: dict[type, int] = {Copy: 0, Pull: 1, Send: 2, Recv: 3, Broadcast: 4, Scale: 5, Publish: 6}
 _OP_TYPES = {tag: cls for cls, tag in OP_TAGS.items()}
-_BOXES = {"read", "write"}
+_BOXES = {"read", "write", "box"}
 
 
 def _box(obj) -> tuple:
@@ -124,15 +125,16 @@ def device_program_to_obj(p: DeviceProgram) -> list:
     return [
         p.device, _list(p.src_shape), _list(p.dst_shape),
         [op_to_obj(op) for op in p.ops], p.staging_bytes, [list(g) for g in p.connect], list(p.windows),
-        [op_to_obj(op) for op in p.background], p.tmp, p.zero_dst,
+        [op_to_obj(op) for op in p.background], p.tmp, p.zero_dst, [[h, list(s)] for h, s in p.relays],
     ]  # fmt: skip
 
 
 def device_program_from_obj(obj) -> DeviceProgram:
-    device, src, dst, ops, staging, connect, windows, background, tmp, zero_dst = obj
+    device, src, dst, ops, staging, connect, windows, background, tmp, zero_dst, relays = obj
     return DeviceProgram(
         device, _shape(src), _shape(dst), tuple(op_from_obj(o) for o in ops), staging,
         tuple(tuple(g) for g in connect), tuple(windows), tuple(op_from_obj(o) for o in background), tmp, zero_dst,
+        tuple((h, tuple(s)) for h, s in relays),
     )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from reshard.program import (
     Copy,
     DeviceProgram,
     Program,
+    Publish,
     Pull,
     Recv,
     Scale,
@@ -122,9 +123,11 @@ def validate_program(program: Program) -> None:
     """Raise PlanError unless the program is well formed (module docstring):
 
     - every device issues its message ops in the global step order, and every step's ops are
-      matched by all members of its group (pulls: see ``_check_pulls``);
+      matched by all members of its group (pulls: see ``_check_pulls``); a device's publications
+      are counted 1, 2, ... in order;
     - every device connects exactly the groups its messages use, and connecting them in the listed
-      orders, then issuing the ops window by window, completes (no two groups wait on each other);
+      orders, then issuing the ops window by window, completes (no two groups wait on each other,
+      no pull of a relay waits for a publication that waits for it);
     - a device reads a box of its destination shard only after it was written (a relay), its
       background ops touch nothing its foreground ops read, and its staged slices are exactly the
       strided ones, inside its staging buffer, side by side within a window.
@@ -143,17 +146,24 @@ def validate_program(program: Program) -> None:
             if op.step in members and p.device in members[op.step]:
                 raise PlanError(f"device {p.device} runs step {op.step} twice")
             members[op.step][p.device] = op
+        counts = [op.count for op in p.all_ops if isinstance(op, Publish)]
+        if counts != list(range(1, len(counts) + 1)):
+            raise PlanError(f"device {p.device} publishes out of order: counts {counts}")
         if set(p.connect) != set(first_use_groups(p.ops)) or len(set(p.connect)) != len(p.connect):
             raise PlanError(
                 f"device {p.device} connects {list(p.connect)} but its messages use {list(first_use_groups(p.ops))}"
             )
         _check_dataflow(p)
         _check_staging(p, item)
-    src_shapes = {p.device: p.src_shape for p in program.devices}
+    shapes = {
+        Buffer.SRC: {p.device: p.src_shape for p in program.devices},
+        Buffer.DST: {p.device: p.dst_shape for p in program.devices},
+    }
     for step, ops in members.items():
         first = next(iter(ops.values()))
-        if isinstance(first, Pull):
-            _check_pulls(step, ops, src_shapes)
+        if isinstance(first, Pull | Publish):
+            _check_pulls(step, ops, shapes)
+            _check_relay_shapes(step, ops, program)
         elif isinstance(first, Copy | Scale):
             if len(ops) != 1:
                 raise PlanError(f"step {step}: a local op on several devices {sorted(ops)}")
@@ -180,23 +190,51 @@ def _check_message(step: int, ops: dict) -> None:
         raise PlanError(f"step {step}: unpaired ops {list(ops.values())}")
 
 
-def _check_pulls(step: int, ops: dict, src_shapes: dict) -> None:
-    """Every op of a pulled step is a pull of one box of one holder's source shard, by a device
-    other than the holder (which runs nothing at that step)."""
-    first = next(iter(ops.values()))
+def _check_pulls(step: int, ops: dict, shapes: dict) -> None:
+    """Every op of a pulled step is a pull of one box of one holder's buffer, by a device other
+    than the holder, which runs nothing at that step (a source shard) or publishes that box with
+    the count the pulls wait for (a relay out of its destination shard)."""
+    pulls = {d: op for d, op in ops.items() if isinstance(op, Pull)}
+    if not pulls:
+        raise PlanError(f"step {step}: a publication nobody pulls: {list(ops.values())}")
+    first = next(iter(pulls.values()))
     holder = first.holder
-    for op in ops.values():
-        if not isinstance(op, Pull) or op.holder != holder or op.read != first.read:
-            raise PlanError(f"step {step}: pulls and other ops mixed: {list(ops.values())}")
-    if holder in ops:
+    for op in pulls.values():
+        if (op.holder, op.read, op.buffer, op.after) != (holder, first.read, first.buffer, first.after):
+            raise PlanError(f"step {step}: pulls of different slices: {list(pulls.values())}")
+    if holder in pulls:
         raise PlanError(f"step {step}: device {holder} pulls from itself")
-    shape = src_shapes.get(holder)
+    if first.buffer is Buffer.DST:
+        publication = ops.get(holder)
+        if publication != Publish(step, first.read, first.after):
+            raise PlanError(
+                f"step {step}: device {holder} must publish {first.read} as its publication {first.after} "
+                f"for the pulls of its destination shard, got {publication}"
+            )
+    if set(ops) - set(pulls) - ({holder} if first.buffer is Buffer.DST else set()):
+        raise PlanError(f"step {step}: pulls and other ops mixed: {list(ops.values())}")
+    shape = shapes[first.buffer].get(holder)
     if (
         shape is None
         or len(first.read) != len(shape)
         or any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(first.read, shape, strict=True))
     ):
-        raise PlanError(f"step {step}: pull of {first.read} lies outside device {holder}'s source shard {shape}")
+        raise PlanError(
+            f"step {step}: pull of {first.read} lies outside device {holder}'s "
+            f"{'source' if first.buffer is Buffer.SRC else 'destination'} shard {shape}"
+        )
+
+
+def _check_relay_shapes(step: int, ops: dict, program: Program) -> None:
+    """A device that pulls relays names each holder's destination shape as the holder has it."""
+    for d, op in ops.items():
+        if isinstance(op, Pull) and op.buffer is Buffer.DST:
+            relays = dict(program.for_device(d).relays)
+            if relays.get(op.holder) != program.for_device(op.holder).dst_shape:
+                raise PlanError(
+                    f"device {d} step {step}: pulls device {op.holder}'s destination shard but names its shape "
+                    f"{relays.get(op.holder)}"
+                )
 
 
 def _check_dataflow(p: DeviceProgram) -> None:
@@ -267,20 +305,49 @@ def _check_staging(p: DeviceProgram, item: int) -> None:
                 spans.append(span)
 
 
+def _phases(p: DeviceProgram) -> list[tuple[tuple, tuple]]:
+    """``p`` as the replay sees it: (keys it issues, keys it then waits for) per phase. A window
+    is a phase, except that a pull of a relay (it blocks until the holder's publication ran)
+    starts a phase of its own, after the window's earlier ops completed (stricter than the
+    executor, which only issued them: a replay that completes so, completes as executed)."""
+    out: list[tuple[tuple, tuple]] = [((("connect", g),), (("connect", g),)) for g in p.connect]
+    for window in p.issue_windows:
+        issue: list = []
+        wait: list = []
+        for op in window:
+            if isinstance(op, Pull) and op.buffer is Buffer.DST:
+                if issue or wait:
+                    out.append((tuple(issue), tuple(wait)))
+                    issue, wait = [], []
+                wait.append(("published", op.holder, op.after))
+            elif isinstance(op, Publish):
+                issue.append(("published", p.device, op.count))
+            elif isinstance(op, MESSAGE_OPS):
+                issue.append(("step", op.step))
+                wait.append(("step", op.step))
+        out.append((tuple(issue), tuple(wait)))
+    return out
+
+
 def _check_progress(program: Program, members) -> None:
     """Replay: each device connects its groups in order (a connect completes once every member
-    reached it), then issues its windows; an op completes once every member of its step issued
-    theirs, a window once all its ops completed. Pulls and copies wait for nobody."""
+    reached it), then issues its windows (``_phases``); an op completes once every member of its
+    step issued theirs, a window once all its ops completed. A publication completes when its
+    device issues it; pulls of a relay wait for it; other pulls and copies wait for nobody."""
     issued: dict[object, set[int]] = defaultdict(set)
-    need = {("step", s): set(ops) for s, ops in members.items()}
+    need: dict[object, set[int]] = {("step", s): set(ops) for s, ops in members.items()}
     for p in program.devices:
         for g in p.connect:
             need[("connect", g)] = set(g)
-    plans = {
-        p.device: [(("connect", g),) for g in p.connect]
-        + [tuple(("step", op.step) for op in w if isinstance(op, MESSAGE_OPS)) for w in p.issue_windows]
-        for p in program.devices
-    }
+        for op in p.ops:
+            if isinstance(op, Publish):
+                need[("published", p.device, op.count)] = {p.device}
+    plans = {p.device: _phases(p) for p in program.devices}
+    for d, seq in plans.items():
+        for _, wait in seq:
+            for k in wait:
+                if k not in need:
+                    raise PlanError(f"device {d} waits for {k}, which no device issues")
     heads = dict.fromkeys(plans, 0)
     waiting = dict.fromkeys(plans, False)
     progress = True
@@ -288,18 +355,18 @@ def _check_progress(program: Program, members) -> None:
         progress = False
         for d, seq in plans.items():
             while heads[d] < len(seq):
-                keys = seq[heads[d]]
+                keys, wait = seq[heads[d]]
                 if not waiting[d]:
                     for k in keys:
                         issued[k].add(d)
                     waiting[d] = True
                     progress = True
-                if any(issued[k] != need[k] for k in keys):
+                if any(issued[k] != need[k] for k in wait):
                     break
                 heads[d] += 1
                 waiting[d] = False
                 progress = True
     stuck = {d: plans[d][h] for d, h in heads.items() if h < len(plans[d])}
     if stuck:
-        lines = "\n".join(f"  device {d} waits at {list(keys)}" for d, keys in sorted(stuck.items()))
+        lines = "\n".join(f"  device {d} waits at {list(keys[1])}" for d, keys in sorted(stuck.items()))
         raise PlanError(f"program deadlocks:\n{lines}")

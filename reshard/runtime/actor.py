@@ -22,6 +22,7 @@ what it allocated and raises a ``ReshardError``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -42,7 +43,7 @@ from reshard.runtime.groups import GroupCache, group_key
 from reshard.runtime.inbox import OrderedInbox
 from reshard.runtime.messages import RunRequest, RunResult, Ticket, Updates
 from reshard.runtime.shards import ShardStore
-from reshard.runtime.shared_memory import PeerShards, SharedShards
+from reshard.runtime.shared_memory import PeerShards, RelayBoard, SharedShards
 from reshard.serialize import decode_device_program
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class ControllerState:
         self.programs: OrderedDict[int, PreparedProgram] = OrderedDict()
         self.staging = StagingBuffer(ctx.device_type, int(ctx.options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))
         self.active: tuple[str, tuple] | None = None  # (destination name, group keys) of the run in progress
+        self.cancelled = threading.Event()  # the run in progress was aborted by the controller
 
     def apply(self, updates: Updates | None) -> None:
         if not updates:
@@ -84,6 +86,7 @@ class DeviceContext:
             device, self.device_type, int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES)), shared
         )
         self.peers = PeerShards(device)
+        self.board = RelayBoard() if shared is not None and RelayBoard.available() else None
         self.controllers: dict[str, ControllerState] = {}
         self.inbox = OrderedInbox()
         self.before_op = None
@@ -335,6 +338,7 @@ class DeviceRole:
             "node_ip": ray.util.get_node_ip_address(),
             "torch_device": self._reshard_ctx.device_type,
             "shared_memory": self._reshard_ctx.shared is not None,
+            "board": None if self._reshard_ctx.board is None else self._reshard_ctx.board.descriptor,
         }
 
     def reshard_ping(self) -> None:
@@ -410,6 +414,8 @@ class DeviceRole:
         prepared = None
         dst = None
         keys: list = []
+        slot = None  # this run's slot on the relay board, when it publishes
+        relayed_from: dict = {}  # holder -> descriptor of the destination shard relays were pulled from
         try:
             if req.blob is not None:
                 dtype, program = decode_device_program(req.blob)
@@ -422,6 +428,7 @@ class DeviceRole:
                 )
             state.programs.move_to_end(req.program_id)
             keys = [group_key(g) for g in prepared.groups]
+            state.cancelled = threading.Event()
             state.active = (req.dst_name, tuple(keys))
             if time.monotonic() >= deadline:
                 ctx.counters["dropped_late"] += 1
@@ -446,6 +453,12 @@ class DeviceRole:
                     raise ReshardError(
                         f"device {ctx.device}: could not allocate its destination shard {prog.dst_shape}: {e}"
                     ) from e
+            publish = relayed = None
+            if prog.publishes:
+                slot = self._open_slot(req, dst)
+                publish = functools.partial(ctx.board.post, slot)
+            if prog.relays:
+                relayed = self._relay_source(req, prog, dtype, deadline, state.cancelled, relayed_from)
             state.groups.connect(keys, deadline - time.monotonic())
             state.staging.reserve(prog.staging_bytes)
             tmp = ctx.store.allocate(prog.src_shape, dtype) if prog.tmp else None
@@ -453,13 +466,18 @@ class DeviceRole:
             ctx.counters["runs"] += 1
             channel = _Channel(state.groups, "")
             batch = getattr(ctx.backend, "grouped", None)
-            run = Run(prepared, src, dst, peers, channel, state.staging, deadline, ctx.before_op, tmp, batch)
+            run = Run(prepared, src, dst, peers, channel, state.staging, deadline, ctx.before_op, tmp, batch,
+                      relayed, publish)  # fmt: skip
             stats = execute(run)
-            for h, desc in (req.pulls or {}).items():
+            for h, desc in [*(req.pulls or {}).items(), *relayed_from.items()]:
                 ctx.peers.check(h, desc)  # still the shards pulled from: none was freed meanwhile
         except BaseException as e:
             ctx.counters["failed_runs"] += 1
             state.groups.abort(keys, f"it failed: {type(e).__name__}")  # peers fail fast
+            if slot is not None:
+                ctx.board.fail(slot)  # devices pulling relays from this one fail fast too
+                if not req.direct:
+                    ctx.store.end(dst)
             dst = None
             if isinstance(e, ReshardError):
                 raise
@@ -471,12 +489,45 @@ class DeviceRole:
             state.staging.trim()
         desc = None
         if dst is not None and not req.direct:
-            if not ctx.store.put(req.dst_name, dst, req.dst_name, req.meta):
+            if not ctx.store.put(req.dst_name, dst, req.dst_name, req.meta, begun=slot is not None):
                 raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard into {req.dst_name}")
             desc = ctx.store.descriptor(dst)
         elif dst is not None:
             desc = ctx.store.descriptor(dst)
         return RunResult(time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], ctx.peak_bytes, desc)
+
+    def _open_slot(self, req: RunRequest, dst) -> int:
+        """A board slot for this run's publications, naming its destination shard (given its
+        tenure now: peers pull from it while the run goes on)."""
+        ctx = self._reshard_ctx
+        block = ctx.store.descriptor(dst) if req.direct else ctx.store.begin(dst)
+        if ctx.board is None or block is None:
+            raise ReshardError(
+                f"device {ctx.device}: the program has peers pull relays out of its destination shard, but "
+                f"{'it has no relay board' if ctx.board is None else 'that shard is not in shared memory'}"
+            )
+        return ctx.board.open(req.dst_name, block)
+
+    def _relay_source(self, req: RunRequest, prog: DeviceProgram, dtype: str, deadline: float, cancelled,
+                      pulled: dict):  # fmt: skip
+        """``relayed(holder, after)`` for the executor: the holder's destination shard once it
+        published ``after`` slices, its descriptor recorded in ``pulled`` (checked after the run)."""
+        ctx = self._reshard_ctx
+        boards = req.relays or {}
+        missing = [h for h, _ in prog.relays if h not in boards]
+        if missing:
+            raise ReshardError(f"device {ctx.device}: no relay board was given for device(s) {missing} it pulls from")
+        shapes = dict(prog.relays)
+        storage = arrays.storage(dtype)
+
+        def relayed(holder: int, after: int):
+            shard, block = ctx.peers.relay(
+                holder, boards[holder], req.dst_name, after, shapes[holder], storage, deadline, cancelled.is_set
+            )
+            pulled[holder] = block
+            return shard
+
+        return relayed
 
     def _out(self, name: str, shape, dtype: str):
         """The user's tensor a reshard writes into, checked against what the program writes."""
@@ -527,6 +578,7 @@ class DeviceRole:
             return
         active = state.active
         if active is not None and active[0] == dst_name:
+            state.cancelled.set()
             state.groups.abort(active[1], "the controller aborted the reshard")
         state.groups.abort([k for k, gen in group_drops if state.groups.generation(k) == gen], "dropped")
 
@@ -573,6 +625,8 @@ class DeviceRole:
             state.staging.buf = None
         ctx.store.clear()
         ctx.peers.clear()
+        if ctx.board is not None:
+            ctx.board.close()
         self._reshard_ctx = None
 
 

@@ -195,7 +195,10 @@ class Runtime:
                 upd = self.updates_for(rec.id, sets.get(rec.id, ()))
                 holders = compiled.pull_sources.get(rec.id)
                 pulls = {h: shared[h] for h in holders} if holders else None
-                req = (pid, blob, upd or None, src_name, dst_name, wall, pulls, out, direct, (meta or {}).get(rec.id))
+                relaying = compiled.relay_sources.get(rec.id)
+                relays = {h: self.registry.devices[h].board for h in relaying} if relaying else None
+                req = (pid, blob, upd or None, src_name, dst_name, wall, pulls, out, direct, (meta or {}).get(rec.id),
+                       relays)  # fmt: skip
                 refs[rec.id] = self.submit(
                     rec, lambda t, rec=rec, req=req: rec.actor.reshard_run.remote(RunRequest(t, *req))
                 )

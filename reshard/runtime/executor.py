@@ -20,7 +20,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Pull, Recv, Scale, Send, group_key, op_shape
+from reshard.program import (
+    Broadcast,
+    Buffer,
+    Copy,
+    DeviceProgram,
+    Publish,
+    Pull,
+    Recv,
+    Scale,
+    Send,
+    group_key,
+    op_shape,
+)
 from reshard.runtime import arrays
 
 
@@ -103,9 +115,12 @@ class PreparedProgram:
 
 
 class Run:
-    """The state of one program run: buffers, peers' shards, communicators, staging, deadline."""
+    """The state of one program run: buffers, peers' shards, communicators, staging, deadline;
+    ``relayed(holder, after)``: the holder's destination shard once it published ``after`` slices,
+    ``publish(count)``: tell pullers this device published ``count`` (relays, ``reshard.pulls``)."""
 
-    def __init__(self, prepared, src, dst, peers, groups, staging, deadline, before_op=None, tmp=None, batch=None):
+    def __init__(self, prepared, src, dst, peers, groups, staging, deadline, before_op=None, tmp=None, batch=None,
+                 relayed=None, publish=None):  # fmt: skip
         self.prepared = prepared
         self.device = prepared.device
         self.src = src
@@ -118,6 +133,8 @@ class Run:
         self.deadline = deadline
         self.before_op = before_op
         self.batch = batch  # the backend's ``grouped(timeout_s=)`` (NCCL: one group call per window), or None
+        self.relayed = relayed
+        self.publish = publish
         self.comm_s = 0.0
 
     def left(self, step: Step) -> float:
@@ -174,7 +191,13 @@ def _copy(run: Run, step: Step):
 
 
 def _pull(run: Run, step: Step):
-    run.land(step, run.peers[step.op.holder][step.read])
+    op = step.op
+    shard = run.peers[op.holder] if op.buffer is Buffer.SRC else run.relayed(op.holder, op.after)
+    run.land(step, shard[step.read])
+
+
+def _publish(run: Run, step: Step):
+    run.publish(step.op.count)
 
 
 def _scale(run: Run, step: Step):
@@ -198,7 +221,7 @@ def _broadcast(run: Run, step: Step):
 
 
 HANDLERS: dict[type, Callable] = {
-    Copy: _copy, Pull: _pull, Scale: _scale, Send: _send, Recv: _recv, Broadcast: _broadcast,
+    Copy: _copy, Pull: _pull, Scale: _scale, Publish: _publish, Send: _send, Recv: _recv, Broadcast: _broadcast,
 }  # fmt: skip
 
 
@@ -249,7 +272,7 @@ def execute(run: Run) -> dict:
         _check_buffer("scratch", run.tmp, prog.src_shape, run.dtype, run.device)
     if prog.zero_dst:
         run.dst[...] = 0
-    _check_peers(prog, run.peers, run.dtype)
+    _check_peers(prog, run)
     background = None
     if prepared.background:
         background = _helper_thread().submit(_run_local, run, prepared.background)
@@ -296,10 +319,16 @@ def _contiguous(view, step: Step, device: int):
     return view
 
 
-def _check_peers(prog: DeviceProgram, peers: dict, dtype: str) -> None:
-    """Every holder the program pulls from is mapped, with the program's dtype."""
+def _check_peers(prog: DeviceProgram, run: Run) -> None:
+    """Every holder the program pulls from is mapped, with the program's dtype; relays have a
+    source and publications a board."""
+    if prog.relays and run.relayed is None:
+        raise ReshardError(f"device {prog.device}: the program pulls relays but the run has no way to find them")
+    if prog.publishes and run.publish is None:
+        raise ReshardError(f"device {prog.device}: the program publishes relays but the run has nowhere to")
+    dtype = run.dtype
     for holder in prog.holders:
-        t = peers.get(holder)
+        t = run.peers.get(holder)
         if t is None or not _is(t, dtype):
             got = "nothing" if t is None else f"a {t.dtype} shard"
             raise ReshardError(

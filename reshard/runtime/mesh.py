@@ -303,6 +303,7 @@ class DeviceMesh:
                 session,
                 infos[d]["shared_memory"],
                 *limits,
+                board=infos[d].get("board"),
             )
             for d, a, h in zip(ids, actors, hosts, strict=True)
         ]

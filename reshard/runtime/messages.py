@@ -54,7 +54,8 @@ class Updates:
 class RunRequest:
     """Run program ``program_id`` (decoding ``blob`` first when given) over source shard
     ``src_name`` into a new destination shard ``dst_name`` before ``deadline``. ``pulls`` maps each
-    device this one pulls from to its source shard's shared-memory descriptor. ``out``: an existing
+    device this one pulls from to its source shard's shared-memory descriptor, ``relays`` each
+    device it pulls relays from to its relay board's. ``out``: an existing
     shard (a user's tensor) the result is for: written into directly when ``direct``, else kept
     under ``dst_name`` until ``reshard_commit``. ``meta``: what the destination shard is a shard of
     (global shape, placements, mesh shape, this device's coordinate)."""
@@ -70,6 +71,7 @@ class RunRequest:
     out: str | None = None
     direct: bool = False
     meta: dict | None = None
+    relays: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)

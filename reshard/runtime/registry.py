@@ -62,6 +62,7 @@ class DeviceRecord:
     shared_memory: bool = False  # its shards live in shared memory (peers on its node pull)
     max_communicators: int = 64
     max_programs: int = 256
+    board: tuple | None = None  # its relay board's descriptor (peers on its node pull relays from it)
     state: DeviceState = DeviceState.ALIVE
     reason: str = ""
     seq: int = 1  # the next ordered call's sequence number (``reshard.runtime.inbox``)
@@ -72,7 +73,7 @@ class DeviceRecord:
             "id": self.id, "actor": self.actor, "host": self.host, "backend": self.backend, "node_id": self.node_id,
             "node_ip": self.node_ip, "owner": self.owner, "session": self.session,
             "shared_memory": self.shared_memory, "max_communicators": self.max_communicators,
-            "max_programs": self.max_programs,
+            "max_programs": self.max_programs, "board": self.board,
         }  # fmt: skip
 
 

@@ -143,17 +143,33 @@ class ShardStore:
             return np.empty(tuple(shape), dtype=storage)
         return flat.view(storage).reshape(tuple(shape))
 
-    def put(self, name: str, t, holder: str, meta: dict | None = None) -> bool:
+    def begin(self, t) -> tuple | None:
+        """Give ``t`` (a run's new destination shard) its tenure now, before it is ``put`` (peers
+        pull relays out of it while the run goes on); its descriptor, None if it is not shared."""
+        if self.shared is None:
+            return None
+        self.shared.begin(t)
+        return self.shared.descriptor(t)
+
+    def end(self, t) -> None:
+        """``t`` got a tenure (``begin``) but will not be put: descriptors of it stop mapping."""
+        if self.shared is not None:
+            self.shared.end(t)
+
+    def put(self, name: str, t, holder: str, meta: dict | None = None, *, begun: bool = False) -> bool:
         """Keep ``t`` as shard ``name`` held by ``holder``; False (and ``t`` dropped) when the run
-        that made it was aborted meanwhile. ``meta``: what it is a shard of."""
+        that made it was aborted meanwhile. ``meta``: what it is a shard of; ``begun``: ``t``
+        has its tenure already (``begin``)."""
         with self._lock:
             if name in self._tombstones:
                 self._tombstones.pop(name)
+                if begun:
+                    self.end(t)
                 self.pool.put(t, 1)
                 return False
             self.shards[name] = t
             self.holders[name] = {holder}
-            if self.shared is not None:
+            if self.shared is not None and not begun:
                 self.shared.begin(t)
             if meta:
                 self.meta[name] = meta

@@ -16,22 +16,35 @@ after (``PeerShards.check``): a shard freed before or during the reshard fails i
 another tensor's bytes. A bug in one actor cannot write another's shard through its mapping; any
 process of the same user may still open ``/proc/<pid>/fd`` itself, as it may attach a debugger
 (the trust model of shared memory on one machine).
+
+Relays. A device that relays slices it received (from another machine) to devices of its own
+machine publishes them instead of sending them (``reshard.pulls``). Its ``RelayBoard``, a small
+memfd its peers map read-only, has a slot per run: the run's key, its destination shard's block
+(fd, inode, tenure) and how many slices it has published so far (or ``FAILED``). A puller finds the
+slot by key, waits until the count reaches the publication it needs (``PeerShards.relay``), maps
+the destination shard like a source shard and checks its tenure after copying, as for source
+shards. Slots are reused round robin, so a slot outlives its run by ``BOARD_SLOTS`` later runs
+that relay on the same device.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import itertools
 import mmap
 import os
+import platform
 import threading
+import time
 import weakref
 from collections import OrderedDict
 
 import numpy as np
 
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, ReshardTimeout
+from reshard.runtime.communicator import PeerFailed
 
 #: Bound on the peer mappings a device keeps. A mapping of a shard its owner still holds costs no
 #: memory (the pages are the owner's); one whose owner dropped the shard pins that memory, so
@@ -42,6 +55,14 @@ PEER_MAPS = 256
 #: trap per page while the first copy runs.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 HEADER = 64  # bytes before a block's data (alignment kept): its tenure, uint64, at offset 0
+BOARD_SLOTS = 256  # runs whose publications a device's relay board holds at once
+_KEY, _COUNT, _FD, _INODE, _TENURE = range(5)  # a board slot's words (uint64; 8 per slot)
+FAILED = np.iinfo(np.uint64).max  # a slot's count once its run failed
+#: How long a puller sleeps between looks at a publisher's board: doubling from the first to the
+#: last (the slices it waits for cross a network, milliseconds at least); and how often it checks
+#: that the publisher's process is still there.
+POLL_S = (50e-6, 2e-3)
+ALIVE_CHECK_S = 0.05
 
 
 def base_address(a: np.ndarray) -> int:
@@ -128,6 +149,60 @@ class SharedShards:
         return (os.getpid(), block[0], block[1], tuple(a.shape), int(tenure[0]))
 
 
+def run_key(name: str) -> int:
+    """The board key of the run that makes destination shard ``name`` (nonzero)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") | 1
+
+
+class RelayBoard:
+    """This device's relay publications (module docstring), in a memfd its peers map."""
+
+    @staticmethod
+    def available() -> bool:
+        """Boards need stores to become visible to other processes in program order (x86's TSO);
+        elsewhere relays stay messages."""
+        return SharedShards.available() and platform.machine().lower() in ("x86_64", "amd64")
+
+    def __init__(self):
+        fd = os.memfd_create("meshreshard-relays", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, BOARD_SLOTS * 64)
+            self._mapping = mmap.mmap(fd, BOARD_SLOTS * 64, flags=mmap.MAP_SHARED)
+            inode = os.fstat(fd).st_ino
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.descriptor = (os.getpid(), fd, inode)
+        self.slots = np.frombuffer(self._mapping, dtype=np.uint64).reshape(BOARD_SLOTS, 8)
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    def open(self, name: str, block: tuple) -> int:
+        """A slot for the run making ``name``, whose destination shard has descriptor ``block``
+        (``SharedShards.descriptor``); nothing published yet. The key is written last and the count
+        after the slices: x86 makes a process's stores visible to others in order (``available``)."""
+        with self._lock:
+            slot = next(self._next) % BOARD_SLOTS
+        row = self.slots[slot]
+        row[_KEY] = 0
+        row[_COUNT] = 0
+        row[_FD], row[_INODE], row[_TENURE] = block[1], block[2], block[4]
+        row[_KEY] = run_key(name)
+        return slot
+
+    def post(self, slot: int, count: int) -> None:
+        self.slots[slot, _COUNT] = count
+
+    def fail(self, slot: int) -> None:
+        self.slots[slot, _COUNT] = FAILED
+
+    def close(self) -> None:
+        self.slots = None
+        self._mapping.close()
+        os.close(self._fd)
+
+
 class PeerShards:
     """Peers' shards mapped into this process, kept while their owners keep them (``purge``, run
     by the actor after mapping a run's holders), at most ``limit`` (least recently used first)."""
@@ -156,6 +231,48 @@ class PeerShards:
         for n in shape:
             numel *= n
         return hit[1][HEADER : HEADER + numel * dtype.itemsize].view(dtype).reshape(tuple(shape))
+
+    def relay(self, holder: int, board: tuple, name: str, after: int, shape, dtype: np.dtype, deadline: float,
+              cancelled=None) -> tuple[np.ndarray, tuple]:  # fmt: skip
+        """Device ``holder``'s destination shard (of ``shape``) in the run making ``name``, once
+        the holder's board (descriptor ``board``) shows publication ``after``; with the shard's
+        descriptor, to ``check`` after copying. Raises ``PeerFailed`` when the holder's run failed
+        or ``cancelled()`` (the controller gave up), ``ReshardError`` when its process is gone,
+        ``ReshardTimeout`` at ``deadline`` (monotonic)."""
+        pid, fd, inode = board
+        key = (pid, inode)
+        with self._lock:
+            hit = self.maps.get(key)
+            if hit is None:
+                hit = self.maps[key] = (fd, self._map(holder, pid, fd, inode))
+        slots = hit[1].view(np.uint64).reshape(BOARD_SLOTS, 8)
+        want = run_key(name)
+        pause = POLL_S[0]
+        alive_at = time.monotonic() + ALIVE_CHECK_S
+        while True:
+            found = np.flatnonzero(slots[:, _KEY] == want)
+            if found.size:
+                row = slots[found[0]]
+                count, block = int(row[_COUNT]), (pid, int(row[_FD]), int(row[_INODE]), tuple(shape), int(row[_TENURE]))
+                if count == FAILED:
+                    raise PeerFailed(f"device {self.device}: device {holder}, which relays slices to it, failed")
+                if count >= after and int(row[_KEY]) == want:
+                    return self.get(holder, block, dtype), block
+            now = time.monotonic()
+            if now >= deadline:
+                raise ReshardTimeout(
+                    f"device {self.device}: device {holder} had not published the slice it relays "
+                    f"(publication {after}) by the deadline"
+                )
+            if cancelled is not None and cancelled():
+                raise PeerFailed(f"device {self.device}: the controller aborted the reshard while it waited for "
+                                 f"device {holder}'s relay")  # fmt: skip
+            if now >= alive_at:
+                if not os.path.exists(f"/proc/{pid}"):
+                    raise ReshardError(f"device {self.device}: device {holder}'s process ({pid}) is gone")
+                alive_at = now + ALIVE_CHECK_S
+            time.sleep(min(pause, deadline - now))
+            pause = min(2 * pause, POLL_S[1])
 
     def check(self, holder: int, desc) -> None:
         """``ReshardError`` unless the shard ``desc`` names is still its holder's (after a copy

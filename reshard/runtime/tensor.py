@@ -348,7 +348,7 @@ def lowered_reshard(
     return _compile(tensor, dst_layout, strategy, cluster, shared_memory)[1]
 
 
-def _compile(tensor: ShardedTensor, dst_layout: Layout, strategy: str, cluster, shared_memory: bool):
+def _compile(tensor: ShardedTensor, dst_layout: Layout, strategy: str, cluster, shared_memory: bool, direct_out=None):
     rt = runtime()
     dmesh = rt.registry.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
     if dmesh.backend != tensor.mesh.backend:
@@ -356,12 +356,13 @@ def _compile(tensor: ShardedTensor, dst_layout: Layout, strategy: str, cluster, 
             f"reshard from a {tensor.mesh.backend} mesh to a {dmesh.backend} mesh: both meshes must use one backend"
         )
     domains = memory_domains(tensor, dmesh) if shared_memory else {}
+    publishers = relay_publishers(dmesh, domains, direct_out)
     if cluster is None:
         hosts = planning_hosts(tensor.layout, dst_layout, domains) or device_hosts(tensor.layout.mesh, dst_layout.mesh)
         cluster = rt.planning_cluster(dmesh.backend, hosts)
     compiled = compile_reshard(
         tensor.shape, tensor.dtype_name, tensor.layout, dst_layout, strategy=strategy, cluster=cluster, domains=domains,
-        options=compile_options(dmesh.backend),
+        publishers=publishers, options=compile_options(dmesh.backend),
     )  # fmt: skip
     return dmesh, compiled
 
@@ -375,6 +376,17 @@ def memory_domains(tensor: ShardedTensor, dst_mesh: DeviceMesh) -> dict:
         if rec.shared_memory and (rec.id in tensor._shared or rec.id not in src_devices):
             out[rec.id] = rec.node_id
     return out
+
+
+def relay_publishers(dst_mesh: DeviceMesh, domains: dict, direct_out: ShardedTensor | None) -> frozenset[int]:
+    """The destination devices whose peers may pull relays out of their destination shard: those
+    that share memory and have a relay board; writing ``direct`` into ``direct_out``, only those
+    whose shard of it is in shared memory."""
+    return frozenset(
+        r.id
+        for r in dst_mesh.records
+        if r.id in domains and r.board is not None and (direct_out is None or r.id in direct_out._shared)
+    )
 
 
 def reshard(
@@ -418,7 +430,7 @@ def reshard(
     elif direct:
         raise ValueError("direct=True writes into existing shards: pass them as out=")
     deadline = deadline_of(timeout_s)
-    dmesh, compiled = _compile(tensor, dst_layout, strategy, cluster, shared_memory)
+    dmesh, compiled = _compile(tensor, dst_layout, strategy, cluster, shared_memory, out if direct else None)
     rt = runtime()
     name = rt.new_name()
     what = f"reshard {tensor.dtype_name}{list(tensor.shape)} {tensor.layout} -> {dst_layout} (strategy {strategy!r})"

@@ -5,6 +5,8 @@ Pool flat indices 0-3 sit on one logical host, 4-7 on the other.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from dist_helpers import assert_bit_exact, assert_shards, pl, random_array, read
@@ -248,6 +250,46 @@ def test_private_memory_mesh(view, ray_cluster):
         back = Layout(own, pl("R"))
         assert Pull not in {type(op) for p in lowered_reshard(y, back).program.devices for op in p.all_ops}
         assert_bit_exact(reshard(y, dst, back).to_numpy(), x)
+    finally:
+        own.shutdown()
+
+
+def test_relays_inside_a_machine_are_pulled_from_the_relaying_device(view, ray_cluster):
+    """Slices from private source devices (no shared memory: "another machine") cross once, to one
+    destination device, which publishes each as it lands; its peers pull them out of its
+    destination shard, with no relay message. Bit-exact, again with the cached program, and the
+    relaying device's shard stays its own."""
+    from reshard import DeviceMesh
+    from reshard.compile import planning_hosts
+    from reshard.program import Publish, Pull
+    from reshard.runtime import lowered_reshard
+    from reshard.runtime.tensor import memory_domains
+    from topology import Cluster
+
+    own = DeviceMesh.create((2,), backend="gloo", shared_memory=False, startup_timeout_s=180)
+    try:
+        x = random_array((64, 48), "float32", 11)
+        t = distribute(x, Layout(own, pl("S0")))
+        dst = view([0, 1, 2, 3], (2, 2))
+        layout = Layout(dst, pl("R R"))
+        hosts = planning_hosts(t.layout, layout, memory_domains(t, dst))
+        cluster = dataclasses.replace(
+            Cluster.for_hosts(hosts, nic_GBps=0.12, intra_host_GBps=2.8), backend="gloo", latency_us=900
+        )
+        lowered = lowered_reshard(t, layout, cluster=cluster)
+        publishers = {h for hs in lowered.relay_sources.values() for h in hs}
+        assert publishers and lowered.relay_sources, "the plan relays nothing"
+        for p in lowered.program.devices:
+            if p.device in publishers:
+                assert any(isinstance(op, Publish) for op in p.ops)
+            relayed = [op for op in p.all_ops if isinstance(op, Pull) and op.after]
+            assert all(op.holder in publishers for op in relayed)
+            assert not any(g for g in p.connect if set(g) <= set(dst.device_ids)), "a relay message is left"
+        for _ in range(2):
+            y = reshard(t, own, layout, cluster=cluster)
+            assert_bit_exact(y.to_numpy(), x)
+            assert_shards(y, x)
+            y.free()
     finally:
         own.shutdown()
 

@@ -8,6 +8,7 @@ buffers that do not match the program, each a ``ReshardError`` naming the cause,
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import threading
@@ -24,15 +25,17 @@ from reshard import Layout, Replicate, Shard
 from reshard.compile import CompileOptions, compile_reshard
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.placement import Partial
-from reshard.program import Broadcast, Recv, Send, group_key
+from reshard.program import Broadcast, Publish, Recv, Send, group_key
 from reshard.runtime import arrays
 from reshard.runtime.communicator import Communicator, PeerFailed
 from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
+from reshard.runtime.shared_memory import PeerShards, RelayBoard, SharedShards
 from reshard.serialize import decode_device_program
-from topology import Mesh
+from topology import Cluster, Mesh
 
 pytestmark = pytest.mark.unit
 MESSAGES = (Send, Recv, Broadcast)
+RUN = "run"  # the destination name every run_all run publishes relays under
 
 
 class Fabric:
@@ -132,17 +135,34 @@ class Groups:
 
 def run_all(compiled, dtype: str, sources: dict, *, deadline_s=30.0, before_op=None, break_buffers=None, batch=None):
     """Run every participant's shipped program on its own thread; returns (destinations, errors,
-    fabric). A failing device aborts its program's groups, as the device actor does."""
+    fabric). A failing device aborts its program's groups, as the device actor does. Relays go
+    through the real shared-memory path: a publishing device's destination shard is a memfd block
+    on its own ``RelayBoard``, and pullers find it through ``PeerShards.relay``."""
     fabric = Fabric()
     dst, errors = {}, {}
     deadline = time.monotonic() + deadline_s
     prepared = {d: prepare(decode_device_program(blob)[1], dtype) for d, blob in compiled.blobs.items()}
+    memory = SharedShards()
+    boards = {d: RelayBoard() for d, p in prepared.items() if p.program.publishes}
+    storage = arrays.storage(dtype)
 
     def device(d):
         p = prepared[d]
         prog = p.program
         groups = Groups(fabric, d)
         out = None if prog.dst_shape is None else arrays.empty(prog.dst_shape, dtype)
+        publish = relayed = slot = None
+        if d in boards:
+            out = memory.allocate(out.nbytes).view(storage).reshape(prog.dst_shape)
+            memory.begin(out)
+            slot = boards[d].open(RUN, memory.descriptor(out))
+            publish = functools.partial(boards[d].post, slot)
+        if prog.relays:
+            pulls, shapes = PeerShards(d), dict(prog.relays)
+
+            def relayed(holder, after):
+                return pulls.relay(holder, boards[holder].descriptor, RUN, after, shapes[holder], storage, deadline)[0]
+
         tmp = arrays.empty(prog.src_shape, dtype) if prog.tmp else None
         peers = {h: sources[h] for h in prog.holders}
         staging = StagingBuffer("cpu", 1 << 20)
@@ -151,10 +171,13 @@ def run_all(compiled, dtype: str, sources: dict, *, deadline_s=30.0, before_op=N
         if break_buffers is not None:
             src, out = break_buffers(d, src, out)
         try:
-            execute(Run(p, src, out, peers, groups, staging, deadline, before_op, tmp, batch and batch(d, fabric)))
+            execute(Run(p, src, out, peers, groups, staging, deadline, before_op, tmp, batch and batch(d, fabric),
+                        relayed, publish))  # fmt: skip
             dst[d] = out
         except BaseException as e:
             errors[d] = e
+            if slot is not None:
+                boards[d].fail(slot)
             for g in prog.connect:
                 groups.get(g).abort()
 
@@ -163,6 +186,8 @@ def run_all(compiled, dtype: str, sources: dict, *, deadline_s=30.0, before_op=N
         t.start()
     for t in threads:
         t.join()
+    for board in boards.values():
+        board.close()
     return dst, errors, fabric
 
 
@@ -232,6 +257,43 @@ def test_bfloat16_moves_as_bits_and_sums_in_bfloat16():
     assert not errors, errors
     want = arrays.as_numpy(parts[0] + parts[1])
     assert np.array_equal(np.concatenate([got[2], got[3]]), want)  # the same bits torch computes
+
+
+def _relay_case():
+    """Shard -> replicate between two 2-host meshes, each host one memory domain: every slice
+    crosses the network to one device of a host, which publishes it to the other."""
+    src = Layout(Mesh((2, 2), [0, 1, 2, 3], [0, 0, 1, 1]), (Shard(0), Shard(1)))
+    dst = Layout(Mesh((2, 2), [4, 5, 6, 7], [2, 2, 3, 3]), (Replicate(), Replicate()))
+    cluster = Cluster(4, 2, nic_GBps=0.12, intra_host_GBps=2.8, latency_us=900, intra_host_latency_us=100,
+                      backend="gloo")  # fmt: skip
+    compiled = compile_reshard((16, 12), "float32", src, dst, cluster=cluster, domains={d: d // 2 for d in range(8)})
+    full = np.arange(16 * 12, dtype=np.float32).reshape(16, 12)
+    return compiled, source_shards(src, full), full
+
+
+def test_relays_are_pulled_through_the_relaying_devices_board():
+    compiled, shards, full = _relay_case()
+    assert compiled.relay_sources, "the case relays nothing"
+    got, errors, _ = run_all(compiled, "float32", shards)
+    assert not errors, errors
+    for d in range(4, 8):
+        np.testing.assert_array_equal(got[d], full)
+
+
+def test_a_relaying_device_that_fails_fails_its_pullers_as_peers():
+    """The publisher marks its board failed; a device waiting for its publication raises
+    PeerFailed at once, not at the deadline."""
+    compiled, shards, _ = _relay_case()
+    publisher = next(iter(compiled.relay_sources.values()))[0]
+
+    def before_op(run, op):
+        if run.device == publisher and isinstance(op, Publish):
+            raise RuntimeError("injected: the relaying device broke")
+
+    _, errors, _ = run_all(compiled, "float32", shards, deadline_s=600, before_op=before_op)
+    assert isinstance(errors.pop(publisher), RuntimeError)
+    pullers = [d for d, hs in compiled.relay_sources.items() if publisher in hs]
+    assert pullers and all(isinstance(errors[d], PeerFailed) for d in pullers), errors
 
 
 def test_an_op_that_fails_aborts_its_groups_and_peers_fail_as_peers():

@@ -18,7 +18,7 @@ from problems import SETTINGS, contributions_of, partial_problems, problems, red
 from reshard import lower_plan, plan_reshard, validate_program
 from reshard.errors import PlanError
 from reshard.placement import ReduceOp
-from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Program, Pull, Recv, Scale, Send
+from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Program, Publish, Pull, Recv, Scale, Send
 from reshard.pulls import pulled_steps, to_pulls
 from reshard.sequencing import sequence_program
 from reshard.serialize import decode_device_program, decode_program, encode_device_program, encode_program
@@ -36,9 +36,10 @@ COMBINE = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MAX: np.maximum,
 
 def interpret(program, src_layout, full: np.ndarray, contributions=None) -> dict[int, np.ndarray]:
     """Run the program in numpy as the executor would: each device connects nothing (groups are
-    free here), runs its background ops first (they touch nothing the others read), then its windows
-    in order: local ops at once, message ops issued; a message completes (data moves) once every
-    member issued its op; a window ends when its messages completed. Raises if it gets stuck.
+    free here), runs its background ops whenever they can (they touch nothing the others read),
+    and its windows in order: local ops at once, message ops issued, a pull of a relay once its
+    holder published it; a message completes (data moves) once every member issued its op; a
+    window ends when its messages completed. Raises if it gets stuck.
     ``contributions[c]``: the full tensor contribution ``c`` of a Partial source holds."""
     src_layout = src_layout.for_shape(full.shape)
     regions = regions_by_device(src_layout, full.shape)
@@ -61,38 +62,47 @@ def interpret(program, src_layout, full: np.ndarray, contributions=None) -> dict
         reduce = getattr(op, "reduce", None)
         box[sl(op.write)] = data if reduce is None else COMBINE[reduce](box[sl(op.write)], data)
 
+    published = defaultdict(int)  # device -> publications so far
+
+    def ready(op) -> bool:
+        return not isinstance(op, Pull) or op.buffer is Buffer.SRC or published[op.holder] >= op.after
+
     def run_local(device, op):
         if isinstance(op, Scale):
             buffers[(device, Buffer.DST)][sl(op.write)] /= op.divisor
+        elif isinstance(op, Publish):
+            assert op.count == published[device] + 1, (device, op)
+            published[device] = op.count
         elif isinstance(op, Pull):
-            land(device, op, buffers[(op.holder, Buffer.SRC)][sl(op.read)])
+            land(device, op, buffers[(op.holder, op.buffer)][sl(op.read)])
         else:
             land(device, op, read(device, op))
 
     windows = {p.device: list(p.issue_windows) for p in program.devices}
-    for p in program.devices:
-        for op in p.background:
-            run_local(p.device, op)
+    background = {p.device: list(p.background) for p in program.devices}  # run in order, each once ready
     issued: dict[int, dict[int, object]] = defaultdict(dict)
     members = {op.step: set(op.group) for p in program.devices for op in p.ops if isinstance(op, MESSAGES)}
     head = dict.fromkeys(windows, 0)
-    started = dict.fromkeys(windows, False)
+    at = dict.fromkeys(windows, 0)  # ops of the head window issued so far
     done_steps: set[int] = set()
     progress = True
     while progress:
         progress = False
+        for d, queue in background.items():
+            while queue and ready(queue[0]):
+                run_local(d, queue.pop(0))
+                progress = True
         for d, ws in windows.items():
             while head[d] < len(ws):
                 window = ws[head[d]]
-                if not started[d]:
-                    for op in window:
-                        if isinstance(op, MESSAGES):
-                            issued[op.step][d] = op
-                        else:
-                            run_local(d, op)
-                    started[d] = True
+                while at[d] < len(window) and ready(op := window[at[d]]):
+                    if isinstance(op, MESSAGES):
+                        issued[op.step][d] = op
+                    else:
+                        run_local(d, op)
+                    at[d] += 1
                     progress = True
-                for op in window:
+                for op in window[: at[d]]:
                     complete = isinstance(op, MESSAGES) and set(issued[op.step]) == members[op.step]
                     if complete and op.step not in done_steps:
                         ops = issued[op.step]
@@ -102,11 +112,12 @@ def interpret(program, src_layout, full: np.ndarray, contributions=None) -> dict
                             if r != root:
                                 land(r, rop, data)
                         done_steps.add(op.step)
-                if any(isinstance(op, MESSAGES) and op.step not in done_steps for op in window):
+                if at[d] < len(window) or any(isinstance(op, MESSAGES) and op.step not in done_steps for op in window):
                     break
                 head[d] += 1
-                started[d] = False
+                at[d] = 0
                 progress = True
+    assert not any(background.values()), f"background ops never ran: {background}"
     stuck = {d: h for d, h in head.items() if h < len(windows[d])}
     assert not stuck, f"interpreter stuck at windows {stuck}"
     return {d: buffers[(d, Buffer.DST)] for d in (p.device for p in program.devices) if (d, Buffer.DST) in buffers}
@@ -200,9 +211,9 @@ def test_pulls_and_sequencing_keep_programs_valid_and_exact(case, overlap_bytes,
     assert decode_program(encode_program(sequenced)) == sequenced
 
 
-def test_pulls_need_the_holders_source_shard():
-    """A relay (the sender forwards from its destination shard) keeps its message; a group that
-    leaves the domain keeps its broadcast; the holder of a pulled step runs nothing."""
+def test_pulls_stay_inside_one_domain():
+    """A relay to a group that leaves the domain keeps its broadcast; the holder of a pulled step
+    runs nothing."""
     box = ((0, 2),)
     program = Program("float32", (2,), (
         DeviceProgram(0, (2,), None, (Send(0, (0, 1), Buffer.SRC, box),), 0, ((0, 1),)),
@@ -226,6 +237,55 @@ def _pair(ops0, ops1, *, connect=((0, 1),), src1=None, background1=()):
         DeviceProgram(0, (4,), None, ops0, 0, connect),
         DeviceProgram(1, src1, (4,), ops1, 0, connect, (), background1),
     ))  # fmt: skip
+
+
+def _relaying_program(box=((0, 2),)):
+    """Device 0 sends ``box`` to 1 (another machine); 1 relays it to 2 and 3 on its own."""
+    return Program("float32", (2,), (
+        DeviceProgram(0, (2,), None, (Send(0, (0, 1), Buffer.SRC, box),), 0, ((0, 1),)),
+        DeviceProgram(1, None, (2,), (Recv(0, (0, 1), box), Broadcast(1, (1, 2, 3), Buffer.DST, box)), 0,
+                      ((0, 1), (1, 2, 3))),
+        DeviceProgram(2, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
+        DeviceProgram(3, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
+    ))  # fmt: skip
+
+
+def test_relays_inside_a_domain_are_published_and_pulled():
+    """The relaying device publishes the slice right after the receive that brought it; its peers
+    pull it from its destination shard after that publication; the relay's group is gone."""
+    box = ((0, 2),)
+    program = _relaying_program(box)
+    out = to_pulls(program, {0: "a", 1: "b", 2: "b", 3: "b"})
+    validate_program(out)
+    assert out.devices[1].ops == (Recv(0, (0, 1), box), Publish(1, box, 1))
+    assert out.devices[1].connect == ((0, 1),)
+    for d in (2, 3):
+        assert out.devices[d].ops == (Pull(1, 1, box, box, buffer=Buffer.DST, after=1),)
+        assert out.devices[d].relays == ((1, (2,)),) and out.devices[d].connect == ()
+    assert out.relay_sources == {2: (1,), 3: (1,)} and out.pull_sources == {}
+    assert to_pulls(program, {0: "a", 1: "b", 2: "b", 3: "b"}, publishers=()) == program  # 1's shard is private
+    assert decode_program(encode_program(out)) == out
+
+
+def test_publications_follow_the_last_write_of_their_slice():
+    """With two receives into the relayed box, the publication waits for both; a relay of another
+    box publishes right after its own receive, before them (publications count in program order)."""
+    lo, hi, whole = ((0, 2),), ((2, 4),), ((0, 4),)
+    program = Program("float32", (4,), (
+        DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, lo), Send(1, (0, 1), Buffer.SRC, hi)), 0,
+                      ((0, 1),)),
+        DeviceProgram(1, None, (4,), (Recv(0, (0, 1), lo), Recv(1, (0, 1), hi), Send(2, (1, 2), Buffer.DST, whole),
+                                      Send(3, (1, 2), Buffer.DST, lo)), 0, ((0, 1), (1, 2))),
+        DeviceProgram(2, None, (4,), (Recv(2, (1, 2), whole), Recv(3, (1, 2), lo)), 0, ((1, 2),)),
+    ))  # fmt: skip
+    validate_program(program)
+    out = to_pulls(program, {1: "b", 2: "b"})
+    validate_program(out)
+    assert out.devices[1].ops == (Recv(0, (0, 1), lo), Publish(3, lo, 1), Recv(1, (0, 1), hi), Publish(2, whole, 2))
+    assert [(op.step, op.after) for op in out.devices[2].ops] == [(2, 2), (3, 1)]
+    sequenced = sequence_program(out)
+    assert [(op.step, op.after) for op in sequenced.devices[2].ops] == [(3, 1), (2, 2)]  # the ready one first
+    validate_program(sequenced)
 
 
 def test_validate_rejects_broken_programs():
