@@ -18,7 +18,7 @@ then runs a driver inside the head namespace that
   each time every strategy once, interleaved so that load drifting over the run (other work on
   the machine) hits every strategy alike: wall time on the driver from the call until ``reshard``
   returns;
-* records ``plan.simulate(cluster).makespan_s`` and ``plan.lower_bound_s(cluster)`` of the plan
+* records ``compiled.simulate(cluster).makespan_s`` (pulls as pulls) and ``plan.lower_bound_s(cluster)`` of the plan
   each strategy ran, and small tensors' latency against one TCP round trip and one Ray call.
 
 Targets (issue 9), computed from the medians: ``auto`` <= 1.15x the bound at 256 MiB; ``auto`` at
@@ -175,8 +175,8 @@ def drive(config: dict) -> dict:
             load = os.getloadavg()[0]
             plans = {}
             for s in config["strategies"]:
-                plan = lowered_reshard(x, dst_layout, strategy=s).plan
-                plans[s] = plan
+                compiled = lowered_reshard(x, dst_layout, strategy=s)
+                plan = plans[s] = compiled.plan
                 cluster = rt.planning_cluster(dst_mesh.backend, plan.host_map)
                 guessed = Cluster.for_hosts(
                     plan.host_map, nic_GBps=GUESSED_GLOO["nic_GBps"], intra_host_GBps=GUESSED_GLOO["intra_host_GBps"],
@@ -185,8 +185,8 @@ def drive(config: dict) -> dict:
                 )  # fmt: skip
                 entry["methods"][s] = {
                     "transfers": len(plan.transfers),
-                    "simulated_s": plan.simulate(cluster).makespan_s,
-                    "simulated_guess_s": plan.simulate(guessed).makespan_s,
+                    "simulated_s": compiled.simulate(cluster).makespan_s,
+                    "simulated_guess_s": compiled.simulate(guessed).makespan_s,
                     "bound_s": plan.lower_bound_s(cluster),
                     "cluster": str(cluster),
                 }

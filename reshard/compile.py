@@ -18,8 +18,9 @@ from reshard.layout import Layout
 from reshard.lowering import lower_plan
 from reshard.plan import ReshardPlan
 from reshard.planner import plan_reshard
-from reshard.program import Group, Program
+from reshard.program import Buffer, Group, Program, Publish, Pull, writes
 from reshard.pulls import to_pulls
+from reshard.regions import intersect
 from reshard.sequencing import OVERLAP_COPY_BYTES, WINDOW_STAGING_BYTES, sequence_program
 from reshard.serialize import encode_device_program
 from reshard.validate import validate_plan, validate_program
@@ -48,6 +49,29 @@ class CompiledReshard:
     pull_sources: Mapping[int, tuple[int, ...]]
     relay_sources: Mapping[int, tuple[int, ...]]
     domains: tuple[tuple[int, Hashable], ...]
+
+    @property
+    def pulled(self) -> dict[int, int | None]:
+        """The plan's transfers (by index) that run as pulls, each with the transfer that brings
+        its holder the bytes (a relay: the last before its publication that writes into them) or
+        None (a source shard): what ``plan.simulate(pulled=)`` takes."""
+        out: dict[int, int | None] = {}
+        for p in self.program.devices:
+            for i, op in enumerate(p.ops):
+                if isinstance(op, Publish):
+                    out[op.step] = max(
+                        (w.step for w in p.ops[:i] if (at := writes(w)) and intersect(at[1], op.box) is not None),
+                        default=None,
+                    )
+        for p in self.program.devices:
+            for op in p.all_ops:
+                if isinstance(op, Pull) and op.buffer is Buffer.SRC:
+                    out[op.step] = None
+        return out
+
+    def simulate(self, cluster=None):
+        """The plan simulated as it runs: its pulled transfers as pulls (``ReshardPlan.simulate``)."""
+        return self.plan.simulate(cluster, pulled=self.pulled)
 
 
 def compile_reshard(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from reshard.cost import lower_bound_s, resolve_cluster
@@ -79,9 +79,19 @@ _SIM_KIND = {
 }  # fmt: skip
 
 
-def sim_transfers(transfers: Iterable[Transfer], itemsize: int) -> list[SimTransfer]:
-    """``transfers`` in the simulator's neutral form (``topology.simulator``), in the same order."""
-    return [SimTransfer(_SIM_KIND[t.kind], t.src, t.dsts, box_volume(t.box) * itemsize) for t in transfers]
+def sim_transfers(
+    transfers: Iterable[Transfer], itemsize: int, pulled: Mapping[int, int | None] | None = None
+) -> list[SimTransfer]:
+    """``transfers`` in the simulator's neutral form (``topology.simulator``), in the same order;
+    those whose index is in ``pulled`` run as pulls out of the sender's memory (``reshard.pulls``),
+    after the transfer ``pulled`` names (a relay's) or at once (None)."""
+    pulled = pulled or {}
+    return [
+        SimTransfer(SimKind.PULL, t.src, t.dsts, box_volume(t.box) * itemsize, pulled[i])
+        if i in pulled
+        else SimTransfer(_SIM_KIND[t.kind], t.src, t.dsts, box_volume(t.box) * itemsize)
+        for i, t in enumerate(transfers)
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,13 +143,21 @@ class ReshardPlan:
     def transfer_bytes(self, transfer: Transfer) -> int:
         return box_volume(transfer.box) * self.itemsize
 
-    def simulate(self, cluster: Cluster | None = None, *, backend: str | None = None) -> SimResult:
+    def simulate(
+        self,
+        cluster: Cluster | None = None,
+        *,
+        backend: str | None = None,
+        pulled: Mapping[int, int | None] | None = None,
+    ) -> SimResult:
         """Simulated execution (``topology.simulator``) on ``cluster`` with the plan's hosts; default
-        cluster: ``Cluster.for_hosts`` of them. A ``SimResult`` with ``.makespan_s``."""
+        cluster: ``Cluster.for_hosts`` of them. ``pulled``: the transfers that run as pulls
+        (``CompiledReshard.pulled``). A ``SimResult`` with ``.makespan_s``."""
         hosts = self.host_map
         return simulate_transfers(
-            sim_transfers(self.transfers, self.itemsize), hosts, resolve_cluster(cluster, hosts), backend=backend
-        )
+            sim_transfers(self.transfers, self.itemsize, pulled), hosts, resolve_cluster(cluster, hosts),
+            backend=backend,
+        )  # fmt: skip
 
     def lower_bound_s(self, cluster: Cluster | None = None) -> float:
         """The fluid lower bound of any plan of this reshard on ``cluster`` (see ``reshard.cost``)."""

@@ -1,7 +1,7 @@
 """A flow-level network simulator for ordered transfer programs on a ``Cluster``.
 
 Input (neutral: this module knows nothing of plans or layouts): an ordered list of
-``SimTransfer`` (kind COPY / P2P / BROADCAST, root device, receiver devices, size in bytes), a
+``SimTransfer`` (kind COPY / P2P / BROADCAST / PULL, root device, receiver devices, size in bytes), a
 device -> host map and a ``topology.Cluster``. Output: a frozen ``SimResult`` with the makespan,
 every transfer's start and end, and per-host NIC bytes and busy time.
 
@@ -20,6 +20,11 @@ never oversubscribed and no flow is slowed without a bottleneck. A flow first wa
 (no bandwidth used), then joins the sharing; it ends when its bytes are through.
 
 - COPY on device d: one flow through d's intra-host send and receive ports; no latency.
+- PULL root -> receivers (one host, shared memory): each receiver copies the bytes out of the
+  root's memory, one flow through the root's intra-host send port and its own receive port, no
+  latency. It starts once the receiver is free and the bytes are there: at once (``after`` None:
+  the root's source shard), or once the root's part of transfer ``after`` (the receive that
+  brought them: a relay) is done. The root takes no part: it neither waits nor is kept busy.
 - P2P a -> b: one flow, through a's and b's intra-host ports (same host, latency
   ``intra_host_latency_us``) or through host(a)'s NIC send and host(b)'s NIC receive ports
   (``latency_us``).
@@ -77,6 +82,7 @@ class SimKind(enum.IntEnum):
     COPY = 0
     P2P = 1
     BROADCAST = 2
+    PULL = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,7 @@ class SimTransfer:
     root: int
     receivers: tuple[int, ...]
     size_bytes: int
+    after: int | None = None  # PULL: the earlier transfer that brings the root its bytes (None: it holds them)
 
     def __post_init__(self):
         if self.size_bytes < 0:
@@ -95,16 +102,19 @@ class SimTransfer:
             raise ValueError(f"a COPY stays on its device, got {self.root} -> {self.receivers}")
         if self.kind is SimKind.P2P and (len(self.receivers) != 1 or self.receivers[0] == self.root):
             raise ValueError(f"a P2P goes to exactly one other device, got {self.root} -> {self.receivers}")
-        if self.kind is SimKind.BROADCAST and (
+        if self.kind in (SimKind.BROADCAST, SimKind.PULL) and (
             not self.receivers or self.root in self.receivers or len(set(self.receivers)) != len(self.receivers)
         ):
             raise ValueError(
-                f"a BROADCAST needs distinct receivers other than its root, got {self.root} -> {self.receivers}"
+                f"a {self.kind.name} needs distinct receivers other than its root, got {self.root} -> {self.receivers}"
             )
 
     @property
     def devices(self) -> tuple[int, ...]:
-        return (self.root,) if self.kind is SimKind.COPY else (self.root, *self.receivers)
+        """The devices that run the transfer in their order (a PULL's root does not)."""
+        if self.kind is SimKind.COPY:
+            return (self.root,)
+        return self.receivers if self.kind is SimKind.PULL else (self.root, *self.receivers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +183,10 @@ def simulate_transfers(
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
     transfers = tuple(transfers)
-    devices = sorted({d for t in transfers for d in t.devices})
+    for i, t in enumerate(transfers):
+        if t.after is not None and (t.kind is not SimKind.PULL or not 0 <= t.after < i):
+            raise ValueError(f"transfer {i}: only a PULL waits for an earlier transfer, got after={t.after}")
+    devices = sorted({d for t in transfers for d in (t.root, *t.receivers)})
     missing = [d for d in devices if d not in device_hosts]
     if missing:
         raise ValueError(f"device_hosts has no host for devices {missing[:8]}")
@@ -211,6 +224,11 @@ def simulate_transfers(
         if t.kind is SimKind.P2P:
             ports, lat = hop(t.root, t.receivers[0], s)
             return [_Flow(i, s, ports, lat, t.devices)]
+        if t.kind is SimKind.PULL:
+            if any(host_of[r] != host_of[t.root] for r in t.receivers):
+                raise ValueError(f"transfer {i}: a PULL stays on one host, got {t.root} -> {t.receivers}")
+            root = 2 * nh + 2 * dev_index[t.root]
+            return [_Flow(i, s, (root, 2 * nh + 2 * dev_index[r] + 1), 0.0, (r,)) for r in t.receivers]
         if backend == "nccl":
             ring = _ring_order(t.root, t.receivers, host_of)
             res: list[int] = []
@@ -238,6 +256,8 @@ def simulate_transfers(
         for d in t.devices:
             queues[d].append(i)
     pos = dict.fromkeys(devices, 0)
+    landed: set[tuple[int, int]] = set()  # (transfer, device): the device's part of the transfer is done
+    awaiting: dict[tuple[int, int], list[_Flow]] = {}  # (transfer, root) -> PULL flows waiting for it
     res_flows: list[set[_Flow]] = [set() for _ in cap]
     busy = [0.0] * (2 * nh)
     busy_since: list[float | None] = [None] * (2 * nh)
@@ -261,11 +281,15 @@ def simulate_transfers(
         q = queues[device]
         if pos[device] < len(q):
             i = q[pos[device]]
+            t = transfers[i]
             waits = needs[i]
             if waits is None:
-                roots = expand(i, transfers[i])
+                roots = expand(i, t)
                 flows_left[i] = _count(roots, busy_with[i])
-                waits = needs[i] = _waits(roots)
+                source = None if t.after is None or (t.after, t.root) in landed else (t.after, t.root)
+                waits = needs[i] = _waits(roots, source is not None)
+                if source is not None:
+                    awaiting.setdefault(source, []).extend(roots)
             for f in waits.pop(device, ()):
                 ready(f, now)
 
@@ -279,6 +303,9 @@ def simulate_transfers(
         for d in f.devices:
             busy_with[i][d] -= 1
             if busy_with[i][d] == 0:
+                landed.add((i, d))
+                for pull in awaiting.pop((i, d), ()):
+                    ready(pull, now)
                 pos[d] += 1
                 arrive(d, now)
 
@@ -324,14 +351,15 @@ def simulate_transfers(
     return SimResult(max(end, default=0.0), tuple(start), tuple(end), stats, backend)
 
 
-def _waits(roots: list[_Flow]) -> dict[int, list[_Flow]]:
+def _waits(roots: list[_Flow], sourced: bool = False) -> dict[int, list[_Flow]]:
     """Device -> the flows of a transfer that wait for it to be free; sets every flow's ``waiting``:
-    its devices, plus its parent flow (a forward waits for the receive that brings its bytes)."""
+    its devices, plus its parent flow (a forward waits for the receive that brings its bytes), plus
+    one when ``sourced`` (a PULL waiting for the transfer that brings its root the bytes)."""
     out: dict[int, list[_Flow]] = {}
     stack = [(f, 0) for f in roots]
     while stack:
         f, parent = stack.pop()
-        f.waiting = len(f.devices) + parent
+        f.waiting = len(f.devices) + parent + sourced
         for d in f.devices:
             out.setdefault(d, []).append(f)
         stack += [(c, 1) for c in f.children]

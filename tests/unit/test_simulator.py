@@ -96,6 +96,25 @@ def test_every_device_runs_its_transfers_in_the_global_order():
     assert r.start_s[1] == pytest.approx(1.0)
 
 
+def pull(root, receivers, size=S, after=None):
+    return SimTransfer(SimKind.PULL, root, tuple(receivers), size, after)
+
+
+def test_a_pulled_relay_starts_when_its_bytes_land_and_keeps_the_relaying_device_free():
+    c = cluster(intra=10.0)
+    # device 4 receives two slices (1 s each); device 5 pulls the first as soon as it landed, while
+    # 4 receives the second; as a message (P2P 4 -> 5) the relay would wait for 4 to be free
+    r = simulate_transfers([p2p(0, 4), p2p(1, 4), pull(4, [5, 6], after=0)], HOSTS, c)
+    assert r.start_s[2] == pytest.approx(1.0)
+    assert r.end_s == pytest.approx([1.0, 2.0, 1.0 + 2 * S / 10e9])  # both copies share 4's memory port
+    as_message = simulate_transfers([p2p(0, 4), p2p(1, 4), bcast(4, [5, 6])], HOSTS, c)
+    assert as_message.start_s[2] == pytest.approx(2.0)
+    # a pull of a source shard goes at once; the holder's own transfers do not wait for it
+    r = simulate_transfers([p2p(4, 8), pull(4, [5]), p2p(4, 9)], HOSTS, c)
+    assert r.start_s == pytest.approx([0.0, 0.0, 1.0])
+    assert r.network_bytes == 2 * S
+
+
 def test_latency_per_message():
     c = cluster(latency_us=100.0)
     r = simulate_transfers([p2p(0, 4), p2p(0, 8)], HOSTS, c)
@@ -154,6 +173,12 @@ def test_bad_input_is_refused():
         SimTransfer(SimKind.P2P, 0, (0,), 1)
     with pytest.raises(ValueError, match="BROADCAST"):
         SimTransfer(SimKind.BROADCAST, 0, (1, 1), 1)
+    with pytest.raises(ValueError, match="PULL"):
+        SimTransfer(SimKind.PULL, 0, (0,), 1)
+    with pytest.raises(ValueError, match="stays on one host"):
+        simulate_transfers([pull(0, [4])], HOSTS, cluster())
+    with pytest.raises(ValueError, match="only a PULL waits"):
+        simulate_transfers([p2p(0, 4), SimTransfer(SimKind.P2P, 4, (8,), 1, after=0)], HOSTS, cluster())
     with pytest.raises(ValueError, match=">= 0"):
         SimTransfer(SimKind.P2P, 0, (1,), -1)
     with pytest.raises(ValueError, match="no host for devices"):
