@@ -22,12 +22,14 @@ then runs a driver inside the head namespace that
   each strategy ran, and small tensors' latency against one TCP round trip and one Ray call.
 
 Targets (issue 9), computed from the medians: ``auto`` <= 1.15x the bound at 256 MiB; ``auto`` at
-most 3 % slower than any strategy at >= 64 MiB; the simulator within 10 % of every measurement at
+most 3 % slower than any strategy at >= 64 MiB whose plan is not its own (``= auto`` in the table:
+the same transfers, so any difference is noise); the simulator within 10 % of every measurement at
 >= 64 MiB; small tensors within 3 TCP round trips plus one empty Ray call.
 
 Results: tables on the terminal, JSON in ``bench/results/multihost-<timestamp>.json`` (or
 ``--out``) and a PNG (``--png``, default ``bench/figures/multihost.png``);
-``python -m bench.multihost --report FILE [--markdown]`` re-renders a JSON file. Needs root (see
+``python -m bench.multihost --report FILE [--markdown]`` re-renders a JSON file (ratios and
+targets derived again from its medians). Needs root (see
 ``bench.emulate``); exits 2 with the reason where hosts cannot be emulated.
 """
 
@@ -269,7 +271,9 @@ def _med(m: dict) -> float | None:
 
 def derive(data: dict) -> None:
     """Ratios per (case, size, strategy): measured / simulated, measured / bound, measured / the
-    fastest strategy's measurement; small tensors: measured / (3 RTT + one Ray call)."""
+    fastest strategy's measurement; for ``auto`` also ``x_best_other``: measured / the fastest
+    among itself and the strategies whose plan differs from its own (a strategy that runs the very
+    same plan differs from it by noise only); small tensors: measured / (3 RTT + one Ray call)."""
     small_bound = (TARGET_SMALL_RTTS * data["raw"]["round_trip_us"] + data["raw"]["actor_call_us"]) * 1e-6
     data["small_bound_s"] = small_bound
     for e in data["results"]:
@@ -282,6 +286,9 @@ def derive(data: dict) -> None:
             m["x_simulated"] = t / m["simulated_s"] if m["simulated_s"] else None
             m["x_bound"] = t / m["bound_s"] if m["bound_s"] else None
             m["x_best"] = t / best
+            if s == "auto":
+                other = [meds[o] for o, n in e["methods"].items() if o in meds and not n.get("same_plan_as_auto")]
+                m["x_best_other"] = t / min(other)
             if e["size_bytes"] <= SMALL:
                 m["x_small_bound"] = t / small_bound
 
@@ -290,13 +297,13 @@ def targets(data: dict) -> list[dict]:
     """The issue's four targets with the numbers that decide them."""
     res = data["results"]
 
-    def row(title, vals, ok, fmt):
+    def row(title, vals, ok, fmt, size=lambda v: v):
         vals = [v for v in vals if v[1] is not None]
         if not vals:
             return {"target": title, "cases": 0, "passed": 0, "met": False, "worst": None, "worst_str": "-",
                     "worst_case": "-"}  # fmt: skip
         failing = [v for v in vals if not ok(v[1])]
-        worst = max(failing, key=lambda v: abs(v[1])) if failing else max(vals, key=lambda v: abs(v[1]))
+        worst = max(failing or vals, key=lambda v: size(v[1]))
         return {"target": title, "cases": len(vals), "passed": len(vals) - len(failing), "met": not failing,
                 "worst": worst[1], "worst_str": fmt.format(worst[1]), "worst_case": worst[0]}  # fmt: skip
 
@@ -304,7 +311,7 @@ def targets(data: dict) -> list[dict]:
         return f"{e['case']} {fmt_size(e['size_bytes'])}" + (f" {s}" if s else "")
 
     auto = [(label(e), e["methods"].get("auto", {}).get("x_bound")) for e in res if e["size_bytes"] == TARGET_SIZE]
-    slower = [(label(e), e["methods"].get("auto", {}).get("x_best", 1.0) - 1.0 if "auto" in e["methods"] else None)
+    slower = [(label(e), e["methods"]["auto"].get("x_best_other", 1.0) - 1.0 if "auto" in e["methods"] else None)
               for e in res if e["size_bytes"] >= BIG]  # fmt: skip
     sim = [(label(e, s), (m.get("x_simulated") or 0) - 1.0 if m.get("x_simulated") else None)
            for e in res if e["size_bytes"] >= BIG for s, m in e["methods"].items()]  # fmt: skip
@@ -312,10 +319,10 @@ def targets(data: dict) -> list[dict]:
              for s, m in e["methods"].items() if s == "auto"]  # fmt: skip
     return [
         row(f"auto <= {TARGET_X_BOUND}x the fluid bound at 256 MiB", auto, lambda v: v <= TARGET_X_BOUND, "{:.2f}x"),
-        row("auto never > 3 % slower than another strategy (>= 64 MiB)", slower, lambda v: v <= TARGET_SLOWER,
+        row("auto never > 3 % slower than another plan (>= 64 MiB)", slower, lambda v: v <= TARGET_SLOWER,
             "{:+.1%}"),
         row("simulator within 10 % of measured (every strategy, >= 64 MiB)", sim,
-            lambda v: abs(v) <= TARGET_SIM_ERROR, "{:+.1%}"),
+            lambda v: abs(v) <= TARGET_SIM_ERROR, "{:+.1%}", abs),
         row("small tensors (64 KiB, auto) <= 3 TCP RTT + one Ray call", small, lambda v: v <= 1.0, "{:.2f}x"),
     ]  # fmt: skip
 
@@ -454,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         return driver_main(*args.driver)
     if args.report:
         data = json.loads(Path(args.report).read_text())
+        derive(data)  # ratios and targets as this version defines them, from the recorded medians
+        data["targets"] = targets(data)
         print(markdown(data)) if args.markdown else render(data)
         return 0
     from bench import emulate
