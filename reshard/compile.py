@@ -18,9 +18,8 @@ from reshard.layout import Layout
 from reshard.lowering import lower_plan
 from reshard.plan import ReshardPlan
 from reshard.planner import plan_reshard
-from reshard.program import Buffer, Group, Program, Publish, Pull, writes
-from reshard.pulls import to_pulls
-from reshard.regions import intersect
+from reshard.program import Buffer, Group, Program, Publish, Pull
+from reshard.pulls import last_write, to_pulls
 from reshard.sequencing import OVERLAP_COPY_BYTES, WINDOW_STAGING_BYTES, sequence_program
 from reshard.serialize import encode_device_program
 from reshard.validate import validate_plan, validate_program
@@ -59,10 +58,8 @@ class CompiledReshard:
         for p in self.program.devices:
             for i, op in enumerate(p.ops):
                 if isinstance(op, Publish):
-                    out[op.step] = max(
-                        (w.step for w in p.ops[:i] if (at := writes(w)) and intersect(at[1], op.box) is not None),
-                        default=None,
-                    )
+                    j = last_write(p.ops, i, op.box)
+                    out[op.step] = None if j is None else p.ops[j].step
         for p in self.program.devices:
             for op in p.all_ops:
                 if isinstance(op, Pull) and op.buffer is Buffer.SRC:

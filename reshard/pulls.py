@@ -99,6 +99,15 @@ def to_pulls(
     return Program(program.dtype, program.shape, tuple(devices))
 
 
+def last_write(ops, end: int, box) -> int | None:
+    """The index of the last of ``ops[:end]`` that writes into ``box`` of the destination shard
+    (where a relay of ``box`` is published), or None."""
+    return max(
+        (j for j in range(end) if (w := writes(ops[j])) and w[0] is Buffer.DST and intersect(w[1], box) is not None),
+        default=None,
+    )
+
+
 def _shape(shape: tuple[int, ...] | None, device: int) -> tuple[int, ...]:
     if shape is None:
         raise ValueError(f"device {device} relays out of a destination shard it does not have (program bug)")
@@ -118,12 +127,8 @@ def _with_publications(p: DeviceProgram, pulled: Mapping[int, Send | Broadcast],
         return ops
     at: list[tuple[int, int, Send | Broadcast]] = []  # (insert before this index, relay step, relay op)
     for i, op in relays:
-        box = op_box(op)
-        last = max(
-            (j for j in range(i) if (w := writes(ops[j])) and w[0] is Buffer.DST and intersect(w[1], box) is not None),
-            default=-1,
-        )
-        at.append((last + 1, op.step, op))
+        last = last_write(ops, i, op_box(op))
+        at.append((0 if last is None else last + 1, op.step, op))
     at.sort(key=lambda x: (x[0], x[1]))
     inserts: dict[int, list[Publish]] = {}
     for count, (pos, step, op) in enumerate(at, 1):

@@ -217,6 +217,15 @@ class PeerShards:
         """Device ``holder``'s shard named by ``desc``, viewed (read-only) as ``dtype`` of its shape;
         ``ReshardError`` if the shard was dropped (``check`` again after copying from it)."""
         pid, fd, inode, shape, _ = desc
+        block = self._mapped(holder, pid, fd, inode)
+        self._check(holder, desc, block)
+        numel = 1
+        for n in shape:
+            numel *= n
+        return block[HEADER : HEADER + numel * dtype.itemsize].view(dtype).reshape(tuple(shape))
+
+    def _mapped(self, holder: int, pid: int, fd: int, inode: int) -> np.ndarray:
+        """Process ``pid``'s memfd ``fd`` (``inode``), mapped once and kept (least recently used out)."""
         key = (pid, inode)
         with self._lock:
             hit = self.maps.get(key)
@@ -226,11 +235,7 @@ class PeerShards:
                     self.maps.popitem(last=False)
             else:
                 self.maps.move_to_end(key)
-        self._check(holder, desc, hit[1])
-        numel = 1
-        for n in shape:
-            numel *= n
-        return hit[1][HEADER : HEADER + numel * dtype.itemsize].view(dtype).reshape(tuple(shape))
+        return hit[1]
 
     def relay(self, holder: int, board: tuple, name: str, after: int, shape, dtype: np.dtype, deadline: float,
               cancelled=None) -> tuple[np.ndarray, tuple]:  # fmt: skip
@@ -240,12 +245,7 @@ class PeerShards:
         or ``cancelled()`` (the controller gave up), ``ReshardError`` when its process is gone,
         ``ReshardTimeout`` at ``deadline`` (monotonic)."""
         pid, fd, inode = board
-        key = (pid, inode)
-        with self._lock:
-            hit = self.maps.get(key)
-            if hit is None:
-                hit = self.maps[key] = (fd, self._map(holder, pid, fd, inode))
-        slots = hit[1].view(np.uint64).reshape(BOARD_SLOTS, 8)
+        slots = self._mapped(holder, pid, fd, inode).view(np.uint64).reshape(BOARD_SLOTS, 8)
         want = run_key(name)
         pause = POLL_S[0]
         alive_at = time.monotonic() + ALIVE_CHECK_S

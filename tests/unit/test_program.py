@@ -211,17 +211,22 @@ def test_pulls_and_sequencing_keep_programs_valid_and_exact(case, overlap_bytes,
     assert decode_program(encode_program(sequenced)) == sequenced
 
 
-def test_pulls_stay_inside_one_domain():
-    """A relay to a group that leaves the domain keeps its broadcast; the holder of a pulled step
-    runs nothing."""
-    box = ((0, 2),)
-    program = Program("float32", (2,), (
+def _relaying_program(box=((0, 2),)):
+    """Device 0 sends ``box`` to 1 (another machine); 1 relays it to 2 and 3 on its own."""
+    return Program("float32", (2,), (
         DeviceProgram(0, (2,), None, (Send(0, (0, 1), Buffer.SRC, box),), 0, ((0, 1),)),
         DeviceProgram(1, None, (2,), (Recv(0, (0, 1), box), Broadcast(1, (1, 2, 3), Buffer.DST, box)), 0,
                       ((0, 1), (1, 2, 3))),
         DeviceProgram(2, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
         DeviceProgram(3, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
     ))  # fmt: skip
+
+
+def test_pulls_stay_inside_one_domain():
+    """A relay to a group that leaves the domain keeps its broadcast; the holder of a pulled step
+    runs nothing."""
+    box = ((0, 2),)
+    program = _relaying_program(box)
     validate_program(program)
     out = to_pulls(program, {0: "a", 1: "a", 2: "a", 3: "b"})
     validate_program(out)
@@ -236,17 +241,6 @@ def _pair(ops0, ops1, *, connect=((0, 1),), src1=None, background1=()):
     return Program("float32", (4,), (
         DeviceProgram(0, (4,), None, ops0, 0, connect),
         DeviceProgram(1, src1, (4,), ops1, 0, connect, (), background1),
-    ))  # fmt: skip
-
-
-def _relaying_program(box=((0, 2),)):
-    """Device 0 sends ``box`` to 1 (another machine); 1 relays it to 2 and 3 on its own."""
-    return Program("float32", (2,), (
-        DeviceProgram(0, (2,), None, (Send(0, (0, 1), Buffer.SRC, box),), 0, ((0, 1),)),
-        DeviceProgram(1, None, (2,), (Recv(0, (0, 1), box), Broadcast(1, (1, 2, 3), Buffer.DST, box)), 0,
-                      ((0, 1), (1, 2, 3))),
-        DeviceProgram(2, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
-        DeviceProgram(3, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
     ))  # fmt: skip
 
 
