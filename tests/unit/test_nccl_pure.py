@@ -512,12 +512,15 @@ def test_a_failed_batch_aborts_its_communicators_and_names_the_cause():
 def test_bootstrap_roots_are_counted_by_thread_name():
     libc = ctypes.CDLL(None)
     before = bootstrap_root_threads()
-    named, release = threading.Event(), threading.Event()
+    named, release, renamed = threading.Event(), threading.Event(), threading.Event()
 
     def root():
         libc.prctl(15, BOOTSTRAP_ROOT_THREAD.encode(), 0, 0, 0)  # PR_SET_NAME, as NCCL names its thread
         named.set()
         release.wait(30)
+        # Thread.join returns before the OS thread is gone, so the thread drops the name itself.
+        libc.prctl(15, b"finished", 0, 0, 0)
+        renamed.set()
 
     t = threading.Thread(target=root)
     t.start()
@@ -526,6 +529,7 @@ def test_bootstrap_roots_are_counted_by_thread_name():
         assert bootstrap_root_threads() == before + 1
     finally:
         release.set()
+        assert renamed.wait(30)
         t.join(30)
     assert bootstrap_root_threads() == before
 
