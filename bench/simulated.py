@@ -15,6 +15,7 @@ Pure apart from rich and matplotlib (Agg): runs anywhere, no Ray, no GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from reshard import STRATEGIES, Layout, Replicate, Shard, plan_reshard
 from reshard.planner import clear_plan_cache
+from reshard.sequencing import window_ops_for
 from reshard.tasks import plan_unit_tasks
 from topology import PRESETS, Cluster
 
@@ -273,9 +275,15 @@ def random_case(rng: random.Random, cluster: Cluster, *, min_log2=26, max_log2=3
     return kind, shape, layout(mesh(pools[0])), layout(mesh(pools[1]))
 
 
-def random_stats(cluster_name: str, n: int, seed: int = 0, **size) -> dict:
-    """auto vs the baselines and the bound over ``n`` random cases on a 16-host ``cluster_name``."""
+def random_stats(cluster_name: str, n: int, seed: int = 0, backend: str | None = None, **size) -> dict:
+    """auto vs the baselines and the bound over ``n`` random cases on a 16-host ``cluster_name``
+    (with ``backend``'s collectives and issue windows, default the preset's). Also auto's plans
+    with every device issuing one message at a time (``auto_one_at_a_time``), where the backend
+    issues windows."""
     cluster = Cluster.preset(cluster_name, 16)
+    if backend is not None:
+        cluster = dataclasses.replace(cluster, backend=backend)
+    window = window_ops_for(cluster.backend)
     rng = random.Random(seed)
     rows: list[dict] = []
     while len(rows) < n:
@@ -287,14 +295,18 @@ def random_stats(cluster_name: str, n: int, seed: int = 0, **size) -> dict:
             plan = plan_reshard(shape, "float32", src, dst, strategy=name, cluster=cluster)
             times[name] = plan.simulate(cluster).makespan_s
         lb = plan.lower_bound_s(cluster)
+        if window > 1:
+            times["auto_one_at_a_time"] = plan.simulate(cluster, window=1).makespan_s
         rows.append({"kind": kind, "shape": list(shape), "src": str(src), "dst": str(dst), "lb": lb, **times})
     stats = {
         "cluster": cluster_name,
+        "backend": cluster.backend,
+        "window_ops": window,
         "cases": n,
         "seed": seed,
         "log2_bytes": [size.get("min_log2", 26), size.get("max_log2", 31)],
     }
-    for name in STRATEGY_ORDER:
+    for name in (*STRATEGY_ORDER, "auto_one_at_a_time")[: len(STRATEGY_ORDER) + (window > 1)]:
         ratios = [r[name] / r["lb"] for r in rows]
         stats[name] = {"geomean_ratio": _geomean(ratios), "max_ratio": max(ratios)}
     vs_best = [r["auto"] / min(r[b] for b in BASELINES) for r in rows]
@@ -434,6 +446,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--random", type=int, default=0, metavar="N", help="also: statistics over N random cases")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--random-backend",
+        choices=("nccl", "gloo"),
+        help="random cases with this backend (default: the preset's, nccl)",
+    )
+    ap.add_argument(
         "--random-log2", type=int, nargs=2, default=(26, 31), metavar=("LO", "HI"),
         help="random tensor sizes between 2**LO and 2**HI bytes (default 26 31: 64 MiB to 2 GiB)",
     )  # fmt: skip
@@ -458,7 +475,7 @@ def main(argv: list[str]) -> int:
         report = {"cluster": _cluster_obj(cluster), "hosts": args.hosts, "cases": results}
         if args.random:
             lo, hi = args.random_log2
-            report["random"] = random_stats(name, args.random, args.seed, min_log2=lo, max_log2=hi)
+            report["random"] = random_stats(name, args.random, args.seed, args.random_backend, min_log2=lo, max_log2=hi)
             _print_random(report["random"])
         (args.out / f"simulated_{tag}.json").write_text(json.dumps(report, indent=1))
         plot(
@@ -503,12 +520,17 @@ def _print_random(s: dict) -> None:
     from rich.table import Table
 
     lo, hi = s["log2_bytes"]
-    title = f"{s['cases']} random cases on {s['cluster']} (seed {s['seed']}, 2**{lo} to 2**{hi} bytes)"
+    title = (
+        f"{s['cases']} random cases on {s['cluster']}, {s['backend']}, windows of {s['window_ops']} "
+        f"(seed {s['seed']}, 2**{lo} to 2**{hi} bytes)"
+    )
     table = Table(title=title, title_justify="left")
     for col in ("strategy", "geomean vs bound", "max vs bound"):
         table.add_column(col, justify="right")
-    for name in STRATEGY_ORDER:
-        table.add_row(LABELS[name], f"{s[name]['geomean_ratio']:.3f}", f"{s[name]['max_ratio']:.3f}")
+    labels = LABELS | {"auto_one_at_a_time": "auto's plans, one message at a time"}
+    for name in (*STRATEGY_ORDER, "auto_one_at_a_time"):
+        if name in s:
+            table.add_row(labels[name], f"{s[name]['geomean_ratio']:.3f}", f"{s[name]['max_ratio']:.3f}")
     _console().print(table)
     vs = s["auto_vs_best_baseline"]
     print(f"auto / best baseline: max {vs['max']:.4f}, geomean {vs['geomean']:.4f}")

@@ -48,6 +48,7 @@ class CompiledReshard:
     pull_sources: Mapping[int, tuple[int, ...]]
     relay_sources: Mapping[int, tuple[int, ...]]
     domains: tuple[tuple[int, Hashable], ...]
+    options: CompileOptions = CompileOptions()
 
     @property
     def pulled(self) -> dict[int, int | None]:
@@ -67,8 +68,9 @@ class CompiledReshard:
         return out
 
     def simulate(self, cluster=None):
-        """The plan simulated as it runs: its pulled transfers as pulls (``ReshardPlan.simulate``)."""
-        return self.plan.simulate(cluster, pulled=self.pulled)
+        """The plan simulated as it runs: its pulled transfers as pulls, messages issued in windows of
+        ``options.window_ops`` (``ReshardPlan.simulate``)."""
+        return self.plan.simulate(cluster, pulled=self.pulled, window=self.options.window_ops)
 
 
 def compile_reshard(
@@ -115,8 +117,9 @@ def _compile(shape, dtype, src, dst, strategy, cluster, domains, publishers, opt
     participants = tuple(p.device for p in program.devices if p.ops or p.background or p.dst_shape is not None)
     blobs = {d: encode_device_program(program.for_device(d), program.dtype) for d in participants}
     return CompiledReshard(
-        plan, program, blobs, participants, program.groups, program.pull_sources, program.relay_sources, domains
-    )
+        plan, program, blobs, participants, program.groups, program.pull_sources, program.relay_sources, domains,
+        options,
+    )  # fmt: skip
 
 
 def planning_hosts(src: Layout, dst: Layout, domain_of: Mapping[int, Hashable]) -> dict[int, int] | None:

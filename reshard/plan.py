@@ -11,7 +11,8 @@ from reshard.dtypes import itemsize
 from reshard.layout import Layout
 from reshard.placement import ReduceOp
 from reshard.program import Buffer
-from reshard.regions import Box, box_volume
+from reshard.regions import Box, box_volume, intersect
+from reshard.sequencing import window_ops_for
 from reshard.tasks import UnitTask
 from topology.cluster import Cluster
 from topology.mesh import device_hosts
@@ -80,18 +81,41 @@ _SIM_KIND = {
 
 
 def sim_transfers(
-    transfers: Iterable[Transfer], itemsize: int, pulled: Mapping[int, int | None] | None = None
+    transfers: Iterable[Transfer],
+    itemsize: int,
+    pulled: Mapping[int, int | None] | None = None,
+    *,
+    windowed: bool = False,
 ) -> list[SimTransfer]:
     """``transfers`` in the simulator's neutral form (``topology.simulator``), in the same order;
     those whose index is in ``pulled`` run as pulls out of the sender's memory (``reshard.pulls``),
-    after the transfer ``pulled`` names (a relay's) or at once (None)."""
+    after the transfer ``pulled`` names (a relay's) or at once (None). ``windowed``: also say on
+    which devices each reads what earlier transfers wrote (``SimTransfer.reads_landed``, which
+    closes an issue window)."""
     pulled = pulled or {}
+    transfers = tuple(transfers)
+    landed = _reads_landed(transfers) if windowed else [()] * len(transfers)
     return [
-        SimTransfer(SimKind.PULL, t.src, t.dsts, box_volume(t.box) * itemsize, pulled[i])
+        SimTransfer(SimKind.PULL, t.src, t.dsts, box_volume(t.box) * itemsize, pulled[i], landed[i])
         if i in pulled
-        else SimTransfer(_SIM_KIND[t.kind], t.src, t.dsts, box_volume(t.box) * itemsize)
+        else SimTransfer(_SIM_KIND[t.kind], t.src, t.dsts, box_volume(t.box) * itemsize, reads_landed=landed[i])
         for i, t in enumerate(transfers)
     ]
+
+
+def _reads_landed(transfers: tuple[Transfer, ...]) -> list[tuple[int, ...]]:
+    """Per transfer, the devices on which it reads what an earlier transfer wrote: a root that
+    forwards (a relay) or scales such a box, receivers that combine into their target."""
+    written: dict[int, list[Box]] = {}
+    out: list[tuple[int, ...]] = []
+    for t in transfers:
+        root = t.kind is TransferKind.SCALE or t.read in (Buffer.DST, Buffer.TMP)
+        if not root and t.read is None:
+            root = any(intersect(t.box, b) is not None for b in written.get(t.src, ()))
+        out.append(((t.src,) if root else ()) + (t.dsts if t.reduce else ()))
+        for d in t.dsts:
+            written.setdefault(d, []).append(t.box)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,14 +173,20 @@ class ReshardPlan:
         *,
         backend: str | None = None,
         pulled: Mapping[int, int | None] | None = None,
+        window: int | None = None,
     ) -> SimResult:
         """Simulated execution (``topology.simulator``) on ``cluster`` with the plan's hosts; default
         cluster: ``Cluster.for_hosts`` of them. ``pulled``: the transfers that run as pulls
-        (``CompiledReshard.pulled``). A ``SimResult`` with ``.makespan_s``."""
+        (``CompiledReshard.pulled``); ``window``: messages a device issues together (default: the
+        runtime's for the backend, ``reshard.sequencing.window_ops_for``). A ``SimResult`` with
+        ``.makespan_s``."""
         hosts = self.host_map
+        cluster = resolve_cluster(cluster, hosts)
+        backend = cluster.backend if backend is None else backend
+        window = window_ops_for(backend) if window is None else window
         return simulate_transfers(
-            sim_transfers(self.transfers, self.itemsize, pulled), hosts, resolve_cluster(cluster, hosts),
-            backend=backend,
+            sim_transfers(self.transfers, self.itemsize, pulled, windowed=window > 1), hosts, cluster,
+            backend=backend, window=window,
         )  # fmt: skip
 
     def lower_bound_s(self, cluster: Cluster | None = None) -> float:

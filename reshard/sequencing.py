@@ -31,6 +31,15 @@ from reshard.program import (
 
 OVERLAP_COPY_BYTES = 1 << 20  # below it the hand-off to the helper thread costs more than it saves
 WINDOW_STAGING_BYTES = 64 << 20
+# Messages a device issues together, per backend: gloo runs a window's sends and receives at once
+# (their latencies overlap). NCCL keeps one at a time: a window is one group call over several
+# communicators, whose kernels could queue behind each other on one stream (untested without GPUs).
+WINDOW_OPS = {"gloo": 4}
+
+
+def window_ops_for(backend: str) -> int:
+    """The ``window_ops`` the runtime sequences with for ``backend``'s devices (1: one at a time)."""
+    return WINDOW_OPS.get(backend, 1)
 
 
 def sequence_program(

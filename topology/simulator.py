@@ -47,7 +47,13 @@ never oversubscribed and no flow is slowed without a bottleneck. A flow first wa
   its port; a non-root forwards only after its receive completed. Each edge is a P2P flow.
 
 Order. Every device executes its transfers in the global list order, one at a time, blocking (the
-lowering's rule, which also makes the program deadlock free). A transfer is no barrier: each of
+lowering's rule, which also makes the program deadlock free); with ``window`` > 1 it issues them in
+windows, as the runtime's executor does (``reshard.sequencing``): up to ``window`` consecutive
+messages (P2P, BROADCAST) together, with the local transfers (COPY, PULL of a source shard) among
+them, and waits for all of them before the next window. A window closes before a transfer that
+reads on this device what the window wrote (``SimTransfer.reads_landed``: a relay's root, a
+receiver that combines), and a PULL of a relay has a window of its own. So their latencies overlap
+instead of adding up. A transfer is no barrier: each of
 its flows starts once every device it uses has finished its earlier transfers (a forward in a
 tree also waits for the receive that brings its bytes), and a device is free again once ITS flows
 of the transfer are done. So both ends of a P2P start and end together; an NCCL ring (one flow
@@ -94,6 +100,7 @@ class SimTransfer:
     receivers: tuple[int, ...]
     size_bytes: int
     after: int | None = None  # PULL: the earlier transfer that brings the root its bytes (None: it holds them)
+    reads_landed: tuple[int, ...] = ()  # devices on which it reads what their earlier transfers wrote
 
     def __post_init__(self):
         if self.size_bytes < 0:
@@ -177,11 +184,15 @@ def simulate_transfers(
     cluster: Cluster,
     *,
     backend: str | None = None,
+    window: int = 1,
 ) -> SimResult:
-    """Simulate ``transfers`` issued in this order on ``cluster`` (see the module docstring)."""
+    """Simulate ``transfers`` issued in this order on ``cluster``, each device issuing up to
+    ``window`` messages together (see the module docstring)."""
     backend = cluster.backend if backend is None else backend
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1 transfers in flight per device, got {window}")
     transfers = tuple(transfers)
     for i, t in enumerate(transfers):
         if t.after is not None and (t.kind is not SimKind.PULL or not 0 <= t.after < i):
@@ -255,7 +266,9 @@ def simulate_transfers(
     for i, t in enumerate(transfers):
         for d in t.devices:
             queues[d].append(i)
-    pos = dict.fromkeys(devices, 0)
+    windows = {d: _issue_windows(q, d, transfers, window) for d, q in queues.items()}
+    pos = dict.fromkeys(devices, 0)  # transfers of the device's queue issued
+    open_ = dict.fromkeys(devices, 0)  # of them, not done yet
     landed: set[tuple[int, int]] = set()  # (transfer, device): the device's part of the transfer is done
     awaiting: dict[tuple[int, int], list[_Flow]] = {}  # (transfer, root) -> PULL flows waiting for it
     res_flows: list[set[_Flow]] = [set() for _ in cap]
@@ -277,10 +290,13 @@ def simulate_transfers(
             push(now + f.latency, _ACTIVATE, f)
 
     def arrive(device: int, now: float) -> None:
-        """``device`` is free for its next transfer: the flows that waited for it may go."""
+        """``device`` is free for its next window of transfers: the flows that waited for it may go."""
         q = queues[device]
-        if pos[device] < len(q):
-            i = q[pos[device]]
+        if pos[device] >= len(q):
+            return
+        size = windows[device][pos[device]]
+        open_[device] = size
+        for i in q[pos[device] : pos[device] + size]:
             t = transfers[i]
             waits = needs[i]
             if waits is None:
@@ -292,6 +308,7 @@ def simulate_transfers(
                     awaiting.setdefault(source, []).extend(roots)
             for f in waits.pop(device, ()):
                 ready(f, now)
+        pos[device] += size
 
     def finish(f: _Flow, now: float) -> None:
         for c in f.children:
@@ -306,8 +323,9 @@ def simulate_transfers(
                 landed.add((i, d))
                 for pull in awaiting.pop((i, d), ()):
                     ready(pull, now)
-                pos[d] += 1
-                arrive(d, now)
+                open_[d] -= 1
+                if open_[d] == 0:
+                    arrive(d, now)
 
     for d in devices:
         arrive(d, 0.0)
@@ -343,12 +361,34 @@ def simulate_transfers(
                 elif not res_flows[r] and busy_since[r] is not None:
                     busy[r] += now - busy_since[r]
                     busy_since[r] = None
-    if any(flows_left) or any(pos[d] < len(q) for d, q in queues.items()):
+    if any(flows_left) or any(pos[d] < len(q) or open_[d] for d, q in queues.items()):
         raise AssertionError("simulation stalled: a transfer never started (the program order has a cycle)")
     stats = tuple(
         HostStats(h, send_bytes[i], recv_bytes[i], busy[2 * i], busy[2 * i + 1]) for h, i in host_index.items()
     )
     return SimResult(max(end, default=0.0), tuple(start), tuple(end), stats, backend)
+
+
+def _issue_windows(queue: list[int], device: int, transfers: Sequence[SimTransfer], window: int) -> dict[int, int]:
+    """{position in ``device``'s queue where a window starts: its length} (module docstring)."""
+    if window == 1:
+        return dict.fromkeys(range(len(queue)), 1)
+    out: dict[int, int] = {}
+    start = messages = 0
+    wrote = alone = False
+    for k, i in enumerate(queue):
+        t = transfers[i]
+        message = t.kind in (SimKind.P2P, SimKind.BROADCAST)
+        waits = t.kind is SimKind.PULL and t.after is not None
+        if k > start and (alone or waits or (message and messages >= window) or (wrote and device in t.reads_landed)):
+            out[start] = k - start
+            start, messages, wrote = k, 0, False
+        messages += message
+        wrote = wrote or (device in t.receivers and device != t.root) or t.kind is SimKind.COPY
+        alone = waits
+    if queue:
+        out[start] = len(queue) - start
+    return out
 
 
 def _waits(roots: list[_Flow], sourced: bool = False) -> dict[int, list[_Flow]]:

@@ -1,7 +1,9 @@
 """``auto``: the topology-aware planner. It minimizes the simulated makespan on the cluster.
 
 ``auto`` builds several candidate plans and keeps the one ``topology.simulator`` finds fastest on
-the problem's cluster, so it is never slower there than any candidate, and the baselines of
+the problem's cluster, simulated as the runtime issues them (in windows of
+``reshard.sequencing.window_ops_for(backend)`` messages per device, so many small messages cost a
+latency per window), so it is never slower there than any candidate, and the baselines of
 ``reshard.planner.baselines`` are candidates. Its own candidates go past the baselines'
 weaknesses: ``reshard.planner.hier`` balances the hosts' NICs (by time, so a slow NIC gets less
 work) and picks sending devices ("hier", or "serial": one sending device per host), and
@@ -32,6 +34,7 @@ from reshard.planner.hier import Context, plan_items
 from reshard.planner.order import order_items
 from reshard.planner.problem import Problem
 from reshard.planner.registry import register
+from reshard.sequencing import window_ops_for
 from topology.simulator import simulate_transfers
 
 MAX_SIMULATED_TRANSFERS = 4000  # beyond it the serial/color plan is returned unsimulated
@@ -83,6 +86,7 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
     work = sum(len(t.senders) * len(t.receivers) for t in problem.tasks)
     if work <= MAX_BASELINE_WORK:
         makers[2:2] = [(name, partial(fn, problem)) for name, fn in BASELINES.items()]
+    window = window_ops_for(problem.cluster.backend)
     seen: set[tuple[Transfer, ...]] = set()
     evaluated: list[Candidate] = []
     budget = SIMULATION_BUDGET
@@ -92,7 +96,10 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
             continue
         seen.add(transfers)
         budget -= len(transfers)
-        sim = simulate_transfers(sim_transfers(transfers, problem.itemsize), problem.hosts, problem.cluster)
+        sim = simulate_transfers(
+            sim_transfers(transfers, problem.itemsize, windowed=window > 1), problem.hosts, problem.cluster,
+            window=window,
+        )  # fmt: skip
         evaluated.append(Candidate(name, transfers, sim.makespan_s))
     best = min(evaluated, key=lambda c: (_makespan(c) * (1 - 1e-9), _groups(c.transfers), len(c.transfers)))
     return best, evaluated

@@ -33,6 +33,7 @@ from reshard.runtime.backends import backend_spec
 from reshard.runtime.dispatch import failure_error
 from reshard.runtime.driver import INTACT, runtime
 from reshard.runtime.mesh import DeviceMesh
+from reshard.sequencing import window_ops_for
 from topology.mesh import device_hosts
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -330,8 +331,12 @@ def _pending(refs):
 
 
 def compile_options(backend: str) -> CompileOptions:
-    """How programs are sequenced for a backend's devices (GPUs copy on their streams)."""
-    return CompileOptions(overlap_copy_bytes=None) if backend_spec(backend).device_type != "cpu" else CompileOptions()
+    """How programs are sequenced for a backend's devices (GPUs copy on their streams; messages go
+    in windows of ``window_ops_for(backend)``)."""
+    window = window_ops_for(backend)
+    if backend_spec(backend).device_type != "cpu":
+        return CompileOptions(overlap_copy_bytes=None, window_ops=window)
+    return CompileOptions(window_ops=window)
 
 
 def lowered_reshard(

@@ -293,3 +293,38 @@ def test_1024_device_planning_works():
     assert len(plan.tasks) == 128 * 128
     assert {t.task for t in plan.transfers} == set(range(len(plan.tasks)))
     assert {t.src for t in plan.transfers} <= set(a.device_ids)
+
+
+def test_windowed_transfers_say_where_they_read_what_landed():
+    """A relay's root, a root that reads its destination or scratch buffer, and receivers that
+    combine read what earlier transfers wrote: each closes its device's issue window."""
+    from reshard.plan import Transfer, TransferKind, sim_transfers
+    from reshard.program import Buffer
+
+    box, half = ((0, 8),), ((0, 4),)
+    transfers = [
+        Transfer(TransferKind.SEND, box, 0, (4,), 0),
+        Transfer(TransferKind.SEND, half, 4, (8,), 0),  # forwards part of what 0 sent: a relay
+        Transfer(TransferKind.SEND, ((8, 16),), 4, (9,), 1),  # its own source shard
+        Transfer(TransferKind.SEND, box, 1, (5,), 0, read=Buffer.DST),
+        Transfer(TransferKind.SEND, box, 2, (6,), 0, reduce=True),
+        Transfer(TransferKind.SCALE, box, 6, (6,), 0),
+    ]
+    landed = [t.reads_landed for t in sim_transfers(transfers, 4, windowed=True)]
+    assert landed == [(), (4,), (), (1,), (6,), (6,)]
+    assert [t.reads_landed for t in sim_transfers(transfers, 4)] == [()] * len(transfers)
+
+
+def test_gloo_plans_are_costed_with_the_runtimes_issue_windows():
+    """On gloo a device issues up to ``window_ops_for("gloo")`` messages together, so receiving from
+    many hosts costs a latency per window, not per message; auto plans and predicts for that."""
+    from reshard.sequencing import window_ops_for
+
+    cluster = Cluster.homogeneous(8, 4, 1.25, 50.0, latency_us=25.0, backend="gloo")
+    src = Layout(cluster.mesh((7, 4), hosts=range(7)), (Shard(1), Shard(0)))
+    dst = Layout(cluster.mesh((1, 1), hosts=[7]), (R, R))
+    plan = plan_reshard((64, 64), "float32", src, dst, cluster=cluster)
+    assert window_ops_for("gloo") > 1 and window_ops_for("nccl") == 1
+    windowed, serial = plan.simulate(cluster), plan.simulate(cluster, window=1)
+    assert windowed.makespan_s < serial.makespan_s / 2
+    assert windowed.makespan_s == plan.simulate(cluster, window=window_ops_for("gloo")).makespan_s

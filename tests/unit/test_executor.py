@@ -266,8 +266,9 @@ def _relay_case():
     dst = Layout(Mesh((2, 2), [4, 5, 6, 7], [2, 2, 3, 3]), (Replicate(), Replicate()))
     cluster = Cluster(4, 2, nic_GBps=0.12, intra_host_GBps=2.8, latency_us=900, intra_host_latency_us=100,
                       backend="gloo")  # fmt: skip
-    compiled = compile_reshard((16, 12), "float32", src, dst, cluster=cluster, domains={d: d // 2 for d in range(8)})
-    full = np.arange(16 * 12, dtype=np.float32).reshape(16, 12)
+    # big enough that relaying beats every destination receiving from every source in windows
+    compiled = compile_reshard((256, 128), "float32", src, dst, cluster=cluster, domains={d: d // 2 for d in range(8)})
+    full = np.arange(256 * 128, dtype=np.float32).reshape(256, 128)
     return compiled, source_shards(src, full), full
 
 

@@ -216,3 +216,31 @@ def test_every_host_nic_runs_at_its_own_rate():
     assert r.makespan_s == pytest.approx(2.0 + fill + NCCL_BROADCAST_OVERHEAD_US * 1e-6)
     with pytest.raises(ValueError, match=r"uses hosts 0..4 but cluster 'custom' has hosts 0..3"):
         simulate_transfers([p2p(0, 16)], {**hosts, 16: 4}, c)
+
+
+def test_a_window_overlaps_the_latencies_of_a_devices_messages():
+    """Device 4 receives four empty messages from four hosts: one at a time they cost four
+    latencies, in one window one; bytes still share its host's NIC."""
+    c = cluster(latency_us=100.0)
+    tiny = [p2p(src, 4, 0) for src in (0, 8, 12, 16)]
+    for window, latencies in ((1, 4), (2, 2), (4, 1), (8, 1)):
+        r = simulate_transfers(tiny, HOSTS, c, window=window)
+        assert r.makespan_s == pytest.approx(latencies * 100e-6)
+    full = [p2p(src, 4) for src in (0, 8, 12, 16)]
+    assert simulate_transfers(full, HOSTS, c, window=4).makespan_s == pytest.approx(4.0 + 100e-6)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        simulate_transfers(tiny, HOSTS, c, window=0)
+
+
+def test_a_window_closes_before_a_transfer_that_reads_what_it_wrote():
+    """A relay (its root forwards what the window's receive brought) starts once that receive is
+    done; a transfer that reads nothing of the window's rides along; the next window waits for
+    every transfer of the one before."""
+    c = cluster(latency_us=100.0)
+    relay = SimTransfer(SimKind.P2P, 4, (8,), S, reads_landed=(4,))
+    r = simulate_transfers([p2p(0, 4), relay], HOSTS, c, window=4)
+    assert r.start_s[1] == pytest.approx(r.end_s[0])
+    r = simulate_transfers([p2p(0, 4), p2p(4, 8)], HOSTS, c, window=4)
+    assert r.start_s[1] == pytest.approx(0.0)
+    r = simulate_transfers([p2p(0, 4), p2p(8, 4, 0), p2p(4, 12, 0)], HOSTS, c, window=2)
+    assert r.start_s[2] == pytest.approx(r.end_s[0])
