@@ -20,7 +20,7 @@ from reshard.plan import ReshardPlan
 from reshard.planner import plan_reshard
 from reshard.program import Buffer, Group, Program, Publish, Pull
 from reshard.pulls import last_write, to_pulls
-from reshard.sequencing import OVERLAP_COPY_BYTES, WINDOW_STAGING_BYTES, sequence_program
+from reshard.sequencing import OVERLAP_COPY_BYTES, WINDOW_BYTES, WINDOW_STAGING_BYTES, sequence_program
 from reshard.serialize import encode_device_program
 from reshard.validate import validate_plan, validate_program
 
@@ -28,11 +28,13 @@ from reshard.validate import validate_plan, validate_program
 @dataclass(frozen=True, slots=True)
 class CompileOptions:
     """How programs are sequenced (``reshard.sequencing``): ``overlap_copy_bytes`` (None: local ops
-    never run on the helper thread, e.g. GPU devices), ``window_ops`` and ``window_staging_bytes``."""
+    never run on the helper thread, e.g. GPU devices), ``window_ops``, ``window_staging_bytes`` and
+    ``window_bytes``."""
 
     overlap_copy_bytes: int | None = OVERLAP_COPY_BYTES
     window_ops: int = 1
     window_staging_bytes: int = WINDOW_STAGING_BYTES
+    window_bytes: int = WINDOW_BYTES
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -70,7 +72,9 @@ class CompiledReshard:
     def simulate(self, cluster=None):
         """The plan simulated as it runs: its pulled transfers as pulls, messages issued in windows of
         ``options.window_ops`` (``ReshardPlan.simulate``)."""
-        return self.plan.simulate(cluster, pulled=self.pulled, window=self.options.window_ops)
+        return self.plan.simulate(
+            cluster, pulled=self.pulled, window=self.options.window_ops, window_bytes=self.options.window_bytes
+        )
 
 
 def compile_reshard(
@@ -112,6 +116,7 @@ def _compile(shape, dtype, src, dst, strategy, cluster, domains, publishers, opt
         overlap_copy_bytes=options.overlap_copy_bytes,
         window_ops=options.window_ops,
         window_staging_bytes=options.window_staging_bytes,
+        window_bytes=options.window_bytes,
     )
     validate_program(program)
     participants = tuple(p.device for p in program.devices if p.ops or p.background or p.dst_shape is not None)

@@ -12,7 +12,7 @@ from reshard.layout import Layout
 from reshard.placement import ReduceOp
 from reshard.program import Buffer
 from reshard.regions import Box, box_volume, intersect
-from reshard.sequencing import window_ops_for
+from reshard.sequencing import WINDOW_BYTES, window_ops_for
 from reshard.tasks import UnitTask
 from topology.cluster import Cluster
 from topology.mesh import device_hosts
@@ -174,19 +174,20 @@ class ReshardPlan:
         backend: str | None = None,
         pulled: Mapping[int, int | None] | None = None,
         window: int | None = None,
+        window_bytes: int = WINDOW_BYTES,
     ) -> SimResult:
         """Simulated execution (``topology.simulator``) on ``cluster`` with the plan's hosts; default
         cluster: ``Cluster.for_hosts`` of them. ``pulled``: the transfers that run as pulls
-        (``CompiledReshard.pulled``); ``window``: messages a device issues together (default: the
-        runtime's for the backend, ``reshard.sequencing.window_ops_for``). A ``SimResult`` with
-        ``.makespan_s``."""
+        (``CompiledReshard.pulled``); ``window``: messages a device issues together, moving at most
+        ``window_bytes`` (default: the runtime's for the backend, ``reshard.sequencing``). A
+        ``SimResult`` with ``.makespan_s``."""
         hosts = self.host_map
         cluster = resolve_cluster(cluster, hosts)
         backend = cluster.backend if backend is None else backend
         window = window_ops_for(backend) if window is None else window
         return simulate_transfers(
             sim_transfers(self.transfers, self.itemsize, pulled, windowed=window > 1), hosts, cluster,
-            backend=backend, window=window,
+            backend=backend, window=window, window_bytes=window_bytes,
         )  # fmt: skip
 
     def lower_bound_s(self, cluster: Cluster | None = None) -> float:

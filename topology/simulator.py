@@ -49,11 +49,14 @@ never oversubscribed and no flow is slowed without a bottleneck. A flow first wa
 Order. Every device executes its transfers in the global list order, one at a time, blocking (the
 lowering's rule, which also makes the program deadlock free); with ``window`` > 1 it issues them in
 windows, as the runtime's executor does (``reshard.sequencing``): up to ``window`` consecutive
-messages (P2P, BROADCAST) together, with the local transfers (COPY, PULL of a source shard) among
-them, and waits for all of them before the next window. A window closes before a transfer that
+messages (P2P, BROADCAST) of at most ``window_bytes`` together (a bigger one goes alone), with
+the local transfers (COPY, PULL of a source shard) among them, and waits for all of them before
+the next window. A window closes before a transfer that
 reads on this device what the window wrote (``SimTransfer.reads_landed``: a relay's root, a
-receiver that combines), and a PULL of a relay has a window of its own. So their latencies overlap
-instead of adding up. A transfer is no barrier: each of
+receiver that combines), a PULL of a relay has a window of its own, and a device that relays (the
+root of a pulled relay, or of a transfer that reads what it received) issues one transfer at a time
+(so each slice lands, and is forwarded or pulled, as early as it can). So the
+latencies of a window's messages overlap instead of adding up. A transfer is no barrier: each of
 its flows starts once every device it uses has finished its earlier transfers (a forward in a
 tree also waits for the receive that brings its bytes), and a device is free again once ITS flows
 of the transfer are done. So both ends of a P2P start and end together; an NCCL ring (one flow
@@ -74,6 +77,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -185,9 +189,10 @@ def simulate_transfers(
     *,
     backend: str | None = None,
     window: int = 1,
+    window_bytes: float = math.inf,
 ) -> SimResult:
     """Simulate ``transfers`` issued in this order on ``cluster``, each device issuing up to
-    ``window`` messages together (see the module docstring)."""
+    ``window`` messages of at most ``window_bytes`` together (see the module docstring)."""
     backend = cluster.backend if backend is None else backend
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
@@ -266,7 +271,12 @@ def simulate_transfers(
     for i, t in enumerate(transfers):
         for d in t.devices:
             queues[d].append(i)
-    windows = {d: _issue_windows(q, d, transfers, window) for d, q in queues.items()}
+    relaying = {
+        t.root for t in transfers if (t.kind is SimKind.PULL and t.after is not None) or t.root in t.reads_landed
+    }
+    windows = {
+        d: _issue_windows(q, d, transfers, 1 if d in relaying else window, window_bytes) for d, q in queues.items()
+    }
     pos = dict.fromkeys(devices, 0)  # transfers of the device's queue issued
     open_ = dict.fromkeys(devices, 0)  # of them, not done yet
     landed: set[tuple[int, int]] = set()  # (transfer, device): the device's part of the transfer is done
@@ -369,21 +379,25 @@ def simulate_transfers(
     return SimResult(max(end, default=0.0), tuple(start), tuple(end), stats, backend)
 
 
-def _issue_windows(queue: list[int], device: int, transfers: Sequence[SimTransfer], window: int) -> dict[int, int]:
+def _issue_windows(
+    queue: list[int], device: int, transfers: Sequence[SimTransfer], window: int, window_bytes: float
+) -> dict[int, int]:
     """{position in ``device``'s queue where a window starts: its length} (module docstring)."""
     if window == 1:
         return dict.fromkeys(range(len(queue)), 1)
     out: dict[int, int] = {}
-    start = messages = 0
+    start = messages = moved = 0
     wrote = alone = False
     for k, i in enumerate(queue):
         t = transfers[i]
         message = t.kind in (SimKind.P2P, SimKind.BROADCAST)
         waits = t.kind is SimKind.PULL and t.after is not None
-        if k > start and (alone or waits or (message and messages >= window) or (wrote and device in t.reads_landed)):
+        full = message and (messages >= window or (messages and moved + t.size_bytes > window_bytes))
+        if k > start and (alone or waits or full or (wrote and device in t.reads_landed)):
             out[start] = k - start
-            start, messages, wrote = k, 0, False
+            start, messages, moved, wrote = k, 0, 0, False
         messages += message
+        moved += t.size_bytes if message else 0
         wrote = wrote or (device in t.receivers and device != t.root) or t.kind is SimKind.COPY
         alone = waits
     if queue:

@@ -2,8 +2,8 @@
 
 ``auto`` builds several candidate plans and keeps the one ``topology.simulator`` finds fastest on
 the problem's cluster, simulated as the runtime issues them (in windows of
-``reshard.sequencing.window_ops_for(backend)`` messages per device, so many small messages cost a
-latency per window), so it is never slower there than any candidate, and the baselines of
+``reshard.sequencing.window_ops_for(backend)`` small messages per device, so many small messages
+cost a latency per window), so it is never slower there than any candidate, and the baselines of
 ``reshard.planner.baselines`` are candidates. Its own candidates go past the baselines'
 weaknesses: ``reshard.planner.hier`` balances the hosts' NICs (by time, so a slow NIC gets less
 work) and picks sending devices ("hier", or "serial": one sending device per host), and
@@ -34,7 +34,7 @@ from reshard.planner.hier import Context, plan_items
 from reshard.planner.order import order_items
 from reshard.planner.problem import Problem
 from reshard.planner.registry import register
-from reshard.sequencing import window_ops_for
+from reshard.sequencing import WINDOW_BYTES, window_ops_for
 from topology.simulator import simulate_transfers
 
 MAX_SIMULATED_TRANSFERS = 4000  # beyond it the serial/color plan is returned unsimulated
@@ -98,7 +98,7 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
         budget -= len(transfers)
         sim = simulate_transfers(
             sim_transfers(transfers, problem.itemsize, windowed=window > 1), problem.hosts, problem.cluster,
-            window=window,
+            window=window, window_bytes=WINDOW_BYTES,
         )  # fmt: skip
         evaluated.append(Candidate(name, transfers, sim.makespan_s))
     best = min(evaluated, key=lambda c: (_makespan(c) * (1 - 1e-9), _groups(c.transfers), len(c.transfers)))

@@ -38,6 +38,8 @@ def up():
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # a test run started in the background ignores SIGINT, and children inherit that
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         tokens: list[str] = []
         started.append((proc, tokens))

@@ -267,8 +267,8 @@ def _relay_case():
     cluster = Cluster(4, 2, nic_GBps=0.12, intra_host_GBps=2.8, latency_us=900, intra_host_latency_us=100,
                       backend="gloo")  # fmt: skip
     # big enough that relaying beats every destination receiving from every source in windows
-    compiled = compile_reshard((256, 128), "float32", src, dst, cluster=cluster, domains={d: d // 2 for d in range(8)})
-    full = np.arange(256 * 128, dtype=np.float32).reshape(256, 128)
+    compiled = compile_reshard((1024, 512), "float32", src, dst, cluster=cluster, domains={d: d // 2 for d in range(8)})
+    full = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)
     return compiled, source_shards(src, full), full
 
 

@@ -280,6 +280,12 @@ def test_publications_follow_the_last_write_of_their_slice():
     sequenced = sequence_program(out)
     assert [(op.step, op.after) for op in sequenced.devices[2].ops] == [(3, 1), (2, 2)]  # the ready one first
     validate_program(sequenced)
+    # in windows, the publisher still receives one slice at a time (each is published as it lands);
+    # its source sends both slices in one window
+    windowed = sequence_program(out, window_ops=4)
+    validate_program(windowed)
+    assert windowed.devices[1].windows == () and windowed.devices[0].windows == (2,)
+    assert sequence_program(out, window_ops=4, window_bytes=8).devices[0].windows == (1, 1)  # 8 bytes each
 
 
 def test_validate_rejects_broken_programs():

@@ -244,3 +244,25 @@ def test_a_window_closes_before_a_transfer_that_reads_what_it_wrote():
     assert r.start_s[1] == pytest.approx(0.0)
     r = simulate_transfers([p2p(0, 4), p2p(8, 4, 0), p2p(4, 12, 0)], HOSTS, c, window=2)
     assert r.start_s[2] == pytest.approx(r.end_s[0])
+
+
+def test_the_root_of_a_pulled_relay_receives_one_slice_at_a_time():
+    """Its peers pull each slice once it landed: in a window its two slices would land together."""
+    c = cluster(latency_us=100.0, intra=10.0)
+    program = [p2p(0, 4), p2p(8, 4), pull(4, [5], after=0), pull(4, [6], after=1)]
+    r = simulate_transfers(program, HOSTS, c, window=4)
+    assert r.end_s[0] == pytest.approx(1.0 + 100e-6) and r.start_s[2] == pytest.approx(r.end_s[0])
+    assert r.start_s[1] == pytest.approx(r.end_s[0])
+
+
+def test_a_window_holds_messages_of_at_most_window_bytes_together():
+    """Bigger messages go one at a time (their order is the planner's schedule of the links)."""
+    c = cluster(latency_us=100.0)
+    full = [p2p(src, 4) for src in (0, 8, 12, 16)]
+    r = simulate_transfers(full, HOSTS, c, window=4, window_bytes=S)
+    assert r.makespan_s == pytest.approx(4 * (1.0 + 100e-6))
+    assert r.start_s[1] == pytest.approx(r.end_s[0])
+    tiny = [p2p(src, 4, 100) for src in (0, 8, 12, 16)]
+    assert simulate_transfers(tiny, HOSTS, c, window=4, window_bytes=200).makespan_s == pytest.approx(
+        2 * (100e-6 + 200 / 1e9)
+    )
