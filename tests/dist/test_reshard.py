@@ -268,7 +268,7 @@ def test_relays_inside_a_machine_are_pulled_from_the_relaying_device(view, ray_c
 
     own = DeviceMesh.create((2,), backend="gloo", shared_memory=False, startup_timeout_s=180)
     try:
-        x = random_array((64, 48), "float32", 11)
+        x = random_array((256, 192), "float32", 11)  # big enough that relaying beats two windows of sends
         t = distribute(x, Layout(own, pl("S0")))
         dst = view([0, 1, 2, 3], (2, 2))
         layout = Layout(dst, pl("R R"))
