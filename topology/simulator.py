@@ -49,25 +49,26 @@ never oversubscribed and no flow is slowed without a bottleneck. A flow first wa
 Order. Every device executes its transfers in the global list order, one at a time, blocking (the
 lowering's rule, which also makes the program deadlock free); with ``window`` > 1 it issues them in
 windows, as the runtime's executor does (``reshard.sequencing``): up to ``window`` consecutive
-messages (P2P, BROADCAST) of at most ``window_bytes`` together (a bigger one goes alone), with
-the local transfers (COPY, PULL of a source shard) among them, and waits for all of them before
-the next window. A window closes before a transfer that
-reads on this device what the window wrote (``SimTransfer.reads_landed``: a relay's root, a
-receiver that combines), a PULL of a relay has a window of its own, and a device that relays (the
-root of a pulled relay, or of a transfer that reads what it received) issues one transfer at a time
-(so each slice lands, and is forwarded or pulled, as early as it can). So the
-latencies of a window's messages overlap instead of adding up. A transfer is no barrier: each of
-its flows starts once every device it uses has finished its earlier transfers (a forward in a
-tree also waits for the receive that brings its bytes), and a device is free again once ITS flows
-of the transfer are done. So both ends of a P2P start and end together; an NCCL ring (one flow
-through every member: a collective launch) starts when all members are free and holds them until
-it drains; in a gloo binomial tree (``gloo::broadcast``: no barrier, each member receives from its
-parent, then posts its forwards and returns once they completed) the root's send to a member goes
-as soon as the two are free, and a leaf that received goes on with its next transfer while the
-tree still sends elsewhere. Measured on 4 emulated hosts (1 Gbit/s NICs, 2 devices each, the
-broadcast strategies' shard -> replicate case at 64 MiB: four 5-member trees one after another),
-gloo ran 0.80-0.82x of what the older rule (every member starts and stays busy until the whole
-tree ends) predicted, and 0.94-1.00x of this one.
+messages (P2P, BROADCAST) of at most ``window_bytes`` together (a bigger one goes alone), with the
+local transfers (COPY, PULL of a source shard) among them, and waits for all of them before the next
+window. A window closes before a transfer that reads on this device what the window wrote
+(``SimTransfer.reads_landed``: a relay's root, a receiver that combines), a PULL of a relay has a
+window of its own, and a device that relays (the root of a pulled relay, or of a message that reads
+what it received) issues one transfer at a time, so that each slice lands, and is forwarded or
+pulled, as early as it can. The latencies of a window's messages overlap instead of adding up. A
+transfer is no barrier: each of its flows starts once every device it uses has finished its earlier
+transfers (a forward in a tree also waits for the receive that brings its bytes), and a device is
+free again once ITS flows of the transfer are done. So both ends of a P2P start and end together; an
+NCCL ring (one flow through every member: a collective launch) starts when all members are free and
+holds them until it drains; in a gloo binomial tree (``gloo::broadcast``: no barrier, each member
+receives from its parent, then posts its forwards and returns once they completed) the root's send
+to a member goes as soon as the two are free, and a leaf that received goes on with its next
+transfer while the tree still sends elsewhere. Measured on 4 emulated hosts (1 Gbit/s NICs, 2
+devices each, the broadcast strategies' shard -> replicate case at 64 MiB: four 5-member trees one
+after another), gloo ran 0.80-0.82x of what the older rule (every member starts and stays busy until
+the whole tree ends) predicted, and 0.94-1.00x of this one. With gloo windows of 4 messages of at
+most 1 MiB (the same hosts, every strategy and case at 64 and 256 MiB: bench/MULTIHOST.md), 47 of
+48 measurements were within 10 % of this model.
 
 Accounting. ``HostStats.send_bytes``/``recv_bytes`` count the bytes each NIC carries (pipeline fill
 excluded); ``send_busy_s``/``recv_busy_s`` the time the port carried at least one flow.
@@ -272,7 +273,10 @@ def simulate_transfers(
         for d in t.devices:
             queues[d].append(i)
     relaying = {
-        t.root for t in transfers if (t.kind is SimKind.PULL and t.after is not None) or t.root in t.reads_landed
+        t.root
+        for t in transfers
+        if (t.kind is SimKind.PULL and t.after is not None)
+        or (t.kind in (SimKind.P2P, SimKind.BROADCAST) and t.root in t.reads_landed)
     }
     windows = {
         d: _issue_windows(q, d, transfers, 1 if d in relaying else window, window_bytes) for d, q in queues.items()
