@@ -11,7 +11,7 @@ from reshard.dtypes import itemsize
 from reshard.layout import Layout
 from reshard.placement import ReduceOp
 from reshard.program import Buffer
-from reshard.regions import Box, box_volume, intersect
+from reshard.regions import Box, box_volume, contains, layout_regions
 from reshard.sequencing import WINDOW_BYTES, window_ops_for
 from reshard.tasks import UnitTask
 from topology.cluster import Cluster
@@ -85,16 +85,16 @@ def sim_transfers(
     itemsize: int,
     pulled: Mapping[int, int | None] | None = None,
     *,
-    windowed: bool = False,
+    src_regions: Mapping[int, Box] | None = None,
 ) -> list[SimTransfer]:
     """``transfers`` in the simulator's neutral form (``topology.simulator``), in the same order;
     those whose index is in ``pulled`` run as pulls out of the sender's memory (``reshard.pulls``),
-    after the transfer ``pulled`` names (a relay's) or at once (None). ``windowed``: also say on
-    which devices each reads what earlier transfers wrote (``SimTransfer.reads_landed``, which
-    closes an issue window)."""
+    after the transfer ``pulled`` names (a relay's) or at once (None). With ``src_regions`` (each
+    source device's box), also say on which devices each reads what earlier transfers wrote
+    (``SimTransfer.reads_landed``, which closes an issue window)."""
     pulled = pulled or {}
     transfers = tuple(transfers)
-    landed = _reads_landed(transfers) if windowed else [()] * len(transfers)
+    landed = [()] * len(transfers) if src_regions is None else _reads_landed(transfers, src_regions)
     return [
         SimTransfer(SimKind.PULL, t.src, t.dsts, box_volume(t.box) * itemsize, pulled[i], landed[i])
         if i in pulled
@@ -103,18 +103,18 @@ def sim_transfers(
     ]
 
 
-def _reads_landed(transfers: tuple[Transfer, ...]) -> list[tuple[int, ...]]:
+def _reads_landed(transfers: tuple[Transfer, ...], src_regions: Mapping[int, Box]) -> list[tuple[int, ...]]:
     """Per transfer, the devices on which it reads what an earlier transfer wrote: a root that
-    forwards (a relay) or scales such a box, receivers that combine into their target."""
-    written: dict[int, list[Box]] = {}
+    forwards what it does not hold in its source shard (a relay) or scales a box, receivers that
+    combine into their target."""
     out: list[tuple[int, ...]] = []
     for t in transfers:
-        root = t.kind is TransferKind.SCALE or t.read in (Buffer.DST, Buffer.TMP)
-        if not root and t.read is None:
-            root = any(intersect(t.box, b) is not None for b in written.get(t.src, ()))
+        if t.read is None:
+            region = src_regions.get(t.src)
+            root = region is None or not contains(region, t.box)
+        else:
+            root = t.kind is TransferKind.SCALE or t.read is not Buffer.SRC
         out.append(((t.src,) if root else ()) + (t.dsts if t.reduce else ()))
-        for d in t.dsts:
-            written.setdefault(d, []).append(t.box)
     return out
 
 
@@ -152,6 +152,11 @@ class ReshardPlan:
         return dict(self.hosts)
 
     @property
+    def src_regions(self) -> dict[int, Box]:
+        """Each source device's box of the tensor."""
+        return dict(zip(self.src.mesh.device_ids, layout_regions(self.src, self.shape), strict=True))
+
+    @property
     def itemsize(self) -> int:
         return itemsize(self.dtype)
 
@@ -186,7 +191,8 @@ class ReshardPlan:
         backend = cluster.backend if backend is None else backend
         window = window_ops_for(backend) if window is None else window
         return simulate_transfers(
-            sim_transfers(self.transfers, self.itemsize, pulled, windowed=window > 1), hosts, cluster,
+            sim_transfers(self.transfers, self.itemsize, pulled, src_regions=self.src_regions if window > 1 else None),
+            hosts, cluster,
             backend=backend, window=window, window_bytes=window_bytes,
         )  # fmt: skip
 

@@ -34,6 +34,7 @@ from reshard.planner.hier import Context, plan_items
 from reshard.planner.order import order_items
 from reshard.planner.problem import Problem
 from reshard.planner.registry import register
+from reshard.regions import layout_regions
 from reshard.sequencing import WINDOW_BYTES, window_ops_for
 from topology.simulator import simulate_transfers
 
@@ -87,6 +88,11 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
     if work <= MAX_BASELINE_WORK:
         makers[2:2] = [(name, partial(fn, problem)) for name, fn in BASELINES.items()]
     window = window_ops_for(problem.cluster.backend)
+    regions = (
+        dict(zip(problem.src.mesh.device_ids, layout_regions(problem.src, problem.shape), strict=True))
+        if window > 1
+        else None
+    )
     seen: set[tuple[Transfer, ...]] = set()
     evaluated: list[Candidate] = []
     budget = SIMULATION_BUDGET
@@ -97,7 +103,7 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
         seen.add(transfers)
         budget -= len(transfers)
         sim = simulate_transfers(
-            sim_transfers(transfers, problem.itemsize, windowed=window > 1), problem.hosts, problem.cluster,
+            sim_transfers(transfers, problem.itemsize, src_regions=regions), problem.hosts, problem.cluster,
             window=window, window_bytes=WINDOW_BYTES,
         )  # fmt: skip
         evaluated.append(Candidate(name, transfers, sim.makespan_s))

@@ -305,12 +305,13 @@ def test_windowed_transfers_say_where_they_read_what_landed():
     transfers = [
         Transfer(TransferKind.SEND, box, 0, (4,), 0),
         Transfer(TransferKind.SEND, half, 4, (8,), 0),  # forwards part of what 0 sent: a relay
-        Transfer(TransferKind.SEND, ((8, 16),), 4, (9,), 1),  # its own source shard
+        Transfer(TransferKind.SEND, ((8, 16),), 4, (9,), 1),  # from its own source shard
         Transfer(TransferKind.SEND, box, 1, (5,), 0, read=Buffer.DST),
         Transfer(TransferKind.SEND, box, 2, (6,), 0, reduce=True),
         Transfer(TransferKind.SCALE, box, 6, (6,), 0),
     ]
-    landed = [t.reads_landed for t in sim_transfers(transfers, 4, windowed=True)]
+    regions = {0: box, 1: box, 2: box, 4: ((8, 16),)}  # the source devices' boxes
+    landed = [t.reads_landed for t in sim_transfers(transfers, 4, src_regions=regions)]
     assert landed == [(), (4,), (), (1,), (6,), (6,)]
     assert [t.reads_landed for t in sim_transfers(transfers, 4)] == [()] * len(transfers)
 
