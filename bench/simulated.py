@@ -306,7 +306,7 @@ def random_stats(cluster_name: str, n: int, seed: int = 0, backend: str | None =
         "seed": seed,
         "log2_bytes": [size.get("min_log2", 26), size.get("max_log2", 31)],
     }
-    for name in (*STRATEGY_ORDER, "auto_one_at_a_time")[: len(STRATEGY_ORDER) + (window > 1)]:
+    for name in [*STRATEGY_ORDER, *(["auto_one_at_a_time"] if window > 1 else [])]:
         ratios = [r[name] / r["lb"] for r in rows]
         stats[name] = {"geomean_ratio": _geomean(ratios), "max_ratio": max(ratios)}
     vs_best = [r["auto"] / min(r[b] for b in BASELINES) for r in rows]
