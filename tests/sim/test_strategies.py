@@ -329,3 +329,16 @@ def test_gloo_plans_are_costed_with_the_runtimes_issue_windows():
     windowed, serial = plan.simulate(cluster), plan.simulate(cluster, window=1)
     assert windowed.makespan_s < serial.makespan_s / 2
     assert windowed.makespan_s == plan.simulate(cluster, window=window_ops_for("gloo")).makespan_s
+
+
+def test_random_stats_on_gloo_report_auto_one_message_at_a_time_too():
+    """The bench's random cases on gloo: every strategy and auto's plans issued one message at a
+    time are at or above the bound, and on these small tensors windows make auto's plans faster."""
+    from bench.simulated import random_stats
+
+    stats = random_stats("p3.8xlarge", 6, seed=3, backend="gloo", min_log2=16, max_log2=18)
+    assert stats["backend"] == "gloo" and stats["window_ops"] > 1
+    for name in ("auto", "send_recv", "auto_one_at_a_time"):
+        assert stats[name]["geomean_ratio"] >= 1 - 1e-9
+    assert stats["auto"]["geomean_ratio"] <= stats["auto_one_at_a_time"]["geomean_ratio"] + 1e-9
+    assert "auto_one_at_a_time" not in random_stats("p3.8xlarge", 2, seed=3, min_log2=16, max_log2=17)
