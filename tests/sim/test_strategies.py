@@ -333,7 +333,7 @@ def test_gloo_plans_are_costed_with_the_runtimes_issue_windows():
 
 def test_random_stats_on_gloo_report_auto_one_message_at_a_time_too():
     """The bench's random cases on gloo: every strategy and auto's plans issued one message at a
-    time are at or above the bound, and on these small tensors windows make auto's plans faster."""
+    time are at or above the bound, and on these small tensors windows make auto's plans no slower."""
     from bench.simulated import random_stats
 
     stats = random_stats("p3.8xlarge", 6, seed=3, backend="gloo", min_log2=16, max_log2=18)
