@@ -3,12 +3,13 @@
 ``python -m bench.timeline --case shard-to-rep --size 64MiB --strategy auto [--repeats 5] [--cprofile]``
 
 Instruments the device actors through the runtime's ``call`` extension point only (no runtime
-edit): inside each actor process it wraps the actor's run (after the call's turn came) and the
-executor's ``execute``, and sets the ``before_op`` hook, recording wall-clock timestamps (one
-machine: one clock). The driver records when ``reshard`` was called and when it
+edit): inside each actor process it wraps the device's inbox (a run call asking for its turn)
+and the executor's ``execute``, and sets the ``before_op`` hook, recording wall-clock timestamps
+(one machine: one clock). The driver records when ``reshard`` was called and when it
 returned. Per run it prints, relative to the call:
 
-* ``arrive``   when each actor began its ``run`` (Ray dispatch + queueing),
+* ``arrive``   when each actor's run call arrived (Ray dispatch; ``setup`` includes its wait for
+  its turn),
 * ``program``  the actor's program (ops), and inside it the time in each op,
 * ``return``   from the last actor's end to ``reshard`` returning (result transport + gather).
 
@@ -31,7 +32,8 @@ from bench.cases import CASES_BY_NAME, POOL_SHAPE, fmt_size, parse_size  # noqa:
 
 
 def install(ctx, cprofile: bool = False) -> int:
-    """Wrap this actor's run and program with timestamping (idempotent). Returns the pid."""
+    """Timestamp this actor's run calls (their turn in its inbox), programs and ops (idempotent).
+    Returns the pid."""
     from reshard.runtime import actor
 
     if getattr(ctx, "_tl_installed", False):
@@ -41,12 +43,13 @@ def install(ctx, cprofile: bool = False) -> int:
     ctx._tl_cprofile = cprofile
     ctx._tl_stats = None
     log = ctx._tl_log
-    run, execute = actor.DeviceRole._reshard_run, actor.execute
-    ctx._tl_originals = (run, execute)
+    turn, execute = ctx.inbox.turn, actor.execute
+    ctx._tl_originals = execute
 
-    def timed_run(self, *a, **k):
-        log.append(("run", time.time()))
-        return run(self, *a, **k)
+    def timed_turn(ticket, deadline, what="call"):
+        if what.startswith("the reshard into"):  # a run call arrived (it may wait for its turn)
+            log.append(("run", time.time()))
+        return turn(ticket, deadline, what)
 
     def timed_execute(*a, **k):
         log.append(("program", time.time()))
@@ -72,7 +75,7 @@ def install(ctx, cprofile: bool = False) -> int:
     def before_op(run, op):
         log.append((f"op{op.step}:{type(op).__name__}", time.time()))
 
-    actor.DeviceRole._reshard_run, actor.execute = timed_run, timed_execute
+    ctx.inbox.turn, actor.execute = timed_turn, timed_execute
     ctx.before_op = before_op
     ctx._tl_installed = True
     return os.getpid()
@@ -89,7 +92,8 @@ def uninstall(ctx) -> None:
     from reshard.runtime import actor
 
     if getattr(ctx, "_tl_installed", False):
-        actor.DeviceRole._reshard_run, actor.execute = ctx._tl_originals
+        del ctx.inbox.turn  # the class's method again
+        actor.execute = ctx._tl_originals
     ctx.before_op = None
     ctx._tl_installed = False
 
