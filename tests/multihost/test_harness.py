@@ -32,15 +32,22 @@ def up():
     started: list[tuple[subprocess.Popen, list[str]]] = []
 
     def start(*args: str, until: str = "up") -> tuple[subprocess.Popen, str]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.emulate", "up", *args],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            # a test run started in the background ignores SIGINT, and children inherit that
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
+        # a test run started in the background ignores SIGINT, and a child inherits an ignored
+        # signal: let it be born with the default (no preexec_fn: this process has threads)
+        ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "bench.emulate", "up", *args],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        finally:
+            if ignored:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
         tokens: list[str] = []
         started.append((proc, tokens))
         while True:
