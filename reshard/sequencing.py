@@ -114,11 +114,11 @@ def _windows(ops: list[Op], item: int, most: int, bound: int, moved_bound: int, 
     written: list = []  # boxes written in the current window
     alone = False  # the current window holds a pull of a relay
     for op in ops:
-        nbytes = op_numel(op) * item if getattr(op, "staging", None) is not None else 0
         message = isinstance(op, MESSAGE_OPS)
+        size = op_numel(op) * item if message else 0  # only messages move bytes or are staged
+        nbytes = size if getattr(op, "staging", None) is not None else 0
         depends = reads_output(op) is not None and written
         waits = isinstance(op, Pull) and op.buffer is Buffer.DST
-        size = op_numel(op) * item if message else 0
         full = message and (
             count >= most or used + nbytes > max(bound, nbytes) or (count and moved + size > moved_bound)
         )
@@ -128,7 +128,7 @@ def _windows(ops: list[Op], item: int, most: int, bound: int, moved_bound: int, 
             written = []
         if not lengths:
             lengths.append(0)
-        if nbytes and isinstance(op, MESSAGE_OPS):  # only messages are staged
+        if nbytes and isinstance(op, MESSAGE_OPS):
             op = replace(op, staging=used)
             used += nbytes
             peak = max(peak, used)
