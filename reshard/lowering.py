@@ -26,14 +26,14 @@ from reshard.program import (
     Send,
     first_use_groups,
 )
-from reshard.regions import Box, box_shape, box_volume, contains, is_contiguous, layout_regions, relative
+from reshard.regions import Box, box_shape, box_volume, contains, device_regions, is_contiguous, relative
 from reshard.tasks import zero_devices
 
 
 def lower_plan(plan: ReshardPlan) -> Program:
     """One program per device of the source and destination meshes."""
-    src_regions = dict(zip(plan.src.mesh.device_ids, layout_regions(plan.src, plan.shape), strict=True))
-    dst_regions = dict(zip(plan.dst.mesh.device_ids, layout_regions(plan.dst, plan.shape), strict=True))
+    src_regions = device_regions(plan.src, plan.shape)
+    dst_regions = device_regions(plan.dst, plan.shape)
     ops: dict[int, list[Op]] = {d: [] for d in (*plan.src.mesh.device_ids, *plan.dst.mesh.device_ids)}
     staging: dict[int, int] = dict.fromkeys(ops, 0)
     tmp: set[int] = set()

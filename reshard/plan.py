@@ -11,7 +11,7 @@ from reshard.dtypes import itemsize
 from reshard.layout import Layout
 from reshard.placement import ReduceOp
 from reshard.program import Buffer
-from reshard.regions import Box, box_volume, contains, layout_regions
+from reshard.regions import Box, box_volume, contains, device_regions
 from reshard.sequencing import WINDOW_BYTES, window_ops_for
 from reshard.tasks import UnitTask
 from topology.cluster import Cluster
@@ -152,11 +152,6 @@ class ReshardPlan:
         return dict(self.hosts)
 
     @property
-    def src_regions(self) -> dict[int, Box]:
-        """Each source device's box of the tensor."""
-        return dict(zip(self.src.mesh.device_ids, layout_regions(self.src, self.shape), strict=True))
-
-    @property
     def itemsize(self) -> int:
         return itemsize(self.dtype)
 
@@ -190,9 +185,9 @@ class ReshardPlan:
         cluster = resolve_cluster(cluster, hosts)
         backend = cluster.backend if backend is None else backend
         window = window_ops_for(backend) if window is None else window
+        regions = device_regions(self.src, self.shape) if window > 1 else None
         return simulate_transfers(
-            sim_transfers(self.transfers, self.itemsize, pulled, src_regions=self.src_regions if window > 1 else None),
-            hosts, cluster,
+            sim_transfers(self.transfers, self.itemsize, pulled, src_regions=regions), hosts, cluster,
             backend=backend, window=window, window_bytes=window_bytes,
         )  # fmt: skip
 

@@ -42,6 +42,11 @@ def layout_regions(layout: Layout, shape: tuple[int, ...]) -> tuple[Box, ...]:
     return tuple(out)
 
 
+def device_regions(layout: Layout, shape: tuple[int, ...]) -> dict[int, Box]:
+    """``layout_regions`` by global device id."""
+    return dict(zip(layout.mesh.device_ids, layout_regions(layout, shape), strict=True))
+
+
 def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(hi - lo for lo, hi in box)
 

@@ -27,7 +27,7 @@ from reshard.program import (
     reads_output,
     writes,
 )
-from reshard.regions import box_volume, contains, intersect, is_contiguous, layout_regions
+from reshard.regions import box_volume, contains, device_regions, intersect, is_contiguous
 from reshard.tasks import zero_devices
 
 
@@ -43,8 +43,8 @@ def validate_plan(plan: ReshardPlan) -> None:
     """
     src = plan.src.for_shape(plan.shape)
     dst = plan.dst.for_shape(plan.shape)
-    src_regions = dict(zip(src.mesh.device_ids, layout_regions(src, plan.shape), strict=True))
-    dst_regions = dict(zip(dst.mesh.device_ids, layout_regions(dst, plan.shape), strict=True))
+    src_regions = device_regions(src, plan.shape)
+    dst_regions = device_regions(dst, plan.shape)
     contribution = {d: src.contribution(i) for i, d in enumerate(src.mesh.device_ids)}
     every = frozenset(src.contribution(i) for i in range(src.mesh.size))
     wants = {d: r for d, r in dst_regions.items() if d not in set(zero_devices(dst))}

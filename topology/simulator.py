@@ -67,8 +67,8 @@ transfer while the tree still sends elsewhere. Measured on 4 emulated hosts (1 G
 devices each, the broadcast strategies' shard -> replicate case at 64 MiB: four 5-member trees one
 after another), gloo ran 0.80-0.82x of what the older rule (every member starts and stays busy until
 the whole tree ends) predicted, and 0.94-1.00x of this one. With gloo windows of 4 messages of at
-most 1 MiB (the same hosts, every strategy and case at 64 and 256 MiB: bench/MULTIHOST.md), 47 of
-48 measurements were within 10 % of this model.
+most 1 MiB (the same hosts, every strategy and case at 64 and 256 MiB: bench/MULTIHOST.md), all 48
+measurements were within 10 % of this model.
 
 Accounting. ``HostStats.send_bytes``/``recv_bytes`` count the bytes each NIC carries (pipeline fill
 excluded); ``send_busy_s``/``recv_busy_s`` the time the port carried at least one flow.
@@ -402,7 +402,7 @@ def _issue_windows(
             start, messages, moved, wrote = k, 0, 0, False
         messages += message
         moved += t.size_bytes if message else 0
-        wrote = wrote or (device in t.receivers and device != t.root) or t.kind is SimKind.COPY
+        wrote = wrote or device in t.receivers  # a COPY's receiver is its root
         alone = waits
     if queue:
         out[start] = len(queue) - start

@@ -34,7 +34,7 @@ from reshard.planner.hier import Context, plan_items
 from reshard.planner.order import order_items
 from reshard.planner.problem import Problem
 from reshard.planner.registry import register
-from reshard.regions import layout_regions
+from reshard.regions import device_regions
 from reshard.sequencing import WINDOW_BYTES, window_ops_for
 from topology.simulator import simulate_transfers
 
@@ -88,11 +88,7 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
     if work <= MAX_BASELINE_WORK:
         makers[2:2] = [(name, partial(fn, problem)) for name, fn in BASELINES.items()]
     window = window_ops_for(problem.cluster.backend)
-    regions = (
-        dict(zip(problem.src.mesh.device_ids, layout_regions(problem.src, problem.shape), strict=True))
-        if window > 1
-        else None
-    )
+    regions = device_regions(problem.src, problem.shape) if window > 1 else None
     seen: set[tuple[Transfer, ...]] = set()
     evaluated: list[Candidate] = []
     budget = SIMULATION_BUDGET
