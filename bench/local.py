@@ -137,6 +137,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--buffer-pool", type=parse_size, metavar="SIZE",
                    help="runtime knob: idle bytes of freed shards each device keeps for reuse "
                    "(DeviceMesh.create(buffer_pool_bytes=...); runtime default 256 MiB; 0 disables)")  # fmt: skip
+    p.add_argument("--assembly", type=parse_size, metavar="SIZE",
+                   help="runtime knob: the buffer each device assembles new destinations in before writing "
+                   "them into fresh shared memory (DeviceMesh.create(assembly_bytes=...); runtime default "
+                   "256 MiB; 0 writes them in place)")  # fmt: skip
     p.add_argument("--backend", choices=("gloo", "nccl"),
                    help="communicator backend of the device pool (default: nccl when Ray reports a GPU per "
                    "device, else gloo); with nccl the peers and ceilings (CPU) are skipped")  # fmt: skip
@@ -813,6 +817,8 @@ def mesh_options(args) -> dict:
         options["staging_keep_bytes"] = args.staging_keep
     if getattr(args, "buffer_pool", None) is not None:
         options["buffer_pool_bytes"] = args.buffer_pool
+    if getattr(args, "assembly", None) is not None:
+        options["assembly_bytes"] = args.assembly
     if getattr(args, "backend", None) is not None:
         options["backend"] = args.backend
     return options
@@ -937,6 +943,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         "pool": list(POOL_SHAPE),
         "staging_keep_bytes": args.staging_keep,
         "buffer_pool_bytes": args.buffer_pool,
+        "assembly_bytes": args.assembly,
         "keep_limit_bytes": args.keep_limit,
         "dtype": args.dtype,
         "sizes": args.size_list,

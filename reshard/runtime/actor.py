@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 CONTROL = "control"  # the concurrency group of calls that must never wait behind a run
 BUFFER_POOL_BYTES = 256 << 20
+ASSEMBLY_BYTES = 256 << 20
 STAGING_KEEP_BYTES = 64 << 20
 NO_DEADLINE = float("inf")
 
@@ -83,7 +84,11 @@ class DeviceContext:
         want_shared = options.get("shared_memory", False) and self.device_type == "cpu"
         shared = SharedShards() if want_shared and SharedShards.available() else None
         self.store = ShardStore(
-            device, self.device_type, int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES)), shared
+            device,
+            self.device_type,
+            int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES)),
+            shared,
+            int(options.get("assembly_bytes", ASSEMBLY_BYTES)),
         )
         self.peers = PeerShards(device)
         self.board = RelayBoard() if shared is not None and RelayBoard.available() else None
@@ -91,7 +96,8 @@ class DeviceContext:
         self.inbox = OrderedInbox()
         self.before_op = None
         self.extensions: dict[str, object] = {}  # state that libraries on the runtime keep here (pipelines)
-        self.peak_bytes = 0  # destination + staging bytes of the last run
+        self.peak_bytes = 0  # destination (twice if assembled) + staging bytes of the last run
+        self.assembled = False  # the last run assembled its destination apart (``ShardStore``)
         self.counters = {"programs_received": 0, "runs": 0, "failed_runs": 0, "dropped_late": 0}
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -448,7 +454,10 @@ class DeviceRole:
                 dst = self._out(req.out, prog.dst_shape, dtype)
             elif prog.dst_shape is not None:
                 try:
-                    dst = ctx.store.allocate(prog.dst_shape, dtype)
+                    if prog.publishes:  # peers read it while the run goes on: in place
+                        dst = ctx.store.allocate(prog.dst_shape, dtype)
+                    else:
+                        dst = ctx.store.allocate_destination(prog.dst_shape, dtype)
                 except (MemoryError, RuntimeError, OSError) as e:
                     raise ReshardError(
                         f"device {ctx.device}: could not allocate its destination shard {prog.dst_shape}: {e}"
@@ -462,17 +471,21 @@ class DeviceRole:
             state.groups.connect(keys, deadline - time.monotonic())
             state.staging.reserve(prog.staging_bytes)
             tmp = ctx.store.allocate(prog.src_shape, dtype) if prog.tmp else None
-            ctx.peak_bytes = (0 if dst is None else int(dst.nbytes)) + state.staging.nbytes
+            ctx.assembled = ctx.store.assembled(dst)  # its shard is made at the end: twice its bytes then
+            ctx.peak_bytes = (0 if dst is None else int(dst.nbytes) * (1 + ctx.assembled)) + state.staging.nbytes
             ctx.counters["runs"] += 1
             channel = _Channel(state.groups, "")
             batch = getattr(ctx.backend, "grouped", None)
             run = Run(prepared, src, dst, peers, channel, state.staging, deadline, ctx.before_op, tmp, batch,
                       relayed, publish)  # fmt: skip
             stats = execute(run)
+            if not req.direct:
+                dst = ctx.store.settle(dst)
             for h, desc in [*(req.pulls or {}).items(), *relayed_from.items()]:
                 ctx.peers.check(h, desc)  # still the shards pulled from: none was freed meanwhile
         except BaseException as e:
             ctx.counters["failed_runs"] += 1
+            ctx.store.abandon(dst)
             state.groups.abort(keys, f"it failed: {type(e).__name__}")  # peers fail fast
             if slot is not None:
                 ctx.board.fail(slot)  # devices pulling relays from this one fail fast too
@@ -607,6 +620,7 @@ class DeviceRole:
             "groups": groups,
             "staging_bytes": sum(s.staging.nbytes for s in ctx.controllers.values()),
             "last_run_peak_bytes": ctx.peak_bytes,
+            "last_run_assembled": ctx.assembled,
             "peer_maps": len(ctx.peers.maps),
             "fds": len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1,
             "calls": ctx.inbox.state(),

@@ -89,6 +89,12 @@ def _positive_seconds(name: str, value) -> float:
     return float(value)
 
 
+def _byte_count(name: str, value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 ({what}), got {value!r}")
+    return value
+
+
 class DeviceMesh:
     """A grid of device actors. Build with ``create`` (new actors) or ``from_devices`` (a view)."""
 
@@ -123,6 +129,7 @@ class DeviceMesh:
         startup_timeout_s: float = 120.0,
         staging_keep_bytes: int = 64 << 20,
         buffer_pool_bytes: int = 256 << 20,
+        assembly_bytes: int = 256 << 20,
         torch_threads: int = 1,
         shared_memory: bool = True,
     ) -> DeviceMesh:
@@ -136,15 +143,18 @@ class DeviceMesh:
         controller-enforced); ``max_programs`` its program cache; ``op_timeout_s`` bounds connection
         setup outside a reshard; ``staging_keep_bytes`` bounds the staging an idle device keeps;
         ``buffer_pool_bytes`` bounds, per device, the idle memory of dropped shards kept for reuse
-        (0 disables the pool); ``shared_memory`` (CPU devices only): see the module docstring.
+        (0 disables the pool); ``assembly_bytes`` bounds, per device, the private buffer in which a
+        new destination shard is assembled before it is written into fresh shared memory in one pass
+        (larger ones, and all with 0, are written in place: slower, as fresh shared pages fault in);
+        ``shared_memory`` (CPU devices only): see the module docstring.
         """
         probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)  # validates
         _positive_int("max_communicators", max_communicators)
         _positive_int("max_programs", max_programs)
         _positive_seconds("op_timeout_s", op_timeout_s)
         _positive_seconds("startup_timeout_s", startup_timeout_s)
-        if int(buffer_pool_bytes) < 0:
-            raise ValueError(f"buffer_pool_bytes must be >= 0 (0 disables the pool), got {buffer_pool_bytes}")
+        _byte_count("buffer_pool_bytes", buffer_pool_bytes, "0 disables the pool")
+        _byte_count("assembly_bytes", assembly_bytes, "0 writes destinations in place")
         if not isinstance(num_cpus, int | float) or num_cpus < 0:
             raise ValueError(f"num_cpus must be a number >= 0 (CPUs each device actor reserves), got {num_cpus!r}")
         ensure_ray()
@@ -179,6 +189,7 @@ class DeviceMesh:
             "op_timeout_s": float(op_timeout_s),
             "staging_keep_bytes": int(staging_keep_bytes),
             "buffer_pool_bytes": int(buffer_pool_bytes),
+            "assembly_bytes": int(assembly_bytes),
             "torch_threads": int(torch_threads),
             "device_type": spec.device_type,
             "shared_memory": bool(shared_memory) and spec.device_type == "cpu",
@@ -225,6 +236,7 @@ class DeviceMesh:
         op_timeout_s: float = 300.0,
         startup_timeout_s: float = 120.0,
         buffer_pool_bytes: int = 256 << 20,
+        assembly_bytes: int = 256 << 20,
     ) -> DeviceMesh:
         """A mesh over the user's own Ray actors (flat order), whose classes mix in
         ``reshard.runtime.DeviceRole``: each actor becomes a device (``reshard_attach``) and keeps
@@ -246,6 +258,8 @@ class DeviceMesh:
                 )
         _positive_int("max_communicators", max_communicators)
         _positive_int("max_programs", max_programs)
+        _byte_count("buffer_pool_bytes", buffer_pool_bytes, "0 disables the pool")
+        _byte_count("assembly_bytes", assembly_bytes, "0 writes destinations in place")
         deadline = time.monotonic() + _positive_seconds("startup_timeout_s", startup_timeout_s)
         rt = runtime()
         session = Session.current()
@@ -258,6 +272,7 @@ class DeviceMesh:
         options = {
             "op_timeout_s": _positive_seconds("op_timeout_s", op_timeout_s),
             "buffer_pool_bytes": int(buffer_pool_bytes),
+            "assembly_bytes": int(assembly_bytes),
             "device_type": spec.device_type,
             "shared_memory": bool(shared_memory) and spec.device_type == "cpu",
         }

@@ -77,8 +77,8 @@ class RunRequest:
 @dataclass(frozen=True, slots=True)
 class RunResult:
     """``run_s``: the actor's whole call; ``elapsed_s``: its program; ``comm_s``: inside
-    communication calls; ``peak_bytes``: destination + staging bytes it held; ``descriptor``:
-    how peers map the new destination shard (None: not in shared memory)."""
+    communication calls; ``peak_bytes``: destination (twice when assembled apart) + staging bytes
+    it held; ``descriptor``: how peers map the new destination shard (None: not in shared memory)."""
 
     run_s: float
     elapsed_s: float

@@ -13,6 +13,12 @@ Reuse. A dropped shard's memory goes to a pool keyed by byte size (bounded by ``
 least recently freed evicted first) when nothing else references it, so a new shard of a size
 seen before does not page-fault fresh memory in.
 
+Assembly. A run's new destination that will live in fresh shared memory is assembled in a warm
+private buffer (``AssemblyBuffer``) and then written into a fresh memfd block through the file in
+one pass (``SharedShards.adopt``): making shared pages by faulting them in costs far more than
+the copy (``python -m bench.fresh_memory``). A freed shard of the same size (the pool) is reused
+in place instead; a run whose destination peers read while it runs (relays) writes it in place.
+
 Aborted runs. When the controller gives up on a run, it names the run's destination shard here
 (``tombstone``): the shard is dropped now if it exists, and a run that finishes later drops it
 instead of keeping it.
@@ -35,6 +41,8 @@ log = logging.getLogger(__name__)
 TOMBSTONES = 4096  # names of aborted runs remembered
 USER = "user"  # the holder of a user's own tensor, until the user takes it back
 RELEASED_TOKENS = 4096  # releases that arrived before their acquire
+#: Smallest destination assembled apart: below it, making its few pages costs next to nothing.
+ASSEMBLY_MIN_BYTES = 1 << 20
 
 
 class BufferPool:
@@ -95,13 +103,47 @@ class BufferPool:
         self.nbytes = 0
 
 
+class AssemblyBuffer:
+    """One private byte buffer per device in which new destinations are assembled, one at a time,
+    kept between runs up to ``keep_bytes`` (a destination larger than that, or below
+    ``ASSEMBLY_MIN_BYTES``, is written in place)."""
+
+    def __init__(self, keep_bytes: int):
+        self.keep_bytes = int(keep_bytes)
+        self.buf: np.ndarray | None = None
+        self.busy = False
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else int(self.buf.nbytes)
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` of the buffer (grown if needed), or None: in use, or the size is out of bounds."""
+        if self.busy or not ASSEMBLY_MIN_BYTES <= nbytes <= self.keep_bytes:
+            return None
+        if self.nbytes < nbytes:
+            self.buf = None  # free first: never hold two
+            self.buf = np.empty(nbytes, dtype=np.uint8)
+        self.busy = True
+        return self.buf[:nbytes]
+
+    def give(self) -> None:
+        self.busy = False
+
+    def clear(self) -> None:
+        self.buf = None
+        self.busy = False
+
+
 class ShardStore:
     """Named shards of one device with their holders (module docstring). Thread-safe."""
 
-    def __init__(self, device: int, device_type: str, pool_bytes: int, shared=None):
+    def __init__(self, device: int, device_type: str, pool_bytes: int, shared=None, assembly_bytes: int = 0):
         self.device = device
         self.device_type = device_type  # "cpu": numpy shards; else torch tensors on that device
         self.pool = BufferPool(pool_bytes)
+        self.assembly = AssemblyBuffer(assembly_bytes if shared is not None else 0)
+        self._assembling: np.ndarray | None = None  # the destination being assembled
         self.shared = shared  # SharedShards, or None: private memory
         self.shards: dict = {}  # name -> numpy array (CPU) or torch tensor
         self.holders: dict[str, set[str]] = {}
@@ -142,6 +184,49 @@ class ShardStore:
         if flat is None:
             return np.empty(tuple(shape), dtype=storage)
         return flat.view(storage).reshape(tuple(shape))
+
+    def allocate_destination(self, shape, dtype: str):
+        """A run's new destination: a freed shard's memory of its size if the pool has one, else
+        (shared memory, size within bounds) the assembly buffer, which ``settle`` turns into a
+        shard; else ``allocate``."""
+        nbytes = arrays.storage(dtype).itemsize
+        for n in shape:
+            nbytes *= n
+        with self._lock:
+            flat = None if nbytes in self.pool.by_size else self.assembly.take(nbytes)
+            if flat is not None:
+                self._assembling = flat.view(arrays.storage(dtype)).reshape(tuple(shape))
+                return self._assembling
+        return self.allocate(shape, dtype)
+
+    def assembled(self, t) -> bool:
+        """Whether ``t`` is the destination being assembled (not yet a shard's own memory)."""
+        return t is not None and t is self._assembling
+
+    def settle(self, t):
+        """``t``, a run's finished destination, in memory of its own: an assembled one is copied
+        into a fresh shared block (``SharedShards.adopt``) and the buffer freed for the next."""
+        if not self.assembled(t):
+            return t
+        flat = t.reshape(-1).view(np.uint8)
+        try:
+            try:
+                out = self.shared.adopt(flat)
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                log.warning("device %d: shard of %s not in shared memory (%s)", self.device, tuple(t.shape), e)
+                out = flat.copy()
+            return out.view(t.dtype).reshape(t.shape)
+        finally:
+            self.abandon(t)
+
+    def abandon(self, t) -> None:
+        """The run that was assembling ``t`` failed: the buffer is free again."""
+        with self._lock:
+            if self.assembled(t):
+                self._assembling = None
+                self.assembly.give()
 
     def begin(self, t) -> tuple | None:
         """Give ``t`` (a run's new destination shard) its tenure now, before it is ``put`` (peers
@@ -260,6 +345,8 @@ class ShardStore:
                 "pool_limit_bytes": self.pool.limit_bytes,
                 "pool_hits": self.pool.hits,
                 "pool_misses": self.pool.misses,
+                "assembly_bytes": self.assembly.nbytes,  # the private buffer destinations are assembled in
+                "assembly_limit_bytes": self.assembly.keep_bytes,
             }
 
     def clear(self) -> None:
@@ -267,3 +354,5 @@ class ShardStore:
             self.shards.clear()
             self.holders.clear()
             self.pool.clear()
+            self.assembly.clear()
+            self._assembling = None

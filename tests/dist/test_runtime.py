@@ -14,6 +14,7 @@ from reshard.lowering import lower_plan
 from reshard.regions import box_shape, box_volume, layout_regions
 from reshard.runtime import ensure_groups, lowered_reshard, runtime_stats, settle
 from reshard.runtime.actor import STAGING_KEEP_BYTES
+from reshard.runtime.shards import ASSEMBLY_MIN_BYTES
 
 pytestmark = pytest.mark.dist
 
@@ -34,7 +35,8 @@ def test_memory_bound(view, pool, shape, shared_memory):
     """No device holds more than its destination shard plus one staging buffer for the slices of
     one issue window (plus its source shard) live during a reshard; the idle bytes of freed
     shards kept for reuse are reported apart and stay within ``buffer_pool_bytes``. Pulls need no
-    staging at all: a receiver holds exactly its destination shard."""
+    staging at all: a receiver holds exactly its destination shard. A destination assembled apart
+    (fresh shared memory, ``assembly_bytes``) counts twice: the shard is made from it at the end."""
     src = view([0, 1, 2, 3], (2, 2))
     dst = view([4, 5, 6, 7], (2, 2))
     keep = 1 << 20  # so that the big case's staging is trimmed after the run
@@ -55,6 +57,8 @@ def _memory_case(pool, src, dst, shape, keep, pulls):
     x = random_array(shape, "float32", 11)
     t = distribute(x, Layout(src, pl("S2 S1")))  # every slice is strided on both sides
     layout = Layout(dst, pl("S0 S1"))
+    settle(pool)
+    hits = {s["device"]: s["pool_hits"] for s in pool.stats()}
     y = reshard(t, src, layout, strategy="send_recv", shared_memory=pulls)
     assert_bit_exact(y.to_numpy(), x)
     compiled = lowered_reshard(t, layout, strategy="send_recv", shared_memory=pulls)
@@ -69,6 +73,12 @@ def _memory_case(pool, src, dst, shape, keep, pulls):
     for device, box in zip(dst.device_ids, layout_regions(layout, shape), strict=True):
         s = stats[pool.index_of(device)]
         dst_bytes = box_volume(box) * 4
+        assert s["assembly_bytes"] <= s["assembly_limit_bytes"]
+        pooled = s["pool_hits"] > hits[device]
+        # a big destination the pool could not give is assembled apart, and counts twice
+        assert s["last_run_assembled"] == (not pooled and ASSEMBLY_MIN_BYTES <= dst_bytes <= s["assembly_bytes"])
+        if s["last_run_assembled"]:
+            dst_bytes *= 2
         if pulls:  # every slice copied straight from the holder's shard: nothing staged
             assert s["last_run_peak_bytes"] == dst_bytes and s["staging_bytes"] == 0
             continue
@@ -102,6 +112,7 @@ def _memory_case(pool, src, dst, shape, keep, pulls):
     for device, box in zip(dst.device_ids, layout_regions(layout, shape), strict=True):
         s = after[device]
         dst_bytes = box_volume(box) * 4
+        assert not s["last_run_assembled"]  # the pool's block is filled in place
         assert s["last_run_peak_bytes"] <= dst_bytes + _staging_bound(compiled, device)
         assert s["pool_hits"] > before[device]["pool_hits"]  # destination taken from the pool
         assert s["buffers"][y2.name] == dst_bytes

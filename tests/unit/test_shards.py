@@ -40,3 +40,39 @@ def test_a_dropped_shards_descriptor_stops_mapping_before_its_memory_is_reused()
     s.put("u", reused, "h")
     with pytest.raises(ReshardError, match="gone"):
         peers.get(0, desc, np.dtype(np.uint8))
+
+
+def test_an_assembled_destination_becomes_a_shared_shard_of_its_own():
+    s = ShardStore(0, "cpu", 64 << 20, shared=SharedShards(), assembly_bytes=8 << 20)
+    t = s.allocate_destination((BIG // 4,), "float32")
+    assert s.assembled(t) and s.descriptor(t) is None  # private scratch: peers cannot map it yet
+    t[:] = np.arange(t.size, dtype=np.float32)
+    assert s.allocate_destination((BIG // 4,), "float32") is not None  # busy: the next is made in place
+    assert not s.assembled(s.allocate_destination((BIG // 4,), "float32"))
+    shard = s.settle(t)
+    assert not s.assembled(shard) and shard.shape == t.shape and shard.dtype == t.dtype
+    s.put("t", shard, "h")
+    desc = s.descriptor(shard)
+    assert desc is not None  # now in shared memory: peers pull from it
+    np.testing.assert_array_equal(PeerShards(1).get(0, desc, np.dtype(np.float32)), np.arange(t.size, dtype=np.float32))
+    assert s.memory()["assembly_bytes"] == BIG  # kept warm for the next destination
+    again = s.allocate_destination((BIG // 8,), "float32")
+    assert s.assembled(again) and np.shares_memory(again, t)  # the same buffer, not grown
+
+
+def test_assembly_bounds_and_the_pool_come_first():
+    s = ShardStore(0, "cpu", 64 << 20, shared=SharedShards(), assembly_bytes=BIG)
+    assert not s.assembled(s.allocate_destination((BIG + 1,), "uint8"))  # over the bound: in place
+    assert not s.assembled(s.allocate_destination((1024,), "uint8"))  # small: in place
+    t = s.allocate_destination((BIG,), "uint8")
+    assert s.assembled(t)
+    s.abandon(t)  # the run failed: the buffer is free again, no shard was made
+    assert s.memory()["buffers"] == {}
+    freed = s.allocate((BIG,), "uint8")
+    s.put("f", freed, "h")
+    del freed
+    s.free("f")
+    assert not s.assembled(s.allocate_destination((BIG,), "uint8"))  # the pool's freed block instead
+    assert s.memory()["pool_hits"] == 1
+    private = ShardStore(0, "cpu", 0, shared=None, assembly_bytes=BIG)
+    assert not private.assembled(private.allocate_destination((BIG,), "uint8"))  # nothing to assemble for
