@@ -359,13 +359,19 @@ class DeviceRole:
         with ctx.inbox.turn(ticket, deadline, f"loading {name}"):
             _check_deadline(ctx.device, deadline, f"loading {name}")
             shape = tuple(hi - lo for lo, hi in box)
+            t = None
             try:
-                t = ctx.store.allocate(shape, dtype)
                 if array is None:
+                    t = ctx.store.allocate(shape, dtype)
                     t[...] = 0
                 else:
+                    t = ctx.store.allocate_destination(shape, dtype)
                     arrays.copy(t, array[(*(slice(lo, hi) for lo, hi in box), Ellipsis)])
-            except (MemoryError, RuntimeError, OSError) as e:
+                    t = ctx.store.settle(t)
+            except BaseException as e:
+                ctx.store.abandon(t)
+                if not isinstance(e, MemoryError | RuntimeError | OSError):
+                    raise
                 raise ReshardError(
                     f"device {ctx.device}: could not allocate its shard {name} of shape {shape}: {e}"
                 ) from e
