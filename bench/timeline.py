@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--cprofile", action="store_true")
+    p.add_argument("--gloo", action="store_true", help="the gloo path (reshard(..., shared_memory=False))")
     args = p.parse_args(argv)
 
     import cProfile
@@ -142,15 +143,18 @@ def main(argv: list[str] | None = None) -> int:
             return [out[d] for d in devices]
 
         each(install, args.cprofile)
-        print(f"{case.name} {fmt_size(size)} {args.strategy}: {case}  (pool {POOL_SHAPE})")
-        reshard(x, src_mesh, dst_layout, strategy=args.strategy).free()  # warm-up
+        print(
+            f"{case.name} {fmt_size(size)} {args.strategy}{' gloo' if args.gloo else ''}: {case}  (pool {POOL_SHAPE})"
+        )
+        path = {"shared_memory": False} if args.gloo else {}
+        reshard(x, src_mesh, dst_layout, strategy=args.strategy, **path).free()  # warm-up
         each(take)
         for r in range(args.repeats):
             prof = cProfile.Profile() if args.cprofile else None
             t0 = time.time()
             if prof:
                 prof.enable()
-            y = reshard(x, src_mesh, dst_layout, strategy=args.strategy)
+            y = reshard(x, src_mesh, dst_layout, strategy=args.strategy, **path)
             if prof:
                 prof.disable()
             t1 = time.time()
