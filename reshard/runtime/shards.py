@@ -222,7 +222,8 @@ class ShardStore:
             self.abandon(t)
 
     def abandon(self, t) -> None:
-        """The run that was assembling ``t`` failed: the buffer is free again."""
+        """``t`` is no longer being assembled (its run failed, or ``settle`` copied it out): the
+        buffer is free for the next destination."""
         with self._lock:
             if self.assembled(t):
                 self._assembling = None
