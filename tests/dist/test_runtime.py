@@ -47,6 +47,42 @@ def test_memory_bound(view, pool, shape, shared_memory):
         pool.call(_set_staging_keep, STAGING_KEEP_BYTES)
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["pull", "gloo"])
+def test_assembled_destinations_are_shards_like_any_other(view, pool, shared_memory):
+    """Destinations big enough and of a size no freed shard has are assembled apart, come out
+    bit-exact, and are shared shards the next reshard pulls from; once freed, a repeat refills
+    their memory in place."""
+    a = view([0, 1, 2, 3], (2, 2))
+    b = view([4, 5, 6, 7], (2, 2))
+    x = random_array((1000, 1046), "float32", 5)  # 2 MiB shards
+    t = distribute(x, Layout(a, pl("S0 S1")))
+    pool.call(_drain_pool)  # no freed shard of an earlier test serves these destinations
+    to_b, to_a = Layout(b, pl("R S0")), Layout(a, pl("S1 R"))
+    y = reshard(t, a, to_b, shared_memory=shared_memory)
+    assert_bit_exact(y.to_numpy(), x)
+    stats = {s["device"]: s for s in pool.stats()}
+    assert all(stats[d]["last_run_assembled"] for d in b.device_ids)
+    program = lowered_reshard(y, to_a, shared_memory=shared_memory).program
+    pulls = [op for d in a.device_ids for op in program.for_device(d).ops if type(op).__name__ == "Pull"]
+    assert bool(pulls) == shared_memory  # the assembled shards are shared: peers pull from them
+    z = reshard(y, b, to_a, shared_memory=shared_memory)
+    assert_bit_exact(z.to_numpy(), x)
+    stats = {s["device"]: s for s in pool.stats()}
+    assert all(stats[d]["last_run_assembled"] for d in a.device_ids)
+    y.free()
+    settle(pool)
+    y2 = reshard(t, a, to_b, shared_memory=shared_memory)
+    assert_bit_exact(y2.to_numpy(), x)
+    stats = {s["device"]: s for s in pool.stats()}
+    assert not any(stats[d]["last_run_assembled"] for d in b.device_ids)  # the freed shards' memory
+    for u in (t, z, y2):
+        u.free()
+
+
+def _drain_pool(ctx):
+    ctx.store.pool.clear()
+
+
 def _set_staging_keep(ctx, nbytes):
     staging = ctx.controller(ctx.caller).staging
     staging.keep_bytes = nbytes
