@@ -45,6 +45,13 @@ RELEASED_TOKENS = 4096  # releases that arrived before their acquire
 ASSEMBLY_MIN_BYTES = 1 << 20
 
 
+def _nbytes(shape, storage: np.dtype) -> int:
+    numel = 1
+    for n in shape:
+        numel *= n
+    return numel * storage.itemsize
+
+
 class BufferPool:
     """Freed numpy shards' memory kept for reuse, keyed by byte size; idle bytes stay within
     ``limit_bytes``. (A GPU device's tensors go back to torch's caching allocator instead.)"""
@@ -167,31 +174,32 @@ class ShardStore:
 
             return torch.empty(tuple(shape), dtype=arrays.torch_dtype(dtype), device=self.device_type)
         storage = arrays.storage(dtype)
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * storage.itemsize
+        nbytes = _nbytes(shape, storage)
         with self._lock:
             flat = self.pool.take(nbytes) if nbytes else None
         if flat is None and nbytes and self.shared is not None:
-            try:
-                flat = self.shared.allocate(nbytes)
-            except OSError as e:
-                if e.errno not in (errno.EMFILE, errno.ENFILE):  # out of memory: so would private memory be
-                    raise
-                # Out of descriptors: a private shard, moved by the backend (peers cannot pull it).
-                log.warning("device %d: shard of %s not in shared memory (%s)", self.device, tuple(shape), e)
+            flat = self._shared_or_none(self.shared.allocate, nbytes, shape)
         if flat is None:
             return np.empty(tuple(shape), dtype=storage)
         return flat.view(storage).reshape(tuple(shape))
+
+    def _shared_or_none(self, make, arg, shape):
+        """``make(arg)``, a shared block, or None when the process is out of descriptors: the shard
+        is then private, moved by the backend (peers cannot pull it). Out of memory raises: so would
+        private memory."""
+        try:
+            return make(arg)
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            log.warning("device %d: shard of %s not in shared memory (%s)", self.device, tuple(shape), e)
+            return None
 
     def allocate_destination(self, shape, dtype: str):
         """A run's new destination: a freed shard's memory of its size if the pool has one, else
         (shared memory, size within bounds) the assembly buffer, which ``settle`` turns into a
         shard; else ``allocate``."""
-        nbytes = arrays.storage(dtype).itemsize
-        for n in shape:
-            nbytes *= n
+        nbytes = _nbytes(shape, arrays.storage(dtype))
         with self._lock:
             flat = None if nbytes in self.pool.by_size else self.assembly.take(nbytes)
             if flat is not None:
@@ -210,14 +218,8 @@ class ShardStore:
             return t
         flat = t.reshape(-1).view(np.uint8)
         try:
-            try:
-                out = self.shared.adopt(flat)
-            except OSError as e:
-                if e.errno not in (errno.EMFILE, errno.ENFILE):
-                    raise
-                log.warning("device %d: shard of %s not in shared memory (%s)", self.device, tuple(t.shape), e)
-                out = flat.copy()
-            return out.view(t.dtype).reshape(t.shape)
+            out = self._shared_or_none(self.shared.adopt, flat, t.shape)
+            return (flat.copy() if out is None else out).view(t.dtype).reshape(t.shape)
         finally:
             self.abandon(t)
 

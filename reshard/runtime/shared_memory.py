@@ -73,10 +73,10 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-def _populate(mapping: mmap.mmap, length: int) -> bool:
-    """Make every page of ``mapping`` at once (``MADV_POPULATE_WRITE``), through ctypes so that
-    the GIL is released meanwhile (``mmap.madvise`` holds it); False where the kernel cannot."""
-    start = base_address(np.frombuffer(mapping, dtype=np.uint8, count=1))
+def _populate(start: int, length: int) -> bool:
+    """Make every page of the ``length`` mapped bytes at address ``start`` at once
+    (``MADV_POPULATE_WRITE``), through ctypes so that the GIL is released meanwhile
+    (``mmap.madvise`` holds it); False where the kernel cannot."""
     return _LIBC.madvise(start, length, MADV_POPULATE_WRITE) == 0
 
 
@@ -96,39 +96,33 @@ class SharedShards:
     def allocate(self, nbytes: int) -> np.ndarray:
         """A flat uint8 array of ``nbytes`` (> 0) in a fresh memfd, its pages populated (when the
         kernel can); the fd closes when the mapping dies (every array over it gone)."""
-        fd = os.memfd_create(f"meshreshard-{nbytes}", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, HEADER + nbytes)
-            mapping = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            inode = os.fstat(fd).st_ino
-        except BaseException:
-            os.close(fd)
-            raise
-        if self.populate and not _populate(mapping, HEADER + nbytes):
+        flat = self._new_block(nbytes)
+        if self.populate and not _populate(base_address(flat) - HEADER, HEADER + nbytes):
             self.populate = False  # an older kernel: the pages fault in on first touch
-        return self._block(fd, inode, nbytes, mapping)
+        return flat
 
     def adopt(self, data: np.ndarray) -> np.ndarray:
         """A fresh block holding a copy of the flat uint8 array ``data``, written through the file
         (``pwrite``): the kernel makes each page as it copies into it, with no zeroing, no page
         fault and no page table entry (faster than making the pages and copying: ``ShardStore``
         assembles new destinations elsewhere for this)."""
-        nbytes = data.nbytes
+        return self._new_block(data.nbytes, data)
+
+    def _new_block(self, nbytes: int, data: np.ndarray | None = None) -> np.ndarray:
+        """A fresh memfd block of ``nbytes`` past its header, holding ``data`` if given, mapped."""
         fd = os.memfd_create(f"meshreshard-{nbytes}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, HEADER + nbytes)
-            view = memoryview(data)
-            done = 0
-            while done < nbytes:
-                done += os.pwrite(fd, view[done:], HEADER + done)
+            if data is not None:
+                view = memoryview(data)
+                done = 0
+                while done < nbytes:
+                    done += os.pwrite(fd, view[done:], HEADER + done)
             mapping = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             inode = os.fstat(fd).st_ino
         except BaseException:
             os.close(fd)
             raise
-        return self._block(fd, inode, nbytes, mapping)
-
-    def _block(self, fd: int, inode: int, nbytes: int, mapping: mmap.mmap) -> np.ndarray:
         flat = np.frombuffer(mapping, dtype=np.uint8, offset=HEADER)
         start = base_address(flat)
         self.blocks[start] = (fd, inode, nbytes, weakref.ref(mapping))
