@@ -7,12 +7,15 @@ of relays by publication): the peers waiting on this device are served first. Wh
 local ops move at least ``overlap_copy_bytes`` and the device also communicates, they run on the
 device's helper thread instead (``background``), overlapping its messages (CPU devices only: a GPU
 copies on its streams). With ``window_ops`` > 1 consecutive message ops are issued together, up to
-that many, as long as they move at most ``window_bytes`` together (a window overlaps latencies;
-bigger messages go one at a time, in the order the planner chose for the links), their staged
-slices fit ``window_staging_bytes`` side by side and no op reads a box the window writes; a pull
-of a relay (it waits) gets a window of its own, and a device that relays (publishes, or sends on
-what it received) issues its messages one at a time (its peers wait for each slice).
-``reshard.validate.validate_program`` replays the result.
+that many, as long as their staged slices fit ``window_staging_bytes`` side by side and no op
+reads a box the window writes. The byte bound is per direction of the device's link (a send goes
+out, a receive comes in, a broadcast member may forward, so it uses both): in each direction a
+window holds small messages of at most ``window_bytes`` together (their latencies overlap) or one
+bigger message (bigger messages in one direction go one at a time, in the order the planner chose
+for the links), so a big send and a big receive run together (duplex). A device that relays
+(publishes, or sends on what it received) takes at most one message per direction per window: each
+slice lands, and is forwarded or published, as early as it can, while the next comes in. A pull of
+a relay (it waits) gets a window of its own. ``reshard.validate.validate_program`` replays the result.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ WINDOW_OPS = {"gloo": 4}
 # per gloo message): 64 KiB reshards gained from windows, while 4-16 MiB slices in flight together
 # ran at half the rate one at a time reached (shard -> replicate at 256 MiB: 4.5 s against 2.5 s).
 WINDOW_BYTES = 1 << 20
+OUT, IN = 0, 1  # the directions of a device's link
 
 
 def window_ops_for(backend: str) -> int:
@@ -85,10 +89,9 @@ def _sequence_device(
             ops, background = messages, local
         else:
             ops = messages + local
-    # a device that relays takes its messages one at a time: each slice lands, and is forwarded or
-    # published, as early as it can, instead of all of a window's slices at the window's end
-    most = 1 if _relays(ops) else window_ops
-    ops, windows, staging = _windows(list(ops), item, most, window_staging, window_bytes, p.staging_bytes)
+    ops, windows, staging = _windows(
+        list(ops), item, window_ops, window_staging, window_bytes, p.staging_bytes, single=_relays(ops)
+    )
     return replace(p, ops=tuple(ops), background=tuple(background), windows=windows, staging_bytes=staging)
 
 
@@ -98,43 +101,61 @@ def _relays(ops) -> bool:
     return any(isinstance(op, Publish) or (isinstance(op, Send | Broadcast) and reads_output(op)) for op in ops)
 
 
+def _directions(op: Op) -> tuple[int, ...]:
+    """The directions of the device's link a message uses (``OUT``, ``IN``): a send goes out, a
+    receive comes in, a broadcast's root sends and a member receives and may forward (gloo's
+    binomial tree), so it counts both."""
+    if isinstance(op, Send):
+        return (OUT,)
+    if isinstance(op, Broadcast):
+        return (OUT,) if op.read is not None else (IN, OUT)
+    return (IN,)
+
+
 def _publication(op: Op) -> int:
     """The publication a local op waits for (0: none)."""
     return op.after if isinstance(op, Pull) else 0
 
 
-def _windows(ops: list[Op], item: int, most: int, bound: int, moved_bound: int, staging: int):
-    """Cut ``ops`` into issue windows; staged ops of one window get side-by-side staging offsets.
-    Returns (ops, window lengths or () for one op at a time, staging bytes)."""
+def _windows(ops: list[Op], item: int, most: int, bound: int, moved_bound: int, staging: int, *, single: bool):
+    """Cut ``ops`` into issue windows (``single``: at most one message per direction); staged ops
+    of one window get side-by-side staging offsets. Returns (ops, window lengths or () for one op
+    at a time, staging bytes)."""
     if most == 1:
         return ops, (), staging
     out: list[Op] = []
     lengths: list[int] = []
-    count = used = peak = moved = 0
+    count = used = peak = 0
+    moved = [0, 0]  # bytes per direction in the current window
+    carried = [0, 0]  # messages per direction
     written: list = []  # boxes written in the current window
     alone = False  # the current window holds a pull of a relay
     for op in ops:
         message = isinstance(op, MESSAGE_OPS)
         size = op_numel(op) * item if message else 0  # only messages move bytes or are staged
         nbytes = size if getattr(op, "staging", None) is not None else 0
+        directions = _directions(op) if message else ()
         depends = reads_output(op) is not None and written
         waits = isinstance(op, Pull) and op.buffer is Buffer.DST
         full = message and (
-            count >= most or used + nbytes > max(bound, nbytes) or (count and moved + size > moved_bound)
+            count >= most
+            or used + nbytes > max(bound, nbytes)
+            or any(carried[d] and (single or moved[d] + size > moved_bound) for d in directions)
         )
         if lengths and (depends or waits or alone or full):
             lengths.append(0)
-            count = used = moved = 0
-            written = []
+            count = used = 0
+            moved, carried, written = [0, 0], [0, 0], []
         if not lengths:
             lengths.append(0)
         if nbytes and isinstance(op, MESSAGE_OPS):
             op = replace(op, staging=used)
             used += nbytes
             peak = max(peak, used)
-        if message:
-            count += 1
-            moved += size
+        count += message
+        for d in directions:
+            moved[d] += size
+            carried[d] += 1
         write = getattr(op, "write", None)
         if write is not None:
             written.append(write)

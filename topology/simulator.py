@@ -49,13 +49,15 @@ never oversubscribed and no flow is slowed without a bottleneck. A flow first wa
 Order. Every device executes its transfers in the global list order, one at a time, blocking (the
 lowering's rule, which also makes the program deadlock free); with ``window`` > 1 it issues them in
 windows, as the runtime's executor does (``reshard.sequencing``): up to ``window`` consecutive
-messages (P2P, BROADCAST) of at most ``window_bytes`` together (a bigger one goes alone), with the
-local transfers (COPY, PULL of a source shard) among them, and waits for all of them before the next
-window. A window closes before a transfer that reads on this device what the window wrote
+messages (P2P, BROADCAST), with the local transfers (COPY, PULL of a source shard) among them, and
+waits for all of them before the next window. In each direction of the device's link (a P2P's root
+sends, its receiver receives, a broadcast receiver may forward so it uses both) a window holds small
+messages of at most ``window_bytes`` together or one bigger message: a big send and a big receive go
+together (duplex). A window closes before a transfer that reads on this device what the window wrote
 (``SimTransfer.reads_landed``: a relay's root, a receiver that combines), a PULL of a relay has a
 window of its own, and a device that relays (the root of a pulled relay, or of a message that reads
-what it received) issues one transfer at a time, so that each slice lands, and is forwarded or
-pulled, as early as it can. The latencies of a window's messages overlap instead of adding up. A
+what it received) takes at most one message per direction per window, so that each slice lands, and
+is forwarded or pulled, as early as it can. The latencies of a window's messages overlap. A
 transfer is no barrier: each of its flows starts once every device it uses has finished its earlier
 transfers (a forward in a tree also waits for the receive that brings its bytes), and a device is
 free again once ITS flows of the transfer are done. So both ends of a P2P start and end together; an
@@ -278,9 +280,7 @@ def simulate_transfers(
         if (t.kind is SimKind.PULL and t.after is not None)
         or (t.kind in (SimKind.P2P, SimKind.BROADCAST) and t.root in t.reads_landed)
     }
-    windows = {
-        d: _issue_windows(q, d, transfers, 1 if d in relaying else window, window_bytes) for d, q in queues.items()
-    }
+    windows = {d: _issue_windows(q, d, transfers, window, window_bytes, d in relaying) for d, q in queues.items()}
     pos = dict.fromkeys(devices, 0)  # transfers of the device's queue issued
     open_ = dict.fromkeys(devices, 0)  # of them, not done yet
     landed: set[tuple[int, int]] = set()  # (transfer, device): the device's part of the transfer is done
@@ -384,29 +384,45 @@ def simulate_transfers(
 
 
 def _issue_windows(
-    queue: list[int], device: int, transfers: Sequence[SimTransfer], window: int, window_bytes: float
+    queue: list[int], device: int, transfers: Sequence[SimTransfer], window: int, window_bytes: float, single: bool
 ) -> dict[int, int]:
     """{position in ``device``'s queue where a window starts: its length} (module docstring)."""
     if window == 1:
         return dict.fromkeys(range(len(queue)), 1)
     out: dict[int, int] = {}
-    start = messages = moved = 0
+    start = messages = 0
+    moved, carried = [0, 0], [0, 0]  # bytes and messages per direction (out, in) in the window
     wrote = alone = False
     for k, i in enumerate(queue):
         t = transfers[i]
         message = t.kind in (SimKind.P2P, SimKind.BROADCAST)
+        directions = _directions(t, device) if message else ()
         waits = t.kind is SimKind.PULL and t.after is not None
-        full = message and (messages >= window or (messages and moved + t.size_bytes > window_bytes))
+        full = message and (
+            messages >= window
+            or any(carried[d] and (single or moved[d] + t.size_bytes > window_bytes) for d in directions)
+        )
         if k > start and (alone or waits or full or (wrote and device in t.reads_landed)):
             out[start] = k - start
-            start, messages, moved, wrote = k, 0, 0, False
+            start, messages, wrote = k, 0, False
+            moved, carried = [0, 0], [0, 0]
         messages += message
-        moved += t.size_bytes if message else 0
+        for d in directions:
+            moved[d] += t.size_bytes
+            carried[d] += 1
         wrote = wrote or device in t.receivers  # a COPY's receiver is its root
         alone = waits
     if queue:
         out[start] = len(queue) - start
     return out
+
+
+def _directions(t: SimTransfer, device: int) -> tuple[int, ...]:
+    """The directions of ``device``'s link a message uses: 0 out, 1 in; a broadcast receiver may
+    forward (binomial tree), so it uses both."""
+    if device == t.root:
+        return (0,)
+    return (1,) if t.kind is SimKind.P2P else (1, 0)
 
 
 def _waits(roots: list[_Flow], sourced: bool = False) -> dict[int, list[_Flow]]:

@@ -66,28 +66,29 @@ def plan_auto(problem: Problem) -> tuple[Transfer, ...]:
 def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
     """(the chosen candidate, every candidate simulated), in evaluation order."""
     ctx = Context(problem)
+    window = window_ops_for(problem.cluster.backend)
+    order = partial(order_items, duplex=window > 1)  # devices that issue windows send while they receive
     serial, shapes = plan_items(ctx, split=True, serial=True)
-    first = order_items(serial, "color")
+    first = order(serial, "color")
     if len(first) > MAX_SIMULATED_TRANSFERS:
         c = Candidate("serial/color", first, None)
         return c, [c]
     items, _ = plan_items(ctx, split=True)
     makers: list[tuple[str, Callable[[], tuple[Transfer, ...]]]] = [
         ("serial/color", lambda: first),
-        ("hier/color", lambda: order_items(items, "color")),
-        ("hier/lpt", lambda: order_items(items, "lpt")),
-        ("serial/lpt", lambda: order_items(serial, "lpt")),
-        ("hier/nic", lambda: order_items(items, "nic")),
-        ("hier/task", lambda: order_items(items, "task")),
+        ("hier/color", lambda: order(items, "color")),
+        ("hier/lpt", lambda: order(items, "lpt")),
+        ("serial/lpt", lambda: order(serial, "lpt")),
+        ("hier/nic", lambda: order(items, "nic")),
+        ("hier/task", lambda: order(items, "task")),
     ]
     if "split" in shapes:  # else identical to hier
-        makers.append(("whole/color", lambda: order_items(plan_items(ctx, split=False)[0], "color")))
+        makers.append(("whole/color", lambda: order(plan_items(ctx, split=False)[0], "color")))
     if "ring" in shapes:
-        makers.append(("star/color", lambda: order_items(plan_items(ctx, split=True, modes=("star",))[0], "color")))
+        makers.append(("star/color", lambda: order(plan_items(ctx, split=True, modes=("star",))[0], "color")))
     work = sum(len(t.senders) * len(t.receivers) for t in problem.tasks)
     if work <= MAX_BASELINE_WORK:
         makers[2:2] = [(name, partial(fn, problem)) for name, fn in BASELINES.items()]
-    window = window_ops_for(problem.cluster.backend)
     regions = device_regions(problem.src, problem.shape) if window > 1 else None
     seen: set[tuple[Transfer, ...]] = set()
     evaluated: list[Candidate] = []

@@ -1,6 +1,9 @@
 """Ordering ``auto``'s transfers: first-fit rounds, optionally on an edge coloring of the NIC ports.
 
-Every device issues its transfers in round order: one global order, hence deadlock free.
+Every device issues its transfers in round order: one global order, hence deadlock free. Where
+devices issue a send and a receive together (``duplex``: gloo's issue windows,
+``reshard.sequencing``), a round holds one transfer per direction of each device's link instead of
+one per device, so a relay forwards a slice while the next one comes in.
 """
 
 from __future__ import annotations
@@ -36,15 +39,17 @@ class Item:
         return (self.src,) if self.kind is TransferKind.COPY else (self.src, *self.dsts)
 
 
-def order_items(items: list[Item], how: str) -> tuple[Transfer, ...]:
-    """Pack ``items`` into rounds (first fit) and emit them round by round.
+def order_items(items: list[Item], how: str, *, duplex: bool = False) -> tuple[Transfer, ...]:
+    """Pack ``items`` into rounds (first fit) and emit them round by round, relays first in a
+    round (a device's forward of what it already holds goes before its next receive).
 
     ``how``: "lpt" (network transfers first, largest first; a device is in one transfer per round),
     "nic" (the same, and every NIC direction carries one network transfer per round), "color"
     (network transfers between one sending and one receiving host are first edge-colored on the
     bipartite graph of NIC ports, which needs only as many rounds as the busiest port has transfers,
     then packed in color order like "nic"), "task" (unit task order). A relay goes in a round after
-    the item that feeds it.
+    the item that feeds it. ``duplex``: a device is in one sending and one receiving item per round
+    (a broadcast receiver may forward: it takes both).
     """
     if how not in ORDERS:
         raise ValueError(f"unknown order {how!r}; choose one of {', '.join(ORDERS)}")
@@ -57,7 +62,7 @@ def order_items(items: list[Item], how: str) -> tuple[Transfer, ...]:
     else:
         seq = sorted(range(n), key=lambda j: (not items[j].network, -items[j].size, items[j].task, j))
     use_ports = how in ("nic", "color")
-    devices = [it.devices for it in items]
+    devices = [_link_keys(it) if duplex else it.devices for it in items]
     busy: dict[object, int] = defaultdict(int)  # device or NIC port -> bitset of occupied rounds
     round_of = [0] * n
     placed = [False] * n
@@ -87,8 +92,18 @@ def order_items(items: list[Item], how: str) -> tuple[Transfer, ...]:
             raise AssertionError("relay items wait on each other")
         pending = later
     rank = {j: k for k, j in enumerate(seq)}
-    order = sorted(range(n), key=lambda j: (round_of[j], rank[j]))
+    order = sorted(range(n), key=lambda j: (round_of[j], items[j].after is None, rank[j]))
     return tuple(Transfer(items[j].kind, items[j].box, items[j].src, items[j].dsts, items[j].task) for j in order)
+
+
+def _link_keys(it: Item) -> tuple[tuple[int, int], ...]:
+    """The directions of the devices' links an item uses: (device, 0) sends, (device, 1) receives;
+    a local item takes its device whole, a broadcast receiver both directions (it may forward)."""
+    if it.kind is TransferKind.SEND:
+        return ((it.src, 0), (it.dsts[0], 1))
+    if it.kind is TransferKind.BROADCAST:
+        return ((it.src, 0), *((d, k) for d in it.dsts for k in (1, 0)))
+    return ((it.src, 0), (it.src, 1))
 
 
 def _edge_colors(items: list[Item]) -> dict[int, int]:

@@ -155,3 +155,24 @@ def test_plans_with_any_host_override_stay_valid(problem, span):
     assert plan.host_map == hosts
     validate_plan(plan)
     assert plan.simulate().makespan_s >= plan.lower_bound_s() * (1 - 1e-9)
+
+
+def test_duplex_rounds_let_a_relay_forward_while_it_receives():
+    """Device 4 takes two slices off the network and relays each to 5. One transfer per device per
+    round, it forwards only after both arrived; one per direction of its link (``duplex``: gloo's
+    windows), it forwards slice 0 in the round that brings slice 1, and before it in its order."""
+    from reshard.plan import TransferKind
+    from reshard.planner.order import Item, order_items
+
+    a, b = ((0, 2),), ((2, 4),)
+    items = [
+        Item(TransferKind.SEND, a, 0, (4,), 0, 8, True, ((0, 0), (1, 2))),
+        Item(TransferKind.SEND, b, 1, (4,), 1, 8, True, ((0, 0), (1, 2))),
+        Item(TransferKind.SEND, a, 4, (5,), 0, 8, False, after=0),
+        Item(TransferKind.SEND, b, 4, (5,), 1, 8, False, after=1),
+    ]
+    for how in ("lpt", "color"):
+        plain = [(t.src, t.box) for t in order_items(items, how)]
+        assert plain == [(0, a), (1, b), (4, a), (4, b)]
+        duplex = [(t.src, t.box) for t in order_items(items, how, duplex=True)]
+        assert duplex == [(0, a), (4, a), (1, b), (4, b)]

@@ -266,3 +266,25 @@ def test_a_window_holds_messages_of_at_most_window_bytes_together():
     assert simulate_transfers(tiny, HOSTS, c, window=4, window_bytes=200).makespan_s == pytest.approx(
         2 * (100e-6 + 200 / 1e9)
     )
+
+
+def test_a_big_send_and_a_big_receive_share_a_window():
+    """The byte bound is per direction of a device's link: device 4 sends to host 2 while it
+    receives from host 0 (one window: both in 1 s), but two receives still go one at a time. A
+    relay (4 forwards what it received) takes one message per direction per window: it forwards
+    slice 0 while slice 1 comes in, so the chain of two slices takes three steps, not four."""
+    c = cluster(latency_us=0.0)
+    r = simulate_transfers([p2p(0, 4), p2p(4, 8)], HOSTS, c, window=4, window_bytes=S // 2)
+    assert r.makespan_s == pytest.approx(1.0) and r.start_s[1] == pytest.approx(0.0)
+    r = simulate_transfers([p2p(0, 4), p2p(8, 4)], HOSTS, c, window=4, window_bytes=S // 2)
+    assert r.start_s[1] == pytest.approx(r.end_s[0]) and r.makespan_s == pytest.approx(2.0)
+    chain = [
+        p2p(0, 4),
+        SimTransfer(SimKind.P2P, 4, (8,), S, reads_landed=(4,)),
+        p2p(12, 4),
+        SimTransfer(SimKind.P2P, 4, (8,), S, reads_landed=(4,)),
+    ]
+    r = simulate_transfers(chain, HOSTS, c, window=4, window_bytes=S // 2)
+    assert r.start_s[1] == pytest.approx(1.0) and r.start_s[2] == pytest.approx(1.0)
+    assert r.makespan_s == pytest.approx(3.0)
+    assert simulate_transfers(chain, HOSTS, c, window=1).makespan_s == pytest.approx(4.0)
