@@ -71,10 +71,13 @@ class CompiledReshard:
 
     def simulate(self, cluster=None):
         """The plan simulated as it runs: its pulled transfers as pulls, messages issued in windows of
-        ``options.window_ops`` (``ReshardPlan.simulate``)."""
+        ``options.window_ops``, local ops beside them where the options overlap them
+        (``ReshardPlan.simulate``)."""
+        options = self.options
         return self.plan.simulate(
-            cluster, pulled=self.pulled, window=self.options.window_ops, window_bytes=self.options.window_bytes
-        )
+            cluster, pulled=self.pulled, window=options.window_ops, window_bytes=options.window_bytes,
+            local_beside=options.overlap_copy_bytes is not None,
+        )  # fmt: skip
 
 
 def compile_reshard(

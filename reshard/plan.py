@@ -175,20 +175,23 @@ class ReshardPlan:
         pulled: Mapping[int, int | None] | None = None,
         window: int | None = None,
         window_bytes: int = WINDOW_BYTES,
+        local_beside: bool | None = None,
     ) -> SimResult:
         """Simulated execution (``topology.simulator``) on ``cluster`` with the plan's hosts; default
         cluster: ``Cluster.for_hosts`` of them. ``pulled``: the transfers that run as pulls
         (``CompiledReshard.pulled``); ``window``: messages a device issues together, moving at most
-        ``window_bytes`` (default: the runtime's for the backend, ``reshard.sequencing``). A
-        ``SimResult`` with ``.makespan_s``."""
+        ``window_bytes`` (default: the runtime's for the backend, ``reshard.sequencing``);
+        ``local_beside``: local transfers run beside the messages where nothing reads what they
+        write (default: on gloo's CPU devices). A ``SimResult`` with ``.makespan_s``."""
         hosts = self.host_map
         cluster = resolve_cluster(cluster, hosts)
         backend = cluster.backend if backend is None else backend
         window = window_ops_for(backend) if window is None else window
+        local_beside = backend == "gloo" if local_beside is None else local_beside
         regions = device_regions(self.src, self.shape) if window > 1 else None
         return simulate_transfers(
             sim_transfers(self.transfers, self.itemsize, pulled, src_regions=regions), hosts, cluster,
-            backend=backend, window=window, window_bytes=window_bytes,
+            backend=backend, window=window, window_bytes=window_bytes, local_beside=local_beside,
         )  # fmt: skip
 
     def lower_bound_s(self, cluster: Cluster | None = None) -> float:

@@ -77,7 +77,8 @@ class Pull:
 class Publish:
     """Tell the devices that pull from this one that box ``box`` of its destination shard is
     complete: its ``count``-th publication (counted from 1 in each run). It runs once every earlier
-    window of this device completed; ``step`` is the relay it serves."""
+    window of this device, and every op before it in its own window, completed (the window's later
+    messages are in flight meanwhile); ``step`` is the relay it serves."""
 
     step: int
     box: Box

@@ -14,8 +14,9 @@ window holds small messages of at most ``window_bytes`` together (their latencie
 bigger message (bigger messages in one direction go one at a time, in the order the planner chose
 for the links), so a big send and a big receive run together (duplex). A device that relays
 (publishes, or sends on what it received) takes at most one message per direction per window: each
-slice lands, and is forwarded or published, as early as it can, while the next comes in. A pull of
-a relay (it waits) gets a window of its own. ``reshard.validate.validate_program`` replays the result.
+slice lands, and is forwarded or published, as early as it can, while the next comes in. A
+publication stays in its window: the executor runs it once the window's ops before it have landed.
+A pull of a relay (it waits) gets a window of its own. ``reshard.validate.validate_program`` replays the result.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def _windows(ops: list[Op], item: int, most: int, bound: int, moved_bound: int, 
         size = op_numel(op) * item if message else 0  # only messages move bytes or are staged
         nbytes = size if getattr(op, "staging", None) is not None else 0
         directions = _directions(op) if message else ()
-        depends = reads_output(op) is not None and written
+        depends = reads_output(op) is not None and written and not isinstance(op, Publish)  # it runs after them
         waits = isinstance(op, Pull) and op.buffer is Buffer.DST
         full = message and (
             count >= most

@@ -27,7 +27,7 @@ from reshard.program import (
     reads_output,
     writes,
 )
-from reshard.regions import box_volume, contains, device_regions, intersect, is_contiguous
+from reshard.regions import Box, box_volume, contains, device_regions, intersect, is_contiguous
 from reshard.tasks import zero_devices
 
 
@@ -239,14 +239,15 @@ def _check_relay_shapes(step: int, ops: dict, program: Program) -> None:
 
 def _check_dataflow(p: DeviceProgram) -> None:
     """A device reads (relays, combines into, scales) a box of its destination or scratch buffer
-    only once it was written in an earlier window (or by an earlier local op of the same window);
-    background ops read neither buffer and write nothing its other ops read."""
+    only once it was written in an earlier window (or by an earlier local op of the same window; a
+    publication: by any earlier op of its window, it runs once they landed); background ops read
+    neither buffer and write nothing its other ops read."""
     if p.tmp and p.src_shape is None:
         raise PlanError(f"device {p.device} uses a scratch buffer but holds no source shard to shape it")
     done: dict = defaultdict(list)  # buffer -> boxes written by completed windows and local ops so far
     reads: dict = defaultdict(list)
     for window in p.issue_windows:
-        pending = []
+        pending: list[tuple[Buffer, Box]] = []  # written by the window's messages so far
         for op in window:
             buffer = reads_output(op)
             if buffer is not None:
@@ -257,7 +258,8 @@ def _check_dataflow(p: DeviceProgram) -> None:
                 )
                 if buffer is Buffer.TMP and not p.tmp:
                     raise PlanError(f"device {p.device} step {op.step} reads a scratch buffer it does not have")
-                if _covered(box, done[buffer]) != box_volume(box):
+                landed = done[buffer] + [b for buf, b in pending if buf is buffer and isinstance(op, Publish)]
+                if _covered(box, landed) != box_volume(box):
                     raise PlanError(
                         f"device {p.device} step {op.step} reads {box} of its {buffer.name.lower()} buffer "
                         "before it arrived"
@@ -309,24 +311,36 @@ def _phases(p: DeviceProgram) -> list[tuple[tuple, tuple]]:
     """``p`` as the replay sees it: (keys it issues, keys it then waits for) per phase. A window
     is a phase, except that a pull of a relay (it blocks until the holder's publication ran)
     starts a phase of its own, after the window's earlier ops completed (stricter than the
-    executor, which only issued them: a replay that completes so, completes as executed)."""
+    executor, which only issued them: a replay that completes so, completes as executed), and
+    that a publication is issued in a phase of its own once the window's messages before it
+    completed (the window's later messages are already issued)."""
     out: list[tuple[tuple, tuple]] = [((("connect", g),), (("connect", g),)) for g in p.connect]
     for window in p.issue_windows:
         issue: list = []
         wait: list = []
+        published: list[tuple[tuple, list]] = []  # (publication, the window's waits before it)
         for op in window:
             if isinstance(op, Pull) and op.buffer is Buffer.DST:
-                if issue or wait:
-                    out.append((tuple(issue), tuple(wait)))
-                    issue, wait = [], []
+                if issue or wait or published:
+                    _close(out, issue, wait, published)
+                    issue, wait, published = [], [], []
                 wait.append(("published", op.holder, op.after))
             elif isinstance(op, Publish):
-                issue.append(("published", p.device, op.count))
+                published.append((("published", p.device, op.count), list(wait)))
             elif isinstance(op, MESSAGE_OPS):
                 issue.append(("step", op.step))
                 wait.append(("step", op.step))
-        out.append((tuple(issue), tuple(wait)))
+        _close(out, issue, wait, published)
     return out
+
+
+def _close(out: list, issue: list, wait: list, published: list) -> None:
+    """Append one window's phases: its messages issued, then each publication once the waits
+    before it completed, then the rest of the waits."""
+    for key, before in published:
+        out.append((tuple(issue), tuple(before)))
+        issue = [key]
+    out.append((tuple(issue), tuple(wait)))
 
 
 def _check_progress(program: Program, members) -> None:

@@ -57,7 +57,10 @@ together (duplex). A window closes before a transfer that reads on this device w
 (``SimTransfer.reads_landed``: a relay's root, a receiver that combines), a PULL of a relay has a
 window of its own, and a device that relays (the root of a pulled relay, or of a message that reads
 what it received) takes at most one message per direction per window, so that each slice lands, and
-is forwarded or pulled, as early as it can. The latencies of a window's messages overlap. A
+is forwarded or pulled, as early as it can. The latencies of a window's messages overlap. With
+``local_beside`` (CPU devices: the runtime's helper thread), a device that reads nothing it
+received (no relay, no combine) runs its local transfers (COPY, PULL) in a lane of their own beside
+its messages, sources first, then relays in the order their bytes arrive. A
 transfer is no barrier: each of its flows starts once every device it uses has finished its earlier
 transfers (a forward in a tree also waits for the receive that brings its bytes), and a device is
 free again once ITS flows of the transfer are done. So both ends of a P2P start and end together; an
@@ -193,9 +196,12 @@ def simulate_transfers(
     backend: str | None = None,
     window: int = 1,
     window_bytes: float = math.inf,
+    local_beside: bool = False,
 ) -> SimResult:
     """Simulate ``transfers`` issued in this order on ``cluster``, each device issuing up to
-    ``window`` messages of at most ``window_bytes`` together (see the module docstring)."""
+    ``window`` messages of at most ``window_bytes`` together; ``local_beside``: a device that
+    reads nothing it received runs its local transfers beside its messages (see the module
+    docstring)."""
     backend = cluster.backend if backend is None else backend
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
@@ -239,7 +245,7 @@ def simulate_transfers(
         s = t.size_bytes
         if t.kind is SimKind.COPY:
             j = 2 * nh + 2 * dev_index[t.root]
-            return [_Flow(i, s, (j, j + 1), 0.0, (t.root,))]
+            return [_Flow(i, s, (j, j + 1), 0.0, (lane(t.root, t),))]
         if t.kind is SimKind.P2P:
             ports, lat = hop(t.root, t.receivers[0], s)
             return [_Flow(i, s, ports, lat, t.devices)]
@@ -247,7 +253,7 @@ def simulate_transfers(
             if any(host_of[r] != host_of[t.root] for r in t.receivers):
                 raise ValueError(f"transfer {i}: a PULL stays on one host, got {t.root} -> {t.receivers}")
             root = 2 * nh + 2 * dev_index[t.root]
-            return [_Flow(i, s, (root, 2 * nh + 2 * dev_index[r] + 1), 0.0, (r,)) for r in t.receivers]
+            return [_Flow(i, s, (root, 2 * nh + 2 * dev_index[r] + 1), 0.0, (lane(r, t),)) for r in t.receivers]
         if backend == "nccl":
             ring = _ring_order(t.root, t.receivers, host_of)
             res: list[int] = []
@@ -270,19 +276,32 @@ def simulate_transfers(
     needs: list[dict[int, list[_Flow]] | None] = [None] * n  # transfer -> device -> flows waiting for it
     start = [-1.0] * n
     end = [0.0] * n
-    queues: dict[int, list[int]] = {d: [] for d in devices}
-    for i, t in enumerate(transfers):
-        for d in t.devices:
-            queues[d].append(i)
     relaying = {
         t.root
         for t in transfers
         if (t.kind is SimKind.PULL and t.after is not None)
         or (t.kind in (SimKind.P2P, SimKind.BROADCAST) and t.root in t.reads_landed)
     }
-    windows = {d: _issue_windows(q, d, transfers, window, window_bytes, d in relaying) for d, q in queues.items()}
-    pos = dict.fromkeys(devices, 0)  # transfers of the device's queue issued
-    open_ = dict.fromkeys(devices, 0)  # of them, not done yet
+    in_order = relaying | {d for t in transfers for d in t.reads_landed}
+
+    def lane(d: int, t: SimTransfer) -> int:
+        """The queue ``d`` runs ``t`` in: its own, or (``local_beside``) its local lane, ~d."""
+        local = t.kind in (SimKind.COPY, SimKind.PULL)
+        return ~d if local_beside and local and d not in in_order else d
+
+    queues: dict[int, list[int]] = {d: [] for d in devices}
+    for i, t in enumerate(transfers):
+        for d in t.devices:
+            queues.setdefault(lane(d, t), []).append(i)
+    for d in queues:
+        if d < 0:  # sources first, then relays by the transfer that brings their bytes
+            queues[d].sort(key=lambda i: -1 if (after := transfers[i].after) is None else after)
+    windows = {
+        d: _issue_windows(q, d, transfers, window if d >= 0 else 1, window_bytes, d in relaying)
+        for d, q in queues.items()
+    }
+    pos = dict.fromkeys(queues, 0)  # transfers of the device's queue issued
+    open_ = dict.fromkeys(queues, 0)  # of them, not done yet
     landed: set[tuple[int, int]] = set()  # (transfer, device): the device's part of the transfer is done
     awaiting: dict[tuple[int, int], list[_Flow]] = {}  # (transfer, root) -> PULL flows waiting for it
     res_flows: list[set[_Flow]] = [set() for _ in cap]
@@ -341,7 +360,7 @@ def simulate_transfers(
                 if open_[d] == 0:
                     arrive(d, now)
 
-    for d in devices:
+    for d in queues:
         arrive(d, 0.0)
 
     now = 0.0

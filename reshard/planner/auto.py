@@ -101,7 +101,7 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
         budget -= len(transfers)
         sim = simulate_transfers(
             sim_transfers(transfers, problem.itemsize, src_regions=regions), problem.hosts, problem.cluster,
-            window=window, window_bytes=WINDOW_BYTES,
+            window=window, window_bytes=WINDOW_BYTES, local_beside=problem.cluster.backend == "gloo",
         )  # fmt: skip
         evaluated.append(Candidate(name, transfers, sim.makespan_s))
     best = min(evaluated, key=lambda c: (_makespan(c) * (1 - 1e-9), _groups(c.transfers), len(c.transfers)))

@@ -4,7 +4,8 @@
 It connects the program's groups in the listed order (those not connected yet), starts the
 background ops on the process's helper thread, then runs the ops window by window: local ops at
 once, messages issued through their group's communicator, and at the end of each window it waits
-for the window's messages and copies staged receives into place. One handler per op type
+for the window's messages in order, copies staged receives into place and runs its publications
+(each once the ops before it have landed). One handler per op type
 (``HANDLERS``). Every wait is bounded by the run's deadline; the helper thread is joined before the
 run returns or raises, so nothing writes the destination afterwards.
 """
@@ -294,22 +295,32 @@ def _run_local(run: Run, steps) -> None:
 
 def _run_window(run: Run, window: tuple[Step, ...]) -> None:
     """Issue the window's ops in order (inside one backend batch when the backend batches and the
-    window holds several), then wait for each and land what was staged."""
+    window holds several), then wait for each and land what was staged. A publication runs in
+    that second pass, once the ops before it have landed, while the window's later ops are in
+    flight."""
     pending = []
     c0 = time.monotonic()
     batched = run.batch is not None and len(window) > 1
     with run.batch(timeout_s=run.deadline - c0) if batched else contextlib.nullcontext():
         for s in window:
+            if isinstance(s.op, Publish):
+                pending.append((s, None, None))
+                continue
             if run.before_op is not None:
                 run.before_op(run, s.op)
             issued = s.handler(run, s)
             if issued is not None:
                 pending.append((s, *issued))
+    messages = False
     for s, work, landing in pending:
+        if work is None:
+            _run_local(run, (s,))
+            continue
+        messages = True
         work.wait(run.left(s))
         if landing is not None:
             run.landed(s, landing)
-    if pending:
+    if messages:
         run.comm_s += time.monotonic() - c0
 
 

@@ -1,6 +1,7 @@
 """Hypothesis strategies shared by the pure-layer property tests: random meshes (1-D to 3-D,
-disjoint / overlapping / identical), layouts, uneven shapes, dtypes and strategies; plus numpy
-oracles that do not use the code under test."""
+disjoint / overlapping / identical), layouts, uneven shapes, dtypes and strategies; numpy
+oracles that do not use the code under test; hand-written programs for the executor and the
+validator."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from reshard import STRATEGIES, Layout, Replicate, Shard
 from reshard.dtypes import ITEMSIZE
 from reshard.placement import Partial, ReduceOp
+from reshard.program import Buffer, DeviceProgram, Program, Publish, Pull, Recv, Send
 from reshard.regions import layout_regions
 from topology import Mesh
 
@@ -154,3 +156,19 @@ def partial_problems(draw):
     dtype = "float64" if op is ReduceOp.AVG else draw(st.sampled_from(["int32", "int64"]))
     strategy = draw(st.sampled_from(sorted(STRATEGIES)))
     return shape, dtype, src, dst, strategy
+
+
+# ------------------------------------------------------------------------------------ programs
+
+
+def publish_in_window(order=("recv_a", "publish", "recv_b")) -> Program:
+    """Device 1 receives ``a`` from 0 and ``b`` from 2 in one window and publishes ``a`` in it;
+    device 2 pulls the relay ``a`` from 1, then sends ``b``. ``order``: device 1's ops."""
+    a, b = ((0, 2),), ((2, 4),)
+    ops = {"recv_a": Recv(0, (0, 1), a), "publish": Publish(2, a, 1), "recv_b": Recv(1, (2, 1), b)}
+    return Program("float32", (4,), (
+        DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, a),), 0, ((0, 1),)),
+        DeviceProgram(1, None, (4,), tuple(ops[k] for k in order), 0, ((0, 1), (1, 2)), windows=(3,)),
+        DeviceProgram(2, (4,), (2,), (Pull(2, 1, a, a, buffer=Buffer.DST, after=1), Send(1, (2, 1), Buffer.SRC, b)),
+                      0, ((1, 2),), windows=(1, 1), relays=((1, (4,)),)),
+    ))  # fmt: skip

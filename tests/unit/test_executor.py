@@ -14,14 +14,23 @@ import re
 import threading
 import time
 from collections import defaultdict, deque
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from problems import SETTINGS, contributions_of, partial_problems, problems, reduced, regions_by_device
+from problems import (
+    SETTINGS,
+    contributions_of,
+    partial_problems,
+    problems,
+    publish_in_window,
+    reduced,
+    regions_by_device,
+)
 
-from reshard import Layout, Replicate, Shard
+from reshard import Layout, Replicate, Shard, validate_program
 from reshard.compile import CompileOptions, compile_reshard
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.placement import Partial
@@ -30,7 +39,7 @@ from reshard.runtime import arrays
 from reshard.runtime.communicator import Communicator, PeerFailed
 from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
 from reshard.runtime.shared_memory import PeerShards, RelayBoard, SharedShards
-from reshard.serialize import decode_device_program
+from reshard.serialize import decode_device_program, encode_device_program
 from topology import Cluster, Mesh
 
 pytestmark = pytest.mark.unit
@@ -279,6 +288,27 @@ def test_relays_are_pulled_through_the_relaying_devices_board():
     assert not errors, errors
     for d in range(4, 8):
         np.testing.assert_array_equal(got[d], full)
+
+
+def test_a_publication_runs_once_the_receive_before_it_landed_while_the_next_is_in_flight():
+    """Device 1 receives ``a`` and ``b`` in one window and publishes ``a`` between them; device 2
+    pulls ``a`` from it before it sends ``b``: the run completes, ``a`` had landed when it was
+    published, and 2 pulled those bytes."""
+    program = publish_in_window()
+    validate_program(program)
+    compiled = SimpleNamespace(blobs={p.device: encode_device_program(p, "float32") for p in program.devices})
+    sources = {0: np.arange(4, dtype=np.float32) + 1, 2: np.arange(4, dtype=np.float32) + 10}
+    published = []
+
+    def before_op(run, op):
+        if isinstance(op, Publish):
+            published.append(run.dst[:2].copy())
+
+    got, errors, _ = run_all(compiled, "float32", sources, before_op=before_op)
+    assert not errors, errors
+    np.testing.assert_array_equal(published, [[1, 2]])
+    np.testing.assert_array_equal(got[1], [1, 2, 12, 13])
+    np.testing.assert_array_equal(got[2], [1, 2])
 
 
 def test_a_relaying_device_that_fails_fails_its_pullers_as_peers():

@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from problems import SETTINGS, contributions_of, partial_problems, problems, reduced, regions_by_device
+from problems import (
+    SETTINGS,
+    contributions_of,
+    partial_problems,
+    problems,
+    publish_in_window,
+    reduced,
+    regions_by_device,
+)
 
 from reshard import lower_plan, plan_reshard, validate_program
 from reshard.errors import PlanError
@@ -280,12 +288,13 @@ def test_publications_follow_the_last_write_of_their_slice():
     sequenced = sequence_program(out)
     assert [(op.step, op.after) for op in sequenced.devices[2].ops] == [(3, 1), (2, 2)]  # the ready one first
     validate_program(sequenced)
-    # in windows, the publisher still receives one slice per window (each is published as it lands,
-    # before the next receive is issued); its source sends both slices in one window
+    # in windows, the publisher still receives one slice per window, each published in its window
+    # (the executor runs a publication once the ops before it have landed); its source sends both
+    # slices in one window
     windowed = sequence_program(out, window_ops=4)
     validate_program(windowed)
-    assert windowed.devices[1].issue_windows == ((Recv(0, (0, 1), lo),), (Publish(3, lo, 1), Recv(1, (0, 1), hi)),
-                                                 (Publish(2, whole, 2),))  # fmt: skip
+    assert windowed.devices[1].issue_windows == ((Recv(0, (0, 1), lo), Publish(3, lo, 1)),
+                                                 (Recv(1, (0, 1), hi), Publish(2, whole, 2)))  # fmt: skip
     assert windowed.devices[0].windows == (2,)
     assert sequence_program(out, window_ops=4, window_bytes=8).devices[0].windows == (1, 1)  # 8 bytes each
 
@@ -316,6 +325,17 @@ def test_windows_bound_bytes_per_direction_and_relays_forward_while_receiving():
     validate_program(windowed)
     assert windowed.devices[1].windows == (1, 2, 1)
     assert windowed.devices[0].windows == (2,) and windowed.devices[2].windows == (2,)
+
+
+def test_a_publication_in_a_window_runs_once_the_ops_before_it_landed():
+    """The window's later receive is in flight while the publication waits only for the ones before
+    it, so device 2 can pull, then send; a publication before the receive of its box reads it
+    before it arrived; one after a receive that waits on its own puller deadlocks."""
+    validate_program(publish_in_window())
+    with pytest.raises(PlanError, match="before it arrived"):
+        validate_program(publish_in_window(("publish", "recv_a", "recv_b")))
+    with pytest.raises(PlanError, match="deadlocks"):
+        validate_program(publish_in_window(("recv_a", "recv_b", "publish")))
 
 
 def test_validate_rejects_broken_programs():

@@ -288,3 +288,17 @@ def test_a_big_send_and_a_big_receive_share_a_window():
     assert r.start_s[1] == pytest.approx(1.0) and r.start_s[2] == pytest.approx(1.0)
     assert r.makespan_s == pytest.approx(3.0)
     assert simulate_transfers(chain, HOSTS, c, window=1).makespan_s == pytest.approx(4.0)
+
+
+def test_local_transfers_run_beside_the_messages_of_a_device_that_reads_nothing_it_received():
+    """Device 5 pulls a slice out of 4's memory, then sends one to host 2: with ``local_beside``
+    (the runtime's helper thread) the send does not wait for the pull. A device that forwards what
+    it received keeps its order (the pull goes first)."""
+    c = cluster(intra=1.0)
+    program = [pull(4, [5]), p2p(5, 8)]
+    assert simulate_transfers(program, HOSTS, c).start_s[1] == pytest.approx(1.0)
+    beside = simulate_transfers(program, HOSTS, c, local_beside=True)
+    assert beside.start_s == pytest.approx((0.0, 0.0)) and beside.makespan_s == pytest.approx(1.0)
+    relay = [pull(4, [5]), p2p(0, 5), SimTransfer(SimKind.P2P, 5, (8,), S, reads_landed=(5,))]
+    r = simulate_transfers(relay, HOSTS, c, local_beside=True)
+    assert r.start_s[1] == pytest.approx(1.0)
