@@ -13,7 +13,9 @@ Candidates are simulated within a planning-time budget (``SIMULATION_BUDGET`` tr
 baselines while ``MAX_BASELINE_WORK`` allows); past ``MAX_SIMULATED_TRANSFERS`` ``auto`` returns
 the "serial/color" candidate unsimulated: one sending device per host where the box allows, so
 that device-order serialization keeps every NIC on the color schedule.
-Everything is deterministic (no unseeded randomness; ties break on device ids).
+Of equally fast candidates it keeps the one whose busiest device moves the fewest bytes, then the
+one with fewer groups and transfers. Everything is deterministic (no unseeded randomness; ties
+break on device ids).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from reshard.planner.hier import Context, plan_items
 from reshard.planner.order import order_items
 from reshard.planner.problem import Problem
 from reshard.planner.registry import register
-from reshard.regions import device_regions
+from reshard.regions import box_volume, device_regions
 from reshard.sequencing import WINDOW_BYTES, window_ops_for
 from topology.simulator import simulate_transfers
 
@@ -104,13 +106,25 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
             window=window, window_bytes=WINDOW_BYTES, local_beside=problem.cluster.backend == "gloo",
         )  # fmt: skip
         evaluated.append(Candidate(name, transfers, sim.makespan_s))
-    best = min(evaluated, key=lambda c: (_makespan(c) * (1 - 1e-9), _groups(c.transfers), len(c.transfers)))
+    best = min(evaluated, key=lambda c: (_makespan(c), _busiest(c.transfers), _groups(c.transfers), len(c.transfers)))
     return best, evaluated
 
 
 def _makespan(c: Candidate) -> float:
     assert c.makespan_s is not None
     return c.makespan_s
+
+
+def _busiest(transfers: tuple[Transfer, ...]) -> int:
+    """The most elements one device moves (sends, receives or copies): between plans the simulator
+    finds equally fast, the one that spreads the work (every byte costs its device time: a CPU
+    device copies it)."""
+    load: dict[int, int] = {}
+    for t in transfers:
+        n = box_volume(t.box)
+        for d in {t.src, *t.dsts}:
+            load[d] = load.get(d, 0) + n
+    return max(load.values(), default=0)
 
 
 def _groups(transfers: tuple[Transfer, ...]) -> int:

@@ -229,6 +229,22 @@ def test_auto_reports_its_candidates():
     assert len({c.transfers for c in candidates}) == len(candidates)  # identical plans are simulated once
 
 
+def test_of_equally_fast_plans_auto_spreads_the_work_over_the_devices():
+    """2x4 (S0,R) -> 2x2 (R,S1) on a subset of the same devices: a destination device can send its
+    own slice while it receives, or a device outside the destination mesh can send it; both are
+    simulated equally fast, and auto leaves the destination devices only receiving and copying."""
+    from reshard.planner.auto import _busiest
+
+    cluster = Cluster.homogeneous(2, 4, 1.25, 5.0, latency_us=50, backend="gloo")
+    src = Layout(cluster.mesh((2, 4), hosts=range(2)), (Shard(0), R))
+    dst = Layout(Mesh((2, 2), (0, 1, 4, 5), (0, 0, 1, 1)), (R, Shard(1)))
+    best, candidates = choose(Problem.build((1024, 256), 4, src, dst, cluster=cluster))
+    tied = [c for c in candidates if c.makespan_s == best.makespan_s]
+    assert len({_busiest(c.transfers) for c in tied}) > 1, "no tie to break"
+    assert _busiest(best.transfers) == min(_busiest(c.transfers) for c in tied)
+    assert {t.src for t in best.transfers if t.dsts != (t.src,)}.isdisjoint({0, 1, 4, 5})
+
+
 # ---------------------------------------------------------------------------------------------
 # cluster scale: 64 - 1024 simulated devices
 
