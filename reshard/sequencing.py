@@ -16,7 +16,8 @@ for the links), so a big send and a big receive run together (duplex). A device 
 (publishes, or sends on what it received) takes at most one message per direction per window: each
 slice lands, and is forwarded or published, as early as it can, while the next comes in. A
 publication stays in its window: the executor runs it once the window's ops before it have landed.
-A pull of a relay (it waits) gets a window of its own. ``reshard.validate.validate_program`` replays the result.
+A pull of a relay (it waits) gets a window of its own. ``reshard.validate.validate_program``
+replays the result.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ WINDOW_STAGING_BYTES = 64 << 20
 # (their latencies overlap). NCCL keeps one at a time: a window is one group call over several
 # communicators, whose kernels could queue behind each other on one stream (untested without GPUs).
 WINDOW_OPS = {"gloo": 4}
-# ... while they move at most this much together. Measured on 4 emulated hosts (1 Gbit/s, ~1 ms
-# per gloo message): 64 KiB reshards gained from windows, while 4-16 MiB slices in flight together
-# ran at half the rate one at a time reached (shard -> replicate at 256 MiB: 4.5 s against 2.5 s).
+# ... while they move at most this much together in each direction. Measured on 4 emulated hosts
+# (1 Gbit/s, ~1 ms per gloo message): 64 KiB reshards gained from windows, while 4-16 MiB slices in
+# flight together ran at half the rate one at a time reached (shard -> replicate at 256 MiB: 4.5 s
+# against 2.5 s). On one 2-core machine, a bound of 64 MiB gained nothing either (bench/LOCAL.md).
 WINDOW_BYTES = 1 << 20
 OUT, IN = 0, 1  # the directions of a device's link
 

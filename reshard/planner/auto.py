@@ -7,7 +7,8 @@ cost a latency per window), so it is never slower there than any candidate, and 
 ``reshard.planner.baselines`` are candidates. Its own candidates go past the baselines'
 weaknesses: ``reshard.planner.hier`` balances the hosts' NICs (by time, so a slow NIC gets less
 work) and picks sending devices ("hier", or "serial": one sending device per host), and
-``reshard.planner.order`` orders the transfers ("color", "nic", "lpt", "task").
+``reshard.planner.order`` orders the transfers ("color", "nic", "lpt", "task"; on gloo each also in
+duplex rounds, where a device sends while it receives, kept only when faster by ``DUPLEX_MARGIN``).
 
 Candidates are simulated within a planning-time budget (``SIMULATION_BUDGET`` transfers in all,
 baselines while ``MAX_BASELINE_WORK`` allows); past ``MAX_SIMULATED_TRANSFERS`` ``auto`` returns
@@ -43,6 +44,11 @@ from topology.simulator import simulate_transfers
 MAX_SIMULATED_TRANSFERS = 4000  # beyond it the serial/color plan is returned unsimulated
 SIMULATION_BUDGET = 24000  # transfers simulated per planning call, over all candidates
 MAX_BASELINE_WORK = 50_000  # baselines join the candidates while sum(senders * receivers) stays below
+# A duplex order (``reshard.planner.order``) must beat the others by this much: on 4 emulated hosts
+# (bench/MULTIHOST.md) a plan whose host sent and received big messages at once ran 3-13 % slower
+# than simulated, where the simulator found it 0.3 % faster than a plan that did not.
+DUPLEX = "+duplex"
+DUPLEX_MARGIN = 0.02
 BASELINES = {
     "broadcast_order": plan_broadcast_order,
     "broadcast_size": plan_broadcast_size,
@@ -69,25 +75,33 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
     """(the chosen candidate, every candidate simulated), in evaluation order."""
     ctx = Context(problem)
     window = window_ops_for(problem.cluster.backend)
-    order = partial(order_items, duplex=window > 1)  # devices that issue windows send while they receive
     serial, shapes = plan_items(ctx, split=True, serial=True)
-    first = order(serial, "color")
+    first = order_items(serial, "color")
     if len(first) > MAX_SIMULATED_TRANSFERS:
         c = Candidate("serial/color", first, None)
         return c, [c]
     items, _ = plan_items(ctx, split=True)
     makers: list[tuple[str, Callable[[], tuple[Transfer, ...]]]] = [
         ("serial/color", lambda: first),
-        ("hier/color", lambda: order(items, "color")),
-        ("hier/lpt", lambda: order(items, "lpt")),
-        ("serial/lpt", lambda: order(serial, "lpt")),
-        ("hier/nic", lambda: order(items, "nic")),
-        ("hier/task", lambda: order(items, "task")),
+        ("hier/color", lambda: order_items(items, "color")),
+        ("hier/lpt", lambda: order_items(items, "lpt")),
+        ("serial/lpt", lambda: order_items(serial, "lpt")),
+        ("hier/nic", lambda: order_items(items, "nic")),
+        ("hier/task", lambda: order_items(items, "task")),
     ]
     if "split" in shapes:  # else identical to hier
-        makers.append(("whole/color", lambda: order(plan_items(ctx, split=False)[0], "color")))
+        makers.append(("whole/color", lambda: order_items(plan_items(ctx, split=False)[0], "color")))
     if "ring" in shapes:
-        makers.append(("star/color", lambda: order(plan_items(ctx, split=True, modes=("star",))[0], "color")))
+        makers.append(("star/color", lambda: order_items(plan_items(ctx, split=True, modes=("star",))[0], "color")))
+    if window > 1:  # devices that issue windows can send while they receive: duplex rounds
+        makers += [
+            ("serial/color" + DUPLEX, lambda: order_items(serial, "color", duplex=True)),
+            ("hier/color" + DUPLEX, lambda: order_items(items, "color", duplex=True)),
+            ("hier/lpt" + DUPLEX, lambda: order_items(items, "lpt", duplex=True)),
+            ("serial/lpt" + DUPLEX, lambda: order_items(serial, "lpt", duplex=True)),
+            ("hier/nic" + DUPLEX, lambda: order_items(items, "nic", duplex=True)),
+            ("hier/task" + DUPLEX, lambda: order_items(items, "task", duplex=True)),
+        ]
     work = sum(len(t.senders) * len(t.receivers) for t in problem.tasks)
     if work <= MAX_BASELINE_WORK:
         makers[2:2] = [(name, partial(fn, problem)) for name, fn in BASELINES.items()]
@@ -106,13 +120,18 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
             window=window, window_bytes=WINDOW_BYTES, local_beside=problem.cluster.backend == "gloo",
         )  # fmt: skip
         evaluated.append(Candidate(name, transfers, sim.makespan_s))
-    best = min(evaluated, key=lambda c: (_makespan(c), _busiest(c.transfers), _groups(c.transfers), len(c.transfers)))
+    best = min(evaluated, key=lambda c: (_score(c), _busiest(c.transfers), _groups(c.transfers), len(c.transfers)))
     return best, evaluated
 
 
 def _makespan(c: Candidate) -> float:
     assert c.makespan_s is not None
     return c.makespan_s
+
+
+def _score(c: Candidate) -> float:
+    """The simulated makespan, with the margin a duplex order must win by."""
+    return _makespan(c) * (1 + DUPLEX_MARGIN if c.name.endswith(DUPLEX) else 1)
 
 
 def _busiest(transfers: tuple[Transfer, ...]) -> int:
