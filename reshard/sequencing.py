@@ -8,13 +8,14 @@ local ops move at least ``overlap_copy_bytes`` and the device also communicates,
 device's helper thread instead (``background``), overlapping its messages (CPU devices only: a GPU
 copies on its streams). With ``window_ops`` > 1 consecutive message ops are issued together, up to
 that many, as long as their staged slices fit ``window_staging_bytes`` side by side and no op
-reads a box the window writes. The byte bound is per direction of the device's link (a send goes
-out, a receive comes in, a broadcast member may forward, so it uses both): in each direction a
-window holds small messages of at most ``window_bytes`` together (their latencies overlap) or one
-bigger message (bigger messages in one direction go one at a time, in the order the planner chose
-for the links), so a big send and a big receive run together (duplex). A device that relays
-(publishes, or sends on what it received) takes at most one message per direction per window: each
-slice lands, and is forwarded or published, as early as it can, while the next comes in. A
+reads a box the window writes. A window holds small messages of at most ``window_bytes`` together
+(their latencies overlap) or one bigger message (bigger messages go one at a time, in the order the
+planner chose for the links), except that a device forwards what it received while the next slice
+comes in: the bound is per direction of its link, and only a forward (out) and a receive (in) take
+one direction each (duplex; a send of its own source, which on emulated hosts ran slower beside a
+big receive than modelled, takes both). A device that relays (publishes, or forwards) takes at
+most one message per direction per window: each slice lands, and is forwarded or published, as
+early as it can. A
 publication stays in its window: the executor runs it once the window's ops before it have landed.
 A pull of a relay (it waits) gets a window of its own. ``reshard.validate.validate_program``
 replays the result.
@@ -35,6 +36,7 @@ from reshard.program import (
     Program,
     Publish,
     Pull,
+    Recv,
     Send,
     op_numel,
     reads_output,
@@ -105,14 +107,15 @@ def _relays(ops) -> bool:
 
 
 def _directions(op: Op) -> tuple[int, ...]:
-    """The directions of the device's link a message uses (``OUT``, ``IN``): a send goes out, a
-    receive comes in, a broadcast's root sends and a member receives and may forward (gloo's
-    binomial tree), so it counts both."""
-    if isinstance(op, Send):
+    """The directions of the device's link a message takes up (``OUT``, ``IN``) in a window: a
+    receive comes in; a forward (a send of what the device received) goes out; a send of its own
+    source and a broadcast member (it may forward: gloo's binomial tree) take both, so only a
+    forward and a receive go together."""
+    if isinstance(op, Recv):
+        return (IN,)
+    if isinstance(op, Send | Broadcast) and getattr(op, "read", None) is not None and reads_output(op) is not None:
         return (OUT,)
-    if isinstance(op, Broadcast):
-        return (OUT,) if op.read is not None else (IN, OUT)
-    return (IN,)
+    return (OUT, IN)
 
 
 def _publication(op: Op) -> int:

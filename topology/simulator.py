@@ -50,10 +50,11 @@ Order. Every device executes its transfers in the global list order, one at a ti
 lowering's rule, which also makes the program deadlock free); with ``window`` > 1 it issues them in
 windows, as the runtime's executor does (``reshard.sequencing``): up to ``window`` consecutive
 messages (P2P, BROADCAST), with the local transfers (COPY, PULL of a source shard) among them, and
-waits for all of them before the next window. In each direction of the device's link (a P2P's root
-sends, its receiver receives, a broadcast receiver may forward so it uses both) a window holds small
-messages of at most ``window_bytes`` together or one bigger message: a big send and a big receive go
-together (duplex). A window closes before a transfer that reads on this device what the window wrote
+waits for all of them before the next window. A window holds small messages of at most
+``window_bytes`` together or one bigger message, per direction of the device's link, where only a
+forward (a root sending what it received) and a P2P receive take one direction each: a device
+forwards a slice while the next comes in (duplex); a root sending its own bytes and a broadcast
+receiver (it may forward) take both. A window closes before a transfer that reads on this device what the window wrote
 (``SimTransfer.reads_landed``: a relay's root, a receiver that combines), a PULL of a relay has a
 window of its own, and a device that relays (the root of a pulled relay, or of a message that reads
 what it received) takes at most one message per direction per window, so that each slice lands, and
@@ -437,11 +438,12 @@ def _issue_windows(
 
 
 def _directions(t: SimTransfer, device: int) -> tuple[int, ...]:
-    """The directions of ``device``'s link a message uses: 0 out, 1 in; a broadcast receiver may
-    forward (binomial tree), so it uses both."""
-    if device == t.root:
-        return (0,)
-    return (1,) if t.kind is SimKind.P2P else (1, 0)
+    """The directions of ``device``'s link a message takes up in a window: 0 out, 1 in. A P2P's
+    receiver takes in, a forward (its root reads what it received) out; a root sending its own
+    bytes and a broadcast receiver (it may forward) take both."""
+    if device != t.root:
+        return (1,) if t.kind is SimKind.P2P else (1, 0)
+    return (0,) if device in t.reads_landed else (0, 1)
 
 
 def _waits(roots: list[_Flow], sourced: bool = False) -> dict[int, list[_Flow]]:

@@ -8,7 +8,7 @@ cost a latency per window), so it is never slower there than any candidate, and 
 weaknesses: ``reshard.planner.hier`` balances the hosts' NICs (by time, so a slow NIC gets less
 work) and picks sending devices ("hier", or "serial": one sending device per host), and
 ``reshard.planner.order`` orders the transfers ("color", "nic", "lpt", "task"; on gloo each also in
-duplex rounds, where a device sends while it receives, kept only when faster by ``DUPLEX_MARGIN``).
+duplex rounds, where a relay forwards a slice while the next comes in).
 
 Candidates are simulated within a planning-time budget (``SIMULATION_BUDGET`` transfers in all,
 baselines while ``MAX_BASELINE_WORK`` allows); past ``MAX_SIMULATED_TRANSFERS`` ``auto`` returns
@@ -44,11 +44,7 @@ from topology.simulator import simulate_transfers
 MAX_SIMULATED_TRANSFERS = 4000  # beyond it the serial/color plan is returned unsimulated
 SIMULATION_BUDGET = 24000  # transfers simulated per planning call, over all candidates
 MAX_BASELINE_WORK = 50_000  # baselines join the candidates while sum(senders * receivers) stays below
-# A duplex order (``reshard.planner.order``) must beat the others by this much: on 4 emulated hosts
-# (bench/MULTIHOST.md) a plan whose host sent and received big messages at once ran 3-13 % slower
-# than simulated, where the simulator found it 0.3 % faster than a plan that did not.
-DUPLEX = "+duplex"
-DUPLEX_MARGIN = 0.02
+DUPLEX = "+duplex"  # the name of an order in duplex rounds
 BASELINES = {
     "broadcast_order": plan_broadcast_order,
     "broadcast_size": plan_broadcast_size,
@@ -93,7 +89,7 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
         makers.append(("whole/color", lambda: order_items(plan_items(ctx, split=False)[0], "color")))
     if "ring" in shapes:
         makers.append(("star/color", lambda: order_items(plan_items(ctx, split=True, modes=("star",))[0], "color")))
-    if window > 1:  # devices that issue windows can send while they receive: duplex rounds
+    if window > 1:  # devices that issue windows forward a slice while the next comes in
         makers += [
             ("serial/color" + DUPLEX, lambda: order_items(serial, "color", duplex=True)),
             ("hier/color" + DUPLEX, lambda: order_items(items, "color", duplex=True)),
@@ -120,18 +116,13 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
             window=window, window_bytes=WINDOW_BYTES, local_beside=problem.cluster.backend == "gloo",
         )  # fmt: skip
         evaluated.append(Candidate(name, transfers, sim.makespan_s))
-    best = min(evaluated, key=lambda c: (_score(c), _busiest(c.transfers), _groups(c.transfers), len(c.transfers)))
+    best = min(evaluated, key=lambda c: (_makespan(c), _busiest(c.transfers), _groups(c.transfers), len(c.transfers)))
     return best, evaluated
 
 
 def _makespan(c: Candidate) -> float:
     assert c.makespan_s is not None
     return c.makespan_s
-
-
-def _score(c: Candidate) -> float:
-    """The simulated makespan, with the margin a duplex order must win by."""
-    return _makespan(c) * (1 + DUPLEX_MARGIN if c.name.endswith(DUPLEX) else 1)
 
 
 def _busiest(transfers: tuple[Transfer, ...]) -> int:

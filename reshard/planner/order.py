@@ -1,9 +1,8 @@
 """Ordering ``auto``'s transfers: first-fit rounds, optionally on an edge coloring of the NIC ports.
 
 Every device issues its transfers in round order: one global order, hence deadlock free. Where
-devices issue a send and a receive together (``duplex``: gloo's issue windows,
-``reshard.sequencing``), a round holds one transfer per direction of each device's link instead of
-one per device, so a relay forwards a slice while the next one comes in.
+devices forward a slice while the next comes in (``duplex``: gloo's issue windows,
+``reshard.sequencing``), a relay's forward and a receive of its device share a round.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ def order_items(items: list[Item], how: str, *, duplex: bool = False) -> tuple[T
     (network transfers between one sending and one receiving host are first edge-colored on the
     bipartite graph of NIC ports, which needs only as many rounds as the busiest port has transfers,
     then packed in color order like "nic"), "task" (unit task order). A relay goes in a round after
-    the item that feeds it. ``duplex``: a device is in one sending and one receiving item per round
-    (a broadcast receiver may forward: it takes both).
+    the item that feeds it. ``duplex``: a device may forward (a relay) and receive in one round.
     """
     if how not in ORDERS:
         raise ValueError(f"unknown order {how!r}; choose one of {', '.join(ORDERS)}")
@@ -97,13 +95,17 @@ def order_items(items: list[Item], how: str, *, duplex: bool = False) -> tuple[T
 
 
 def _link_keys(it: Item) -> tuple[tuple[int, int], ...]:
-    """The directions of the devices' links an item uses: (device, 0) sends, (device, 1) receives;
-    a local item takes its device whole, a broadcast receiver both directions (it may forward)."""
+    """The directions of the devices' links an item takes up: (device, 0) out, (device, 1) in. A
+    relay's root forwards (out) and a send's receiver receives (in); a root sending its own bytes,
+    a broadcast receiver (it may forward) and a local item take their device whole, as the
+    runtime's windows do (``reshard.sequencing``)."""
+    whole = ((it.src, 0), (it.src, 1))
+    if it.kind is TransferKind.COPY or it.kind is TransferKind.SCALE:
+        return whole
+    src = ((it.src, 0),) if it.after is not None else whole
     if it.kind is TransferKind.SEND:
-        return ((it.src, 0), (it.dsts[0], 1))
-    if it.kind is TransferKind.BROADCAST:
-        return ((it.src, 0), *((d, k) for d in it.dsts for k in (1, 0)))
-    return ((it.src, 0), (it.src, 1))
+        return (*src, (it.dsts[0], 1))
+    return (*src, *((d, k) for d in it.dsts for k in (1, 0)))
 
 
 def _edge_colors(items: list[Item]) -> dict[int, int]:

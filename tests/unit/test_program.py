@@ -299,21 +299,11 @@ def test_publications_follow_the_last_write_of_their_slice():
     assert sequence_program(out, window_ops=4, window_bytes=8).devices[0].windows == (1, 1)  # 8 bytes each
 
 
-def test_windows_bound_bytes_per_direction_and_relays_forward_while_receiving():
-    """A window holds one big message per direction of the device's link: device 1 sends its own
-    slice while it receives one, but two big receives go one at a time. A relay forwards slice
-    ``a`` in the window that receives ``b``, never in the one that brings ``a``."""
+def test_a_relay_forwards_a_slice_while_the_next_comes_in():
+    """A window holds one big message, except that a forward (out) and a receive (in) go together:
+    device 1 forwards slice ``a`` in the window that receives ``b``, never in the one that brings
+    ``a``. A send of its own source takes both directions: it waits for the big receive."""
     a, b, whole = ((0, 2),), ((2, 4),), ((0, 4),)
-    program = Program("float32", (4,), (
-        DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, a), Send(2, (0, 1), Buffer.SRC, b)), 0, ((0, 1),)),
-        DeviceProgram(1, (4,), (4,), (Recv(0, (0, 1), a), Send(1, (1, 2), Buffer.SRC, whole), Recv(2, (0, 1), b)), 0,
-                      ((0, 1), (1, 2))),
-        DeviceProgram(2, None, (4,), (Recv(1, (1, 2), whole),), 0, ((1, 2),)),
-    ))  # fmt: skip
-    windowed = sequence_program(program, window_ops=4, window_bytes=8)  # each message is 8 or 16 bytes
-    validate_program(windowed)
-    assert windowed.devices[1].windows == (2, 1) and windowed.devices[0].windows == (1, 1)
-    assert sequence_program(program, window_ops=4, window_bytes=64).devices[1].windows == (3,)
     relay = Program("float32", (4,), (
         DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, a), Send(2, (0, 1), Buffer.SRC, b)), 0, ((0, 1),)),
         DeviceProgram(1, None, (4,), (Recv(0, (0, 1), a), Send(1, (1, 2), Buffer.DST, a), Recv(2, (0, 1), b),
@@ -321,10 +311,20 @@ def test_windows_bound_bytes_per_direction_and_relays_forward_while_receiving():
         DeviceProgram(2, None, (4,), (Recv(1, (1, 2), a), Recv(3, (1, 2), b)), 0, ((1, 2),)),
     ))  # fmt: skip
     validate_program(relay)
-    windowed = sequence_program(relay, window_ops=4, window_bytes=64)  # small, but 1 relays: one per direction
+    windowed = sequence_program(relay, window_ops=4, window_bytes=4)  # each message is 8 bytes: big
     validate_program(windowed)
     assert windowed.devices[1].windows == (1, 2, 1)
-    assert windowed.devices[0].windows == (2,) and windowed.devices[2].windows == (2,)
+    assert windowed.devices[0].windows == (1, 1) and windowed.devices[2].windows == (1, 1)
+    own = Program("float32", (4,), (
+        DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, a),), 0, ((0, 1),)),
+        DeviceProgram(1, (4,), (4,), (Recv(0, (0, 1), a), Send(1, (1, 2), Buffer.SRC, whole), Recv(2, (2, 1), b)), 0,
+                      ((0, 1), (1, 2))),
+        DeviceProgram(2, (4,), (4,), (Recv(1, (1, 2), whole), Send(2, (2, 1), Buffer.SRC, b)), 0, ((1, 2),)),
+    ))  # fmt: skip
+    windowed = sequence_program(own, window_ops=4, window_bytes=4)
+    validate_program(windowed)
+    assert windowed.devices[1].windows == (1, 1, 1)
+    assert sequence_program(own, window_ops=4, window_bytes=64).devices[1].windows == (3,)
 
 
 def test_a_publication_in_a_window_runs_once_the_ops_before_it_landed():

@@ -268,16 +268,12 @@ def test_a_window_holds_messages_of_at_most_window_bytes_together():
     )
 
 
-def test_a_big_send_and_a_big_receive_share_a_window():
-    """The byte bound is per direction of a device's link: device 4 sends to host 2 while it
-    receives from host 0 (one window: both in 1 s), but two receives still go one at a time. A
-    relay (4 forwards what it received) takes one message per direction per window: it forwards
-    slice 0 while slice 1 comes in, so the chain of two slices takes three steps, not four."""
+def test_a_forward_and_a_big_receive_share_a_window():
+    """The byte bound is per direction of a device's link for a forward: device 4 forwards slice 0
+    (a relay: it reads what it received) while slice 1 comes in, so the chain of two slices takes
+    three steps, not four. A send of its own bytes takes both directions: it goes after the big
+    receive, as two receives do."""
     c = cluster(latency_us=0.0)
-    r = simulate_transfers([p2p(0, 4), p2p(4, 8)], HOSTS, c, window=4, window_bytes=S // 2)
-    assert r.makespan_s == pytest.approx(1.0) and r.start_s[1] == pytest.approx(0.0)
-    r = simulate_transfers([p2p(0, 4), p2p(8, 4)], HOSTS, c, window=4, window_bytes=S // 2)
-    assert r.start_s[1] == pytest.approx(r.end_s[0]) and r.makespan_s == pytest.approx(2.0)
     chain = [
         p2p(0, 4),
         SimTransfer(SimKind.P2P, 4, (8,), S, reads_landed=(4,)),
@@ -288,6 +284,9 @@ def test_a_big_send_and_a_big_receive_share_a_window():
     assert r.start_s[1] == pytest.approx(1.0) and r.start_s[2] == pytest.approx(1.0)
     assert r.makespan_s == pytest.approx(3.0)
     assert simulate_transfers(chain, HOSTS, c, window=1).makespan_s == pytest.approx(4.0)
+    for second in (p2p(4, 8), p2p(8, 4)):
+        r = simulate_transfers([p2p(0, 4), second], HOSTS, c, window=4, window_bytes=S // 2)
+        assert r.start_s[1] == pytest.approx(r.end_s[0]) and r.makespan_s == pytest.approx(2.0)
 
 
 def test_local_transfers_run_beside_the_messages_of_a_device_that_reads_nothing_it_received():
