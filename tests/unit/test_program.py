@@ -47,7 +47,8 @@ def interpret(program, src_layout, full: np.ndarray, contributions=None) -> dict
     free here), runs its background ops whenever they can (they touch nothing the others read),
     and its windows in order: local ops at once, message ops issued, a pull of a relay once its
     holder published it; a message completes (data moves) once every member issued its op; a
-    window ends when its messages completed. Raises if it gets stuck.
+    publication runs once the window's messages before it completed; a window ends when its
+    messages completed and its publications ran. Raises if it gets stuck.
     ``contributions[c]``: the full tensor contribution ``c`` of a Partial source holds."""
     src_layout = src_layout.for_shape(full.shape)
     regions = regions_by_device(src_layout, full.shape)
@@ -106,7 +107,7 @@ def interpret(program, src_layout, full: np.ndarray, contributions=None) -> dict
                 while at[d] < len(window) and ready(op := window[at[d]]):
                     if isinstance(op, MESSAGES):
                         issued[op.step][d] = op
-                    else:
+                    elif not isinstance(op, Publish):  # a publication runs once the ops before it landed
                         run_local(d, op)
                     at[d] += 1
                     progress = True
@@ -120,7 +121,19 @@ def interpret(program, src_layout, full: np.ndarray, contributions=None) -> dict
                             if r != root:
                                 land(r, rop, data)
                         done_steps.add(op.step)
-                if at[d] < len(window) or any(isinstance(op, MESSAGES) and op.step not in done_steps for op in window):
+                for k, op in enumerate(window[: at[d]]):
+                    before = window[:k]
+                    if isinstance(op, Publish) and published[d] < op.count:
+                        if any(isinstance(b, MESSAGES) and b.step not in done_steps for b in before):
+                            break
+                        run_local(d, op)
+                        progress = True
+                unpublished = any(isinstance(op, Publish) and published[d] < op.count for op in window)
+                if (
+                    at[d] < len(window)
+                    or unpublished
+                    or any(isinstance(op, MESSAGES) and op.step not in done_steps for op in window)
+                ):
                     break
                 head[d] += 1
                 at[d] = 0
