@@ -14,7 +14,8 @@ Candidates are simulated within a planning-time budget (``SIMULATION_BUDGET`` tr
 baselines while ``MAX_BASELINE_WORK`` allows); past ``MAX_SIMULATED_TRANSFERS`` ``auto`` returns
 the "serial/color" candidate unsimulated: one sending device per host where the box allows, so
 that device-order serialization keeps every NIC on the color schedule.
-Of equally fast candidates it keeps the one whose busiest device moves the fewest bytes, then the
+Of equally fast candidates it keeps the one whose busiest device moves the fewest bytes, then one
+in duplex rounds (a relay that forwards early never waits longer for what it forwards), then the
 one with fewer groups and transfers. Everything is deterministic (no unseeded randomness; ties
 break on device ids).
 """
@@ -77,27 +78,22 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
         c = Candidate("serial/color", first, None)
         return c, [c]
     items, _ = plan_items(ctx, split=True)
-    makers: list[tuple[str, Callable[[], tuple[Transfer, ...]]]] = [
-        ("serial/color", lambda: first),
-        ("hier/color", lambda: order_items(items, "color")),
-        ("hier/lpt", lambda: order_items(items, "lpt")),
-        ("serial/lpt", lambda: order_items(serial, "lpt")),
-        ("hier/nic", lambda: order_items(items, "nic")),
-        ("hier/task", lambda: order_items(items, "task")),
+    orders: list[tuple[str, Callable[[], list], str]] = [  # (name, its items, how to order them)
+        ("serial/color", lambda: serial, "color"),
+        ("hier/color", lambda: items, "color"),
+        ("hier/lpt", lambda: items, "lpt"),
+        ("serial/lpt", lambda: serial, "lpt"),
+        ("hier/nic", lambda: items, "nic"),
+        ("hier/task", lambda: items, "task"),
     ]
     if "split" in shapes:  # else identical to hier
-        makers.append(("whole/color", lambda: order_items(plan_items(ctx, split=False)[0], "color")))
+        orders.append(("whole/color", lambda: plan_items(ctx, split=False)[0], "color"))
     if "ring" in shapes:
-        makers.append(("star/color", lambda: order_items(plan_items(ctx, split=True, modes=("star",))[0], "color")))
+        orders.append(("star/color", lambda: plan_items(ctx, split=True, modes=("star",))[0], "color"))
+    makers: list[tuple[str, Callable[[], tuple[Transfer, ...]]]] = [("serial/color", lambda: first)]
+    makers += [(name, partial(_ordered, of, how, False)) for name, of, how in orders[1:]]
     if window > 1:  # devices that issue windows forward a slice while the next comes in
-        makers += [
-            ("serial/color" + DUPLEX, lambda: order_items(serial, "color", duplex=True)),
-            ("hier/color" + DUPLEX, lambda: order_items(items, "color", duplex=True)),
-            ("hier/lpt" + DUPLEX, lambda: order_items(items, "lpt", duplex=True)),
-            ("serial/lpt" + DUPLEX, lambda: order_items(serial, "lpt", duplex=True)),
-            ("hier/nic" + DUPLEX, lambda: order_items(items, "nic", duplex=True)),
-            ("hier/task" + DUPLEX, lambda: order_items(items, "task", duplex=True)),
-        ]
+        makers += [(name + DUPLEX, partial(_ordered, of, how, True)) for name, of, how in orders]
     work = sum(len(t.senders) * len(t.receivers) for t in problem.tasks)
     if work <= MAX_BASELINE_WORK:
         makers[2:2] = [(name, partial(fn, problem)) for name, fn in BASELINES.items()]
@@ -116,8 +112,13 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
             window=window, window_bytes=WINDOW_BYTES, local_beside=problem.cluster.backend == "gloo",
         )  # fmt: skip
         evaluated.append(Candidate(name, transfers, sim.makespan_s))
-    best = min(evaluated, key=lambda c: (_makespan(c), _busiest(c.transfers), _groups(c.transfers), len(c.transfers)))
+    best = min(evaluated, key=lambda c: (_makespan(c), _busiest(c.transfers), not c.name.endswith(DUPLEX),
+                                         _groups(c.transfers), len(c.transfers)))  # fmt: skip
     return best, evaluated
+
+
+def _ordered(of: Callable[[], list], how: str, duplex: bool) -> tuple[Transfer, ...]:
+    return order_items(of(), how, duplex=duplex)
 
 
 def _makespan(c: Candidate) -> float:
