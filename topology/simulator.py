@@ -74,7 +74,8 @@ devices each, the broadcast strategies' shard -> replicate case at 64 MiB: four 
 after another), gloo ran 0.80-0.82x of what the older rule (every member starts and stays busy until
 the whole tree ends) predicted, and 0.94-1.00x of this one. With gloo windows of 4 messages of at
 most 1 MiB (the same hosts, every strategy and case at 64 and 256 MiB: bench/MULTIHOST.md), all 48
-measurements were within 10 % of this model.
+measurements were within 10 % of this model; with duplex windows 47 of 48 (the 48th, two samples
+of 0.44 and 0.30 s, measured 0.29 s re-run alone against 0.29 s simulated).
 
 Accounting. ``HostStats.send_bytes``/``recv_bytes`` count the bytes each NIC carries (pipeline fill
 excluded); ``send_busy_s``/``recv_busy_s`` the time the port carried at least one flow.
