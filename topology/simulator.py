@@ -54,14 +54,14 @@ waits for all of them before the next window. A window holds small messages of a
 ``window_bytes`` together or one bigger message, per direction of the device's link, where only a
 forward (a root sending what it received) and a P2P receive take one direction each: a device
 forwards a slice while the next comes in (duplex); a root sending its own bytes and a broadcast
-receiver (it may forward) take both. A window closes before a transfer that reads on this device what the window wrote
-(``SimTransfer.reads_landed``: a relay's root, a receiver that combines), a PULL of a relay has a
-window of its own, and a device that relays (the root of a pulled relay, or of a message that reads
-what it received) takes at most one message per direction per window, so that each slice lands, and
-is forwarded or pulled, as early as it can. The latencies of a window's messages overlap. With
-``local_beside`` (CPU devices: the runtime's helper thread), a device that reads nothing it
-received (no relay, no combine) runs its local transfers (COPY, PULL) in a lane of their own beside
-its messages, sources first, then relays in the order their bytes arrive. A
+receiver (it may forward) take both. A window closes before a transfer that reads on this device
+what the window wrote (``SimTransfer.reads_landed``: a relay's root, a receiver that combines), a
+PULL of a relay has a window of its own, and a device that relays (the root of a pulled relay, or
+of a message that reads what it received) takes at most one message per direction per window, so
+that each slice lands, and is forwarded or pulled, as early as it can. The latencies of a window's
+messages overlap. With ``local_beside`` (CPU devices: the runtime's helper thread), a device that
+reads nothing it received (no relay, no combine) runs its local transfers (COPY, PULL) in a lane of
+their own beside its messages, sources first, then relays in the order their bytes arrive. A
 transfer is no barrier: each of its flows starts once every device it uses has finished its earlier
 transfers (a forward in a tree also waits for the receive that brings its bytes), and a device is
 free again once ITS flows of the transfer are done. So both ends of a P2P start and end together; an

@@ -15,9 +15,8 @@ baselines while ``MAX_BASELINE_WORK`` allows); past ``MAX_SIMULATED_TRANSFERS`` 
 the "serial/color" candidate unsimulated: one sending device per host where the box allows, so
 that device-order serialization keeps every NIC on the color schedule.
 Of equally fast candidates it keeps the one whose busiest device moves the fewest bytes, then one
-in duplex rounds (a relay that forwards early never waits longer for what it forwards), then the
-one with fewer groups and transfers. Everything is deterministic (no unseeded randomness; ties
-break on device ids).
+in duplex rounds (its relays forward earlier), then the one with fewer groups and transfers.
+Everything is deterministic (no unseeded randomness; ties break on device ids).
 """
 
 from __future__ import annotations
@@ -118,6 +117,7 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
 
 
 def _ordered(of: Callable[[], list], how: str, duplex: bool) -> tuple[Transfer, ...]:
+    """The items ``of()`` ordered by ``how`` (``order_items``)."""
     return order_items(of(), how, duplex=duplex)
 
 
