@@ -15,10 +15,9 @@ comes in: the bound is per direction of its link, and only a forward (out) and a
 one direction each (duplex; a send of its own source, which on emulated hosts ran slower beside a
 big receive than modelled, takes both). A device that relays (publishes, or forwards) takes at
 most one message per direction per window: each slice lands, and is forwarded or published, as
-early as it can. A
-publication stays in its window: the executor runs it once the window's ops before it have landed.
-A pull of a relay (it waits) gets a window of its own. ``reshard.validate.validate_program``
-replays the result.
+early as it can. A publication stays in its window: the executor runs it once the window's ops
+before it have landed. A pull of a relay (it waits) gets a window of its own.
+``reshard.validate.validate_program`` replays the result.
 """
 
 from __future__ import annotations
@@ -113,7 +112,7 @@ def _directions(op: Op) -> tuple[int, ...]:
     forward and a receive go together."""
     if isinstance(op, Recv):
         return (IN,)
-    if isinstance(op, Send | Broadcast) and getattr(op, "read", None) is not None and reads_output(op) is not None:
+    if reads_output(op) is not None:  # a send or broadcast root reading its destination or scratch
         return (OUT,)
     return (OUT, IN)
 

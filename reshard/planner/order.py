@@ -100,7 +100,7 @@ def _link_keys(it: Item) -> tuple[tuple[int, int], ...]:
     a broadcast receiver (it may forward) and a local item take their device whole, as the
     runtime's windows do (``reshard.sequencing``)."""
     whole = ((it.src, 0), (it.src, 1))
-    if it.kind is TransferKind.COPY or it.kind is TransferKind.SCALE:
+    if it.kind in (TransferKind.COPY, TransferKind.SCALE):
         return whole
     src = ((it.src, 0),) if it.after is not None else whole
     if it.kind is TransferKind.SEND:
