@@ -140,6 +140,23 @@ class DeviceContext:
         state.groups.connect([key])
         return state.groups.get(key)
 
+    def empty_cache(self) -> int:
+        """Free what this device keeps for reuse and nobody uses now: freed shards' memory, the
+        assembly buffer, the calling controller's staging buffer (its runs come before and after
+        this call, never during it), mappings of peers' shards their owners let go of, and on a GPU
+        torch's cached blocks. Returns the bytes freed of the first three (torch's are its own)."""
+        freed = self.store.empty_cache()
+        state = self.controllers.get(self.caller)
+        if state is not None:
+            freed += state.staging.nbytes
+            state.staging.buf = None
+        self.peers.purge()
+        if self.device_type.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+        return freed
+
     # ---------------------------------------------------------------- for the user's code in an attached actor
 
     def empty(self, shape, dtype):

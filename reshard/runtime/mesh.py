@@ -495,6 +495,17 @@ class DeviceMesh:
             if max_programs is not None:
                 rec.max_programs = _positive_int("max_programs", max_programs)
 
+    def empty_cache(self, timeout_s: float = 60.0) -> int:
+        """Give back the memory this mesh's devices keep for reuse (as ``torch.cuda.empty_cache``
+        does): the freed shards kept for the next destinations (``buffer_pool_bytes``), the
+        buffers new destinations are assembled in (``assembly_bytes``), this process's staging
+        buffers (``staging_keep_bytes``), peers' freed shards still mapped, and torch's cached GPU
+        blocks. Live tensors are untouched; the next reshards allocate again. Returns the bytes
+        freed (GPU caches not counted), as ``stats()`` reported them."""
+        from reshard.runtime.actor import DeviceContext
+
+        return sum(self.call(DeviceContext.empty_cache, timeout_s=timeout_s))
+
     def stats(self, timeout_s: float = 30.0) -> list[dict]:
         """Each device's state: shards and bytes, holders, cached programs, live groups, counters."""
         self.check_open()

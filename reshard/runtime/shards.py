@@ -352,6 +352,17 @@ class ShardStore:
                 "assembly_limit_bytes": self.assembly.keep_bytes,
             }
 
+    def empty_cache(self) -> int:
+        """Free the memory kept for reuse and idle now: freed shards (the pool) and the assembly
+        buffer (unless a destination is being assembled in it). Returns the bytes freed."""
+        with self._lock:
+            freed = self.pool.nbytes
+            self.pool.clear()
+            if not self.assembly.busy:
+                freed += self.assembly.nbytes
+                self.assembly.clear()
+            return freed
+
     def clear(self) -> None:
         with self._lock:
             self.shards.clear()

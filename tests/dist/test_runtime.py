@@ -79,6 +79,41 @@ def test_assembled_destinations_are_shards_like_any_other(view, pool, shared_mem
         u.free()
 
 
+def test_empty_cache_gives_back_what_devices_keep_for_reuse(view, pool):
+    """``DeviceMesh.empty_cache`` frees the pool's freed shards, the assembly buffers, the caller's
+    staging buffers and mappings of peers' freed shards, and nothing a live tensor holds."""
+    a = view([0, 1, 2, 3], (2, 2))
+    b = view([4, 5, 6, 7], (2, 2))
+    x = random_array((1000, 1046), "float32", 6)  # 2 MiB shards: assembled, staged on the gloo path
+    t = distribute(x, Layout(a, pl("S0 S1")))
+    pulled = reshard(t, a, Layout(b, pl("R S0")))  # b's devices map a's shards
+    freed = reshard(t, a, Layout(b, pl("R R")))  # 4 MiB: no later destination takes its memory
+    freed.free()
+    staged = reshard(t, a, Layout(b, pl("S0 R")), shared_memory=False)  # last: a run sizes staging to its own
+    settle(pool)
+    before = {s["device"]: s for s in pool.stats()}
+    kept = sum(s["pool_bytes"] + s["assembly_bytes"] + s["staging_bytes"] for s in before.values())
+    assert all(before[d]["pool_bytes"] and before[d]["assembly_bytes"] for d in b.device_ids)
+    assert all(before[d]["staging_bytes"] for d in b.device_ids)  # the gloo run's strided slices
+    assert pool.empty_cache() == kept
+    after = {s["device"]: s for s in pool.stats()}
+    for s in after.values():
+        assert s["pool_bytes"] == s["assembly_bytes"] == s["staging_bytes"] == 0
+        assert s["buffers"] == before[s["device"]]["buffers"]  # live tensors untouched
+    t.free()
+    settle(pool)
+    pool.empty_cache()  # a's devices let go of t's blocks (freed into their pools, freed here) ...
+    pool.empty_cache()  # ... so b's devices drop their mappings of them
+    for d in b.device_ids:
+        assert after[d]["peer_maps"] > 0 and pool.stats()[pool.index_of(d)]["peer_maps"] < after[d]["peer_maps"]
+    for y in (pulled, staged):
+        assert_bit_exact(y.to_numpy(), x)
+    again = reshard(pulled, b, Layout(a, pl("S1 S0")))  # memory is made again as needed
+    assert_bit_exact(again.to_numpy(), x)
+    for y in (pulled, staged, again):
+        y.free()
+
+
 def _drain_pool(ctx):
     ctx.store.pool.clear()
 

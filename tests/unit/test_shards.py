@@ -76,3 +76,23 @@ def test_assembly_bounds_and_the_pool_come_first():
     assert s.memory()["pool_hits"] == 1
     private = ShardStore(0, "cpu", 0, shared=None, assembly_bytes=BIG)
     assert not private.assembled(private.allocate_destination((BIG,), "uint8"))  # nothing to assemble for
+
+
+def test_empty_cache_frees_the_pool_and_the_idle_assembly_buffer_only():
+    s = ShardStore(0, "cpu", 64 << 20, shared=SharedShards(), assembly_bytes=BIG)
+    live = s.allocate((BIG,), "uint8")
+    s.put("live", live, "h")
+    freed = s.allocate((BIG,), "uint8")
+    s.put("f", freed, "h")
+    del freed
+    s.free("f")
+    t = s.allocate_destination((BIG // 2,), "uint8")
+    assert s.assembled(t)
+    assert s.empty_cache() == BIG  # the pool's block; the assembly buffer is in use
+    assert s.memory()["pool_bytes"] == 0 and s.memory()["assembly_bytes"] == BIG // 2
+    shard = s.settle(t)
+    assert s.empty_cache() == BIG // 2  # now idle: freed
+    assert s.memory()["assembly_bytes"] == 0
+    assert s.memory()["buffers"] == {"live": BIG}  # live shards untouched
+    assert s.empty_cache() == 0
+    assert s.assembled(s.allocate_destination(shard.shape, "uint8"))  # made again when needed
