@@ -100,3 +100,30 @@ def view(pool):
     yield make
     for m in made:
         m.shutdown()
+
+
+def _reserved(ctx) -> int:
+    import torch
+
+    return int(torch.cuda.memory_reserved())
+
+
+def test_empty_cache_gives_back_torchs_cached_gpu_blocks(view):
+    import numpy as np
+
+    from reshard import Layout, Replicate, Shard, distribute, reshard
+    from reshard.runtime import settle
+
+    a = view([0, 1], (2,))
+    b = view([1, 0], (2,))
+    x = np.arange(1 << 22, dtype=np.float32).reshape(2048, 2048)  # 16 MiB: 8 MiB shards, 16 MiB replicas
+    t = distribute(x, Layout(a, (Shard(0),)))
+    y = reshard(t, a, Layout(b, (Replicate(),)))
+    np.testing.assert_array_equal(y.to_numpy(), x)
+    y.free()
+    settle(b)
+    cached = b.call(_reserved)
+    b.empty_cache()
+    assert all(now < before for now, before in zip(b.call(_reserved), cached, strict=True))  # the replicas' blocks
+    np.testing.assert_array_equal(t.to_numpy(), x)  # live shards untouched
+    t.free()
