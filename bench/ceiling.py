@@ -8,11 +8,14 @@ those actors). A measured round posts every send and every receive of the actor 
 (``isend``-style: gloo work objects) and waits for all of them: each (sender, receiver) pair moves
 its whole byte count as one contiguous message (no staging, no local copies), into one receive
 buffer per actor that is allocated and touched once in ``setup`` and reused by every round (so the
-ceiling pays no page faults: the runtime's pool of freed shards avoids them too).
+ceiling pays no page faults: the runtime's pool of freed shards avoids them too). The same round
+``fresh`` receives into new anonymous memory instead (mapped inside the timed region, unmapped
+after it): what a destination kept alive costs any method, the ceiling for outputs kept alive.
 """
 
 from __future__ import annotations
 
+import mmap
 import time
 from datetime import timedelta
 
@@ -45,15 +48,21 @@ def setup(ctx, key: str, store_port: int, rank: int, world: int, sends, recvs, t
     return sum(n for _, _, n in sends)
 
 
-def transfer(ctx, key: str, sends, recvs) -> float:
+def transfer(ctx, key: str, sends, recvs, fresh: bool = False) -> float:
     """Post every send and receive of this actor at once, wait for all; return in-actor seconds.
 
-    Each message goes into its contiguous slice of the actor's one resident receive buffer; send
-    and receive buffers were made (and touched) by ``setup``.
+    Each message goes into its contiguous slice of the actor's one resident receive buffer (send
+    and receive buffers were made, and touched, by ``setup``), or with ``fresh`` of a receive
+    buffer mapped now (its pages are made as the bytes land).
     """
+    import torch
+
     pg = _GROUPS[key]
     send_bufs, recv_bufs = _BUFFERS[key]
     t0 = time.perf_counter()
+    if fresh and recvs:
+        whole = torch.frombuffer(mmap.mmap(-1, sum(n for _, _, n in recvs)), dtype=torch.uint8)
+        recv_bufs = list(torch.split(whole, [n for _, _, n in recvs]))
     works = [pg.recv([buf], peer, tag) for (peer, tag, _), buf in zip(recvs, recv_bufs, strict=True)]
     works += [pg.send([buf], peer, tag) for (peer, tag, _), buf in zip(sends, send_bufs, strict=True)]
     for w in works:
@@ -78,8 +87,8 @@ class RawTransfer:
     """Driver handle on one raw-gloo transfer: ``pairs`` maps (sender, receiver) global device ids
     to bytes; ``call_each({device: (fn, args, kwargs)}, timeout_s)`` runs functions on the devices
     (the runtime's ordered ``call``). ``setup()`` (untimed) joins the group and allocates send
-    buffers; each ``run()`` is one timed round (seconds on the driver) and appends the slowest
-    actor's in-actor time to ``in_actor``; ``release()`` frees the buffers."""
+    buffers; each ``run(fresh)`` is one timed round (seconds on the driver) and appends the slowest
+    actor's in-actor time to ``in_actor`` (``in_actor_fresh``); ``release()`` frees the buffers."""
 
     def __init__(self, name: str, pairs: dict, call_each, store_port: int, timeout_s: float = 300.0):
         self.rank = {d: i for i, d in enumerate(sorted({d for p in pairs for d in p}))}
@@ -93,18 +102,19 @@ class RawTransfer:
         self.port = store_port
         self.timeout_s = timeout_s
         self.in_actor: list[float] = []
+        self.in_actor_fresh: list[float] = []
 
     def setup(self) -> None:
         world = len(self.rank)
         self.call_each({d: (setup, (self.key, self.port, r, world, self.sends[d], self.recvs[d]), {})
                         for d, r in self.rank.items()}, self.timeout_s)  # fmt: skip
 
-    def run(self) -> float:
+    def run(self, fresh: bool = False) -> float:
         t0 = time.perf_counter()
-        inner = self.call_each({d: (transfer, (self.key, self.sends[d], self.recvs[d]), {}) for d in self.rank},
-                               self.timeout_s)  # fmt: skip
+        inner = self.call_each({d: (transfer, (self.key, self.sends[d], self.recvs[d], fresh), {})
+                                for d in self.rank}, self.timeout_s)  # fmt: skip
         dt = time.perf_counter() - t0
-        self.in_actor.append(max(inner.values()))
+        (self.in_actor_fresh if fresh else self.in_actor).append(max(inner.values()))
         return dt
 
     def release(self) -> None:

@@ -15,6 +15,7 @@ that drifting machine load hits every method alike:
 * ceilings: ``memcpy`` (each destination actor copies its shard's bytes between resident buffers,
   all at once): the default path's; ``raw_gloo`` (the bytes that cross between actors in the gloo
   path's plan, one message per pair on a raw gloo group, ``bench.ceiling``): the gloo path's;
+  ``raw_gloo_fresh``, the same into freshly mapped memory, beside it for outputs kept alive;
 * ``empty_rtt``: one empty call (``reshard_ping``) to every actor of the case, gathered;
 * optionally ``naive`` (``distribute(x.to_numpy(), dst_layout)``) and other strategies of ours on
   the default path (``--strategies``).
@@ -70,6 +71,7 @@ from bench.cases import (  # noqa: E402
 )
 from bench.methods import (  # noqa: E402
     CEILING,
+    CEILING_FRESH,
     DTENSOR,
     MEMCPY,
     NAIVE,
@@ -540,6 +542,10 @@ class Suite:
             methods[MEMCPY] = {"kind": "ceiling", "for_path": "shared_memory", "bytes": out_bytes}
             methods[CEILING] = {"kind": "ceiling", "for_path": "gloo", "pairs": len(pairs),
                                 "moved_bytes": sum(pairs.values()), "plan": "gloo path"}  # fmt: skip
+            methods[CEILING_FRESH] = {**methods[CEILING], "memory": "fresh"}
+            for m in paths:  # outputs kept alive land in fresh memory: so does this ceiling's receive
+                if not paths[m][1]:
+                    methods[m]["fresh_ceiling"] = CEILING_FRESH
         methods[RTT] = {"kind": "rtt", "actors": len(devices)}
 
         # ---- the runners: keeping ones (run(keep), check(source), release()) and the others (run())
@@ -587,8 +593,9 @@ class Suite:
                 raw.setup()  # join the raw group (once per device set), allocate send buffers: untimed
                 self.ceiling_groups.add(raw.key)
                 runners[CEILING] = raw.run
+                runners[CEILING_FRESH] = lambda: raw.run(fresh=True)
             else:
-                methods[CEILING]["error"] = "nothing crosses between actors"
+                methods[CEILING]["error"] = methods[CEILING_FRESH]["error"] = "nothing crosses between actors"
         actors = self.actors(devices)
 
         def run_rtt() -> list[float]:
@@ -644,7 +651,7 @@ class Suite:
         try:
             # ---- warm-up: once per (case, method), again for communicator groups not used yet
             for m in runners:
-                wkey = CEILING + raw.key if m == CEILING and raw is not None else m
+                wkey = m + raw.key if m in (CEILING, CEILING_FRESH) and raw is not None else m
                 groups = [("group", g) for g in lowered[m].groups] if m in lowered else []
                 if m in pooled or (wkey in warmed and warmed.issuperset(groups)):
                     self.advance(None)
@@ -658,6 +665,8 @@ class Suite:
             for r in (raw, memcpy, getattr(runners.get(DTENSOR), "impl", None)):
                 if r is not None:
                     r.in_actor.clear()
+            if raw is not None:
+                raw.in_actor_fresh.clear()
             for m in keepers:
                 getattr(runners[m], "breakdown", []).clear()
             created = stats["groups_created"]
@@ -726,9 +735,10 @@ class Suite:
             parts = getattr(runners[m], "breakdown", None)
             if parts:
                 methods[m]["breakdown_s"] = {k: _median([p[k] for p in parts]) for k in parts[0]}
-        for name, r in ((CEILING, raw), (MEMCPY, memcpy)):
-            if r is not None and r.in_actor:
-                methods[name]["in_actor_s"] = stats_of(r.in_actor)
+        for name, inner in ((CEILING, raw and raw.in_actor), (CEILING_FRESH, raw and raw.in_actor_fresh),
+                            (MEMCPY, memcpy and memcpy.in_actor)):  # fmt: skip
+            if inner:
+                methods[name]["in_actor_s"] = stats_of(inner)
         if DTENSOR in runners and runners[DTENSOR].impl.in_actor:
             methods[DTENSOR]["in_actor_s"] = stats_of(runners[DTENSOR].impl.in_actor)
         derive_ratios(entry)
@@ -804,6 +814,8 @@ def derive_ratios(entry: dict) -> None:
         if m["kind"] in ("ours", "strategy"):
             if med(m["ceiling"]):
                 m["frac_of_ceiling"] = med(m["ceiling"]) / t
+            if med(m.get("fresh_ceiling")):
+                m["frac_of_fresh_ceiling"] = med(m["fresh_ceiling"]) / t
             m["x_faster_than"] = {p: med(p) / t for p in (*PEERS, NAIVE) if med(p)}
 
 

@@ -8,6 +8,6 @@ OURS_POOLED, OURS_GLOO_POOLED = "ours_pooled", "ours_gloo_pooled"
 OBJECT_STORE, RDT, DTENSOR = "object_store", "rdt", "dtensor"
 PEERS = (OBJECT_STORE, RDT, DTENSOR)
 NAIVE = "naive"
-MEMCPY, CEILING = "memcpy", "raw_gloo"
+MEMCPY, CEILING, CEILING_FRESH = "memcpy", "raw_gloo", "raw_gloo_fresh"
 RTT = "empty_rtt"
 SCHEMA = 2

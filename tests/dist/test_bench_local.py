@@ -50,6 +50,7 @@ def test_bench_local_smoke(pool, tmp_path):
     from bench.local import main
     from bench.methods import (
         CEILING,
+        CEILING_FRESH,
         DTENSOR,
         MEMCPY,
         OURS,
@@ -89,7 +90,9 @@ def test_bench_local_smoke(pool, tmp_path):
             m = e["methods"][name]
             assert m["ceiling"] == (MEMCPY if m["path"] == "shared_memory" else CEILING), where
             assert m["frac_of_ceiling"] > 0 and set(m["x_faster_than"]) == peers_run, where
-        for name in (MEMCPY, CEILING, RTT):
+            kept_gloo = m["path"] == "gloo" and m["mode"] == "kept"
+            assert ("frac_of_fresh_ceiling" in m) == kept_gloo and m.get("frac_of_fresh_ceiling", 1) > 0, where
+        for name in (MEMCPY, CEILING, CEILING_FRESH, RTT):
             assert e["methods"][name]["latency_s"]["median"] > 0, where
         assert e["pool_hits_kept"] == 0 and e["pool_misses_kept"] > 0, f"{where}: kept outputs reused freed memory"
         assert e["pool_hits_pooled"] > 0, f"{where}: the pooled mode never reused a freed shard"
