@@ -257,7 +257,10 @@ class DeviceContext:
             tmp = self.store.allocate(program.src_shape, prepared.dtype) if program.tmp else None
             run = Run(prepared, src, dst, peers or {}, groups, state.staging, deadline, self.before_op, tmp,
                       getattr(self.backend, "grouped", None))  # fmt: skip
-            return execute(run)
+            stats = execute(run)
+            run = None  # the scratch buffer's other reference
+            self.store.recycle(tmp)
+            return stats
         except BaseException:
             state.groups.abort(keys, "its program failed")
             raise
@@ -502,6 +505,8 @@ class DeviceRole:
             run = Run(prepared, src, dst, peers, channel, state.staging, deadline, ctx.before_op, tmp, batch,
                       relayed, publish)  # fmt: skip
             stats = execute(run)
+            run = None  # the scratch buffer's other reference
+            ctx.store.recycle(tmp)
             if not req.direct:
                 dst = ctx.store.settle(dst)
             for h, desc in [*(req.pulls or {}).items(), *relayed_from.items()]:

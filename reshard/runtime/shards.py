@@ -183,6 +183,15 @@ class ShardStore:
             return np.empty(tuple(shape), dtype=storage)
         return flat.view(storage).reshape(tuple(shape))
 
+    def recycle(self, scratch) -> bool:
+        """Give ``scratch`` (memory from ``allocate`` that never became a shard: a run's scratch
+        buffer) to the pool, for the next run's scratch or destination of its size; kept only when
+        the caller's one reference is the last (``BufferPool.put``). Returns whether it was kept."""
+        if scratch is None:
+            return False
+        with self._lock:
+            return self.pool.put(scratch, 2)  # this call's reference and the caller's
+
     def _shared_or_none(self, make, arg, shape):
         """``make(arg)``, a shared block, or None when the process is out of descriptors: the shard
         is then private, moved by the backend (peers cannot pull it). Out of memory raises: so would

@@ -114,6 +114,33 @@ def test_empty_cache_gives_back_what_devices_keep_for_reuse(view, pool):
         y.free()
 
 
+def test_a_partial_reshards_scratch_buffer_is_reused_by_the_next(view, pool):
+    """Devices that combine contributions in a scratch buffer give it back to their pool after the
+    run, so a repeated reduction (gradients every step) combines in warm memory. (Pulls combine
+    straight into the destination: the gloo path is the one with scratch buffers.)"""
+    from reshard.placement import Partial
+
+    src = view([0, 1], (2,))  # both contributions on one host: one device combines them, sends one
+    dst = view([4, 5, 6], (3,))
+    parts = [random_array((600, 500), "int32", seed) for seed in (7, 8)]
+    t = distribute(dict(enumerate(parts)), Layout(src, (Partial("sum"),)))
+    layout = Layout(dst, pl("R"))
+    program = lowered_reshard(t, layout, shared_memory=False).program
+    scratchy = [d for d in (*src.device_ids, *dst.device_ids) if program.for_device(d).tmp]
+    assert scratchy, "this layout pair must combine in scratch buffers"
+    pool.call(_drain_pool)
+    outputs = []
+    for run in range(2):
+        settle(pool)
+        before = {s["device"]: s["pool_hits"] for s in pool.stats()}
+        outputs.append(reshard(t, src, layout, shared_memory=False))
+        assert_bit_exact(outputs[-1].to_numpy(), parts[0] + parts[1])
+        hits = {s["device"]: s["pool_hits"] - before[s["device"]] for s in pool.stats()}
+        assert all(hits[d] == run for d in scratchy), (run, hits)  # the second run's scratch: the first's
+    for u in (t, *outputs):
+        u.free()
+
+
 def _drain_pool(ctx):
     ctx.store.pool.clear()
 

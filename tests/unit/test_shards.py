@@ -96,3 +96,15 @@ def test_empty_cache_frees_the_pool_and_the_idle_assembly_buffer_only():
     assert s.memory()["buffers"] == {"live": BIG}  # live shards untouched
     assert s.empty_cache() == 0
     assert s.assembled(s.allocate_destination(shard.shape, "uint8"))  # made again when needed
+
+
+def test_a_runs_scratch_goes_back_to_the_pool_once_nothing_else_holds_it():
+    s = store()
+    scratch = s.allocate((BIG // 4,), "float32")
+    view = scratch[1:]
+    assert not s.recycle(scratch)  # a view of it is alive: kept out of the pool
+    del view
+    assert s.recycle(scratch) and s.memory()["pool_bytes"] == BIG
+    again = s.allocate((BIG // 4,), "float32")
+    assert s.memory()["pool_hits"] == 1 and np.shares_memory(again, scratch)  # warm memory, reused
+    assert not s.recycle(None)
