@@ -24,7 +24,11 @@ Headline mode: outputs kept alive, as a user keeps activations or weights. No re
 between repeats, so no destination reuses a freed shard's memory (the JSON's ``pool_hits_kept``
 counts reuses, and is 0); the peers keep theirs too. To bound memory, kept outputs are released
 (and the devices' pools of freed memory emptied, so what follows still gets fresh memory), untimed,
-before a method whose output would take them past ``--keep-limit``. Beside it the pooled mode
+before a method whose output would take them past ``--keep-limit``; when one round's outputs
+would, before every method, so that each starts from the same state (on a virtual machine that
+hands freed memory back to its host, memory freed moments ago costs far less to touch again than
+memory freed seconds ago: a method that always ran right after a release would be favoured).
+Beside it the pooled mode
 (``ours_pooled``, ``ours_gloo_pooled``): each output freed before the next repeat, so a destination
 reuses the last one's memory (after one untimed run that fills the pool).
 
@@ -676,10 +680,12 @@ class Suite:
             hits0, misses0 = self.pool_state(drain=False)
             kept = 0
             headline = [m for m in runners if m not in pooled]
+            each = sum(m in keepers for m in headline) * out_bytes > args.keep_limit  # release before every one
+            entry["release_before_each"] = each
             for r in range(repeats):
                 for m in headline:
                     if m in keepers and m not in failed:
-                        if kept and kept + out_bytes > args.keep_limit:
+                        if kept and (each or kept + out_bytes > args.keep_limit):
                             release_all()
                             releases += 1
                             kept = 0
