@@ -22,13 +22,12 @@ that drifting machine load hits every method alike:
 
 Headline mode: outputs kept alive, as a user keeps activations or weights. No result is freed
 between repeats, so no destination reuses a freed shard's memory (the JSON's ``pool_hits_kept``
-counts reuses, and is 0); the peers keep theirs too. To bound memory, kept outputs are released
-(and the devices' pools of freed memory emptied, so what follows still gets fresh memory), untimed,
-before a method whose output would take them past ``--keep-limit``; when one round's outputs
-would, before every method, so that each starts from the same state (on a virtual machine that
+counts reuses, and is 0); the peers keep theirs too. Before every timed method the outputs kept so
+far are released (and the devices' pools of freed memory emptied, so what follows still gets
+fresh memory), untimed: every method starts from the same state. (On a virtual machine that
 hands freed memory back to its host, memory freed moments ago costs far less to touch again than
-memory freed seconds ago: a method that always ran right after a release would be favoured).
-Beside it the pooled mode
+memory freed seconds ago; releasing only past a memory bound favoured whichever method came
+right after a release.) Beside it the pooled mode
 (``ours_pooled``, ``ours_gloo_pooled``): each output freed before the next repeat, so a destination
 reuses the last one's memory (after one untimed run that fills the pool).
 
@@ -95,7 +94,6 @@ DEFAULT_SIZES = ("64KiB", "1MiB", "16MiB", "64MiB", "256MiB")
 QUICK_SIZES = ("64KiB", "4MiB")
 STRATEGY = "auto"  # what reshard runs by default
 RTT_PER_ROUND = 3
-KEEP_LIMIT = 2 << 30
 
 
 def default_repeats(size_bytes: int) -> int:
@@ -133,8 +131,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-ceiling", action="store_true", help="skip the memcpy and raw gloo ceilings")
     p.add_argument("--no-pooled", action="store_true", help="skip the pooled mode (outputs freed between repeats)")
     p.add_argument("--no-startup", action="store_true", help="skip the start-up comparison")
-    p.add_argument("--keep-limit", type=parse_size, default=KEEP_LIMIT, metavar="SIZE",
-                   help="bytes of kept outputs past which they are released, untimed (default 2GiB)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=300.0, help="per-call timeout in seconds (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--staging-keep", type=parse_size, metavar="SIZE",
@@ -678,18 +674,15 @@ class Suite:
             # ---- headline: outputs kept alive, nothing reused
             release_all()
             hits0, misses0 = self.pool_state(drain=False)
-            kept = 0
+            kept = False
             headline = [m for m in runners if m not in pooled]
-            each = sum(m in keepers for m in headline) * out_bytes > args.keep_limit  # release before every one
-            entry["release_before_each"] = each
             for r in range(repeats):
                 for m in headline:
                     if m in keepers and m not in failed:
-                        if kept and (each or kept + out_bytes > args.keep_limit):
+                        if kept:  # every method starts from the same state
                             release_all()
                             releases += 1
-                            kept = 0
-                        kept += out_bytes
+                        kept = True
                     self.advance(f"{label} round {r + 1}/{repeats} {m}")
                     attempt(m, True, keep=True)
             hits1, misses1 = self.pool_state(drain=False)
@@ -962,7 +955,6 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         "staging_keep_bytes": args.staging_keep,
         "buffer_pool_bytes": args.buffer_pool,
         "assembly_bytes": args.assembly,
-        "keep_limit_bytes": args.keep_limit,
         "dtype": args.dtype,
         "sizes": args.size_list,
         "cases": [c.name for c in args.case_list],

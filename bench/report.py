@@ -295,7 +295,7 @@ def header(data: dict) -> str:
         f"`{data['command']}` at {data['started']} (git {data['git']}), {data['duration_s']:.0f} s; "
         f"{m.get('cpus')} CPUs, ray {m.get('ray')}, torch {m.get('torch')}{load}; dtype {data['dtype']}; "
         f"outputs kept alive: {hits} reuses of freed memory, kept outputs released {releases} times, untimed "
-        f"(limit {fmt_size(data['keep_limit_bytes'])})"
+        + (f"(limit {fmt_size(data['keep_limit_bytes'])})" if "keep_limit_bytes" in data else "(before every method)")
     )
 
 
