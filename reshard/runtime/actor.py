@@ -405,17 +405,28 @@ class DeviceRole:
             raise KeyError(f"device {self._reshard_ctx.device} holds no shard {name!r} (it was freed)")
         return t if arrays.is_numpy(t) else arrays.as_numpy(t.detach().cpu())
 
+    # A hold or free still in flight when the mesh closed finds no shards left: nothing to do.
+
     def reshard_acquire(self, ticket: Ticket, name: str, holder: str) -> bool:
-        with self._reshard_ctx.inbox.turn(ticket, NO_DEADLINE):
-            return self._reshard_ctx.store.acquire(name, holder)
+        ctx = self._reshard_ctx
+        if ctx is None:
+            return False
+        with ctx.inbox.turn(ticket, NO_DEADLINE):
+            return ctx.store.acquire(name, holder)
 
     def reshard_release(self, ticket: Ticket, name: str, holder: str) -> None:
-        with self._reshard_ctx.inbox.turn(ticket, NO_DEADLINE):
-            self._reshard_ctx.store.release(name, holder)
+        ctx = self._reshard_ctx
+        if ctx is None:
+            return
+        with ctx.inbox.turn(ticket, NO_DEADLINE):
+            ctx.store.release(name, holder)
 
     def reshard_free(self, ticket: Ticket, *names: str) -> int:
-        with self._reshard_ctx.inbox.turn(ticket, NO_DEADLINE):
-            return sum(self._reshard_ctx.store.free(n) for n in names)
+        ctx = self._reshard_ctx
+        if ctx is None:
+            return 0
+        with ctx.inbox.turn(ticket, NO_DEADLINE):
+            return sum(ctx.store.free(n) for n in names)
 
     # ---------------------------------------------------------------- programs
 

@@ -156,3 +156,20 @@ def test_bad_interop_input(worlds):
         DeviceMesh.from_actors([object(), object()], (2,))
     with pytest.raises(Exception, match="holds no shard 'nothing'"):
         adopt(Layout(i_mesh, (Replicate(),)), "nothing")
+
+
+def test_holds_and_frees_still_in_flight_when_the_mesh_closed_do_nothing(ray_cluster):
+    """Handles release their shards asynchronously: one that reaches an actor after its mesh was
+    shut down (the actor detached, its shards already dropped) must not fail there."""
+    from reshard.runtime.messages import Ticket
+
+    w = Worker.remote(0, 1)
+    try:
+        DeviceMesh.from_actors([w], (1,)).shutdown()
+        late = Ticket("a controller whose mesh is gone", 1)
+        assert ray.get(w.reshard_free.remote(late, "x"), timeout=30) == 0
+        assert ray.get(w.reshard_acquire.remote(late, "x", "h"), timeout=30) is False
+        assert ray.get(w.reshard_release.remote(late, "x", "h"), timeout=30) is None
+        assert ray.get(w.user_method.remote(), timeout=30).startswith("rank 0")
+    finally:
+        ray.kill(w)
