@@ -247,7 +247,7 @@ def program_bytes(program, itemsize: int) -> dict:
     """CPU-side byte traffic of a lowered program, summed over devices: local copies, bytes pulled
     from peers' shards through shared memory, bytes that pass through staging (send and receive
     side), bytes received over communicators."""
-    from reshard.program import Copy, Pull, op_numel, writes
+    from reshard.program import MESSAGE_OPS, Copy, Pull, op_numel, writes
 
     out = {"copy_bytes": 0, "pull_bytes": 0, "staged_bytes": 0, "recv_bytes": 0, "ops": 0}
     for dp in program.devices:
@@ -259,6 +259,8 @@ def program_bytes(program, itemsize: int) -> dict:
                 continue
             if isinstance(op, Pull):
                 out["pull_bytes"] += n
+                continue
+            if not isinstance(op, MESSAGE_OPS):  # publications, scaling: no bytes of their own
                 continue
             if op.staging is not None:
                 out["staged_bytes"] += n
