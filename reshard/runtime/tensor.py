@@ -383,6 +383,29 @@ def memory_domains(tensor: ShardedTensor, dst_mesh: DeviceMesh) -> dict:
     return out
 
 
+def share_sources(tensor: ShardedTensor, dst_layout: Layout, deadline: float) -> None:
+    """Move the source shards that peers on their machine could pull but that live in private
+    memory (a reshard's destination lives there until pulled from: ``ShardStore.to_shared``) into
+    shared memory, one ordered call to their devices; their descriptors join the handle. A shard
+    that cannot move (something else holds a view of it) stays private: its slices go through the
+    backend."""
+    dst_mesh = runtime().registry.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
+    nodes = {r.node_id for r in dst_mesh.records if r.shared_memory}
+    need = [i for i, r in enumerate(tensor.mesh.records)
+            if r.shared_memory and r.node_id in nodes and r.id not in tensor._shared]  # fmt: skip
+    if not need:
+        return
+    left = 60.0 if math.isinf(deadline) else max(deadline - time.monotonic(), 1e-3)
+    moved = tensor.mesh.call(_to_shared, tensor.name, devices=need, timeout_s=left)
+    for i, desc in zip(need, moved, strict=True):
+        if desc is not None:
+            tensor._shared[tensor.mesh.device_ids[i]] = desc
+
+
+def _to_shared(ctx, name: str):
+    return ctx.store.to_shared(name)
+
+
 def relay_publishers(dst_mesh: DeviceMesh, domains: dict, direct_out: ShardedTensor | None) -> frozenset[int]:
     """The destination devices whose peers may pull relays out of their destination shard: those
     that share memory and have a relay board; writing ``direct`` into ``direct_out``, only those
@@ -435,6 +458,8 @@ def reshard(
     elif direct:
         raise ValueError("direct=True writes into existing shards: pass them as out=")
     deadline = deadline_of(timeout_s)
+    if shared_memory:
+        share_sources(tensor, dst_layout, deadline)
     dmesh, compiled = _compile(tensor, dst_layout, strategy, cluster, shared_memory, out if direct else None)
     rt = runtime()
     name = rt.new_name()

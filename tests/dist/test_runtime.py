@@ -14,7 +14,6 @@ from reshard.lowering import lower_plan
 from reshard.regions import box_shape, box_volume, layout_regions
 from reshard.runtime import ensure_groups, lowered_reshard, runtime_stats, settle
 from reshard.runtime.actor import STAGING_KEEP_BYTES
-from reshard.runtime.shards import ASSEMBLY_MIN_BYTES
 
 pytestmark = pytest.mark.dist
 
@@ -35,8 +34,7 @@ def test_memory_bound(view, pool, shape, shared_memory):
     """No device holds more than its destination shard plus one staging buffer for the slices of
     one issue window (plus its source shard) live during a reshard; the idle bytes of freed
     shards kept for reuse are reported apart and stay within ``buffer_pool_bytes``. Pulls need no
-    staging at all: a receiver holds exactly its destination shard. A destination assembled apart
-    (fresh shared memory, ``assembly_bytes``) counts twice: the shard is made from it at the end."""
+    staging at all: a receiver holds exactly its destination shard."""
     src = view([0, 1, 2, 3], (2, 2))
     dst = view([4, 5, 6, 7], (2, 2))
     keep = 1 << 20  # so that the big case's staging is trimmed after the run
@@ -48,10 +46,10 @@ def test_memory_bound(view, pool, shape, shared_memory):
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["pull", "gloo"])
-def test_assembled_destinations_are_shards_like_any_other(view, pool, shared_memory):
-    """Destinations big enough and of a size no freed shard has are assembled apart, come out
-    bit-exact, and are shared shards the next reshard pulls from; once freed, a repeat refills
-    their memory in place."""
+def test_new_destinations_are_private_until_a_reshard_pulls_from_them(view, pool, shared_memory):
+    """A destination no freed shard's memory serves lives in private memory (cheaper to make than
+    shared memory); the first reshard that pulls from it moves it into shared memory, and once
+    freed its memory serves the next destination of its size."""
     a = view([0, 1, 2, 3], (2, 2))
     b = view([4, 5, 6, 7], (2, 2))
     x = random_array((1000, 1046), "float32", 5)  # 2 MiB shards
@@ -60,23 +58,54 @@ def test_assembled_destinations_are_shards_like_any_other(view, pool, shared_mem
     to_b, to_a = Layout(b, pl("R S0")), Layout(a, pl("S1 R"))
     y = reshard(t, a, to_b, shared_memory=shared_memory)
     assert_bit_exact(y.to_numpy(), x)
-    stats = {s["device"]: s for s in pool.stats()}
-    assert all(stats[d]["last_run_assembled"] for d in b.device_ids)
-    program = lowered_reshard(y, to_a, shared_memory=shared_memory).program
-    pulls = [op for d in a.device_ids for op in program.for_device(d).ops if type(op).__name__ == "Pull"]
-    assert bool(pulls) == shared_memory  # the assembled shards are shared: peers pull from them
-    z = reshard(y, b, to_a, shared_memory=shared_memory)
+    assert y._shared == {}  # private: nothing for peers to map yet
+    assert "Pull" not in _op_kinds(lowered_reshard(y, to_a).program, b.device_ids)  # so it would be sent
+    z = reshard(y, b, to_a)
     assert_bit_exact(z.to_numpy(), x)
-    stats = {s["device"]: s for s in pool.stats()}
-    assert all(stats[d]["last_run_assembled"] for d in a.device_ids)
+    assert set(y._shared) == set(b.device_ids)  # moved into shared memory first ...
+    assert "Pull" in _op_kinds(lowered_reshard(y, to_a).program, a.device_ids)  # ... and pulled from
+    assert_bit_exact(reshard(y, b, to_a).to_numpy(), x)
     y.free()
     settle(pool)
+    hits = {s["device"]: s["pool_hits"] for s in pool.stats()}
     y2 = reshard(t, a, to_b, shared_memory=shared_memory)
     assert_bit_exact(y2.to_numpy(), x)
     stats = {s["device"]: s for s in pool.stats()}
-    assert not any(stats[d]["last_run_assembled"] for d in b.device_ids)  # the freed shards' memory
+    assert all(stats[d]["pool_hits"] > hits[d] for d in b.device_ids)  # the freed shards' memory ...
+    assert set(y2._shared) == set(b.device_ids)  # ... which is shared already
     for u in (t, z, y2):
         u.free()
+
+
+def test_a_destination_something_else_views_stays_private_and_is_sent(view, pool):
+    """A destination's memory that something on its device still views (a user's tensor over it,
+    say) is not moved into shared memory (the view would no longer see the shard): the next
+    reshard sends its slices through the backend instead of pulling them, and is exact."""
+    a = view([0, 1], (2,))
+    b = view([2, 3], (2,))
+    x = random_array((512, 300), "int32", 9)
+    y = reshard(distribute(x, Layout(a, pl("S0"))), a, Layout(b, pl("S1")))
+    b.call(_hold_view, y.name, devices=[0])
+    try:
+        z = reshard(y, b, Layout(a, pl("R")))
+        assert_bit_exact(z.to_numpy(), x)
+        assert set(y._shared) == {b.device_ids[1]}  # the viewed one stayed private
+    finally:
+        b.call(_drop_view, devices=[0])
+    z.free()
+    y.free()
+
+
+def _hold_view(ctx, name):
+    ctx.extensions["test-view"] = ctx.store.get(name)[1:]
+
+
+def _drop_view(ctx):
+    ctx.extensions.pop("test-view", None)
+
+
+def _op_kinds(program, devices) -> set[str]:
+    return {type(op).__name__ for d in devices for op in program.for_device(d).all_ops}
 
 
 def test_empty_cache_gives_back_what_devices_keep_for_reuse(view, pool):
@@ -84,9 +113,10 @@ def test_empty_cache_gives_back_what_devices_keep_for_reuse(view, pool):
     staging buffers and mappings of peers' freed shards, and nothing a live tensor holds."""
     a = view([0, 1, 2, 3], (2, 2))
     b = view([4, 5, 6, 7], (2, 2))
-    x = random_array((1000, 1046), "float32", 6)  # 2 MiB shards: assembled, staged on the gloo path
+    x = random_array((1000, 1046), "float32", 6)  # 2 MiB shards: staged on the gloo path
     t = distribute(x, Layout(a, pl("S0 S1")))
     pulled = reshard(t, a, Layout(b, pl("R S0")))  # b's devices map a's shards
+    loaded = distribute(x, Layout(b, pl("S1 R")))  # loaded shards are assembled
     freed = reshard(t, a, Layout(b, pl("R R")))  # 4 MiB: no later destination takes its memory
     freed.free()
     staged = reshard(t, a, Layout(b, pl("S0 R")), shared_memory=False)  # last: a run sizes staging to its own
@@ -106,11 +136,11 @@ def test_empty_cache_gives_back_what_devices_keep_for_reuse(view, pool):
     pool.empty_cache()  # ... so b's devices drop their mappings of them
     for d in b.device_ids:
         assert after[d]["peer_maps"] > 0 and pool.stats()[pool.index_of(d)]["peer_maps"] < after[d]["peer_maps"]
-    for y in (pulled, staged):
+    for y in (pulled, staged, loaded):
         assert_bit_exact(y.to_numpy(), x)
     again = reshard(pulled, b, Layout(a, pl("S1 S0")))  # memory is made again as needed
     assert_bit_exact(again.to_numpy(), x)
-    for y in (pulled, staged, again):
+    for y in (pulled, staged, loaded, again):
         y.free()
 
 
@@ -156,7 +186,6 @@ def _memory_case(pool, src, dst, shape, keep, pulls):
     t = distribute(x, Layout(src, pl("S2 S1")))  # every slice is strided on both sides
     layout = Layout(dst, pl("S0 S1"))
     settle(pool)
-    hits = {s["device"]: s["pool_hits"] for s in pool.stats()}
     y = reshard(t, src, layout, strategy="send_recv", shared_memory=pulls)
     assert_bit_exact(y.to_numpy(), x)
     compiled = lowered_reshard(t, layout, strategy="send_recv", shared_memory=pulls)
@@ -172,11 +201,7 @@ def _memory_case(pool, src, dst, shape, keep, pulls):
         s = stats[pool.index_of(device)]
         dst_bytes = box_volume(box) * 4
         assert s["assembly_bytes"] <= s["assembly_limit_bytes"]
-        pooled = s["pool_hits"] > hits[device]
-        # a big destination the pool could not give is assembled apart, and counts twice
-        assert s["last_run_assembled"] == (not pooled and ASSEMBLY_MIN_BYTES <= dst_bytes <= s["assembly_bytes"])
-        if s["last_run_assembled"]:
-            dst_bytes *= 2
+        assert not s["last_run_assembled"]  # a reshard's destination is made where it stays (private memory)
         if pulls:  # every slice copied straight from the holder's shard: nothing staged
             assert s["last_run_peak_bytes"] == dst_bytes and s["staging_bytes"] == 0
             continue
