@@ -121,7 +121,9 @@ def test_a_private_destination_moves_into_shared_memory_once_nothing_else_views_
     del view, t
     desc = s.to_shared("t")
     assert desc is not None and s.to_shared("t") == desc  # moved once; asked again, the same
-    np.testing.assert_array_equal(PeerShards(1).get(0, desc, np.dtype(np.float32)), np.arange(BIG // 4, dtype=np.float32))
+    np.testing.assert_array_equal(
+        PeerShards(1).get(0, desc, np.dtype(np.float32)), np.arange(BIG // 4, dtype=np.float32)
+    )
     assert s.memory()["pool_bytes"] == BIG  # the private memory it left, for the next destination
     again = s.allocate_private((BIG // 4,), "float32")
     assert s.descriptor(again) is None and s.memory()["pool_hits"] == 1
