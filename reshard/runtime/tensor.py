@@ -349,7 +349,9 @@ def lowered_reshard(
     Plans are made for ``cluster`` (a ``topology.Cluster``); by default for the meshes' hosts with
     the live Ray cluster's figures and the meshes' backend (``Runtime.planning_cluster``), where
     the devices of one machine count as one host when they share memory (their transfers become
-    pulls, ``reshard.pulls``). ``shared_memory=False``: no pulls, everything through the backend."""
+    pulls, ``reshard.pulls``). ``shared_memory=False``: no pulls, everything through the backend.
+    A source shard still in private memory counts as sent here; ``reshard`` first moves it into
+    shared memory where it can (``share_sources``), and then pulls it."""
     return _compile(tensor, dst_layout, strategy, cluster, shared_memory)[1]
 
 
