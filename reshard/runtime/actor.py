@@ -385,7 +385,7 @@ class DeviceRole:
                     t = ctx.store.allocate(shape, dtype)
                     t[...] = 0
                 else:
-                    t = ctx.store.allocate_destination(shape, dtype)
+                    t = ctx.store.allocate_destination(shape, dtype, shared=True)
                     arrays.copy(t, array[(*(slice(lo, hi) for lo, hi in box), Ellipsis)])
                     t = ctx.store.settle(t)
             except BaseException as e:
@@ -494,7 +494,7 @@ class DeviceRole:
                     if prog.publishes:  # peers read it while the run goes on: shared, in place
                         dst = ctx.store.allocate(prog.dst_shape, dtype)
                     else:
-                        dst = ctx.store.allocate_private(prog.dst_shape, dtype)
+                        dst = ctx.store.allocate_destination(prog.dst_shape, dtype)
                 except (MemoryError, RuntimeError, OSError) as e:
                     raise ReshardError(
                         f"device {ctx.device}: could not allocate its destination shard {prog.dst_shape}: {e}"

@@ -15,10 +15,10 @@ shard of a size seen before does not page-fault fresh memory in; so does a run's
 
 Where a new shard lives. Making shared (memfd) pages costs far more than making private ones,
 which the kernel backs with transparent huge pages where it gives shared memory none
-(``python -m bench.fresh_memory``). So a reshard's new destination takes a freed block of its
-size, else private memory (``allocate_private``); it moves into shared memory the first time a
-reshard pulls from it (``to_shared``: one copy through the file), unless something else holds
-a view of it. A shard peers read while the run that makes it goes on (relays) is shared from the
+(``python -m bench.fresh_memory``). So a reshard's new destination (from ``PRIVATE_MIN_BYTES``)
+takes a freed block of its size, else private memory (``allocate_private``); it moves into shared
+memory the first time a reshard pulls from it (``to_shared``: one copy through the file), unless
+something else holds a view of it. A shard peers read while the run that makes it goes on (relays) is shared from the
 start. A shard ``distribute`` loads (a source: pulled from next) is assembled in a warm private
 buffer (``AssemblyBuffer``) and then written into a fresh memfd block through the file in one
 pass (``SharedShards.adopt``), which costs less than faulting shared pages in.
@@ -47,6 +47,10 @@ USER = "user"  # the holder of a user's own tensor, until the user takes it back
 RELEASED_TOKENS = 4096  # releases that arrived before their acquire
 #: Smallest destination assembled apart: below it, making its few pages costs next to nothing.
 ASSEMBLY_MIN_BYTES = 1 << 20
+#: Smallest reshard destination made in private memory: below it shared pages cost little (and
+#: numpy's arrays get no huge pages), while moving it into shared memory later, when a reshard
+#: pulls from it, would cost that reshard a round trip to its devices.
+PRIVATE_MIN_BYTES = 4 << 20
 
 
 def _nbytes(shape, storage: np.dtype) -> int:
@@ -265,11 +269,14 @@ class ShardStore:
             log.warning("device %d: shard of %s not in shared memory (%s)", self.device, tuple(shape), e)
             return None
 
-    def allocate_destination(self, shape, dtype: str):
-        """A run's new destination: a freed shard's memory of its size if the pool has one, else
-        (shared memory, size within bounds) the assembly buffer, which ``settle`` turns into a
-        shard; else ``allocate``."""
+    def allocate_destination(self, shape, dtype: str, *, shared: bool = False):
+        """A run's new destination: from ``PRIVATE_MIN_BYTES`` up, unless ``shared`` (a shard
+        ``distribute`` loads), ``allocate_private``; else a freed shard's memory of its size if the
+        pool has one, else (shared memory, size within bounds) the assembly buffer, which
+        ``settle`` turns into a shard; else ``allocate``."""
         nbytes = _nbytes(shape, arrays.storage(dtype))
+        if not shared and nbytes >= PRIVATE_MIN_BYTES:
+            return self.allocate_private(shape, dtype)
         with self._lock:
             flat = None if self.pool.has(nbytes, True) else self.assembly.take(nbytes)
             if flat is not None:

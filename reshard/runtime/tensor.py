@@ -68,6 +68,7 @@ class ShardedTensor:
         self.dtype_name = dtype
         self.name = name
         self._shared = dict(shared or {})  # device -> shared-memory descriptor of its shard
+        self._private: set[int] = set()  # devices whose shard stays in private memory (share_sources)
         self._holder = name if holder is None else holder
         self._freed = False
 
@@ -389,18 +390,22 @@ def share_sources(tensor: ShardedTensor, dst_layout: Layout, deadline: float) ->
     """Move the source shards that peers on their machine could pull but that live in private
     memory (a reshard's destination lives there until pulled from: ``ShardStore.to_shared``) into
     shared memory, one ordered call to their devices; their descriptors join the handle. A shard
-    that cannot move (something else holds a view of it) stays private: its slices go through the
-    backend."""
+    that cannot move (a user's own tensor, or something else holds a view of it) stays private:
+    its slices go through the backend, and this handle does not ask again."""
     dst_mesh = runtime().registry.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
     nodes = {r.node_id for r in dst_mesh.records if r.shared_memory}
-    need = [i for i, r in enumerate(tensor.mesh.records)
-            if r.shared_memory and r.node_id in nodes and r.id not in tensor._shared]  # fmt: skip
+    known = {*tensor._shared, *tensor._private}
+    need = [
+        i for i, r in enumerate(tensor.mesh.records) if r.shared_memory and r.node_id in nodes and r.id not in known
+    ]
     if not need:
         return
     left = 60.0 if math.isinf(deadline) else max(deadline - time.monotonic(), 1e-3)
     moved = tensor.mesh.call(_to_shared, tensor.name, devices=need, timeout_s=left)
     for i, desc in zip(need, moved, strict=True):
-        if desc is not None:
+        if desc is None:
+            tensor._private.add(tensor.mesh.device_ids[i])
+        else:
             tensor._shared[tensor.mesh.device_ids[i]] = desc
 
 

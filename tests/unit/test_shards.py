@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from reshard.errors import ReshardError
-from reshard.runtime.shards import ShardStore
+from reshard.runtime.shards import PRIVATE_MIN_BYTES, ShardStore
 from reshard.runtime.shared_memory import PeerShards, SharedShards
 
 pytestmark = [
@@ -134,3 +134,14 @@ def test_a_private_destination_moves_into_shared_memory_once_nothing_else_views_
     mine = np.zeros(16, dtype=np.float32)
     s.share("mine", mine, {})
     assert s.to_shared("mine") is None  # a user's own tensor is never moved
+
+
+def test_small_destinations_are_shared_from_the_start_big_ones_private():
+    s = ShardStore(0, "cpu", 64 << 20, shared=SharedShards(), assembly_bytes=8 << 20)
+    small = s.settle(s.allocate_destination((PRIVATE_MIN_BYTES - 8,), "uint8"))
+    big = s.settle(s.allocate_destination((PRIVATE_MIN_BYTES,), "uint8"))
+    loaded = s.settle(s.allocate_destination((PRIVATE_MIN_BYTES,), "uint8", shared=True))  # distribute's
+    for name, t in (("small", small), ("big", big), ("loaded", loaded)):
+        s.put(name, t, "h")
+    assert s.descriptor(small) is not None and s.descriptor(loaded) is not None
+    assert s.descriptor(big) is None  # pulled from later: to_shared
