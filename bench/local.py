@@ -24,9 +24,11 @@ Headline mode: outputs kept alive, as a user keeps activations or weights. No re
 between repeats, so no destination reuses a freed shard's memory (the JSON's ``pool_hits_kept``
 counts reuses, and is 0); the peers keep theirs too. Before every timed method the outputs kept so
 far are released (and the devices' pools of freed memory emptied, so what follows still gets
-fresh memory), untimed: every method starts from the same state. (On a virtual machine that
-hands freed memory back to its host, memory freed moments ago costs far less to touch again than
-memory freed seconds ago; releasing only past a memory bound favoured whichever method came
+fresh memory), untimed, and each round starts one method later in the list, so no method always
+follows the same one. (How much fresh memory costs depends on what was freed just before: on a
+virtual machine that hands freed memory back to its host, memory freed moments ago costs far less
+to touch again than memory freed seconds ago, and huge pages come cheap only where freed huge
+pages wait; releasing only past a memory bound, in a fixed order, favoured whichever method came
 right after a release.) Beside it the pooled mode
 (``ours_pooled``, ``ours_gloo_pooled``): each output freed before the next repeat, so a destination
 reuses the last one's memory (after one untimed run that fills the pool).
@@ -679,7 +681,7 @@ class Suite:
             kept = False
             headline = [m for m in runners if m not in pooled]
             for r in range(repeats):
-                for m in headline:
+                for m in headline[r % len(headline) :] + headline[: r % len(headline)]:  # rotated: no fixed neighbours
                     if m in keepers and m not in failed:
                         if kept:  # every method starts from the same state
                             release_all()
