@@ -7,11 +7,10 @@ way) and ``anon_huge`` (the same with ``MADV_HUGEPAGE``: transparent huge pages 
 gives them). The kernel's transparent huge page settings for anonymous and shared memory are
 printed: shared memory gets huge pages only where ``shmem_enabled`` allows them.
 
-Beside them, what a device does for a shard ``distribute`` loads, or the first time peers pull from
-a reshard's destination (``reshard.runtime.shards``): the bytes copied into a warm private buffer,
-then written into a fresh memfd block through the file (``SharedShards.adopt``), against making a
-memfd block's pages and copying into it. (A reshard's new destination itself lives in private
-memory: ``anon_huge``.)
+Beside them, what a device does instead for a new destination shard (``reshard.runtime.shards``,
+assembly): the bytes copied into a warm private buffer, then written into a fresh memfd block
+through the file (``SharedShards.adopt``), against making a memfd block's pages and copying into
+it, as before.
 """
 
 from __future__ import annotations

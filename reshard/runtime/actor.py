@@ -254,7 +254,7 @@ class DeviceContext:
                 state.groups.connect(keys, timeout_s)
                 groups = _Channel(state.groups, "")
             state.staging.reserve(program.staging_bytes)
-            tmp = self.store.allocate_private(program.src_shape, prepared.dtype) if program.tmp else None
+            tmp = self.store.allocate(program.src_shape, prepared.dtype) if program.tmp else None
             run = Run(prepared, src, dst, peers or {}, groups, state.staging, deadline, self.before_op, tmp,
                       getattr(self.backend, "grouped", None))  # fmt: skip
             stats = execute(run)
@@ -385,7 +385,7 @@ class DeviceRole:
                     t = ctx.store.allocate(shape, dtype)
                     t[...] = 0
                 else:
-                    t = ctx.store.allocate_destination(shape, dtype, shared=True)
+                    t = ctx.store.allocate_destination(shape, dtype)
                     arrays.copy(t, array[(*(slice(lo, hi) for lo, hi in box), Ellipsis)])
                     t = ctx.store.settle(t)
             except BaseException as e:
@@ -491,7 +491,7 @@ class DeviceRole:
                 dst = self._out(req.out, prog.dst_shape, dtype)
             elif prog.dst_shape is not None:
                 try:
-                    if prog.publishes:  # peers read it while the run goes on: shared, in place
+                    if prog.publishes:  # peers read it while the run goes on: in place
                         dst = ctx.store.allocate(prog.dst_shape, dtype)
                     else:
                         dst = ctx.store.allocate_destination(prog.dst_shape, dtype)
@@ -507,7 +507,7 @@ class DeviceRole:
                 relayed = self._relay_source(req, prog, dtype, deadline, state.cancelled, relayed_from)
             state.groups.connect(keys, deadline - time.monotonic())
             state.staging.reserve(prog.staging_bytes)
-            tmp = ctx.store.allocate_private(prog.src_shape, dtype) if prog.tmp else None
+            tmp = ctx.store.allocate(prog.src_shape, dtype) if prog.tmp else None
             ctx.assembled = ctx.store.assembled(dst)  # its shard is made at the end: twice its bytes then
             ctx.peak_bytes = (0 if dst is None else int(dst.nbytes) * (1 + ctx.assembled)) + state.staging.nbytes
             ctx.counters["runs"] += 1

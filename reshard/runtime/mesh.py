@@ -144,9 +144,8 @@ class DeviceMesh:
         setup outside a reshard; ``staging_keep_bytes`` bounds the staging an idle device keeps;
         ``buffer_pool_bytes`` bounds, per device, the idle memory of dropped shards kept for reuse
         (0 disables the pool); ``assembly_bytes`` bounds, per device, the private buffer in which a
-        shard ``distribute`` loads is assembled before it is written into fresh shared memory in one
-        pass (larger ones, and all with 0, are written in place: slower, as fresh shared pages fault
-        in; a reshard's new destination lives in private memory until a reshard pulls from it);
+        new destination shard is assembled before it is written into fresh shared memory in one pass
+        (larger ones, and all with 0, are written in place: slower, as fresh shared pages fault in);
         ``shared_memory`` (CPU devices only): see the module docstring.
         """
         probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)  # validates

@@ -9,19 +9,15 @@ shard under a token until it is unpickled somewhere (the first copy to unpickle 
 (``reshard.runtime.inbox``); a release that arrives before its acquire is remembered so the late
 acquire is ignored.
 
-Reuse. A dropped shard's memory goes to a pool keyed by byte size and kind (bounded by
-``limit_bytes``, least recently freed evicted first) when nothing else references it, so a new
-shard of a size seen before does not page-fault fresh memory in; so does a run's scratch buffer.
+Reuse. A dropped shard's memory goes to a pool keyed by byte size (bounded by ``limit_bytes``,
+least recently freed evicted first) when nothing else references it, so a new shard of a size
+seen before does not page-fault fresh memory in.
 
-Where a new shard lives. Making shared (memfd) pages costs far more than making private ones,
-which the kernel backs with transparent huge pages where it gives shared memory none
-(``python -m bench.fresh_memory``). So a reshard's new destination (from ``PRIVATE_MIN_BYTES``)
-takes a freed block of its size, else private memory (``allocate_private``); it moves into shared
-memory the first time a reshard pulls from it (``to_shared``: one copy through the file), unless
-something else holds a view of it. A shard peers read while the run that makes it goes on (relays) is shared from the
-start. A shard ``distribute`` loads (a source: pulled from next) is assembled in a warm private
-buffer (``AssemblyBuffer``) and then written into a fresh memfd block through the file in one
-pass (``SharedShards.adopt``), which costs less than faulting shared pages in.
+Assembly. A run's new destination that will live in fresh shared memory is assembled in a warm
+private buffer (``AssemblyBuffer``) and then written into a fresh memfd block through the file in
+one pass (``SharedShards.adopt``): making shared pages by faulting them in costs far more than
+the copy (``python -m bench.fresh_memory``). A freed shard of the same size (the pool) is reused
+in place instead; a run whose destination peers read while it runs (relays) writes it in place.
 
 Aborted runs. When the controller gives up on a run, it names the run's destination shard here
 (``tombstone``): the shard is dropped now if it exists, and a run that finishes later drops it
@@ -47,10 +43,6 @@ USER = "user"  # the holder of a user's own tensor, until the user takes it back
 RELEASED_TOKENS = 4096  # releases that arrived before their acquire
 #: Smallest destination assembled apart: below it, making its few pages costs next to nothing.
 ASSEMBLY_MIN_BYTES = 1 << 20
-#: Smallest reshard destination made in private memory: below it shared pages cost little (and
-#: numpy's arrays get no huge pages), while moving it into shared memory later, when a reshard
-#: pulls from it, would cost that reshard a round trip to its devices.
-PRIVATE_MIN_BYTES = 4 << 20
 
 
 def _nbytes(shape, storage: np.dtype) -> int:
@@ -60,68 +52,55 @@ def _nbytes(shape, storage: np.dtype) -> int:
     return numel * storage.itemsize
 
 
-def _sole(a, refs: int) -> bool:
-    """Whether nothing but the caller's ``refs`` references reach numpy array ``a`` (spanning all
-    of its memory) or another view of that memory."""
-    if sys.getrefcount(a) > refs + 2:  # + this call's and getrefcount's own
-        return False  # the array itself is referenced elsewhere (a torch tensor over it, say)
-    owner = a if a.base is None else a.base  # numpy points every view at the memory's owner
-    if owner is not a:
-        if not isinstance(owner, np.ndarray) or owner.nbytes != a.nbytes or sys.getrefcount(owner) > 3:
-            return False  # part of a bigger array, or another view of it is alive
-    return True
-
-
 class BufferPool:
-    """Freed numpy shards' memory kept for reuse, keyed by byte size and kind (shared memory or
-    private); idle bytes stay within ``limit_bytes``. (A GPU device's tensors go back to torch's
-    caching allocator instead.)"""
+    """Freed numpy shards' memory kept for reuse, keyed by byte size; idle bytes stay within
+    ``limit_bytes``. (A GPU device's tensors go back to torch's caching allocator instead.)"""
 
     def __init__(self, limit_bytes: int):
         self.limit_bytes = int(limit_bytes)
-        self.idle: OrderedDict = OrderedDict()  # (nbytes, shared, serial) -> flat uint8 array
-        self.by_size: dict[tuple[int, bool], list[int]] = {}
+        self.idle: OrderedDict = OrderedDict()  # (nbytes, serial) -> flat uint8 array
+        self.by_size: dict[int, list[int]] = {}
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
         self._serial = 0
 
-    def has(self, nbytes: int, shared: bool) -> bool:
-        return (nbytes, shared) in self.by_size
-
-    def take(self, nbytes: int, shared: bool) -> np.ndarray | None:
-        serials = self.by_size.get((nbytes, shared))
+    def take(self, nbytes: int) -> np.ndarray | None:
+        serials = self.by_size.get(nbytes)
         if not serials:
             self.misses += 1
             return None
         serial = serials.pop()
         if not serials:
-            del self.by_size[(nbytes, shared)]
+            del self.by_size[nbytes]
         self.nbytes -= nbytes
         self.hits += 1
-        return self.idle.pop((nbytes, shared, serial))
+        return self.idle.pop((nbytes, serial))
 
-    def put(self, a, refs: int, shared: bool) -> bool:
-        """Keep ``a``'s memory (``shared``: a shared-memory block) if ``a`` is a numpy array that
-        spans all of it and nothing else references it or a view of it (``refs``: the caller's own
-        references); evict the oldest entries to stay within the bound."""
+    def put(self, a, refs: int) -> bool:
+        """Keep ``a``'s memory if ``a`` is a numpy array that spans all of it and nothing else
+        references it or a view of it (``refs``: the caller's own references); evict the oldest
+        entries to stay within the bound."""
         if not arrays.is_numpy(a) or not 0 < a.nbytes <= self.limit_bytes or not a.flags.c_contiguous:
             return False
-        if not _sole(a, refs + 1):
-            return False
-        owner = a if a.base is None else a.base
+        if sys.getrefcount(a) > refs + 2:
+            return False  # the array itself is referenced elsewhere (a torch tensor over it, say)
+        owner = a if a.base is None else a.base  # numpy points every view at the memory's owner
+        if owner is not a:
+            if not isinstance(owner, np.ndarray) or owner.nbytes != a.nbytes or sys.getrefcount(owner) > 3:
+                return False  # part of a bigger array, or another view of it is alive
         flat = owner if owner.ndim == 1 and owner.dtype == np.uint8 else owner.reshape(-1).view(np.uint8)
         nbytes = a.nbytes
         self._serial += 1
-        self.idle[(nbytes, shared, self._serial)] = flat
-        self.by_size.setdefault((nbytes, shared), []).append(self._serial)
+        self.idle[(nbytes, self._serial)] = flat
+        self.by_size.setdefault(nbytes, []).append(self._serial)
         self.nbytes += nbytes
         while self.nbytes > self.limit_bytes:
-            (n, kind, serial), _ = self.idle.popitem(last=False)
-            lst = self.by_size[(n, kind)]
+            (n, serial), _ = self.idle.popitem(last=False)
+            lst = self.by_size[n]
             lst.remove(serial)
             if not lst:
-                del self.by_size[(n, kind)]
+                del self.by_size[n]
             self.nbytes -= n
         return True
 
@@ -197,65 +176,21 @@ class ShardStore:
         storage = arrays.storage(dtype)
         nbytes = _nbytes(shape, storage)
         with self._lock:
-            flat = self.pool.take(nbytes, self.shared is not None) if nbytes else None
+            flat = self.pool.take(nbytes) if nbytes else None
         if flat is None and nbytes and self.shared is not None:
             flat = self._shared_or_none(self.shared.allocate, nbytes, shape)
         if flat is None:
             return np.empty(tuple(shape), dtype=storage)
         return flat.view(storage).reshape(tuple(shape))
 
-    def allocate_private(self, shape, dtype: str):
-        """Memory for a run's new destination (or scratch) that peers need not read while the run
-        goes on: a freed block of its size from the pool (shared memory first: peers can pull from
-        it later as it is), else private memory, which the kernel makes far faster than shared
-        memory (transparent huge pages, where shared memory gets none; ``to_shared`` moves it
-        the first time peers pull from it)."""
-        if self.device_type != "cpu":
-            return self.allocate(shape, dtype)
-        storage = arrays.storage(dtype)
-        nbytes = _nbytes(shape, storage)
-        with self._lock:
-            flat = None
-            if nbytes and self.shared is not None and self.pool.has(nbytes, True):
-                flat = self.pool.take(nbytes, True)
-            elif nbytes:
-                flat = self.pool.take(nbytes, False)
-        if flat is None:
-            return np.empty(tuple(shape), dtype=storage)
-        return flat.view(storage).reshape(tuple(shape))
-
     def recycle(self, scratch) -> bool:
-        """Give ``scratch`` (memory from ``allocate_private`` that never became a shard: a run's
-        scratch buffer) to the pool, for the next run's scratch or destination of its size; kept
-        only when the caller's one reference is the last. Returns whether it was kept."""
+        """Give ``scratch`` (memory from ``allocate`` that never became a shard: a run's scratch
+        buffer) to the pool, for the next run's scratch or destination of its size; kept only when
+        the caller's one reference is the last (``BufferPool.put``). Returns whether it was kept."""
         if scratch is None:
             return False
         with self._lock:
-            return self.pool.put(scratch, 2, self._in_shared(scratch))  # this call's reference and the caller's
-
-    def _in_shared(self, a) -> bool:
-        return self.shared is not None and self.shared.holds(a)
-
-    def to_shared(self, name: str) -> tuple | None:
-        """Move shard ``name`` from private into shared memory (one copy through the file, as
-        ``settle`` does), so that peers on this machine can pull from it; its descriptor. None
-        when it stays where it is: no shared memory here, a user's own tensor, or something else
-        references its memory (a view of it would no longer see the shard)."""
-        with self._lock:
-            t = self.shards.get(name)
-            if t is None or self.shared is None or name in self.users or not arrays.is_numpy(t):
-                return None
-            desc = self.shared.descriptor(t)
-            if desc is not None or not t.flags.c_contiguous or not _sole(t, 2):  # + the store's reference
-                return desc
-            block = self._shared_or_none(self.shared.adopt, t.reshape(-1).view(np.uint8), t.shape)
-            if block is None:
-                return None
-            moved = block.view(t.dtype).reshape(t.shape)
-            self.shards[name] = moved
-            self.shared.begin(moved)
-            self.pool.put(t, 1, False)  # the private memory it leaves
-            return self.shared.descriptor(moved)
+            return self.pool.put(scratch, 2)  # this call's reference and the caller's
 
     def _shared_or_none(self, make, arg, shape):
         """``make(arg)``, a shared block, or None when the process is out of descriptors: the shard
@@ -269,16 +204,13 @@ class ShardStore:
             log.warning("device %d: shard of %s not in shared memory (%s)", self.device, tuple(shape), e)
             return None
 
-    def allocate_destination(self, shape, dtype: str, *, shared: bool = False):
-        """A run's new destination: from ``PRIVATE_MIN_BYTES`` up, unless ``shared`` (a shard
-        ``distribute`` loads), ``allocate_private``; else a freed shard's memory of its size if the
-        pool has one, else (shared memory, size within bounds) the assembly buffer, which
-        ``settle`` turns into a shard; else ``allocate``."""
+    def allocate_destination(self, shape, dtype: str):
+        """A run's new destination: a freed shard's memory of its size if the pool has one, else
+        (shared memory, size within bounds) the assembly buffer, which ``settle`` turns into a
+        shard; else ``allocate``."""
         nbytes = _nbytes(shape, arrays.storage(dtype))
-        if not shared and nbytes >= PRIVATE_MIN_BYTES:
-            return self.allocate_private(shape, dtype)
         with self._lock:
-            flat = None if self.pool.has(nbytes, True) else self.assembly.take(nbytes)
+            flat = None if nbytes in self.pool.by_size else self.assembly.take(nbytes)
             if flat is not None:
                 self._assembling = flat.view(arrays.storage(dtype)).reshape(tuple(shape))
                 return self._assembling
@@ -330,7 +262,7 @@ class ShardStore:
                 self._tombstones.pop(name)
                 if begun:
                     self.end(t)
-                self.pool.put(t, 1, self._in_shared(t))
+                self.pool.put(t, 1)
                 return False
             self.shards[name] = t
             self.holders[name] = {holder}
@@ -407,7 +339,7 @@ class ShardStore:
         if name in self.users:  # the user's tensor: forget it, never recycle its memory
             self.users.discard(name)
             return True
-        self.pool.put(t, 1, self._in_shared(t))
+        self.pool.put(t, 1)
         return True
 
     def descriptor(self, t):

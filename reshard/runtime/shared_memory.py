@@ -156,10 +156,6 @@ class SharedShards:
         if found is not None:
             found[1][0] = 0
 
-    def holds(self, a) -> bool:
-        """Whether ``a`` fills one of this actor's live memfd blocks."""
-        return self._header(a) is not None
-
     def descriptor(self, a) -> tuple | None:
         """``(pid, fd, inode, shape, tenure)`` of shard ``a`` if it fills a live memfd block held
         by a shard, else None."""

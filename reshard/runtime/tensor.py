@@ -68,7 +68,6 @@ class ShardedTensor:
         self.dtype_name = dtype
         self.name = name
         self._shared = dict(shared or {})  # device -> shared-memory descriptor of its shard
-        self._private: set[int] = set()  # devices whose shard stays in private memory (share_sources)
         self._holder = name if holder is None else holder
         self._freed = False
 
@@ -350,9 +349,7 @@ def lowered_reshard(
     Plans are made for ``cluster`` (a ``topology.Cluster``); by default for the meshes' hosts with
     the live Ray cluster's figures and the meshes' backend (``Runtime.planning_cluster``), where
     the devices of one machine count as one host when they share memory (their transfers become
-    pulls, ``reshard.pulls``). ``shared_memory=False``: no pulls, everything through the backend.
-    A source shard still in private memory counts as sent here; ``reshard`` first moves it into
-    shared memory where it can (``share_sources``), and then pulls it."""
+    pulls, ``reshard.pulls``). ``shared_memory=False``: no pulls, everything through the backend."""
     return _compile(tensor, dst_layout, strategy, cluster, shared_memory)[1]
 
 
@@ -384,33 +381,6 @@ def memory_domains(tensor: ShardedTensor, dst_mesh: DeviceMesh) -> dict:
         if rec.shared_memory and (rec.id in tensor._shared or rec.id not in src_devices):
             out[rec.id] = rec.node_id
     return out
-
-
-def share_sources(tensor: ShardedTensor, dst_layout: Layout, deadline: float) -> None:
-    """Move the source shards that peers on their machine could pull but that live in private
-    memory (a reshard's destination lives there until pulled from: ``ShardStore.to_shared``) into
-    shared memory, one ordered call to their devices; their descriptors join the handle. A shard
-    that cannot move (a user's own tensor, or something else holds a view of it) stays private:
-    its slices go through the backend, and this handle does not ask again."""
-    dst_mesh = runtime().registry.resolve_mesh(dst_layout.mesh, f"reshard destination {dst_layout}")
-    nodes = {r.node_id for r in dst_mesh.records if r.shared_memory}
-    known = {*tensor._shared, *tensor._private}
-    need = [
-        i for i, r in enumerate(tensor.mesh.records) if r.shared_memory and r.node_id in nodes and r.id not in known
-    ]
-    if not need:
-        return
-    left = 60.0 if math.isinf(deadline) else max(deadline - time.monotonic(), 1e-3)
-    moved = tensor.mesh.call(_to_shared, tensor.name, devices=need, timeout_s=left)
-    for i, desc in zip(need, moved, strict=True):
-        if desc is None:
-            tensor._private.add(tensor.mesh.device_ids[i])
-        else:
-            tensor._shared[tensor.mesh.device_ids[i]] = desc
-
-
-def _to_shared(ctx, name: str):
-    return ctx.store.to_shared(name)
 
 
 def relay_publishers(dst_mesh: DeviceMesh, domains: dict, direct_out: ShardedTensor | None) -> frozenset[int]:
@@ -465,8 +435,6 @@ def reshard(
     elif direct:
         raise ValueError("direct=True writes into existing shards: pass them as out=")
     deadline = deadline_of(timeout_s)
-    if shared_memory:
-        share_sources(tensor, dst_layout, deadline)
     dmesh, compiled = _compile(tensor, dst_layout, strategy, cluster, shared_memory, out if direct else None)
     rt = runtime()
     name = rt.new_name()

@@ -13,8 +13,8 @@ from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, plan_resha
 from reshard.lowering import lower_plan
 from reshard.regions import box_shape, box_volume, layout_regions
 from reshard.runtime import ensure_groups, lowered_reshard, runtime_stats, settle
-from reshard.runtime.shards import ASSEMBLY_MIN_BYTES, PRIVATE_MIN_BYTES
 from reshard.runtime.actor import STAGING_KEEP_BYTES
+from reshard.runtime.shards import ASSEMBLY_MIN_BYTES
 
 pytestmark = pytest.mark.dist
 
@@ -48,67 +48,35 @@ def test_memory_bound(view, pool, shape, shared_memory):
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["pull", "gloo"])
-def test_new_destinations_are_private_until_a_reshard_pulls_from_them(view, pool, shared_memory):
-    """A destination no freed shard's memory serves lives in private memory (cheaper to make than
-    shared memory); the first reshard that pulls from it moves it into shared memory, and once
-    freed its memory serves the next destination of its size."""
+def test_assembled_destinations_are_shards_like_any_other(view, pool, shared_memory):
+    """Destinations big enough and of a size no freed shard has are assembled apart, come out
+    bit-exact, and are shared shards the next reshard pulls from; once freed, a repeat refills
+    their memory in place."""
     a = view([0, 1, 2, 3], (2, 2))
     b = view([4, 5, 6, 7], (2, 2))
-    x = random_array((2048, 1046), "float32", 5)  # destinations of 4 MiB and more: PRIVATE_MIN_BYTES
+    x = random_array((1000, 1046), "float32", 5)  # 2 MiB shards
     t = distribute(x, Layout(a, pl("S0 S1")))
     pool.call(_drain_pool)  # no freed shard of an earlier test serves these destinations
     to_b, to_a = Layout(b, pl("R S0")), Layout(a, pl("S1 R"))
     y = reshard(t, a, to_b, shared_memory=shared_memory)
     assert_bit_exact(y.to_numpy(), x)
-    assert y._shared == {}  # private: nothing for peers to map yet
-    assert "Pull" not in _op_kinds(lowered_reshard(y, to_a).program, b.device_ids)  # so it would be sent
-    z = reshard(y, b, to_a)
+    stats = {s["device"]: s for s in pool.stats()}
+    assert all(stats[d]["last_run_assembled"] for d in b.device_ids)
+    program = lowered_reshard(y, to_a, shared_memory=shared_memory).program
+    pulls = [op for d in a.device_ids for op in program.for_device(d).ops if type(op).__name__ == "Pull"]
+    assert bool(pulls) == shared_memory  # the assembled shards are shared: peers pull from them
+    z = reshard(y, b, to_a, shared_memory=shared_memory)
     assert_bit_exact(z.to_numpy(), x)
-    assert set(y._shared) == set(b.device_ids)  # moved into shared memory first ...
-    assert "Pull" in _op_kinds(lowered_reshard(y, to_a).program, a.device_ids)  # ... and pulled from
-    assert_bit_exact(reshard(y, b, to_a).to_numpy(), x)
+    stats = {s["device"]: s for s in pool.stats()}
+    assert all(stats[d]["last_run_assembled"] for d in a.device_ids)
     y.free()
     settle(pool)
-    hits = {s["device"]: s["pool_hits"] for s in pool.stats()}
     y2 = reshard(t, a, to_b, shared_memory=shared_memory)
     assert_bit_exact(y2.to_numpy(), x)
     stats = {s["device"]: s for s in pool.stats()}
-    assert all(stats[d]["pool_hits"] > hits[d] for d in b.device_ids)  # the freed shards' memory ...
-    assert set(y2._shared) == set(b.device_ids)  # ... which is shared already
+    assert not any(stats[d]["last_run_assembled"] for d in b.device_ids)  # the freed shards' memory
     for u in (t, z, y2):
         u.free()
-
-
-def test_a_destination_something_else_views_stays_private_and_is_sent(view, pool):
-    """A destination's memory that something on its device still views (a user's tensor over it,
-    say) is not moved into shared memory (the view would no longer see the shard): the next
-    reshard sends its slices through the backend instead of pulling them, and is exact."""
-    a = view([0, 1], (2,))
-    b = view([2, 3], (2,))
-    x = random_array((2048, 1024), "int32", 9)  # 4 MiB destination shards: private
-    y = reshard(distribute(x, Layout(a, pl("S0"))), a, Layout(b, pl("S1")))
-    b.call(_hold_view, y.name, devices=[0])
-    try:
-        z = reshard(y, b, Layout(a, pl("R")))
-        assert_bit_exact(z.to_numpy(), x)
-        assert set(y._shared) == {b.device_ids[1]}  # the viewed one stayed private ...
-        assert y._private == {b.device_ids[0]}  # ... and the handle does not ask again
-    finally:
-        b.call(_drop_view, devices=[0])
-    z.free()
-    y.free()
-
-
-def _hold_view(ctx, name):
-    ctx.extensions["test-view"] = ctx.store.get(name)[1:]
-
-
-def _drop_view(ctx):
-    ctx.extensions.pop("test-view", None)
-
-
-def _op_kinds(program, devices) -> set[str]:
-    return {type(op).__name__ for d in devices for op in program.for_device(d).all_ops}
 
 
 def test_empty_cache_gives_back_what_devices_keep_for_reuse(view, pool):
@@ -116,10 +84,9 @@ def test_empty_cache_gives_back_what_devices_keep_for_reuse(view, pool):
     staging buffers and mappings of peers' freed shards, and nothing a live tensor holds."""
     a = view([0, 1, 2, 3], (2, 2))
     b = view([4, 5, 6, 7], (2, 2))
-    x = random_array((1000, 1046), "float32", 6)  # 2 MiB shards: staged on the gloo path
+    x = random_array((1000, 1046), "float32", 6)  # 2 MiB shards: assembled, staged on the gloo path
     t = distribute(x, Layout(a, pl("S0 S1")))
     pulled = reshard(t, a, Layout(b, pl("R S0")))  # b's devices map a's shards
-    loaded = distribute(x, Layout(b, pl("S1 R")))  # loaded shards are assembled
     freed = reshard(t, a, Layout(b, pl("R R")))  # 4 MiB: no later destination takes its memory
     freed.free()
     staged = reshard(t, a, Layout(b, pl("S0 R")), shared_memory=False)  # last: a run sizes staging to its own
@@ -139,11 +106,11 @@ def test_empty_cache_gives_back_what_devices_keep_for_reuse(view, pool):
     pool.empty_cache()  # ... so b's devices drop their mappings of them
     for d in b.device_ids:
         assert after[d]["peer_maps"] > 0 and pool.stats()[pool.index_of(d)]["peer_maps"] < after[d]["peer_maps"]
-    for y in (pulled, staged, loaded):
+    for y in (pulled, staged):
         assert_bit_exact(y.to_numpy(), x)
     again = reshard(pulled, b, Layout(a, pl("S1 S0")))  # memory is made again as needed
     assert_bit_exact(again.to_numpy(), x)
-    for y in (pulled, staged, loaded, again):
+    for y in (pulled, staged, again):
         y.free()
 
 
@@ -206,10 +173,8 @@ def _memory_case(pool, src, dst, shape, keep, pulls):
         dst_bytes = box_volume(box) * 4
         assert s["assembly_bytes"] <= s["assembly_limit_bytes"]
         pooled = s["pool_hits"] > hits[device]
-        # a destination the pool could not give is assembled apart below PRIVATE_MIN_BYTES (it
-        # counts twice), made in private memory from there
-        small = ASSEMBLY_MIN_BYTES <= dst_bytes <= s["assembly_bytes"] and dst_bytes < PRIVATE_MIN_BYTES
-        assert s["last_run_assembled"] == (not pooled and small)
+        # a big destination the pool could not give is assembled apart, and counts twice
+        assert s["last_run_assembled"] == (not pooled and ASSEMBLY_MIN_BYTES <= dst_bytes <= s["assembly_bytes"])
         if s["last_run_assembled"]:
             dst_bytes *= 2
         if pulls:  # every slice copied straight from the holder's shard: nothing staged

@@ -112,15 +112,14 @@ def test_the_pool_keeps_within_its_bound_oldest_out():
     kept = []
     for n in (40, 40, 40):
         a = np.empty(n, np.uint8)
-        kept.append(pool.put(a, refs=1, shared=False))  # refs: our name ``a``
+        kept.append(pool.put(a, refs=1))  # refs: our name ``a``
     assert kept == [True] * 3
     del a
     assert pool.nbytes == 80  # the oldest went
-    assert not pool.has(40, True)  # kept by kind: shared memory apart from private
-    assert [pool.take(40, False) is not None for _ in range(3)] == [True, True, False]
+    assert [pool.take(40) is not None for _ in range(3)] == [True, True, False]
     big, part = np.empty(200, np.uint8), np.empty((4, 4))[:, :2]
-    assert not pool.put(big, refs=1, shared=False)  # bigger than the bound: never kept
-    assert not pool.put(part, refs=1, shared=False)  # part of an array: never kept
+    assert not pool.put(big, refs=1)  # bigger than the bound: never kept
+    assert not pool.put(part, refs=1)  # part of an array: never kept
 
 
 def test_peer_mappings_are_bounded():

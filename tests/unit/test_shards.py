@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from reshard.errors import ReshardError
-from reshard.runtime.shards import PRIVATE_MIN_BYTES, ShardStore
+from reshard.runtime.shards import ShardStore
 from reshard.runtime.shared_memory import PeerShards, SharedShards
 
 pytestmark = [
@@ -108,40 +108,3 @@ def test_a_runs_scratch_goes_back_to_the_pool_once_nothing_else_holds_it():
     again = s.allocate((BIG // 4,), "float32")
     assert s.memory()["pool_hits"] == 1 and np.shares_memory(again, scratch)  # warm memory, reused
     assert not s.recycle(None)
-
-
-def test_a_private_destination_moves_into_shared_memory_once_nothing_else_views_it():
-    s = store()
-    t = s.allocate_private((BIG // 4,), "float32")
-    assert s.descriptor(t) is None  # private memory: no freed block of its size in the pool
-    t[:] = np.arange(t.size, dtype=np.float32)
-    s.put("t", t, "h")
-    view = t[1:]
-    assert s.to_shared("t") is None and s.get("t") is t  # a view of it is alive: it stays
-    del view, t
-    desc = s.to_shared("t")
-    assert desc is not None and s.to_shared("t") == desc  # moved once; asked again, the same
-    np.testing.assert_array_equal(
-        PeerShards(1).get(0, desc, np.dtype(np.float32)), np.arange(BIG // 4, dtype=np.float32)
-    )
-    assert s.memory()["pool_bytes"] == BIG  # the private memory it left, for the next destination
-    again = s.allocate_private((BIG // 4,), "float32")
-    assert s.descriptor(again) is None and s.memory()["pool_hits"] == 1
-    s.free("t")  # its shared block goes to the pool, and is preferred: peers can pull from it as is
-    shared = s.allocate_private((BIG // 4,), "float32")
-    s.put("u", shared, "h")
-    assert s.descriptor(shared) is not None
-    mine = np.zeros(16, dtype=np.float32)
-    s.share("mine", mine, {})
-    assert s.to_shared("mine") is None  # a user's own tensor is never moved
-
-
-def test_small_destinations_are_shared_from_the_start_big_ones_private():
-    s = ShardStore(0, "cpu", 64 << 20, shared=SharedShards(), assembly_bytes=8 << 20)
-    small = s.settle(s.allocate_destination((PRIVATE_MIN_BYTES - 8,), "uint8"))
-    big = s.settle(s.allocate_destination((PRIVATE_MIN_BYTES,), "uint8"))
-    loaded = s.settle(s.allocate_destination((PRIVATE_MIN_BYTES,), "uint8", shared=True))  # distribute's
-    for name, t in (("small", small), ("big", big), ("loaded", loaded)):
-        s.put(name, t, "h")
-    assert s.descriptor(small) is not None and s.descriptor(loaded) is not None
-    assert s.descriptor(big) is None  # pulled from later: to_shared
