@@ -27,9 +27,8 @@ far are released (and the devices' pools of freed memory emptied, so what follow
 fresh memory), untimed, and each round starts one method later in the list, so no method always
 follows the same one. (How much fresh memory costs depends on what was freed just before: on a
 virtual machine that hands freed memory back to its host, memory freed moments ago costs far less
-to touch again than memory freed seconds ago, and huge pages come cheap only where freed huge
-pages wait; releasing only past a memory bound, in a fixed order, favoured whichever method came
-right after a release.) Beside it the pooled mode
+to touch again than memory freed seconds ago; releasing only past a memory bound, in a fixed
+order, favoured whichever method came right after a release.) Beside it the pooled mode
 (``ours_pooled``, ``ours_gloo_pooled``): each output freed before the next repeat, so a destination
 reuses the last one's memory (after one untimed run that fills the pool).
 

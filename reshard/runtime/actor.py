@@ -149,7 +149,7 @@ class DeviceContext:
         state = self.controllers.get(self.caller)
         if state is not None:
             freed += state.staging.nbytes
-            state.staging.buf = None
+            state.staging.reserve(0)
         self.peers.purge()
         if self.device_type.startswith("cuda"):
             import torch
