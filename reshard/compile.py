@@ -14,15 +14,17 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from reshard.batch import BatchProgram
 from reshard.layout import Layout
 from reshard.lowering import lower_plan
 from reshard.plan import ReshardPlan
 from reshard.planner import plan_reshard
+from reshard.packing import BUCKET_BYTES, pack_batch
 from reshard.program import Buffer, Group, Program, Publish, Pull
 from reshard.pulls import last_write, to_pulls
 from reshard.sequencing import OVERLAP_COPY_BYTES, WINDOW_BYTES, WINDOW_STAGING_BYTES, sequence_program
-from reshard.serialize import encode_device_program
-from reshard.validate import validate_plan, validate_program
+from reshard.serialize import encode_batch_device_program, encode_device_program
+from reshard.validate import validate_batch, validate_plan, validate_program
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,3 +144,93 @@ def planning_hosts(src: Layout, dst: Layout, domain_of: Mapping[int, Hashable]) 
         if d in hosts:
             merged[dom] = min(merged.get(dom, hosts[d]), hosts[d])
     return {d: merged[domain_of[d]] if d in domain_of else h for d, h in hosts.items()}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledBatch:
+    """Many tensors' reshards compiled into one (``compile_batch``): each tensor's
+    ``CompiledReshard`` (``tensors``), the packed ``BatchProgram``, and per participating device its
+    part as msgpack. ``pull_sources[device][tensor]``: the devices whose source shards of that
+    tensor it pulls; ``relay_sources[device]``: the devices it pulls relays from."""
+
+    tensors: tuple[CompiledReshard, ...]
+    program: BatchProgram
+    blobs: Mapping[int, bytes] = field(repr=False)
+    participants: tuple[int, ...]
+    groups: tuple[Group, ...]
+    pull_sources: Mapping[int, Mapping[int, tuple[int, ...]]]
+    relay_sources: Mapping[int, tuple[int, ...]]
+    bucket_bytes: int
+
+    @property
+    def writers(self) -> Mapping[int, tuple[int, ...]]:
+        """``{tensor: devices that hold a destination shard of it}``."""
+        return {t: tuple(p.device for p in c.program.devices if p.dst_shape is not None)
+                for t, c in enumerate(self.tensors)}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One tensor of a batch: its ``shape`` and ``dtype``, from ``src`` to ``dst``; ``publishers``
+    as ``compile_reshard`` takes it (None: every device with a domain)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    src: Layout
+    dst: Layout
+    publishers: frozenset[int] | None = None
+
+
+def compile_batch(
+    items: Iterable[BatchItem],
+    *,
+    strategy: str = "auto",
+    cluster=None,
+    domains: Mapping[int, Hashable | None] | None = None,
+    options: CompileOptions = CompileOptions(),
+    bucket_bytes: int = BUCKET_BYTES,
+) -> CompiledBatch:
+    """Compile moving every tensor of ``items`` in one reshard: each compiled as
+    ``compile_reshard`` does (cached per problem), then the small ones' messages packed into
+    buckets of at most ``bucket_bytes`` (``reshard.packing``), validated and encoded per device.
+    Cached by its inputs."""
+    shared = tuple(sorted((d, dom) for d, dom in (domains or {}).items() if dom is not None))
+    return _compile_batch(tuple(items), strategy, cluster, shared, options, int(bucket_bytes))
+
+
+@lru_cache(maxsize=64)
+def _compile_batch(items, strategy, cluster, domains, options, bucket_bytes) -> CompiledBatch:
+    singles = tuple(
+        _compile(i.shape, i.dtype, i.src, i.dst, strategy, cluster, domains, i.publishers, options) for i in items
+    )
+    batch = pack_batch(
+        [c.program for c in singles], bucket_bytes=bucket_bytes, window_ops=options.window_ops,
+        window_bytes=options.window_bytes, window_staging_bytes=options.window_staging_bytes,
+    )  # fmt: skip
+    validate_batch(batch)
+    metas = [shard_meta(i.dst, i.shape) for i in items]
+    blobs = {
+        p.device: encode_batch_device_program(p, {part.tensor: metas[part.tensor][p.device] for part in p.parts
+                                                  if part.program.dst_shape is not None})
+        for p in batch.devices
+    }  # fmt: skip
+    pulls: dict[int, dict[int, tuple[int, ...]]] = {}
+    relays: dict[int, set[int]] = {}
+    for t, c in enumerate(singles):
+        for d, holders in c.pull_sources.items():
+            pulls.setdefault(d, {})[t] = holders
+        for d, holders in c.relay_sources.items():
+            relays.setdefault(d, set()).update(holders)
+    return CompiledBatch(
+        singles, batch, blobs, tuple(p.device for p in batch.devices), batch.groups, pulls,
+        {d: tuple(sorted(h)) for d, h in relays.items()}, bucket_bytes,
+    )  # fmt: skip
+
+
+def shard_meta(layout: Layout, shape) -> dict[int, dict]:
+    """Per destination device, what its shard is a shard of (kept with the shard, for DTensor)."""
+    return {
+        d: {"shape": tuple(shape), "placements": layout.placements, "mesh_shape": layout.mesh.shape,
+            "coordinate": layout.mesh.coords(flat)}
+        for flat, d in enumerate(layout.mesh.device_ids)
+    }  # fmt: skip

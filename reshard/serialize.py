@@ -10,6 +10,7 @@ from dataclasses import fields
 
 import msgpack
 
+from reshard.batch import BatchDeviceProgram, Bucket, Part, Piece
 from reshard.layout import Layout
 from reshard.placement import Partial, ReduceOp, Replicate, Shard
 from reshard.plan import ReshardPlan, Transfer, TransferKind
@@ -17,9 +18,9 @@ from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Program,
 from reshard.tasks import UnitTask
 from topology.mesh import Mesh
 
-SCHEMA_VERSION = 5  # 2: pulls; 3: ops as a tagged union, connect order, windows, background ops, plan hosts;
+SCHEMA_VERSION = 6  # 2: pulls; 3: ops as a tagged union, connect order, windows, background ops, plan hosts;
 # 4: Partial sources (combining ops, scratch buffer, Scale, transfers' read/write/reduce), zero-filled destinations;
-# 5: relays pulled out of destination shards (Publish, Pull.buffer/after, DeviceProgram.relays)
+# 5: relays pulled out of destination shards (Publish, Pull.buffer/after, DeviceProgram.relays); 6: batches
 
 OP_TAGS: dict[type, int] = {Copy: 0, Pull: 1, Send: 2, Recv: 3, Broadcast: 4, Scale: 5, Publish: 6}
 _OP_TYPES = {tag: cls for cls, tag in OP_TAGS.items()}
@@ -155,3 +156,50 @@ def encode_program(program: Program) -> bytes:
 def decode_program(data: bytes) -> Program:
     dtype, shape, devices = _check_version("program", msgpack.unpackb(data))
     return Program(dtype, tuple(shape), tuple(device_program_from_obj(p) for p in devices))
+
+
+def _bucket_obj(b: Bucket) -> list:
+    pieces = [[q.tensor, q.step, [list(iv) for iv in q.box], q.offset, q.nbytes] for q in b.pieces]
+    return [b.step, list(b.group), pieces, b.nbytes, b.staging]
+
+
+def _bucket(obj) -> Bucket:
+    step, group, pieces, nbytes, staging = obj
+    return Bucket(step, tuple(group), tuple(Piece(t, s, _box(box), o, n) for t, s, box, o, n in pieces), nbytes, staging)
+
+
+def _meta_obj(meta: dict | None) -> list | None:
+    if meta is None:
+        return None
+    return [list(meta["shape"]), [_placement_obj(p) for p in meta["placements"]], list(meta["mesh_shape"]),
+            list(meta["coordinate"])]  # fmt: skip
+
+
+def _meta(obj) -> dict | None:
+    if obj is None:
+        return None
+    shape, placements, mesh_shape, coordinate = obj
+    return {"shape": tuple(shape), "placements": tuple(_placement(p) for p in placements),
+            "mesh_shape": tuple(mesh_shape), "coordinate": tuple(coordinate)}  # fmt: skip
+
+
+def encode_batch_device_program(program: BatchDeviceProgram, metas: dict[int, dict] | None = None) -> bytes:
+    """One device's part of a batch, with ``metas[tensor]``: what its destination shard of that
+    tensor is a shard of (global ``shape``, ``placements``, ``mesh_shape``, ``coordinate``)."""
+    metas = metas or {}
+    parts = [[p.tensor, p.dtype, device_program_to_obj(p.program), _meta_obj(metas.get(p.tensor))]
+             for p in program.parts]  # fmt: skip
+    body = [program.device, parts, [_bucket_obj(b) for b in program.buckets], list(program.windows),
+            program.staging_bytes, [list(g) for g in program.connect]]  # fmt: skip
+    return msgpack.packb(["batch_device_program", SCHEMA_VERSION, body])
+
+
+def decode_batch_device_program(data: bytes) -> tuple[BatchDeviceProgram, dict[int, dict]]:
+    """``(program, metas)`` as ``encode_batch_device_program`` took them."""
+    device, parts, buckets, windows, staging, connect = _check_version("batch_device_program", msgpack.unpackb(data))
+    metas = {t: m for t, _, _, obj in parts if (m := _meta(obj)) is not None}
+    program = BatchDeviceProgram(
+        device, tuple(Part(t, dtype, device_program_from_obj(obj)) for t, dtype, obj, _ in parts),
+        tuple(_bucket(b) for b in buckets), tuple(windows), staging, tuple(tuple(g) for g in connect),
+    )  # fmt: skip
+    return program, metas

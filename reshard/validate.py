@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from reshard.batch import BatchProgram, Bucket
 from reshard.dtypes import itemsize
 from reshard.errors import PlanError
 from reshard.plan import ReshardPlan, TransferKind
@@ -22,6 +23,7 @@ from reshard.program import (
     Scale,
     Send,
     first_use_groups,
+    group_key,
     op_box,
     op_numel,
     reads_output,
@@ -384,3 +386,58 @@ def _check_progress(program: Program, members) -> None:
     if stuck:
         lines = "\n".join(f"  device {d} waits at {list(keys[1])}" for d, keys in sorted(stuck.items()))
         raise PlanError(f"program deadlocks:\n{lines}")
+
+
+def validate_batch(batch: BatchProgram) -> None:
+    """Raise PlanError unless a batch is well formed: every bucket is matched by all members of its
+    group with the same size and the same pieces (tensor, step, offset, bytes) in the same order,
+    each piece a box of the member's shard of that tensor (the sender's source shard, a receiver's
+    destination shard) of exactly its bytes; every device issues its buckets in the global order,
+    within its staging buffer (a window's side by side), and connects exactly the groups its
+    buckets and parts use. Each part was validated as its tensor's program before packing."""
+    members: dict[int, dict[int, Bucket]] = defaultdict(dict)
+    for p in batch.devices:
+        steps = [b.step for b in p.buckets]
+        if steps != sorted(set(steps)):
+            raise PlanError(f"device {p.device} issues its buckets out of the global order: {steps}")
+        parts = {part.tensor: part.program for part in p.parts}
+        for b in p.buckets:
+            if p.device not in b.group:
+                raise PlanError(f"device {p.device} runs bucket {b.step} of group {b.group} it is not in")
+            members[b.step][p.device] = b
+            sender = b.group[0] == p.device
+            for piece in b.pieces:
+                prog = parts.get(piece.tensor)
+                shape = None if prog is None else prog.src_shape if sender else prog.dst_shape
+                if shape is None or len(piece.box) != len(shape) or any(
+                    not 0 <= lo <= hi <= n for (lo, hi), n in zip(piece.box, shape, strict=True)
+                ):
+                    raise PlanError(
+                        f"device {p.device} bucket {b.step}: piece {piece.box} of tensor {piece.tensor} lies outside "
+                        f"its {'source' if sender else 'destination'} shard {shape}"
+                    )
+                if box_volume(piece.box) * itemsize(batch.dtypes[piece.tensor]) != piece.nbytes:
+                    raise PlanError(f"device {p.device} bucket {b.step}: piece {piece} is not its box's bytes")
+        spans: list[tuple[int, int]] = []
+        for window in p.issue_windows:
+            spans = []
+            for b in window:
+                span = (b.staging, b.staging + b.nbytes)
+                if span[0] < 0 or span[1] > p.staging_bytes or any(a < span[1] and span[0] < e for a, e in spans):
+                    raise PlanError(f"device {p.device} bucket {b.step}: staging {span} overlaps or exceeds its buffer")
+                spans.append(span)
+        used = [group_key(b.group) for b in p.buckets]
+        for part in p.parts:
+            used += first_use_groups(part.program.ops)
+        if set(p.connect) != set(used) or len(set(p.connect)) != len(p.connect):
+            raise PlanError(f"device {p.device} connects {list(p.connect)} but uses {list(dict.fromkeys(used))}")
+    for step, buckets in members.items():
+        first = next(iter(buckets.values()))
+        if set(buckets) != set(first.group):
+            raise PlanError(f"bucket {step}: group {first.group} but buckets only on devices {sorted(buckets)}")
+        layout = [(q.tensor, q.step, q.offset, q.nbytes) for q in first.pieces]
+        for b in buckets.values():
+            if b.group != first.group or b.nbytes != first.nbytes:
+                raise PlanError(f"bucket {step}: members disagree on group or size: {list(buckets.values())}")
+            if [(q.tensor, q.step, q.offset, q.nbytes) for q in b.pieces] != layout:
+                raise PlanError(f"bucket {step}: members lay out different pieces")

@@ -1,0 +1,197 @@
+"""Packing: the messages of a batch's small tensors become bucket messages (``reshard.batch``).
+
+A tensor is packed when it moves at most ``bucket_bytes`` in all and its program only moves plain
+slices: every message reads the sender's source shard and lands in the receivers' destination
+shards as it is (no relay, no Partial contribution combined, no scaling). Its messages are then
+grouped by their group (a sender and a receiver, or a broadcast group), in tensor and step order,
+and each group's slices are cut into buckets of at most ``bucket_bytes``; the buckets of all groups
+go in one global order, round robin over the groups (the k-th bucket of every group before the
+(k+1)-th of any), so that buckets of different links are in flight together. What is left of a
+packed tensor's program are its local copies and pulls.
+
+Other tensors keep their programs as compiled: big ones stream as single reshards do, and so do
+small ones whose slices depend on each other.
+
+A device issues its buckets in windows (``window_ops`` buckets at most, and per direction of its
+link at most ``window_bytes`` together, or one bigger bucket alone), as ``reshard.sequencing``
+windows a single program's messages; a window's buckets sit side by side in its staging buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import replace
+
+from reshard.batch import BatchDeviceProgram, BatchProgram, Bucket, Part, Piece, aligned, piece_bytes
+from reshard.dtypes import itemsize
+from reshard.program import (
+    LOCAL_OPS,
+    MESSAGE_OPS,
+    Buffer,
+    DeviceProgram,
+    Group,
+    Program,
+    Publish,
+    Pull,
+    Scale,
+    group_key,
+    op_box,
+    reads_output,
+)
+from reshard.regions import Box
+from reshard.sequencing import IN, OUT, WINDOW_BYTES, WINDOW_STAGING_BYTES
+
+BUCKET_BYTES = 4 << 20
+
+
+def packable(program: Program, bucket_bytes: int) -> bool:
+    """Whether ``program``'s messages may be packed (module docstring)."""
+    if math.prod(program.shape) * itemsize(program.dtype) > bucket_bytes:
+        return False
+    messages = False
+    for p in program.devices:
+        if p.tmp or p.relays:
+            return False
+        for op in p.all_ops:
+            if isinstance(op, Publish | Scale) or getattr(op, "reduce", None) is not None:
+                return False
+            if reads_output(op) is not None or getattr(op, "target", Buffer.DST) is not Buffer.DST:
+                return False
+            if isinstance(op, Pull) and op.buffer is not Buffer.SRC:
+                return False
+            messages = messages or isinstance(op, MESSAGE_OPS)
+    return messages
+
+
+def pack_batch(
+    programs: Sequence[Program],
+    *,
+    bucket_bytes: int = BUCKET_BYTES,
+    window_ops: int = 1,
+    window_bytes: int = WINDOW_BYTES,
+    window_staging_bytes: int = WINDOW_STAGING_BYTES,
+) -> BatchProgram:
+    """One ``BatchProgram`` for the tensors whose single programs are ``programs`` (sequenced, by
+    tensor index), with the messages of the packable ones in buckets (module docstring)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    packed = {t for t, prog in enumerate(programs) if packable(prog, bucket_bytes)}
+    buckets = _buckets(programs, sorted(packed), bucket_bytes)
+    parts: dict[int, list[Part]] = defaultdict(list)
+    for t, prog in enumerate(programs):
+        for p in prog.devices:
+            if not (p.ops or p.background or p.dst_shape is not None):
+                continue
+            parts[p.device].append(Part(t, prog.dtype, _strip(p) if t in packed else p))
+    mine: dict[int, list[Bucket]] = defaultdict(list)
+    for step, (group, slices, nbytes) in enumerate(buckets):
+        for d in group:
+            pieces = tuple(Piece(t, s, boxes[d], offset, n) for t, s, boxes, offset, n in slices)
+            mine[d].append(Bucket(step, group, pieces, nbytes))
+    devices = []
+    for d in sorted(set(parts) | set(mine)):
+        ordered, windows, staging = _windows(mine[d], d, window_ops, window_bytes, window_staging_bytes)
+        connect = [group_key(b.group) for b in ordered]
+        for part in parts[d]:
+            connect += part.program.connect
+        devices.append(
+            BatchDeviceProgram(d, tuple(parts[d]), tuple(ordered), windows, staging, tuple(dict.fromkeys(connect)))
+        )
+    return BatchProgram(tuple(p.shape for p in programs), tuple(p.dtype for p in programs), tuple(devices))
+
+
+def _strip(p: DeviceProgram) -> DeviceProgram:
+    """``p`` without its messages: its local ops, one at a time (nothing left to overlap them with)."""
+    local = tuple(op for op in p.all_ops if isinstance(op, LOCAL_OPS))
+    return replace(p, ops=local, background=(), windows=(), staging_bytes=0, connect=())
+
+
+def _buckets(programs: Sequence[Program], packed: list[int], bucket_bytes: int):
+    """The batch's buckets in global order: ``(group, slices, nbytes)``, each slice
+    ``(tensor, step, {device: box}, offset, nbytes)``."""
+    streams: dict[Group, list[tuple[int, int, dict[int, Box], int]]] = defaultdict(list)
+    for t in packed:
+        prog = programs[t]
+        item = itemsize(prog.dtype)
+        by_step: dict[int, dict[int, object]] = defaultdict(dict)
+        for p in prog.devices:
+            for op in p.all_ops:
+                if isinstance(op, MESSAGE_OPS):
+                    by_step[op.step][p.device] = op
+        for step in sorted(by_step):
+            ops = by_step[step]
+            group = next(iter(ops.values())).group  # type: ignore[attr-defined]
+            boxes = {d: op_box(op) for d, op in ops.items()}  # type: ignore[arg-type]
+            nbytes = piece_bytes(next(iter(boxes.values())), item)
+            if nbytes:
+                streams[tuple(group)].append((t, step, boxes, nbytes))
+    chunked = [(group, _chunks(items, bucket_bytes)) for group, items in sorted(streams.items())]
+    out = []
+    for k in range(max((len(c) for _, c in chunked), default=0)):
+        for group, chunks in chunked:
+            if k < len(chunks):
+                slices, nbytes = chunks[k]
+                out.append((group, slices, nbytes))
+    return out
+
+
+def _chunks(items, bucket_bytes: int) -> list[tuple[list, int]]:
+    """``items`` cut into buckets of at most ``bucket_bytes`` (a slice alone may be bigger), each
+    slice at an aligned offset: ``[(slices, nbytes)]``."""
+    out: list[tuple[list, int]] = []
+    current: list = []
+    end = 0
+    for t, step, boxes, nbytes in items:
+        start = aligned(end)
+        if current and start + nbytes > bucket_bytes:
+            out.append((current, end))
+            current, start = [], 0
+        current.append((t, step, boxes, start, nbytes))
+        end = start + nbytes
+    if current:
+        out.append((current, end))
+    return out
+
+
+def _directions(bucket: Bucket, device: int) -> tuple[int, ...]:
+    """The directions of the device's link a bucket takes up: a receiver of a send takes in; the
+    sender, and every member of a broadcast (gloo forwards along a tree), both (as a single
+    program's sends of their own source do, ``reshard.sequencing``)."""
+    if len(bucket.group) == 2 and bucket.group[1] == device:
+        return (IN,)
+    return (OUT, IN)
+
+
+def _windows(buckets: list[Bucket], device: int, most: int, moved_bound: int, staging_bound: int):
+    """``(buckets with staging offsets, window lengths or () for one at a time, staging bytes)``."""
+    if most == 1:
+        return buckets, (), max((b.nbytes for b in buckets), default=0)
+    out: list[Bucket] = []
+    lengths: list[int] = []
+    used = peak = 0
+    moved = [0, 0]
+    carried = [0, 0]
+    for b in buckets:
+        dirs = _directions(b, device)
+        start = aligned(used)
+        full = lengths and (
+            lengths[-1] >= most
+            or start + b.nbytes > max(staging_bound, b.nbytes)
+            or any(carried[d] and moved[d] + b.nbytes > moved_bound for d in dirs)
+        )
+        if full or not lengths:
+            lengths.append(0)
+            start = used = 0
+            moved, carried = [0, 0], [0, 0]
+        out.append(replace(b, staging=start))
+        used = start + b.nbytes
+        peak = max(peak, used)
+        for d in dirs:
+            moved[d] += b.nbytes
+            carried[d] += 1
+        lengths[-1] += 1
+    return out, tuple(lengths), peak
+
+

@@ -1,0 +1,176 @@
+"""Batches (no Ray, no torch): for random trees of problems over one pair of meshes, packing keeps
+every slice, lays pieces out alike on every member of a bucket, stays within the bucket bound and
+the staging buffer, survives a msgpack round trip, and an independent interpreter that packs and
+unpacks bucket bytes as the executor does, then runs each tensor's program, produces exactly every
+destination shard. Pytrees flatten and rebuild as state dicts expect."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, defaultdict, namedtuple
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from problems import SETTINGS, mesh_pairs, placements, regions_by_device
+from test_program import expected, interpret, sl
+
+from reshard import STRATEGIES, Layout, compile_reshard
+from reshard.batch import PIECE_ALIGN
+from reshard.compile import BatchItem, compile_batch
+from reshard.dtypes import ITEMSIZE
+from reshard.errors import PlanError
+from reshard.packing import pack_batch, packable
+from reshard.program import Program
+from reshard.pytree import flatten, leaves_in_order_of, same_structure, unflatten
+from reshard.serialize import decode_batch_device_program
+from reshard.validate import validate_batch
+
+pytestmark = pytest.mark.unit
+
+STORAGE = {"bfloat16": "int16", "bool": "uint8"}
+
+
+@st.composite
+def batches(draw):
+    src_mesh, dst_mesh = draw(mesh_pairs())
+    items = []
+    for _ in range(draw(st.integers(1, 6))):
+        ndim = draw(st.integers(0, 3))
+        shape = tuple(draw(st.lists(st.integers(0, 7), min_size=ndim, max_size=ndim)))
+        src = Layout(src_mesh, placements(draw, src_mesh.ndim, ndim)).for_shape(shape)
+        dst = Layout(dst_mesh, placements(draw, dst_mesh.ndim, ndim)).for_shape(shape)
+        items.append(BatchItem(shape, draw(st.sampled_from(sorted(ITEMSIZE))), src, dst))
+    return items, draw(st.sampled_from(sorted(STRATEGIES))), draw(st.sampled_from([1, 64, 400, 1 << 20]))
+
+
+def full_of(item: BatchItem, seed: int) -> np.ndarray:
+    storage = np.dtype(STORAGE.get(item.dtype, item.dtype))
+    return (np.arange(math.prod(item.shape)) * 7 + seed).astype(storage).reshape(item.shape)
+
+
+def interpret_batch(compiled, items, fulls) -> dict[tuple[int, int], np.ndarray]:
+    """Every device's buckets in order (the sender packs its pieces into a byte buffer at their
+    offsets, each receiver unpacks its own out of it), then each tensor's remaining program
+    (``interpret``). Returns ``{(tensor, device): destination shard}``."""
+    batch = compiled.program
+    landed: dict = {}
+    by_step = defaultdict(dict)
+    for p in batch.devices:
+        for b in p.buckets:
+            by_step[b.step][p.device] = b
+    src = {
+        (t, d): fulls[t][sl(box)] for t, item in enumerate(items) for d, box in regions_by_device(item.src, item.shape).items()
+    }
+    for step in sorted(by_step):
+        buckets = by_step[step]
+        sender = buckets[next(iter(buckets.values())).group[0]]
+        wire = np.zeros(sender.nbytes, np.uint8)
+        for q in sender.pieces:
+            a = src[(q.tensor, sender.group[0])][sl(q.box)]
+            wire[q.offset : q.offset + q.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        for d, b in buckets.items():
+            if d == sender.group[0]:
+                continue
+            for q in b.pieces:
+                dtype = fulls[q.tensor].dtype
+                landed[(q.tensor, d, q.box)] = wire[q.offset : q.offset + q.nbytes].view(dtype)
+    out = {}
+    for t, item in enumerate(items):
+        parts = [p.part(t) for p in batch.devices if p.part(t) is not None]
+        program = Program(item.dtype, item.shape, tuple(part.program for part in parts))
+        got = interpret(program, item.src, fulls[t]) if parts else {}
+        for d, box in regions_by_device(item.dst, item.shape).items():
+            shard = got.get(d, np.zeros([hi - lo for lo, hi in box], fulls[t].dtype)).copy()
+            for (tt, dd, pbox), data in landed.items():
+                if (tt, dd) == (t, d):
+                    shard[sl(pbox)] = data.reshape([hi - lo for lo, hi in pbox])
+            out[(t, d)] = shard
+    return out
+
+
+@SETTINGS
+@given(batches(), st.sampled_from([1, 4]))
+def test_packed_batches_are_valid_and_exact(case, window_ops):
+    items, strategy, bucket_bytes = case
+    from reshard.compile import CompileOptions
+
+    compiled = compile_batch(
+        items, strategy=strategy, options=CompileOptions(window_ops=window_ops), bucket_bytes=bucket_bytes
+    )
+    batch = compiled.program
+    validate_batch(batch)
+    fulls = [full_of(item, t) for t, item in enumerate(items)]
+    got = interpret_batch(compiled, items, fulls)
+    for t, item in enumerate(items):
+        for d, want in expected(item.dst, fulls[t]).items():
+            np.testing.assert_array_equal(got[(t, d)], want, err_msg=f"tensor {t} device {d}")
+    packed = [t for t, c in enumerate(compiled.tensors) if packable(c.program, bucket_bytes)]
+    for p in batch.devices:
+        for b in p.buckets:
+            assert all(q.offset % PIECE_ALIGN == 0 for q in b.pieces)
+            assert b.nbytes <= bucket_bytes or len(b.pieces) == 1
+            assert {q.tensor for q in b.pieces} <= set(packed)
+        for part in p.parts:
+            if part.tensor in packed:
+                assert not part.program.connect and not part.program.staging_bytes
+        program, _ = decode_batch_device_program(compiled.blobs[p.device])
+        assert program == p
+
+
+def test_small_tensors_share_buckets_and_big_ones_stream():
+    """Twenty small tensors from 2 to 2 devices without shared memory: a bucket per pair carries all
+    their slices, while a tensor over the bound keeps its own messages."""
+    from topology import Mesh
+
+    src_mesh, dst_mesh = Mesh((2,), (0, 1), (0, 1)), Mesh((2,), (2, 3), (2, 3))
+    from reshard import Replicate, Shard
+
+    small = [BatchItem((64,), "float32", Layout(src_mesh, (Shard(0),)), Layout(dst_mesh, (Shard(0),)))] * 20
+    big = BatchItem((1 << 16,), "float32", Layout(src_mesh, (Replicate(),)), Layout(dst_mesh, (Shard(0),)))
+    compiled = compile_batch([*small, big], strategy="send_recv", bucket_bytes=64 << 10)
+    batch = compiled.program
+    assert batch.buckets == 2  # 0 -> 2 and 1 -> 3, every small tensor's slice in them
+    assert sum(len(b.pieces) for b in batch.for_device(2).buckets) == 20
+    big_part = batch.for_device(2).part(20)
+    assert big_part is not None and any(op.step >= 0 for op in big_part.program.ops)
+    assert not packable(compiled.tensors[20].program, 64 << 10)
+
+
+def test_validate_batch_rejects_mismatched_buckets():
+    from dataclasses import replace
+
+    from topology import Mesh
+
+    src_mesh, dst_mesh = Mesh((1,), (0,), (0,)), Mesh((1,), (1,), (1,))
+    from reshard import Replicate
+
+    item = BatchItem((8,), "int32", Layout(src_mesh, (Replicate(),)), Layout(dst_mesh, (Replicate(),)))
+    batch = pack_batch([compile_reshard(item.shape, item.dtype, item.src, item.dst).program] * 2)
+    receiver = batch.for_device(1)
+    bucket = receiver.buckets[0]
+    moved = replace(bucket, pieces=(replace(bucket.pieces[0], offset=bucket.pieces[0].offset + PIECE_ALIGN),
+                                    *bucket.pieces[1:]))  # fmt: skip
+    broken = replace(batch, devices=(batch.for_device(0), replace(receiver, buckets=(moved,))))
+    with pytest.raises(PlanError, match="pieces reach|lay out different"):
+        validate_batch(broken)
+
+
+def test_pytrees_flatten_and_rebuild_state_dicts():
+    Pair = namedtuple("Pair", "a b")
+    tree = {"h": [{"w": 1, "b": 2}, {"w": 3, "b": None}], "o": OrderedDict(x=4), "t": (5, Pair(6, 7))}
+    leaves, paths, treedef = flatten(tree, lambda x: isinstance(x, int))
+    assert leaves == [1, 2, 3, 4, 5, 6, 7]
+    assert paths == ["h.0.w", "h.0.b", "h.1.w", "o.x", "t.0", "t.1.a", "t.1.b"]
+    rebuilt = unflatten(treedef, [v * 10 for v in leaves])
+    assert rebuilt == {"h": [{"w": 10, "b": 20}, {"w": 30, "b": None}], "o": OrderedDict(x=40), "t": (50, Pair(60, 70))}
+    assert type(rebuilt["o"]) is OrderedDict and type(rebuilt["t"][1]) is Pair
+    assert flatten(5, lambda x: isinstance(x, int))[1] == [""]
+    other = {"t": (0, [0, 0]), "o": {"x": 0}, "h": [{"b": 0, "w": 0}, {"w": 0, "b": None}]}
+    _, _, other_def = flatten(other, lambda x: isinstance(x, int))
+    assert same_structure(treedef, other_def) is None
+    assert leaves_in_order_of(treedef, other_def, list(range(7))) == [5, 4, 6, 3, 0, 1, 2]
+    assert "keys" in same_structure(treedef, flatten({"h": 1}, lambda x: isinstance(x, int))[2])
+    with pytest.raises(TypeError, match="at h.0"):
+        flatten({"h": [object()]}, lambda x: isinstance(x, int))
