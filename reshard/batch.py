@@ -83,7 +83,9 @@ class BatchDeviceProgram:
 
     def __post_init__(self):
         if self.windows and (sum(self.windows) != len(self.buckets) or min(self.windows) < 1):
-            raise ValueError(f"device {self.device}: windows {self.windows} do not cover its {len(self.buckets)} buckets")
+            raise ValueError(
+                f"device {self.device}: windows {self.windows} do not cover its {len(self.buckets)} buckets"
+            )
         tensors = [p.tensor for p in self.parts]
         if tensors != sorted(set(tensors)):
             raise ValueError(f"device {self.device}: parts must be in tensor order, each once: {tensors}")

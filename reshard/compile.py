@@ -17,9 +17,9 @@ from functools import lru_cache
 from reshard.batch import BatchProgram
 from reshard.layout import Layout
 from reshard.lowering import lower_plan
+from reshard.packing import BUCKET_BYTES, pack_batch
 from reshard.plan import ReshardPlan
 from reshard.planner import plan_reshard
-from reshard.packing import BUCKET_BYTES, pack_batch
 from reshard.program import Buffer, Group, Program, Publish, Pull
 from reshard.pulls import last_write, to_pulls
 from reshard.sequencing import OVERLAP_COPY_BYTES, WINDOW_BYTES, WINDOW_STAGING_BYTES, sequence_program
@@ -171,13 +171,15 @@ class CompiledBatch:
 
 @dataclass(frozen=True, slots=True)
 class BatchItem:
-    """One tensor of a batch: its ``shape`` and ``dtype``, from ``src`` to ``dst``; ``publishers``
-    as ``compile_reshard`` takes it (None: every device with a domain)."""
+    """One tensor of a batch: its ``shape`` and ``dtype``, from ``src`` to ``dst``; ``domains`` and
+    ``publishers`` as ``compile_reshard`` takes them (``domains`` as sorted ``(device, domain)``
+    pairs; ``publishers`` None: every device with a domain)."""
 
     shape: tuple[int, ...]
     dtype: str
     src: Layout
     dst: Layout
+    domains: tuple[tuple[int, Hashable], ...] = ()
     publishers: frozenset[int] | None = None
 
 
@@ -186,7 +188,6 @@ def compile_batch(
     *,
     strategy: str = "auto",
     cluster=None,
-    domains: Mapping[int, Hashable | None] | None = None,
     options: CompileOptions = CompileOptions(),
     bucket_bytes: int = BUCKET_BYTES,
 ) -> CompiledBatch:
@@ -194,14 +195,13 @@ def compile_batch(
     ``compile_reshard`` does (cached per problem), then the small ones' messages packed into
     buckets of at most ``bucket_bytes`` (``reshard.packing``), validated and encoded per device.
     Cached by its inputs."""
-    shared = tuple(sorted((d, dom) for d, dom in (domains or {}).items() if dom is not None))
-    return _compile_batch(tuple(items), strategy, cluster, shared, options, int(bucket_bytes))
+    return _compile_batch(tuple(items), strategy, cluster, options, int(bucket_bytes))
 
 
 @lru_cache(maxsize=64)
-def _compile_batch(items, strategy, cluster, domains, options, bucket_bytes) -> CompiledBatch:
+def _compile_batch(items, strategy, cluster, options, bucket_bytes) -> CompiledBatch:
     singles = tuple(
-        _compile(i.shape, i.dtype, i.src, i.dst, strategy, cluster, domains, i.publishers, options) for i in items
+        _compile(i.shape, i.dtype, i.src, i.dst, strategy, cluster, i.domains, i.publishers, options) for i in items
     )
     batch = pack_batch(
         [c.program for c in singles], bucket_bytes=bucket_bytes, window_ops=options.window_ops,

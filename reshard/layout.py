@@ -55,7 +55,9 @@ class Layout:
     def from_spec(cls, mesh, spec) -> Layout:
         """A layout by mesh axis names: ``{"tp": Shard(0)}`` (axes not named are replicated) or a
         PartitionSpec-like sequence over the TENSOR dims, each entry a mesh axis name, a tuple of
-        names (outermost first) or None: ``("dp", None)`` shards dim 0 over axis ``dp``."""
+        names (outermost first, as JAX reads it; the names of one entry must come in mesh order,
+        else ValueError: that split has no layout here) or None: ``("dp", None)`` shards dim 0 over
+        axis ``dp``."""
         mesh_ = getattr(mesh, "mesh", mesh)
         names = mesh_.axis_names
         if not names:
@@ -72,8 +74,17 @@ class Layout:
                 placements[axis(name)] = as_placement(p)
             return cls(mesh_, placements)
         for dim, entry in enumerate(spec):
-            for name in () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry):
-                a = axis(name)
+            entry_names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            order = [axis(name) for name in entry_names]
+            if order != sorted(order):
+                in_mesh = tuple(names[a] for a in sorted(order))
+                raise ValueError(
+                    f"spec {tuple(spec)}: entry {tuple(entry_names)} splits dim {dim} by {entry_names[0]!r} outermost "
+                    f"(as JAX and DTensor read it), but a layout here splits the axes of one dim in mesh order, "
+                    f"{in_mesh[0]!r} outermost: that order has no placement here. List them as {in_mesh} (a "
+                    "different layout of the data) or build the mesh with its axes in the spec's order"
+                )
+            for name, a in zip(entry_names, order, strict=True):
                 if placements[a] != Replicate():
                     raise ValueError(f"spec {tuple(spec)} uses mesh axis {name!r} twice")
                 placements[a] = Shard(dim)

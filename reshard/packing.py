@@ -193,5 +193,3 @@ def _windows(buckets: list[Bucket], device: int, most: int, moved_bound: int, st
             carried[d] += 1
         lengths[-1] += 1
     return out, tuple(lengths), peak
-
-

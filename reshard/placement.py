@@ -92,6 +92,12 @@ def as_placement(p) -> Placement:
                     f"torch Partial with reduce op {op!r} has no counterpart; use one of sum, avg, max, min"
                 )
             return Partial(_TORCH_OPS[op])
+        if name == "_StridedShard":
+            raise ValueError(
+                f"torch's {p!r} (a strided shard: several mesh axes split dim {p.dim} in an order other than the "
+                "mesh's, as FSDP2 over tensor parallelism does) has no counterpart here; redistribute it to plain "
+                "Shard placements first (DTensor.redistribute) or share its local shards with an explicit Layout"
+            )
     raise TypeError(
         f"placements must be Shard(dim), Replicate() or Partial(op) values (ours or torch.distributed.tensor's), "
         f"got {p!r}"

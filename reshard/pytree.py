@@ -52,7 +52,9 @@ def flatten(tree, is_leaf: Callable[[Any], bool]) -> tuple[list, list[str], Tree
             return TreeDef("dict", type(node), keys, tuple(walk(node[k], (*path, k)) for k in keys))
         if isinstance(node, tuple) and hasattr(node, "_fields"):
             fields = node._fields
-            return TreeDef("namedtuple", type(node), (), tuple(walk(v, (*path, f)) for f, v in zip(fields, node)))
+            return TreeDef(
+                "namedtuple", type(node), (), tuple(walk(v, (*path, f)) for f, v in zip(fields, node, strict=True))
+            )
         if isinstance(node, list | tuple):
             kind = "list" if isinstance(node, list) else "tuple"
             return TreeDef(kind, type(node), (), tuple(walk(v, (*path, i)) for i, v in enumerate(node)))

@@ -165,7 +165,9 @@ def _bucket_obj(b: Bucket) -> list:
 
 def _bucket(obj) -> Bucket:
     step, group, pieces, nbytes, staging = obj
-    return Bucket(step, tuple(group), tuple(Piece(t, s, _box(box), o, n) for t, s, box, o, n in pieces), nbytes, staging)
+    return Bucket(
+        step, tuple(group), tuple(Piece(t, s, _box(box), o, n) for t, s, box, o, n in pieces), nbytes, staging
+    )
 
 
 def _meta_obj(meta: dict | None) -> list | None:

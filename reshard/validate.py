@@ -409,8 +409,10 @@ def validate_batch(batch: BatchProgram) -> None:
             for piece in b.pieces:
                 prog = parts.get(piece.tensor)
                 shape = None if prog is None else prog.src_shape if sender else prog.dst_shape
-                if shape is None or len(piece.box) != len(shape) or any(
-                    not 0 <= lo <= hi <= n for (lo, hi), n in zip(piece.box, shape, strict=True)
+                if (
+                    shape is None
+                    or len(piece.box) != len(shape)
+                    or any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(piece.box, shape, strict=True))
                 ):
                     raise PlanError(
                         f"device {p.device} bucket {b.step}: piece {piece.box} of tensor {piece.tensor} lies outside "

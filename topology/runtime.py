@@ -89,3 +89,13 @@ def claim_named(kind: str, name: str) -> int:
     if kv._internal_kv_put(key, str(n), overwrite=False, namespace=KV_NAMESPACE):
         n = int(kv._internal_kv_get(key, namespace=KV_NAMESPACE))  # another process was first
     return n
+
+
+def publish(key: str, value: bytes) -> None:
+    """Put ``value`` under ``key`` in the session's key-value store (any process of the job reads it)."""
+    _kv()._internal_kv_put(key, value, overwrite=True, namespace=KV_NAMESPACE)
+
+
+def lookup(key: str) -> bytes | None:
+    """What ``publish`` put under ``key`` in this session, or None."""
+    return _kv()._internal_kv_get(key, namespace=KV_NAMESPACE)

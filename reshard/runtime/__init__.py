@@ -1,20 +1,25 @@
 """Runtime layer: device actors on Ray, communicators, and the program interpreter.
 
-Modules: ``mesh`` (DeviceMesh, placement on nodes: ``placement``), ``tensor`` (ShardedTensor,
-distribute, reshard), ``driver`` (this process's controller) with ``registry`` (devices, meshes,
+Modules: ``mesh`` (DeviceMesh, placement on nodes: ``placement``), ``tensor`` (ShardedTensor),
+``loading`` (distribute, adopt), ``resharding`` (reshard of one tensor or a tree), ``work``
+(reshards in flight), ``driver`` (this process's controller) with ``registry`` (devices, meshes,
 ids, session), ``programs`` (the mirror of the devices' program caches), ``groups``
 (communicator groups) and ``dispatch`` (waiting and failure classification); ``messages`` (what
 controllers and actors say to each other), ``actor`` (the device actor) with ``inbox`` (ordered
-calls), ``shards`` (a device's memory), ``executor`` (runs one device program), ``communicator``
-(interfaces), ``backends`` (registry), ``gloo`` (CPU backend), ``shared_memory`` (shards in
-shared memory, peers' shards mapped for pulls); ``nccl`` (GPU backend) loads when a mesh asks for it.
+calls), ``shards`` (a device's memory), ``binding`` (a run's buffers), ``batches`` and
+``executor`` (run a device's batch program), ``communicator`` (interfaces), ``backends``
+(registry), ``gloo`` (CPU backend), ``shared_memory`` (shards in shared memory, peers' shards
+mapped for pulls); ``nccl`` (GPU backend) loads when a mesh asks for it.
 """
 
 from reshard.runtime.backends import BACKENDS, register_backend
 from reshard.runtime.communicator import Backend, Communicator, Rendezvous
 from reshard.runtime.driver import runtime
+from reshard.runtime.loading import adopt, distribute
 from reshard.runtime.mesh import DeviceMesh
-from reshard.runtime.tensor import ShardedTensor, adopt, distribute, lowered_reshard, reshard
+from reshard.runtime.resharding import lowered_reshard, reshard
+from reshard.runtime.tensor import ShardedTensor
+from reshard.runtime.work import Work
 
 
 def ensure_groups(groups, *, channel: str = "", timeout_s: float = 60.0) -> list:
@@ -35,6 +40,15 @@ def _nothing(ctx) -> None:
     return None
 
 
+def device_of(actor_instance):
+    """The ``DeviceContext`` of an actor attached as a device (``DeviceMesh.attach`` or
+    ``from_actors``), from inside it: ``device_of(self).share_state_dict(...)``."""
+    ctx = getattr(actor_instance, "_reshard_ctx", None)
+    if ctx is None:
+        raise RuntimeError("this actor is not a device of any mesh yet (DeviceMesh.attach attaches it)")
+    return ctx
+
+
 def runtime_stats() -> dict:
     """This process's controller counters: programs_shipped, runs, run_calls, rendezvous_calls,
     groups_created, failed_runs."""
@@ -43,7 +57,7 @@ def runtime_stats() -> dict:
 
 __all__ = [
     "BACKENDS", "Backend", "Communicator", "DeviceContext", "DeviceMesh", "DeviceRole", "Rendezvous", "ShardedTensor",
-    "adopt", "distribute",
+    "Work", "adopt", "device_of", "distribute",
     "ensure_groups", "lowered_reshard", "register_backend", "reshard", "runtime", "runtime_stats", "settle",
 ]  # fmt: skip
 

@@ -22,7 +22,6 @@ what it allocated and raises a ``ReshardError``.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -37,14 +36,16 @@ from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.program import DeviceProgram
 from reshard.runtime import arrays
+from reshard.runtime.batches import BatchRun, PreparedBatch, execute_batch, first_mismatch, prepare_batch
+from reshard.runtime.binding import Binding, checked_out
 from reshard.runtime.communicator import Backend, Communicator, PeerFailed
-from reshard.runtime.executor import PreparedProgram, Run, StagingBuffer, execute, prepare
+from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
 from reshard.runtime.groups import GroupCache, group_key
 from reshard.runtime.inbox import OrderedInbox
 from reshard.runtime.messages import RunRequest, RunResult, Ticket, Updates
 from reshard.runtime.shards import ShardStore
 from reshard.runtime.shared_memory import PeerShards, RelayBoard, SharedShards
-from reshard.serialize import decode_device_program
+from reshard.serialize import decode_batch_device_program
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ BUFFER_POOL_BYTES = 256 << 20
 ASSEMBLY_BYTES = 256 << 20
 STAGING_KEEP_BYTES = 64 << 20
 NO_DEADLINE = float("inf")
+#: How long after a run's deadline a commit still waits for the other participants' runs to end.
+VOTE_GRACE_S = 5.0
 
 
 class ControllerState:
@@ -60,7 +63,7 @@ class ControllerState:
 
     def __init__(self, ctx: DeviceContext):
         self.groups = GroupCache(ctx.backend, ctx.device, float(ctx.options.get("op_timeout_s", 300.0)))
-        self.programs: OrderedDict[int, PreparedProgram] = OrderedDict()
+        self.programs: OrderedDict[int, PreparedBatch] = OrderedDict()
         self.staging = StagingBuffer(ctx.device_type, int(ctx.options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))
         self.active: tuple[str, tuple] | None = None  # (destination name, group keys) of the run in progress
         self.cancelled = threading.Event()  # the run in progress was aborted by the controller
@@ -95,6 +98,7 @@ class DeviceContext:
         self.controllers: dict[str, ControllerState] = {}
         self.inbox = OrderedInbox()
         self.before_op = None
+        self.after_run = None  # a test hook: fn(runs by tensor) after a batch ran, before its checksums
         self.extensions: dict[str, object] = {}  # state that libraries on the runtime keep here (pipelines)
         self.peak_bytes = 0  # destination (twice if assembled) + staging bytes of the last run
         self.assembled = False  # the last run assembled its destination apart (``ShardStore``)
@@ -213,6 +217,27 @@ class DeviceContext:
             mesh_shape=tuple(mesh.shape), coordinate=tuple(mesh.get_coordinate() or ()),
         )  # fmt: skip
 
+    def share_state_dict(self, state_dict, prefix: str = ""):
+        """``share`` every tensor of a state dict (nested dicts, lists and tuples too), each under
+        its key (``prefix`` first, e.g. ``"policy."``): a DTensor (FSDP2's ``model.state_dict()``)
+        with its placements (``from_dtensor``), a plain tensor as it is. No copy. Returns the same
+        tree of names, what ``adopt`` takes on the driver."""
+        from reshard.pytree import flatten, unflatten
+
+        def leaf(x) -> bool:
+            return arrays.is_numpy(x) or hasattr(x, "untyped_storage")
+
+        leaves, paths, treedef = flatten(state_dict, leaf)
+        names = []
+        for path, t in zip(paths, leaves, strict=True):
+            name = f"{prefix}{path}"
+            if type(t).__name__ == "DTensor":
+                self.from_dtensor(name, t.detach())
+            else:
+                self.share(name, t.detach() if hasattr(t, "detach") else t)
+            names.append(name)
+        return unflatten(treedef, names)
+
     def to_dtensor(self, name: str, device_mesh):
         """Shard ``name`` as a torch DTensor over ``device_mesh`` (the user's torch DeviceMesh, whose
         shape and rank order must be this mesh's), no copy."""
@@ -256,7 +281,7 @@ class DeviceContext:
             state.staging.reserve(program.staging_bytes)
             tmp = self.store.allocate(program.src_shape, prepared.dtype) if program.tmp else None
             run = Run(prepared, src, dst, peers or {}, groups, state.staging, deadline, self.before_op, tmp,
-                      getattr(self.backend, "grouped", None))  # fmt: skip
+                      self.backend.grouped if self.backend.batches else None)  # fmt: skip
             stats = execute(run)
             run = None  # the scratch buffer's other reference
             self.store.recycle(tmp)
@@ -334,7 +359,7 @@ class DeviceRole:
 
     def reshard_attach(self, device: int, backend: Backend, options: dict) -> dict:
         """Become device ``device`` (once): set up the device context; returns ``reshard_ready()``."""
-        if self._reshard_ctx is not None:
+        if getattr(self, "_reshard_ctx", None) is not None:
             raise RuntimeError(
                 f"this actor is device {self._reshard_ctx.device} of a mesh already; "
                 "detach it (DeviceMesh.shutdown) before attaching it again"
@@ -351,7 +376,7 @@ class DeviceRole:
     @property
     def reshard_device(self) -> DeviceContext:
         """This actor's device context (shards, ``share``/``local``/``empty``/DTensor helpers)."""
-        if self._reshard_ctx is None:
+        if getattr(self, "_reshard_ctx", None) is None:
             raise RuntimeError("this actor is not a device of any mesh yet (DeviceMesh.from_actors attaches it)")
         return self._reshard_ctx
 
@@ -372,31 +397,37 @@ class DeviceRole:
 
     # ---------------------------------------------------------------- shards
 
-    def reshard_load(self, ticket: Ticket, name: str, holder: str, array, box, dtype: str, deadline: float):
-        """Keep ``array[box]`` (a read-only object-store array; None: zeros of the box's shape) as
-        shard ``name`` held by ``holder``; returns its shared-memory descriptor (None: private)."""
-        ctx = self._reshard_ctx
-        with ctx.inbox.turn(ticket, deadline, f"loading {name}"):
-            _check_deadline(ctx.device, deadline, f"loading {name}")
-            shape = tuple(hi - lo for lo, hi in box)
+    def reshard_load(self, ticket: Ticket, entries, data, deadline: float) -> dict:
+        """Keep shards: per entry ``(name, index, box, dtype)``, ``data[index][box]`` (arrays read
+        only, from the object store; index None: zeros of the box's shape) as shard ``name``. All
+        or none: a failure, or an abort of the load (named by its first shard), keeps nothing.
+        Returns each shard's shared-memory descriptor (None: private) by name."""
+        ctx = getattr(self, "_reshard_ctx", None)
+        run = entries[0][0]
+        with ctx.inbox.turn(ticket, deadline, f"loading {run}"):
+            _check_deadline(ctx.device, deadline, f"loading {run}")
+            made = []
             t = None
             try:
-                if array is None:
-                    t = ctx.store.allocate(shape, dtype)
-                    t[...] = 0
-                else:
-                    t = ctx.store.allocate_destination(shape, dtype)
-                    arrays.copy(t, array[(*(slice(lo, hi) for lo, hi in box), Ellipsis)])
-                    t = ctx.store.settle(t)
+                for _, index, box, dtype in entries:
+                    shape = tuple(hi - lo for lo, hi in box)
+                    if index is None:
+                        t = ctx.store.allocate(shape, dtype)
+                        t[...] = 0
+                    else:
+                        t = ctx.store.allocate_destination(shape, dtype)
+                        arrays.copy(t, data[index][(*(slice(lo, hi) for lo, hi in box), Ellipsis)])
+                        t = ctx.store.settle(t)
+                    made.append(t)
+                    t = None
             except BaseException as e:
                 ctx.store.abandon(t)
                 if not isinstance(e, MemoryError | RuntimeError | OSError):
                     raise
-                raise ReshardError(
-                    f"device {ctx.device}: could not allocate its shard {name} of shape {shape}: {e}"
-                ) from e
-            ctx.store.put(name, t, holder)
-            return ctx.store.descriptor(t)
+                raise ReshardError(f"device {ctx.device}: could not allocate the shards of {run}: {e}") from e
+            if not ctx.store.put_run(run, [(e[0], a, None, False) for e, a in zip(entries, made, strict=True)]):
+                raise PeerFailed(f"device {ctx.device}: the controller aborted loading {run}")
+            return {e[0]: ctx.store.descriptor(a) for e, a in zip(entries, made, strict=True)}
 
     def reshard_fetch(self, name: str) -> np.ndarray:
         """Shard ``name`` as a numpy array (bfloat16 as its int16 bit pattern)."""
@@ -408,21 +439,30 @@ class DeviceRole:
     # A hold or free still in flight when the mesh closed finds no shards left: nothing to do.
 
     def reshard_acquire(self, ticket: Ticket, name: str, holder: str) -> bool:
-        ctx = self._reshard_ctx
+        ctx = getattr(self, "_reshard_ctx", None)
         if ctx is None:
             return False
         with ctx.inbox.turn(ticket, NO_DEADLINE):
             return ctx.store.acquire(name, holder)
 
     def reshard_release(self, ticket: Ticket, name: str, holder: str) -> None:
-        ctx = self._reshard_ctx
+        ctx = getattr(self, "_reshard_ctx", None)
         if ctx is None:
             return
         with ctx.inbox.turn(ticket, NO_DEADLINE):
             ctx.store.release(name, holder)
 
+    def reshard_holds(self, ticket: Ticket, changes) -> None:
+        """Holds taken and let go, in order: ``(acquire, name, holder)`` each."""
+        ctx = getattr(self, "_reshard_ctx", None)
+        if ctx is None:
+            return
+        with ctx.inbox.turn(ticket, NO_DEADLINE):
+            for acquire, name, holder in changes:
+                (ctx.store.acquire if acquire else ctx.store.release)(name, holder)
+
     def reshard_free(self, ticket: Ticket, *names: str) -> int:
-        ctx = self._reshard_ctx
+        ctx = getattr(self, "_reshard_ctx", None)
         if ctx is None:
             return 0
         with ctx.inbox.turn(ticket, NO_DEADLINE):
@@ -432,7 +472,7 @@ class DeviceRole:
 
     def reshard_update(self, ticket: Ticket, updates: Updates, connect=(), deadline: float = NO_DEADLINE) -> None:
         """Apply controller updates; then connect ``connect`` (group keys, in that order)."""
-        ctx = self._reshard_ctx
+        ctx = getattr(self, "_reshard_ctx", None)
         with ctx.inbox.turn(ticket, deadline, "a group update"):
             state = ctx.controller(ticket.controller)
             state.apply(updates)
@@ -445,24 +485,21 @@ class DeviceRole:
 
     def reshard_run(self, req: RunRequest) -> RunResult:
         t0 = time.monotonic()
-        ctx = self._reshard_ctx
+        ctx = getattr(self, "_reshard_ctx", None)
         state = ctx.controller(req.ticket.controller)
-        with ctx.inbox.turn(req.ticket, req.deadline, f"the reshard into {req.dst_name}"):
+        with ctx.inbox.turn(req.ticket, req.deadline, f"the reshard {req.run}"):
             state.apply(req.updates)  # bookkeeping is never lost, even when the run is dropped
             return self._reshard_run(req, state, t0)
 
     def _reshard_run(self, req: RunRequest, state: ControllerState, t0: float) -> RunResult:
-        ctx = self._reshard_ctx
+        ctx = getattr(self, "_reshard_ctx", None)
         deadline = _monotonic(req.deadline)
-        prepared = None
-        dst = None
         keys: list = []
-        slot = None  # this run's slot on the relay board, when it publishes
-        relayed_from: dict = {}  # holder -> descriptor of the destination shard relays were pulled from
+        binding = None
         try:
             if req.blob is not None:
-                dtype, program = decode_device_program(req.blob)
-                state.programs[req.program_id] = prepare(program, dtype)
+                program, metas = decode_batch_device_program(req.blob)
+                state.programs[req.program_id] = prepare_batch(program, metas)
                 ctx.counters["programs_received"] += 1
             prepared = state.programs.get(req.program_id)
             if prepared is None:
@@ -472,65 +509,30 @@ class DeviceRole:
             state.programs.move_to_end(req.program_id)
             keys = [group_key(g) for g in prepared.groups]
             state.cancelled = threading.Event()
-            state.active = (req.dst_name, tuple(keys))
+            state.active = (req.run, tuple(keys))
             if time.monotonic() >= deadline:
                 ctx.counters["dropped_late"] += 1
                 raise ReshardTimeout(f"device {ctx.device}: the reshard's deadline passed before it started here")
-            prog = prepared.program
-            dtype = prepared.dtype
-            src = None
-            if prog.src_shape is not None:
-                src = ctx.store.get(req.src_name)
-                if src is None:
-                    raise ReshardError(f"device {ctx.device}: source shard {req.src_name!r} is missing (tensor freed?)")
-            peers = {}
-            if req.pulls:
-                peers = {h: ctx.peers.get(h, desc, arrays.storage(dtype)) for h, desc in req.pulls.items()}
-                ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
-            if prog.dst_shape is not None and req.direct:
-                dst = self._out(req.out, prog.dst_shape, dtype)
-            elif prog.dst_shape is not None:
-                try:
-                    if prog.publishes:  # peers read it while the run goes on: in place
-                        dst = ctx.store.allocate(prog.dst_shape, dtype)
-                    else:
-                        dst = ctx.store.allocate_destination(prog.dst_shape, dtype)
-                except (MemoryError, RuntimeError, OSError) as e:
-                    raise ReshardError(
-                        f"device {ctx.device}: could not allocate its destination shard {prog.dst_shape}: {e}"
-                    ) from e
-            publish = relayed = None
-            if prog.publishes:
-                slot = self._open_slot(req, dst)
-                publish = functools.partial(ctx.board.post, slot)
-            if prog.relays:
-                relayed = self._relay_source(req, prog, dtype, deadline, state.cancelled, relayed_from)
-            state.groups.connect(keys, deadline - time.monotonic())
-            state.staging.reserve(prog.staging_bytes)
-            tmp = ctx.store.allocate(prog.src_shape, dtype) if prog.tmp else None
-            ctx.assembled = ctx.store.assembled(dst)  # its shard is made at the end: twice its bytes then
-            ctx.peak_bytes = (0 if dst is None else int(dst.nbytes) * (1 + ctx.assembled)) + state.staging.nbytes
-            ctx.counters["runs"] += 1
+            binding = Binding(ctx, req, prepared)
             channel = _Channel(state.groups, "")
-            batch = getattr(ctx.backend, "grouped", None)
-            run = Run(prepared, src, dst, peers, channel, state.staging, deadline, ctx.before_op, tmp, batch,
-                      relayed, publish)  # fmt: skip
-            stats = execute(run)
-            run = None  # the scratch buffer's other reference
-            ctx.store.recycle(tmp)
-            if not req.direct:
-                dst = ctx.store.settle(dst)
-            for h, desc in [*(req.pulls or {}).items(), *relayed_from.items()]:
-                ctx.peers.check(h, desc)  # still the shards pulled from: none was freed meanwhile
+            batch = ctx.backend.grouped if ctx.backend.batches else None
+            runs = binding.runs(channel, state.staging, deadline, state.cancelled, ctx.before_op, batch)
+            state.groups.connect(keys, deadline - time.monotonic())
+            state.staging.reserve(prepared.staging_bytes)
+            ctx.assembled = binding.assembled  # its shards are made at the end: twice their bytes then
+            ctx.peak_bytes = binding.dst_bytes + state.staging.nbytes
+            ctx.counters["runs"] += 1
+            run = BatchRun(prepared, runs, channel, state.staging, deadline, ctx.before_op, batch, ctx.after_run)
+            stats = execute_batch(run, verify=req.verify)
+            run = runs = None  # the scratch buffers' other references
+            binding.recycle()
+            binding.settle(deadline, late_fails=req.commit)
+            descriptors = binding.keep(prepared.metas)
         except BaseException as e:
             ctx.counters["failed_runs"] += 1
-            ctx.store.abandon(dst)
+            if binding is not None:
+                binding.release()
             state.groups.abort(keys, f"it failed: {type(e).__name__}")  # peers fail fast
-            if slot is not None:
-                ctx.board.fail(slot)  # devices pulling relays from this one fail fast too
-                if not req.direct:
-                    ctx.store.end(dst)
-            dst = None
             if isinstance(e, ReshardError):
                 raise
             if isinstance(e, Exception):
@@ -539,97 +541,61 @@ class DeviceRole:
         finally:
             state.active = None
             state.staging.trim()
-        desc = None
-        if dst is not None and not req.direct:
-            if not ctx.store.put(req.dst_name, dst, req.dst_name, req.meta, begun=slot is not None):
-                raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard into {req.dst_name}")
-            desc = ctx.store.descriptor(dst)
-        elif dst is not None:
-            desc = ctx.store.descriptor(dst)
-        return RunResult(time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], ctx.peak_bytes, desc)
+        return RunResult(time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], ctx.peak_bytes, descriptors,
+                         stats["checks"])  # fmt: skip
 
-    def _open_slot(self, req: RunRequest, dst) -> int:
-        """A board slot for this run's publications, naming its destination shard (given its
-        tenure now: peers pull from it while the run goes on)."""
-        ctx = self._reshard_ctx
-        block = ctx.store.descriptor(dst) if req.direct else ctx.store.begin(dst)
-        if ctx.board is None or block is None:
-            raise ReshardError(
-                f"device {ctx.device}: the program has peers pull relays out of its destination shard, but "
-                f"{'it has no relay board' if ctx.board is None else 'that shard is not in shared memory'}"
-            )
-        return ctx.board.open(req.dst_name, block)
+    def reshard_describe(self, ticket: Ticket, names, deadline: float) -> list[dict]:
+        """What this device holds under each of ``names``: its local shape, dtype name,
+        shared-memory descriptor, and what its owner said of it (``DeviceContext.share``: global
+        ``shape``, ...)."""
+        ctx = getattr(self, "_reshard_ctx", None)
+        with ctx.inbox.turn(ticket, deadline, f"describing {len(names)} shard(s)"):
+            out = []
+            for name in names:
+                t = ctx.store.get(name)
+                if t is None:
+                    ctx.local(name)  # raises, naming the shard
+                out.append({
+                    "local_shape": tuple(t.shape), "dtype": arrays.dtype_of(t), "descriptor": ctx.store.descriptor(t),
+                    **(ctx.store.meta.get(name) or {}),
+                })  # fmt: skip
+            return out
 
-    def _relay_source(self, req: RunRequest, prog: DeviceProgram, dtype: str, deadline: float, cancelled,
-                      pulled: dict):  # fmt: skip
-        """``relayed(holder, after)`` for the executor: the holder's destination shard once it
-        published ``after`` slices, its descriptor recorded in ``pulled`` (checked after the run)."""
-        ctx = self._reshard_ctx
-        boards = req.relays or {}
-        missing = [h for h, _ in prog.relays if h not in boards]
-        if missing:
-            raise ReshardError(f"device {ctx.device}: no relay board was given for device(s) {missing} it pulls from")
-        shapes = dict(prog.relays)
-        storage = arrays.storage(dtype)
+    def reshard_commit(self, ticket: Ticket, run: str, pairs, votes, deadline: float, verify: bool = False) -> bool:
+        """The second half of a reshard into users' tensors: once every participant's run
+        (``votes``, their result refs) succeeded, copy each staged result into its output
+        (``pairs``: ``(staged, out)``); if one failed, or some did not end by ``deadline`` plus
+        ``VOTE_GRACE_S``, leave the outputs as they are. Drops the staged results either way.
+        Every device decides on the same votes, so all outputs change or none do."""
+        ctx = getattr(self, "_reshard_ctx", None)
+        with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
+            failed = _failed_vote(votes, _monotonic(deadline) + VOTE_GRACE_S, verify)
+            try:
+                if failed is None:
+                    for staged, out in pairs:
+                        src = ctx.store.get(staged)
+                        if src is None:
+                            raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
+                        arrays.copy(checked_out(ctx, out, src.shape, arrays.dtype_of(src)), src)
+            finally:
+                for staged, _ in pairs:
+                    ctx.store.free(staged)
+            if failed is not None:
+                raise PeerFailed(f"device {ctx.device}: {run} not committed: {failed}")
+            return True
 
-        def relayed(holder: int, after: int):
-            shard, block = ctx.peers.relay(
-                holder, boards[holder], req.dst_name, after, shapes[holder], storage, deadline, cancelled.is_set
-            )
-            pulled[holder] = block
-            return shard
-
-        return relayed
-
-    def _out(self, name: str, shape, dtype: str):
-        """The user's tensor a reshard writes into, checked against what the program writes."""
-        t = self._reshard_ctx.store.get(name)
-        device = self._reshard_ctx.device
-        if t is None:
-            raise ReshardError(f"device {device}: the output shard {name!r} is gone (unshared or freed)")
-        have = arrays.dtype_of(t)
-        if tuple(t.shape) != tuple(shape) or have != dtype or not arrays.contiguous(t):
-            raise ReshardError(
-                f"device {device}: output shard {name!r} is {have}{list(t.shape)}, the reshard writes "
-                f"{dtype}{list(shape)} (contiguous)"
-            )
-        return t
-
-    def reshard_describe(self, ticket: Ticket, name: str, deadline: float) -> dict:
-        """What this device holds under ``name``: its local shape, dtype name, shared-memory
-        descriptor, and what its owner said of it (``DeviceContext.share``: global ``shape``, ...)."""
-        ctx = self._reshard_ctx
-        with ctx.inbox.turn(ticket, deadline, f"describing {name}"):
-            t = ctx.store.get(name)
-            if t is None:
-                ctx.local(name)  # raises, naming the shard
-            return {
-                "local_shape": tuple(t.shape), "dtype": arrays.dtype_of(t), "descriptor": ctx.store.descriptor(t),
-                **(ctx.store.meta.get(name) or {}),
-            }  # fmt: skip
-
-    def reshard_commit(self, ticket: Ticket, staged: str, out: str, deadline: float) -> None:
-        """Copy the staged result ``staged`` into the output shard ``out`` and drop it (the second
-        phase of a reshard into a user's tensor)."""
-        ctx = self._reshard_ctx
-        with ctx.inbox.turn(ticket, deadline, f"committing {staged} into {out}"):
-            src = ctx.store.get(staged)
-            if src is not None:
-                arrays.copy(self._out(out, src.shape, arrays.dtype_of(src)), src)
-                ctx.store.free(staged)
-
-    def reshard_abort_run(self, controller: str, dst_name: str | None, group_drops=()) -> None:
-        """The controller gave up on a reshard: drop its destination shard (now, or when the run
-        finishes), abort its groups if it is still running (peers blocked on them fail at once)
-        and drop the given group generations."""
-        ctx = self._reshard_ctx
-        if dst_name is not None:
-            ctx.store.tombstone(dst_name)
+    def reshard_abort_run(self, controller: str, run: str | None, drop=(), group_drops=()) -> None:
+        """The controller gave up on run ``run``: a part of it still to come keeps nothing, shards
+        it made (``drop``) go now, and if it is still running here its groups are aborted (peers
+        blocked on them fail at once); then the given group generations are dropped."""
+        ctx = getattr(self, "_reshard_ctx", None)
+        if run is not None:
+            ctx.store.tombstone(run, drop)
         state = ctx.controllers.get(controller)
         if state is None:
             return
         active = state.active
-        if active is not None and active[0] == dst_name:
+        if active is not None and active[0] == run:
             state.cancelled.set()
             state.groups.abort(active[1], "the controller aborted the reshard")
         state.groups.abort([k for k, gen in group_drops if state.groups.generation(k) == gen], "dropped")
@@ -638,7 +604,7 @@ class DeviceRole:
 
     def reshard_call(self, ticket: Ticket, fn, args, kwargs, deadline: float):
         """Run ``fn(ctx, *args, **kwargs)`` on this device in the controller's order."""
-        ctx = self._reshard_ctx
+        ctx = getattr(self, "_reshard_ctx", None)
         with ctx.inbox.turn(ticket, deadline, f"call({getattr(fn, '__name__', fn)})"):
             ctx._local.controller = ticket.controller
             try:
@@ -647,7 +613,7 @@ class DeviceRole:
                 ctx._local.controller = None
 
     def reshard_stats(self) -> dict:
-        ctx = self._reshard_ctx
+        ctx = getattr(self, "_reshard_ctx", None)
         groups = {}
         programs = []
         for cid, state in list(ctx.controllers.items()):
@@ -670,7 +636,7 @@ class DeviceRole:
     def reshard_close(self) -> None:
         """Leave the mesh: close the communicators and drop the shards (a user's own tensors it
         shared stay theirs); the actor may be attached again."""
-        ctx = self._reshard_ctx
+        ctx = getattr(self, "_reshard_ctx", None)
         if ctx is None:
             return
         for state in ctx.controllers.values():
@@ -703,8 +669,8 @@ class DeviceActor(DeviceRole):
         return DeviceRole.reshard_fetch(self, name)
 
     @ray.method(concurrency_group=CONTROL)
-    def reshard_abort_run(self, controller: str, dst_name: str | None, group_drops=()) -> None:
-        DeviceRole.reshard_abort_run(self, controller, dst_name, group_drops)
+    def reshard_abort_run(self, controller: str, run: str | None, drop=(), group_drops=()) -> None:
+        DeviceRole.reshard_abort_run(self, controller, run, drop, group_drops)
 
     @ray.method(concurrency_group=CONTROL)
     def reshard_stats(self) -> dict:
@@ -713,6 +679,30 @@ class DeviceActor(DeviceRole):
     @ray.method(concurrency_group=CONTROL)
     def reshard_close(self) -> None:
         DeviceRole.reshard_close(self)
+
+
+def _failed_vote(votes, until: float, verify: bool) -> str | None:
+    """None once every vote (a run's result ref) succeeded (with ``verify``: and every received
+    slice matches what its sender read); else why not: the first that failed, or the ones that did
+    not end before ``until`` (monotonic)."""
+    waiting = list(votes)
+    results = []
+    while waiting:
+        left = until - time.monotonic()
+        if left <= 0:
+            return f"{len(waiting)} participant(s) had not ended their run in time"
+        ready, waiting = ray.wait(waiting, num_returns=1, timeout=left)
+        for ref in ready:
+            try:
+                results.append(ray.get(ref, timeout=max(1.0, left)))
+            except Exception as e:
+                text = str(e).strip().splitlines()
+                return text[-1] if text else type(e).__name__
+    if verify:
+        found = first_mismatch(dict(enumerate(r.checks for r in results)))
+        if found is not None:
+            return f"tensor {found[0]} step {found[1]}: a received slice differs from what its sender read"
+    return None
 
 
 def _check_deadline(device: int, deadline: float, what: str) -> None:

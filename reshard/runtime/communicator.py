@@ -9,6 +9,7 @@ an actor side (``Backend.connect``: build this member's communicator from that i
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 
 from reshard.errors import ReshardError
@@ -100,6 +101,13 @@ class Backend(abc.ABC):
     name: str
     #: torch device type of the buffers this backend moves ("cpu" for gloo, "cuda" for NCCL).
     device_type: str = "cpu"
+    #: whether ``grouped`` issues the operations inside it as one call (NCCL's group calls).
+    batches: bool = False
+
+    def grouped(self, timeout_s: float | None = None):
+        """A context inside which operations are issued as one call and waited for together (only
+        where ``batches``; elsewhere each runs as it is issued)."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def rendezvous(self, groups: list[Group], actors: dict[int, object]) -> list[Rendezvous]:

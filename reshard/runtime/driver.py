@@ -28,13 +28,15 @@ import threading
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 
 from reshard.errors import ReshardError
 from reshard.runtime.dispatch import Outcome, failure_error, gather
 from reshard.runtime.groups import GroupKey, GroupTable, group_key
-from reshard.runtime.messages import DeviceState, FailureKind, RunRequest, Ticket, Updates
+from reshard.runtime.messages import DeviceState, FailureKind, RunRequest, Ticket, Updates, shard_name
 from reshard.runtime.programs import ProgramCache
 from reshard.runtime.registry import DeviceRecord, DeviceRegistry
+from reshard.runtime.work import WorkQueue
 from topology.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,23 @@ CLEANUP_S = 1.5  # how long a failed call waits for the survivors to drop its pa
 DESCRIBE_S = 1.0  # how long a failure message waits for the devices to say what they are doing
 JANITOR_IDLE_S = 5.0  # an idle janitor thread ends after this (the next release starts one)
 INTACT = "The source tensor is intact; the partial destination shards were freed."
+
+
+@dataclass
+class Pending:
+    """A submitted batch: its run calls and commit calls by device, and what finishing or
+    abandoning it needs (``made``: the new shards each device makes)."""
+
+    compiled: object
+    run: str
+    refs: dict
+    commits: dict
+    pid: int
+    deadline: float
+    what: str
+    timeout_s: float | None
+    made: dict
+    results: dict | None = None  # every run's result, once all succeeded
 
 
 class Runtime:
@@ -55,6 +74,7 @@ class Runtime:
         self.backends: dict[str, object] = {}
         self.stats: Counter = Counter()
         self.last_run: dict = {}  # device -> RunResult of the last successful reshard
+        self.works = WorkQueue()
         self._names = itertools.count(1)
         self._group_drops: dict[int, list] = {}
         self._rendezvous: dict[GroupKey, object] = {}  # live group -> its rendezvous (to abort it)
@@ -174,14 +194,16 @@ class Runtime:
 
     # ---------------------------------------------------------------- reshards
 
-    def execute(self, compiled, src_name: str | None, dst_name: str, deadline: float, what: str,
-                timeout_s: float | None, shared: dict, *, out: str | None = None, direct: bool = False,
-                meta: dict | None = None) -> dict:  # fmt: skip
-        """Run a compiled reshard (``reshard.compile``): one ordered ``run`` call per participant.
-        ``shared`` maps source devices to their shards' shared-memory descriptors (for pulls);
-        ``out``/``direct``: the existing shard the result is for (``RunRequest``); ``meta``: per
-        destination device, what its shard is a shard of. Returns ``{device: RunResult}``; raises
-        a ``ReshardError`` after ``abandon``."""
+    def submit_batch(self, compiled, sources, run: str, deadline: float, what: str, timeout_s: float | None, *,
+                     outs=None, direct: bool = False, verify: bool = False) -> Pending:  # fmt: skip
+        """Submit a compiled batch (``reshard.compile.compile_batch``): one ordered ``run`` call per
+        participant. ``sources[t]``: tensor ``t``'s source shard name and ``{device: shared-memory
+        descriptor}`` (for pulls); ``outs[t]``: the user's shard its result is for (None: a new
+        shard ``shard_name(run, t)``), written into ``direct``ly, else staged and committed by an
+        ordered ``commit`` call on each destination device, submitted now behind its run, which
+        waits for every participant's run (``reshard_commit``). ``finish_batch`` waits."""
+        program = compiled.program
+        commit = outs is not None and not direct
         with self.lock:
             recs = self.registry.check(compiled.participants, what)
             backend = recs[0].backend if recs else "gloo"
@@ -190,34 +212,87 @@ class Runtime:
             wall = _wall(deadline)
             refs = {}
             for rec in recs:
+                parts = program.for_device(rec.id).parts
                 blob = self.programs.to_ship(rec.id, pid, compiled.blobs[rec.id], rec.max_programs)
                 self.stats["programs_shipped"] += blob is not None
                 upd = self.updates_for(rec.id, sets.get(rec.id, ()))
-                holders = compiled.pull_sources.get(rec.id)
-                pulls = {h: shared[h] for h in holders} if holders else None
+                names = tuple(sources[p.tensor][0] if p.program.src_shape is not None else None for p in parts)
+                pulls = {t: {h: sources[t][1][h] for h in holders}
+                         for t, holders in compiled.pull_sources.get(rec.id, {}).items()} or None  # fmt: skip
                 relaying = compiled.relay_sources.get(rec.id)
                 relays = {h: self.registry.devices[h].board for h in relaying} if relaying else None
-                req = (pid, blob, upd or None, src_name, dst_name, wall, pulls, out, direct, (meta or {}).get(rec.id),
-                       relays)  # fmt: skip
+                mine = None
+                if outs is not None:
+                    mine = tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
+                req = (pid, blob, upd or None, run, wall, names, pulls, mine, direct, relays, commit, verify)
                 refs[rec.id] = self.submit(
                     rec, lambda t, rec=rec, req=req: rec.actor.reshard_run.remote(RunRequest(t, *req))
                 )
+            commits = {}
+            if commit:
+                votes = list(refs.values())
+                for rec in recs:
+                    pairs = tuple((shard_name(run, p.tensor), outs[p.tensor]) for p in program.for_device(rec.id).parts
+                                  if p.program.dst_shape is not None)  # fmt: skip
+                    if pairs:
+                        commits[rec.id] = self.submit(
+                            rec, lambda t, rec=rec, pairs=pairs: rec.actor.reshard_commit.remote(
+                                t, run, pairs, votes, wall, verify)
+                        )  # fmt: skip
             self.stats["runs"] += 1
-            self.stats["run_calls"] += len(refs)
-        try:
-            outcome = gather(refs, deadline)
-        except BaseException:  # KeyboardInterrupt, or Ray failing under us
-            self.abandon(refs, dst_name, compiled.groups, pid, Outcome(pending=sorted(refs)))
-            raise
-        if outcome.ok:
-            self.last_run = outcome.results
-            return outcome.results
-        asked = self.ask(outcome.pending)  # before the cleanup: a stuck device costs one wait, not two
-        self.abandon(refs, dst_name, compiled.groups, pid, outcome)
-        raise failure_error(outcome, what, timeout_s, tail=f"{self.describe(outcome.pending, asked)}{INTACT}")
+            self.stats["run_calls"] += len(refs) + len(commits)
+        made = {} if outs is not None else {
+            d: tuple(shard_name(run, p.tensor) for p in program.for_device(d).parts if p.program.dst_shape is not None)
+            for d in refs
+        }  # fmt: skip
+        return Pending(compiled, run, refs, commits, pid, deadline, what, timeout_s, made)
 
-    def abandon(self, refs: dict, dst_name: str | None, groups, pid: int | None, outcome: Outcome) -> None:
-        """Clean up after a failed call (module docstring); bounded by ``CLEANUP_S``."""
+    def finish_batch(self, pending: Pending) -> dict:
+        """Wait for a submitted batch (and its commits): ``{device: RunResult}``; on failure,
+        ``abandon`` it and raise a ``ReshardError`` (module docstring). With commits, every
+        output changed or none did: all runs succeeded (if late, within the cleanup), or the
+        commits left the outputs as they were."""
+        refs = pending.refs
+        try:
+            outcome = gather(refs, pending.deadline)
+        except BaseException:  # KeyboardInterrupt, or Ray failing under us
+            self.abandon_batch(pending, Outcome(pending=sorted(refs)))
+            raise
+        if not outcome.ok:
+            asked = self.ask(outcome.pending)  # before the cleanup: a stuck device costs one wait, not two
+            self.abandon_batch(pending, outcome)
+            if pending.commits and outcome.pending and not outcome.failures:
+                late = gather({d: refs[d] for d in outcome.pending}, time.monotonic() + CLEANUP_S, settle_s=None)
+                if late.ok:  # the runs ended before the abort reached them: the commit goes on
+                    outcome.results.update(late.results)
+                    outcome.pending = []
+            if not outcome.ok:
+                tail = "The outputs were left as they were. " if pending.commits else ""
+                raise failure_error(
+                    outcome,
+                    pending.what,
+                    pending.timeout_s,
+                    tail=f"{self.describe(outcome.pending, asked)}{tail}{INTACT}",
+                )
+        pending.results = outcome.results
+        if pending.commits:
+            done = gather(pending.commits, max(pending.deadline, time.monotonic()) + CLEANUP_S)
+            if not done.ok:
+                for d in done.died:
+                    self.mark_dead(d, f"actor died while committing: {_first(done.failures[d].error)}")
+                raise failure_error(
+                    done, f"{pending.what}: committing", pending.timeout_s,
+                    tail="Every run succeeded, so every device that did not fail holds the new values.",
+                )  # fmt: skip
+        self.last_run = outcome.results
+        return outcome.results
+
+    def abandon_batch(self, pending: Pending, outcome: Outcome) -> None:
+        self.abandon(pending.refs, pending.run, pending.made, pending.compiled.groups, pending.pid, outcome)
+
+    def abandon(self, refs: dict, run: str | None, made: dict, groups, pid: int | None, outcome: Outcome) -> None:
+        """Clean up after a failed call (module docstring); bounded by ``CLEANUP_S``. ``run``: what
+        the devices must keep nothing of; ``made[device]``: the shards it made there, dropped now."""
         keys = [group_key(g) for g in groups]
         with self.lock:
             self.stats["failed_runs"] += 1
@@ -241,7 +316,7 @@ class Runtime:
                     continue
                 mine = [(k, gen) for k, gen in drops if d in k[1]]
                 try:
-                    acks[d] = rec.actor.reshard_abort_run.remote(self.id, dst_name, mine)
+                    acks[d] = rec.actor.reshard_abort_run.remote(self.id, run, made.get(d, ()), mine)
                 except Exception as e:  # the actor may be going away as well
                     log.warning("cleanup of device %d failed: %s", d, e)
             for k, gen in drops:  # members outside the call get the drops with their next one
@@ -357,20 +432,34 @@ class Runtime:
 
     def flush_holds(self) -> None:
         """Submit the queued holds now (in this thread)."""
-        while True:
-            try:
-                acquire, devices, name, holder = self._held.get_nowait()
-            except queue.Empty:
-                return
-            (self.acquire if acquire else self.release)(devices, name, holder)
+        self._submit_holds(self._drain())
 
     def _sweep(self) -> None:
         while True:
             try:
-                acquire, devices, name, holder = self._held.get(timeout=JANITOR_IDLE_S)
+                first = self._held.get(timeout=JANITOR_IDLE_S)
             except queue.Empty:
                 return  # started again by the next hold_later
-            (self.acquire if acquire else self.release)(devices, name, holder)
+            self._submit_holds([first, *self._drain()])
+
+    def _drain(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self._held.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _submit_holds(self, changes) -> None:
+        """Queued holds and releases, one ordered call per device for all of its (in queue order:
+        a whole tree of handles let go costs one call per device)."""
+        per_device: dict[int, list] = {}
+        for acquire, devices, name, holder in changes:
+            for d in devices:
+                per_device.setdefault(d, []).append((acquire, name, holder))
+        for d, mine in per_device.items():
+            mine = tuple(mine)
+            self._fire([d], lambda rec, mine=mine: lambda t: rec.actor.reshard_holds.remote(t, mine))
 
     def acquire(self, devices, name: str, holder: str) -> None:
         self._fire(devices, lambda rec: lambda t: rec.actor.reshard_acquire.remote(t, name, holder))

@@ -265,8 +265,14 @@ def execute(run: Run) -> dict:
     """Run ``run.prepared`` (module docstring). Returns ``{"elapsed_s", "comm_s"}``; raises
     ``ReshardError`` / ``ReshardTimeout``; the caller aborts the program's groups on failure."""
     t0 = time.monotonic()
-    prepared = run.prepared
-    prog = prepared.program
+    _begin(run)
+    _run_program(run)
+    return {"elapsed_s": time.monotonic() - t0, "comm_s": run.comm_s}
+
+
+def _begin(run: Run) -> None:
+    """Check the run's buffers against its program and zero a destination that starts as zeros."""
+    prog = run.prepared.program
     _check_buffer("source", run.src, prog.src_shape, run.dtype, run.device)
     _check_buffer("destination", run.dst, prog.dst_shape, run.dtype, run.device)
     if prog.tmp:
@@ -274,6 +280,10 @@ def execute(run: Run) -> dict:
     if prog.zero_dst:
         run.dst[...] = 0
     _check_peers(prog, run)
+
+
+def _run_program(run: Run) -> None:
+    prepared = run.prepared
     background = None
     if prepared.background:
         background = _helper_thread().submit(_run_local, run, prepared.background)
@@ -283,7 +293,6 @@ def execute(run: Run) -> dict:
     finally:
         if background is not None:
             background.result()  # re-raises a copy error; never leaves a thread writing dst
-    return {"elapsed_s": time.monotonic() - t0, "comm_s": run.comm_s}
 
 
 def _run_local(run: Run, steps) -> None:

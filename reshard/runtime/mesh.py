@@ -237,13 +237,16 @@ class DeviceMesh:
         startup_timeout_s: float = 120.0,
         buffer_pool_bytes: int = 256 << 20,
         assembly_bytes: int = 256 << 20,
+        staging_keep_bytes: int = 64 << 20,
+        torch_threads: int = 0,
     ) -> DeviceMesh:
         """A mesh over the user's own Ray actors (flat order), whose classes mix in
         ``reshard.runtime.DeviceRole``: each actor becomes a device (``reshard_attach``) and keeps
         its state; its code shares its tensors (``self.reshard_device.share(...)``) for
         ``reshard.runtime.adopt``, and reshards write into its memory (``reshard(..., out=...)``).
         Hosts: the actors' Ray nodes when they sit on several, else logical hosts as in ``create``.
-        ``shutdown()`` detaches the actors and leaves them running."""
+        ``torch_threads`` (0: as they are) sets torch's threads in the actors. ``shutdown()``
+        detaches the actors and leaves them running. Actors of any class: ``attach``."""
         actors = list(actors)
         probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)
         if len(actors) != probe.size:
@@ -273,6 +276,8 @@ class DeviceMesh:
             "op_timeout_s": _positive_seconds("op_timeout_s", op_timeout_s),
             "buffer_pool_bytes": int(buffer_pool_bytes),
             "assembly_bytes": int(assembly_bytes),
+            "staging_keep_bytes": _byte_count("staging_keep_bytes", staging_keep_bytes, "0 keeps none"),
+            "torch_threads": _byte_count("torch_threads", torch_threads, "0 leaves them as they are"),
             "device_type": spec.device_type,
             "shared_memory": bool(shared_memory) and spec.device_type == "cpu",
         }
@@ -289,6 +294,22 @@ class DeviceMesh:
             (max_communicators, max_programs), f"DeviceMesh.from_actors{probe.shape}",
             owned=False, attached=True,
         )  # fmt: skip
+
+    @classmethod
+    def attach(cls, actors, shape, **options) -> DeviceMesh:
+        """A mesh over ANY existing Ray actors (flat order), as they are: Ray Train, vLLM or verl
+        workers, whose classes a user cannot change. The runtime's calls reach them through Ray's
+        ``actor.__ray_call__`` (``reshard.runtime.attach``) and queue behind the actors' own work.
+        Inside, code reaches its device as ``reshard.runtime.device_of(self)`` (``share``,
+        ``share_state_dict``, ``local``, ...). Options as ``from_actors``; ``shutdown()`` detaches."""
+        from reshard.runtime.attach import CallProxy
+
+        proxies = []
+        for a in actors:
+            if not hasattr(a, "__ray_call__"):
+                raise TypeError(f"DeviceMesh.attach needs Ray actor handles, got {a!r}")
+            proxies.append(CallProxy(a))
+        return cls.from_actors(proxies, shape, **options)
 
     @classmethod
     def _register(
@@ -328,6 +349,7 @@ class DeviceMesh:
             records = rt.registry.add(records)
         dmesh = cls(mesh, name, records, _token=_PRIVATE, **flags)
         rt.registry.register_mesh(dmesh)
+        rt.registry.publish_mesh(dmesh)
         return dmesh
 
     @classmethod
@@ -370,6 +392,7 @@ class DeviceMesh:
         mesh = Mesh(probe.shape, devices, hosts, axis_names=axis_names)
         dmesh = cls(mesh, backends.pop(), records, owned=False, _token=_PRIVATE)
         rt.registry.register_mesh(dmesh)
+        rt.registry.publish_mesh(dmesh)
         return dmesh
 
     # ---------------------------------------------------------------- pickling
@@ -527,6 +550,11 @@ class DeviceMesh:
         self._closed = "it was shut down" if self.owned else "this view was shut down"
         rt = runtime()
         rt.registry.unregister_mesh(self, reason)
+        if ray.is_initialized() and (self.owned or self.attached):
+            try:
+                rt.registry.unpublish_mesh(self.mesh, reason)
+            except Exception as e:  # Ray is going away
+                log.debug("%r: %s", self, e)
         if self.attached:  # the user's actors: detach them, leave them running
             live = [r for r in self._records if r.state is DeviceState.ALIVE]
             rt.close_devices(self.device_ids, reason)

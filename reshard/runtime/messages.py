@@ -50,41 +50,51 @@ class Updates:
         return bool(self.group_drops or self.group_sets or self.program_drops)
 
 
+def shard_name(run: str, tensor: int) -> str:
+    """The name of run ``run``'s new destination shard of tensor ``tensor`` (its index in the batch)."""
+    return f"{run}/{tensor}"
+
+
 @dataclass(frozen=True, slots=True)
 class RunRequest:
-    """Run program ``program_id`` (decoding ``blob`` first when given) over source shard
-    ``src_name`` into a new destination shard ``dst_name`` before ``deadline``. ``pulls`` maps each
-    device this one pulls from to its source shard's shared-memory descriptor, ``relays`` each
-    device it pulls relays from to its relay board's. ``out``: an existing
-    shard (a user's tensor) the result is for: written into directly when ``direct``, else kept
-    under ``dst_name`` until ``reshard_commit``. ``meta``: what the destination shard is a shard of
-    (global shape, placements, mesh shape, this device's coordinate)."""
+    """Run batch program ``program_id`` (decoding ``blob`` first when given) before ``deadline``:
+    run ``run``, whose new destination shard of tensor ``t`` is ``shard_name(run, t)``. Per part of
+    this device's program, in order: ``sources``, the name of its source shard (None: it holds
+    none), and ``outs``, the user's shard its result is for (None: a new tensor), written into
+    directly when ``direct``, else kept under its own name until ``reshard_commit``. ``pulls`` maps
+    each tensor to ``{holder: descriptor}`` of the source shards this device pulls; ``relays`` each
+    device it pulls relays from to its relay board's descriptor. ``commit``: results wait for a
+    commit, and a run that ends after its deadline fails. ``verify``: return checksums
+    (``reshard.runtime.batches``)."""
 
     ticket: Ticket
     program_id: int
     blob: bytes | None
     updates: Updates | None
-    src_name: str | None
-    dst_name: str
+    run: str
     deadline: float
+    sources: tuple = ()
     pulls: dict | None = None
-    out: str | None = None
+    outs: tuple | None = None
     direct: bool = False
-    meta: dict | None = None
     relays: dict | None = None
+    commit: bool = False
+    verify: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
     """``run_s``: the actor's whole call; ``elapsed_s``: its program; ``comm_s``: inside
-    communication calls; ``peak_bytes``: destination (twice when assembled apart) + staging bytes
-    it held; ``descriptor``: how peers map the new destination shard (None: not in shared memory)."""
+    communication calls; ``peak_bytes``: destinations (twice when assembled apart) + staging bytes
+    it held; ``descriptors``: per tensor, how peers map its new destination shard (None: not in
+    shared memory); ``checks``: with ``verify``, ``[(tensor, step, "read" | "wrote", crc)]``."""
 
     run_s: float
     elapsed_s: float
     comm_s: float
     peak_bytes: int
-    descriptor: tuple | None = None
+    descriptors: dict = field(default_factory=dict)
+    checks: list | None = None
 
 
 @dataclass(frozen=True, slots=True)

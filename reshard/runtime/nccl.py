@@ -603,6 +603,8 @@ class NcclBackend(Backend):
       gpu_sharing      ``GpuSharing`` (or its value): how ranks on one GPU are made acceptable to NCCL.
     """
 
+    batches = True
+
     name = "nccl"
     device_type = "cuda"  # the torch device type of the buffers this backend moves
     gpus_per_device = 1.0

@@ -272,6 +272,21 @@ class ShardStore:
                 self.meta[name] = meta
             return True
 
+    def put_run(self, run: str, entries) -> bool:
+        """Keep every ``(name, t, meta, begun)`` of run ``run`` (held by its own name), or, when
+        the run was aborted meanwhile (``tombstone``), none of them."""
+        with self._lock:
+            if run in self._tombstones:
+                self._tombstones.pop(run)
+                for _, t, _, begun in entries:
+                    if begun:
+                        self.end(t)
+                    self.pool.put(t, 2)
+                return False
+            for name, t, meta, begun in entries:
+                self.put(name, t, name, meta, begun=begun)
+            return True
+
     def share(self, name: str, t, meta: dict) -> None:
         """Make the user's tensor ``t`` shard ``name`` (no copy; held by its user until ``unshare``)."""
         with self._lock:
@@ -320,13 +335,16 @@ class ShardStore:
         with self._lock:
             return self._drop(name)
 
-    def tombstone(self, name: str) -> None:
-        """The controller gave up on the run that makes ``name``: drop it now or when it arrives."""
+    def tombstone(self, run: str, names=()) -> None:
+        """The controller gave up on run ``run`` (a reshard, or a load named by its shard): a
+        ``put`` of it that comes later keeps nothing; ``names``, shards it made already, are
+        dropped now."""
         with self._lock:
-            if not self._drop(name):
-                self._tombstones[name] = None
-                while len(self._tombstones) > TOMBSTONES:
-                    self._tombstones.popitem(last=False)
+            for name in names:
+                self._drop(name)
+            self._tombstones[run] = None
+            while len(self._tombstones) > TOMBSTONES:
+                self._tombstones.popitem(last=False)
 
     def _drop(self, name: str) -> bool:
         t = self.shards.pop(name, None)

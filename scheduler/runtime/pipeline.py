@@ -61,7 +61,7 @@ from reshard.regions import box_shape, layout_regions
 from reshard.runtime.dispatch import failure_error
 from reshard.runtime.driver import runtime
 from reshard.runtime.messages import FailureKind
-from reshard.runtime.tensor import compile_options
+from reshard.runtime.resharding import compile_options
 from scheduler.ir import Schedule
 from scheduler.pipeline_plan import Lane, PipelinePlan, plan_pipeline
 from scheduler.runtime import worker as stage_worker

@@ -546,7 +546,8 @@ class StageWorker:
             staging.reserve(program.staging_bytes)
             try:
                 deadline = time.monotonic() + max(it.remaining_s(), 1e-3)
-                batch = getattr(self.device_ctx.backend, "grouped", None)
+                backend = self.device_ctx.backend
+                batch = backend.grouped if backend.batches else None
                 execute(Run(prepared, src, dst, {}, groups, staging, deadline, self.device_ctx.before_op, None, batch))
             finally:
                 staging.trim()

@@ -61,7 +61,9 @@ def interpret_batch(compiled, items, fulls) -> dict[tuple[int, int], np.ndarray]
         for b in p.buckets:
             by_step[b.step][p.device] = b
     src = {
-        (t, d): fulls[t][sl(box)] for t, item in enumerate(items) for d, box in regions_by_device(item.src, item.shape).items()
+        (t, d): fulls[t][sl(box)]
+        for t, item in enumerate(items)
+        for d, box in regions_by_device(item.src, item.shape).items()
     }
     for step in sorted(by_step):
         buckets = by_step[step]

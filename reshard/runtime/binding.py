@@ -1,0 +1,193 @@
+"""Binding a batch to one device's memory: the buffers each part of a run reads and writes.
+
+For every part (one tensor of the batch): its source shard, found by the name the controller gave;
+the peers' source shards it pulls, mapped read-only by their descriptors; its destination, which is
+the user's tensor itself when the run writes ``direct`` into it, else a new shard (written in place
+when peers pull relays out of it while the run goes on, else assembled apart and settled into
+fresh shared memory: ``ShardStore``); its relay board slot when it publishes; its scratch buffer.
+``release`` undoes what a failed run bound, so that nothing is left behind; ``keep`` turns a
+successful run's destinations into named shards.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from reshard.errors import ReshardError, ReshardTimeout
+from reshard.runtime import arrays
+from reshard.runtime.batches import PreparedBatch
+from reshard.runtime.communicator import PeerFailed
+from reshard.runtime.executor import Run
+from reshard.runtime.messages import RunRequest, shard_name
+
+
+class Binding:
+    """What one run bound on a device (module docstring)."""
+
+    def __init__(self, ctx, req: RunRequest, prepared: PreparedBatch):
+        self.ctx = ctx
+        self.req = req
+        self.prepared = prepared
+        self.dsts: dict[int, object] = {}  # tensor -> destination (a new shard, or the user's tensor)
+        self.slots: dict[int, int] = {}  # tensor -> relay board slot
+        self.tmps: dict[int, object] = {}
+        self.pulled: dict[int, dict] = {}  # tensor -> {holder: descriptor of the shard pulled from}
+        self.relayed: dict[int, dict] = {}  # tensor -> {holder: descriptor of the destination shard relayed from}
+
+    def runs(self, groups, staging, deadline: float, cancelled, before_op, batch) -> dict[int, Run]:
+        """A ``Run`` per part, its buffers bound (module docstring)."""
+        ctx, req = self.ctx, self.req
+        sources = req.sources or (None,) * len(self.prepared.parts)
+        outs = req.outs or (None,) * len(self.prepared.parts)
+        if len(sources) != len(self.prepared.parts) or len(outs) != len(self.prepared.parts):
+            raise ReshardError(
+                f"device {ctx.device}: the run names {len(sources)} sources for {len(self.prepared.parts)} parts"
+            )
+        runs = {}
+        for prepared, source, out in zip(self.prepared.parts, sources, outs, strict=True):
+            prog, dtype = prepared.program, prepared.dtype
+            tensor = self.prepared.program.parts[len(runs)].tensor
+            src = None
+            if prog.src_shape is not None:
+                src = ctx.store.get(source)
+                if src is None:
+                    raise ReshardError(f"device {ctx.device}: source shard {source!r} is missing (tensor freed?)")
+            pulls = (req.pulls or {}).get(tensor) or {}
+            peers = {h: ctx.peers.get(h, desc, arrays.storage(dtype)) for h, desc in pulls.items()}
+            self.pulled[tensor] = dict(pulls)
+            dst = None
+            if prog.dst_shape is not None:
+                dst = self.dsts[tensor] = self._destination(tensor, prog, dtype, out)
+            publish = relayed = None
+            if prog.publishes:
+                self.slots[tensor] = self._open_slot(tensor, dst)
+                publish = functools.partial(ctx.board.post, self.slots[tensor])
+            if prog.relays:
+                relayed = self._relay_source(tensor, prog, dtype, deadline, cancelled)
+            tmp = None
+            if prog.tmp:
+                tmp = self.tmps[tensor] = ctx.store.allocate(prog.src_shape, dtype)
+            runs[tensor] = Run(prepared, src, dst, peers, groups, staging, deadline, before_op, tmp, batch, relayed,
+                               publish)  # fmt: skip
+        if req.pulls:
+            ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
+        return runs
+
+    def _destination(self, tensor: int, prog, dtype: str, out: str | None):
+        ctx = self.ctx
+        if self.req.direct:
+            return self._out(out, prog.dst_shape, dtype)
+        try:
+            if prog.publishes:  # peers read it while the run goes on: in place
+                return ctx.store.allocate(prog.dst_shape, dtype)
+            return ctx.store.allocate_destination(prog.dst_shape, dtype)
+        except (MemoryError, RuntimeError, OSError) as e:
+            raise ReshardError(
+                f"device {ctx.device}: could not allocate its destination shard {prog.dst_shape}: {e}"
+            ) from e
+
+    def _out(self, name: str | None, shape, dtype: str):
+        """The user's tensor a reshard writes into, checked against what the program writes."""
+        return checked_out(self.ctx, name, shape, dtype)
+
+    def _open_slot(self, tensor: int, dst) -> int:
+        """A board slot for a part's publications, naming its destination shard (given its tenure
+        now: peers pull from it while the run goes on)."""
+        ctx = self.ctx
+        block = ctx.store.descriptor(dst) if self.req.direct else ctx.store.begin(dst)
+        if ctx.board is None or block is None:
+            raise ReshardError(
+                f"device {ctx.device}: the program has peers pull relays out of its destination shard, but "
+                f"{'it has no relay board' if ctx.board is None else 'that shard is not in shared memory'}"
+            )
+        return ctx.board.open(shard_name(self.req.run, tensor), block)
+
+    def _relay_source(self, tensor: int, prog, dtype: str, deadline: float, cancelled):
+        """``relayed(holder, after)`` for the executor: the holder's destination shard of this
+        tensor once it published ``after`` slices, its descriptor recorded (checked after the run)."""
+        ctx = self.ctx
+        boards = self.req.relays or {}
+        missing = [h for h, _ in prog.relays if h not in boards]
+        if missing:
+            raise ReshardError(f"device {ctx.device}: no relay board was given for device(s) {missing} it pulls from")
+        shapes = dict(prog.relays)
+        storage = arrays.storage(dtype)
+        name = shard_name(self.req.run, tensor)
+        seen = self.relayed.setdefault(tensor, {})
+
+        def relayed(holder: int, after: int):
+            shard, block = ctx.peers.relay(
+                holder, boards[holder], name, after, shapes[holder], storage, deadline, cancelled.is_set
+            )
+            seen[holder] = block
+            return shard
+
+        return relayed
+
+    @property
+    def assembled(self) -> bool:
+        return any(self.ctx.store.assembled(d) for d in self.dsts.values())
+
+    @property
+    def dst_bytes(self) -> int:
+        return sum(int(d.nbytes) * (1 + self.ctx.store.assembled(d)) for d in self.dsts.values())
+
+    def recycle(self) -> None:
+        """Scratch buffers back to the pool (the runs that used them are gone)."""
+        for tensor in list(self.tmps):
+            self.ctx.store.recycle(self.tmps.pop(tensor))
+
+    def settle(self, deadline: float, late_fails: bool) -> None:
+        """After a successful run: destinations settled into their shared memory, every shard
+        pulled from checked still to be the one pulled (none was freed meanwhile); ``late_fails``:
+        a run that ends after its deadline fails (its results wait for a commit that has given up)."""
+        ctx = self.ctx
+        if not self.req.direct:
+            for tensor, dst in list(self.dsts.items()):
+                self.dsts[tensor] = ctx.store.settle(dst)
+        for seen in (*self.pulled.values(), *self.relayed.values()):
+            for h, desc in seen.items():
+                ctx.peers.check(h, desc)
+        if late_fails and time.monotonic() >= deadline:
+            raise ReshardTimeout(f"device {ctx.device}: the run ended after its deadline; its results are dropped")
+
+    def keep(self, metas: dict) -> dict[int, tuple | None]:
+        """The new destinations as named shards (``shard_name(run, tensor)``), all or none: a run
+        the controller aborted meanwhile keeps none. Returns each one's descriptor."""
+        ctx, run = self.ctx, self.req.run
+        if self.req.direct:
+            return {t: ctx.store.descriptor(d) for t, d in self.dsts.items()}
+        entries = [(shard_name(run, t), d, metas.get(t), t in self.slots) for t, d in self.dsts.items()]
+        if not ctx.store.put_run(run, entries):
+            raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
+        return {t: ctx.store.descriptor(d) for t, d in self.dsts.items()}
+
+    def release(self) -> None:
+        """Undo a failed run: new destinations dropped (the user's tensors are left as they are),
+        publications failed so that pullers fail fast, scratch freed."""
+        ctx = self.ctx
+        for tensor, dst in self.dsts.items():
+            ctx.store.abandon(dst)
+            slot = self.slots.get(tensor)
+            if slot is not None:
+                ctx.board.fail(slot)
+                if not self.req.direct:
+                    ctx.store.end(dst)
+        self.dsts.clear()
+        self.slots.clear()
+        self.tmps.clear()
+
+
+def checked_out(ctx, name: str | None, shape, dtype: str):
+    """The user's tensor ``name`` that a reshard writes into, checked against what it writes."""
+    t = None if name is None else ctx.store.get(name)
+    if t is None:
+        raise ReshardError(f"device {ctx.device}: the output shard {name!r} is gone (unshared or freed)")
+    have = arrays.dtype_of(t)
+    if tuple(t.shape) != tuple(shape) or have != dtype or not arrays.contiguous(t):
+        raise ReshardError(
+            f"device {ctx.device}: output shard {name!r} is {have}{list(t.shape)}, the reshard writes "
+            f"{dtype}{list(shape)} (contiguous)"
+        )
+    return t

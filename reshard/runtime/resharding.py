@@ -1,0 +1,308 @@
+"""reshard: move one tensor, or a whole tree of them (a model's state dict), to new layouts.
+
+Every call is one compiled reshard (``reshard.compile.compile_batch``): the tree's tensors are
+compiled together, their small messages packed into buckets, planned once per tree signature and
+replayed; the controller makes one ordered call per participating device (and, writing into users'
+tensors, one commit call behind it), whatever the number of tensors. ``async_op=True`` returns a
+``Work`` at once (``reshard.runtime.work``).
+"""
+
+from __future__ import annotations
+
+from reshard.compile import BatchItem, CompiledBatch, CompiledReshard, CompileOptions, compile_batch, planning_hosts
+from reshard.errors import ReshardError
+from reshard.layout import Layout
+from reshard.packing import BUCKET_BYTES
+from reshard.pytree import flatten, leaves_in_order_of, same_structure, unflatten
+from reshard.runtime.backends import backend_spec
+from reshard.runtime.batches import first_mismatch
+from reshard.runtime.driver import runtime
+from reshard.runtime.mesh import DeviceMesh
+from reshard.runtime.messages import shard_name
+from reshard.runtime.tensor import DEFAULT_TIMEOUT_S, ShardedTensor, check_timeout, deadline_of
+from reshard.sequencing import window_ops_for
+from topology.mesh import device_hosts
+
+
+def compile_options(backend: str) -> CompileOptions:
+    """How programs are sequenced for a backend's devices (GPUs copy on their streams; messages go
+    in windows of ``window_ops_for(backend)``)."""
+    window = window_ops_for(backend)
+    if backend_spec(backend).device_type != "cpu":
+        return CompileOptions(overlap_copy_bytes=None, window_ops=window)
+    return CompileOptions(window_ops=window)
+
+
+def memory_domains(tensor: ShardedTensor, dst_mesh: DeviceMesh) -> dict[int, str]:
+    """``{device: Ray node}`` of the devices that may take part in pulls: devices that keep their
+    shards in shared memory, and of the source devices only those whose shard is in it."""
+    out = {}
+    src_devices = set(tensor.mesh.device_ids)
+    for rec in (*tensor.mesh.records, *dst_mesh.records):
+        if rec.shared_memory and (rec.id in tensor._shared or rec.id not in src_devices):
+            out[rec.id] = rec.node_id
+    return out
+
+
+def relay_publishers(dst_mesh: DeviceMesh, domains, direct_out: ShardedTensor | None) -> frozenset[int]:
+    """The destination devices whose peers may pull relays out of their destination shard: those
+    that share memory and have a relay board; writing ``direct`` into ``direct_out``, only those
+    whose shard of it is in shared memory."""
+    shared = {d for d, _ in domains}
+    return frozenset(
+        r.id
+        for r in dst_mesh.records
+        if r.id in shared and r.board is not None and (direct_out is None or r.id in direct_out._shared)
+    )
+
+
+class _Call:
+    """One reshard call's tensors, checked, with what compiling and running them needs."""
+
+    def __init__(self, tensors, src_mesh, dst_layouts, out, direct: bool):
+        if not isinstance(src_mesh, DeviceMesh):
+            raise TypeError(f"src_mesh must be a DeviceMesh, got {type(src_mesh).__name__}")
+        self.single = isinstance(tensors, ShardedTensor)
+        self.leaves, self.paths, self.treedef = _flatten_tensors(tensors)
+        self.layouts = _layouts(dst_layouts, self.leaves, self.paths, self.treedef, self.single)
+        self.outs = None if out is None else _outs(out, self.treedef, self.single)
+        if direct and out is None:
+            raise ValueError("direct=True writes into existing shards: pass them as out=")
+        meshes = {}
+        for path, t in zip(self.paths, self.leaves, strict=True):
+            if t.mesh is not src_mesh and t.mesh.mesh != src_mesh.mesh:
+                raise ValueError(
+                    f"src_mesh {src_mesh!r} is not the mesh of {_at(path)}{t!r}, which lives on {t.mesh!r}; pass "
+                    "tensor.mesh as src_mesh (the tensors of one call share their source mesh)"
+                )
+            if t.freed:
+                raise ValueError(f"reshard source {_at(path)}{t!r} was freed; its shards are gone")
+        src_mesh.check_open()
+        rt = runtime()
+        for layout in self.layouts:
+            if layout.mesh not in meshes:
+                meshes[layout.mesh] = rt.registry.resolve_mesh(layout.mesh, f"reshard destination {layout}")
+        for dmesh in meshes.values():
+            if dmesh.backend != src_mesh.backend:
+                raise ValueError(
+                    f"reshard from a {src_mesh.backend} mesh to a {dmesh.backend} mesh: "
+                    "both meshes must use one backend"
+                )
+        self.src_mesh = src_mesh
+        self.dst_meshes = [meshes[layout.mesh] for layout in self.layouts]
+        if self.outs is not None:
+            for path, t, layout, o in zip(self.paths, self.leaves, self.layouts, self.outs, strict=True):
+                _check_out(o, t, layout, path)
+        self.direct = direct
+
+    @property
+    def what(self) -> str:
+        if self.single:
+            t, layout = self.leaves[0], self.layouts[0]
+            return f"reshard {t.dtype_name}{list(t.shape)} {t.layout} -> {layout}"
+        total = sum(t.size_bytes for t in self.leaves)
+        return f"reshard of {len(self.leaves)} tensors ({total / 2**20:.1f} MiB) from {self.src_mesh!r}"
+
+    def items(self, shared_memory: bool) -> tuple[BatchItem, ...]:
+        out = []
+        outs = self.outs or [None] * len(self.leaves)
+        for t, layout, dmesh, o in zip(self.leaves, self.layouts, self.dst_meshes, outs, strict=True):
+            domains = tuple(sorted(memory_domains(t, dmesh).items())) if shared_memory else ()
+            publishers = relay_publishers(dmesh, domains, o if self.direct else None)
+            out.append(BatchItem(t.shape, t.dtype_name, t.layout, layout, domains, publishers))
+        return tuple(out)
+
+    def planning_hosts(self, items) -> dict[int, int]:
+        hosts: dict[int, int] = {}
+        for i in items:
+            domain_of = dict(i.domains)
+            hosts.update(planning_hosts(i.src, i.dst, domain_of) or device_hosts(i.src.mesh, i.dst.mesh))
+        return hosts
+
+
+def _at(path: str) -> str:
+    return f"{path!r}: " if path else ""
+
+
+def _flatten_tensors(tensors):
+    def leaf(x) -> bool:
+        if isinstance(x, ShardedTensor):
+            return True
+        if hasattr(x, "shape") and hasattr(x, "dtype"):  # an array or a tensor where a handle belongs
+            raise TypeError(
+                f"reshard moves ShardedTensors (from distribute, adopt or reshard), got a {type(x).__name__}; "
+                "distribute() it onto a mesh first"
+            )
+        return False
+
+    try:
+        leaves, paths, treedef = flatten(tensors, leaf)
+    except TypeError as e:
+        raise TypeError(f"reshard: {e}") from None
+    return leaves, paths, treedef
+
+
+def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
+    """One destination Layout per leaf: from the same tree of Layouts, one Layout for every
+    tensor, or a callable ``(path, tensor) -> Layout``; each checked against its tensor's shape."""
+    if isinstance(dst_layouts, Layout):
+        given = [dst_layouts] * len(leaves)
+    elif callable(dst_layouts) and not isinstance(dst_layouts, dict | list | tuple):
+        given = [dst_layouts(path, t) for path, t in zip(paths, leaves, strict=True)]
+    elif single:
+        raise TypeError(f"dst_layout must be a reshard.Layout, got {type(dst_layouts).__name__}")
+    else:
+        got, _, layout_def = flatten(dst_layouts, lambda x: isinstance(x, Layout))
+        diff = same_structure(treedef, layout_def)
+        if diff is not None:
+            raise ValueError(f"reshard: the tree of layouts does not match the tree of tensors ({diff})")
+        given = leaves_in_order_of(treedef, layout_def, got)
+    out = []
+    for path, t, layout in zip(paths, leaves, given, strict=True):
+        if not isinstance(layout, Layout):
+            raise TypeError(f"reshard: the layout for {_at(path)}is a {type(layout).__name__}, not a reshard.Layout")
+        layout.check_shape(t.shape)
+        out.append(layout.for_shape(t.shape))
+    return out
+
+
+def _outs(out, treedef, single: bool) -> list[ShardedTensor]:
+    if single:
+        return [out]
+    got, _, out_def = flatten(out, lambda x: isinstance(x, ShardedTensor))
+    diff = same_structure(treedef, out_def)
+    if diff is not None:
+        raise ValueError(f"reshard: out= does not match the tree of tensors ({diff}); nothing was written")
+    return leaves_in_order_of(treedef, out_def, got)
+
+
+def _check_out(out, tensor: ShardedTensor, layout: Layout, path: str) -> None:
+    where = f" at {path!r}" if path else ""
+    if not isinstance(out, ShardedTensor):
+        raise TypeError(
+            f"out{where} must be a ShardedTensor (adopt() the destination's tensors), got {type(out).__name__}"
+        )
+    out._check("reshard output")
+    if out.layout.mesh != layout.mesh or out.layout.for_shape(out.shape) != layout:
+        raise ValueError(
+            f"out{where} is laid out {out.layout}, the reshard produces {layout}; adopt it with that layout. "
+            "Nothing was written"
+        )
+    if out.shape != tensor.shape or out.dtype_name != tensor.dtype_name:
+        raise ValueError(
+            f"out{where} is {out.dtype_name}{list(out.shape)} but the reshard moves "
+            f"{tensor.dtype_name}{list(tensor.shape)}; nothing was written"
+        )
+
+
+def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_bytes: int) -> CompiledBatch:
+    items = call.items(shared_memory)
+    backend = call.src_mesh.backend
+    if cluster is None:
+        cluster = runtime().planning_cluster(backend, call.planning_hosts(items))
+    return compile_batch(items, strategy=strategy, cluster=cluster, options=compile_options(backend),
+                         bucket_bytes=bucket_bytes)  # fmt: skip
+
+
+def lowered_reshard(
+    tensor: ShardedTensor, dst_layout: Layout, *, strategy: str = "auto", cluster=None, shared_memory: bool = True
+) -> CompiledReshard:
+    """What ``reshard(tensor, tensor.mesh, dst_layout, ...)`` runs: its ``CompiledReshard`` (plan,
+    validated per-device programs with their pulls, groups, encoded blobs), compiled and cached as
+    ``reshard`` does.
+
+    Plans are made for ``cluster`` (a ``topology.Cluster``); by default for the meshes' hosts with
+    the live Ray cluster's figures and the meshes' backend (``Runtime.planning_cluster``), where
+    the devices of one machine count as one host when they share memory (their transfers become
+    pulls, ``reshard.pulls``). ``shared_memory=False``: no pulls, everything through the backend."""
+    call = _Call(tensor, tensor.mesh, dst_layout, None, False)
+    return _compile(call, strategy, cluster, shared_memory, BUCKET_BYTES).tensors[0]
+
+
+def reshard(
+    tensors, src_mesh: DeviceMesh, dst_layouts, *, strategy: str = "auto",
+    timeout_s: float | None = DEFAULT_TIMEOUT_S, cluster=None, shared_memory: bool = True,
+    out=None, direct: bool = False, async_op: bool = False, verify: bool = False,
+    bucket_bytes: int = BUCKET_BYTES,
+):  # fmt: skip
+    """Move ``tensors`` (a ShardedTensor, or a tree of them: dicts, lists, tuples, nested, all on
+    ``src_mesh``) to ``dst_layouts`` (a Layout; for a tree: the same tree of Layouts, one Layout
+    for all, or a callable ``(path, tensor) -> Layout``, ``path`` the state-dict key such as
+    ``"h.0.attn.weight"``). Returns the same tree of new ShardedTensors (or ``out``).
+
+    One call is one compiled reshard whatever the number of tensors: planned once per tree
+    signature and replayed; slices of tensors of at most ``bucket_bytes`` that one device sends
+    another travel packed together. Slices between actors of one machine are pulled through
+    shared memory (see ``DeviceMesh``); ``shared_memory=False`` sends everything through the
+    backend. ``cluster`` overrides the cost model "auto" plans for (``lowered_reshard``).
+
+    ``out``: the same tree of existing shards (``adopt``ed tensors of the destination actors, e.g.
+    inference weights) to write into; returns ``out``. By default results are staged and committed
+    all at once: a failed reshard leaves every output as it was. ``direct=True`` writes straight
+    into ``out`` (no extra copy); a failure leaves it partly written.
+
+    ``async_op=True``: return a ``Work`` at once (``wait()``, ``done()``, awaitable). ``verify``:
+    check every received slice against a checksum of the slice it was read from, and raise naming
+    tensor, device and slice on a mismatch (with ``out``, before anything is committed).
+
+    The sources stay intact. Raises ValueError/TypeError for misuse (before anything moves),
+    ``WorkerDied`` / ``ReshardTimeout`` / ``ReshardError`` if the run fails (within ``timeout_s``
+    plus a bounded cleanup), ``MeshClosed`` for a shut-down mesh or a Ray session that is gone."""
+    timeout_s = check_timeout(timeout_s)
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    call = _Call(tensors, src_mesh, dst_layouts, out, direct)
+    rt = runtime()
+    reads = frozenset(t.name for t in call.leaves)
+    writes = frozenset(o.name for o in call.outs) if call.outs is not None else frozenset()
+    rt.works.after(reads, writes, timeout_s)
+    deadline = deadline_of(timeout_s)
+    compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
+    run = rt.new_name()
+    what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"
+    sources = [(t.name, t._shared) for t in call.leaves]
+    outs = None if call.outs is None else [o.name for o in call.outs]
+    pending = rt.submit_batch(compiled, sources, run, deadline, what, timeout_s, outs=outs, direct=direct,
+                              verify=verify)  # fmt: skip
+
+    def finish():
+        try:
+            results = rt.finish_batch(pending)
+        except ReshardError:
+            if verify and pending.results:  # every run succeeded; the commit refused a mismatch
+                _raise_mismatch(call, compiled, {d: r.checks for d, r in pending.results.items()})
+            raise
+        if verify:
+            _raise_mismatch(call, compiled, {d: r.checks for d, r in results.items()})
+        if call.outs is not None:
+            leaves = call.outs
+        else:
+            leaves = [
+                ShardedTensor(dmesh, layout, t.shape, t.dtype_name, shard_name(run, i),
+                              {d: desc for d, r in results.items() if (desc := r.descriptors.get(i)) is not None})
+                for i, (t, layout, dmesh) in enumerate(zip(call.leaves, call.layouts, call.dst_meshes, strict=True))
+            ]  # fmt: skip
+        return leaves[0] if call.single else unflatten(call.treedef, leaves)
+
+    if async_op:
+        return rt.works.start(finish, reads, writes, what)
+    return finish()
+
+
+def _raise_mismatch(call: _Call, compiled: CompiledBatch, checks_by_device: dict) -> None:
+    """Raise ``ReshardError`` naming the first slice whose received checksum differs from what its
+    sender read (``verify``)."""
+    found = first_mismatch(checks_by_device)
+    if found is None:
+        return
+    tensor, step, d, crc, read = found
+    box = compiled.tensors[tensor].plan.transfers[step].box
+    path = call.paths[tensor]
+    raise ReshardError(
+        f"{call.what}: verify: tensor {path or tensor!r} on device {d}: the slice {list(box)} it received differs "
+        f"from what its sender read (checksum {crc:#010x} against {', '.join(f'{c:#010x}' for c in sorted(read))})"
+        + ("; no output was changed" if call.outs is not None and not call.direct else "")
+    )
+
+
+__all__ = ["compile_options", "lowered_reshard", "memory_domains", "relay_publishers", "reshard"]
