@@ -42,7 +42,7 @@ from reshard.runtime.communicator import Backend, Communicator, PeerFailed
 from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
 from reshard.runtime.groups import GroupCache, group_key
 from reshard.runtime.inbox import OrderedInbox
-from reshard.runtime.messages import RunRequest, RunResult, Ticket, Updates
+from reshard.runtime.messages import Bound, RunRequest, RunResult, Ticket, Updates
 from reshard.runtime.shards import ShardStore
 from reshard.runtime.shared_memory import PeerShards, RelayBoard, SharedShards
 from reshard.serialize import decode_batch_device_program
@@ -64,6 +64,7 @@ class ControllerState:
     def __init__(self, ctx: DeviceContext):
         self.groups = GroupCache(ctx.backend, ctx.device, float(ctx.options.get("op_timeout_s", 300.0)))
         self.programs: OrderedDict[int, PreparedBatch] = OrderedDict()
+        self.bindings: dict[int, Bound] = {}  # the controller's mirror says which to drop
         self.staging = StagingBuffer(ctx.device_type, int(ctx.options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))
         self.active: tuple[str, tuple] | None = None  # (destination name, group keys) of the run in progress
         self.cancelled = threading.Event()  # the run in progress was aborted by the controller
@@ -73,6 +74,8 @@ class ControllerState:
             return
         for pid in updates.program_drops:
             self.programs.pop(pid, None)
+        for bid in updates.binding_drops:
+            self.bindings.pop(bid, None)
         self.groups.apply(updates.group_drops, updates.group_sets)
 
 
@@ -513,7 +516,12 @@ class DeviceRole:
             if time.monotonic() >= deadline:
                 ctx.counters["dropped_late"] += 1
                 raise ReshardTimeout(f"device {ctx.device}: the reshard's deadline passed before it started here")
-            binding = Binding(ctx, req, prepared)
+            if req.bound is not None:
+                state.bindings[req.binding] = req.bound
+            bound = state.bindings.get(req.binding)
+            if bound is None:
+                raise ReshardError(f"device {ctx.device}: binding {req.binding} is not cached here and was not shipped")
+            binding = Binding(ctx, req, bound, prepared)
             channel = _Channel(state.groups, "")
             batch = ctx.backend.grouped if ctx.backend.batches else None
             runs = binding.runs(channel, state.staging, deadline, state.cancelled, ctx.before_op, batch)

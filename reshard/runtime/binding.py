@@ -19,15 +19,16 @@ from reshard.runtime import arrays
 from reshard.runtime.batches import PreparedBatch
 from reshard.runtime.communicator import PeerFailed
 from reshard.runtime.executor import Run
-from reshard.runtime.messages import RunRequest, shard_name
+from reshard.runtime.messages import Bound, RunRequest, shard_name
 
 
 class Binding:
     """What one run bound on a device (module docstring)."""
 
-    def __init__(self, ctx, req: RunRequest, prepared: PreparedBatch):
+    def __init__(self, ctx, req: RunRequest, bound: Bound, prepared: PreparedBatch):
         self.ctx = ctx
         self.req = req
+        self.bound = bound
         self.prepared = prepared
         self.dsts: dict[int, object] = {}  # tensor -> destination (a new shard, or the user's tensor)
         self.slots: dict[int, int] = {}  # tensor -> relay board slot
@@ -37,30 +38,33 @@ class Binding:
 
     def runs(self, groups, staging, deadline: float, cancelled, before_op, batch) -> dict[int, Run]:
         """A ``Run`` per part, its buffers bound (module docstring)."""
-        ctx, req = self.ctx, self.req
-        sources = req.sources or (None,) * len(self.prepared.parts)
-        outs = req.outs or (None,) * len(self.prepared.parts)
+        ctx, bound = self.ctx, self.bound
+        sources = bound.sources
+        outs = bound.outs or (None,) * len(self.prepared.parts)
         if len(sources) != len(self.prepared.parts) or len(outs) != len(self.prepared.parts):
             raise ReshardError(
                 f"device {ctx.device}: the run names {len(sources)} sources for {len(self.prepared.parts)} parts"
             )
         runs = {}
-        for prepared, source, out in zip(self.prepared.parts, sources, outs, strict=True):
+        tensors = (p.tensor for p in self.prepared.program.parts)
+        for prepared, tensor, source, out in zip(self.prepared.parts, tensors, sources, outs, strict=True):
             prog, dtype = prepared.program, prepared.dtype
-            tensor = self.prepared.program.parts[len(runs)].tensor
             src = None
             if prog.src_shape is not None:
                 src = ctx.store.get(source)
                 if src is None:
                     raise ReshardError(f"device {ctx.device}: source shard {source!r} is missing (tensor freed?)")
-            pulls = (req.pulls or {}).get(tensor) or {}
-            peers = {h: ctx.peers.get(h, desc, arrays.storage(dtype)) for h, desc in pulls.items()}
-            self.pulled[tensor] = dict(pulls)
+            peers = {}
+            pulls = bound.pulls.get(tensor) if bound.pulls else None
+            if pulls:
+                storage = arrays.storage(dtype)
+                peers = {h: ctx.peers.get(h, desc, storage) for h, desc in pulls.items()}
+                self.pulled[tensor] = pulls
             dst = None
             if prog.dst_shape is not None:
-                dst = self.dsts[tensor] = self._destination(tensor, prog, dtype, out)
+                dst = self.dsts[tensor] = self._destination(tensor, prepared, dtype, out)
             publish = relayed = None
-            if prog.publishes:
+            if prepared.publishes:
                 self.slots[tensor] = self._open_slot(tensor, dst)
                 publish = functools.partial(ctx.board.post, self.slots[tensor])
             if prog.relays:
@@ -70,16 +74,17 @@ class Binding:
                 tmp = self.tmps[tensor] = ctx.store.allocate(prog.src_shape, dtype)
             runs[tensor] = Run(prepared, src, dst, peers, groups, staging, deadline, before_op, tmp, batch, relayed,
                                publish)  # fmt: skip
-        if req.pulls:
+        if bound.pulls:
             ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
         return runs
 
-    def _destination(self, tensor: int, prog, dtype: str, out: str | None):
+    def _destination(self, tensor: int, prepared, dtype: str, out: str | None):
         ctx = self.ctx
+        prog = prepared.program
         if self.req.direct:
             return self._out(out, prog.dst_shape, dtype)
         try:
-            if prog.publishes:  # peers read it while the run goes on: in place
+            if prepared.publishes:  # peers read it while the run goes on: in place
                 return ctx.store.allocate(prog.dst_shape, dtype)
             return ctx.store.allocate_destination(prog.dst_shape, dtype)
         except (MemoryError, RuntimeError, OSError) as e:
@@ -107,7 +112,7 @@ class Binding:
         """``relayed(holder, after)`` for the executor: the holder's destination shard of this
         tensor once it published ``after`` slices, its descriptor recorded (checked after the run)."""
         ctx = self.ctx
-        boards = self.req.relays or {}
+        boards = self.bound.relays or {}
         missing = [h for h, _ in prog.relays if h not in boards]
         if missing:
             raise ReshardError(f"device {ctx.device}: no relay board was given for device(s) {missing} it pulls from")
@@ -157,10 +162,12 @@ class Binding:
         the controller aborted meanwhile keeps none. Returns each one's descriptor."""
         ctx, run = self.ctx, self.req.run
         if self.req.direct:
-            return {t: ctx.store.descriptor(d) for t, d in self.dsts.items()}
+            return {}
         entries = [(shard_name(run, t), d, metas.get(t), t in self.slots) for t, d in self.dsts.items()]
         if not ctx.store.put_run(run, entries):
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
+        if self.bound.outs is not None:  # staged for a commit: nobody maps them
+            return {}
         return {t: ctx.store.descriptor(d) for t, d in self.dsts.items()}
 
     def release(self) -> None:

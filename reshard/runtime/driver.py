@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from reshard.errors import ReshardError
 from reshard.runtime.dispatch import Outcome, failure_error, gather
 from reshard.runtime.groups import GroupKey, GroupTable, group_key
-from reshard.runtime.messages import DeviceState, FailureKind, RunRequest, Ticket, Updates, shard_name
+from reshard.runtime.messages import Bound, DeviceState, FailureKind, RunRequest, Ticket, Updates, shard_name
 from reshard.runtime.programs import ProgramCache
 from reshard.runtime.registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.work import WorkQueue
@@ -50,7 +50,7 @@ INTACT = "The source tensor is intact; the partial destination shards were freed
 @dataclass
 class Pending:
     """A submitted batch: its run calls and commit calls by device, and what finishing or
-    abandoning it needs (``made``: the new shards each device makes)."""
+    abandoning it needs (``outs``: its results are for users' shards)."""
 
     compiled: object
     run: str
@@ -60,7 +60,7 @@ class Pending:
     deadline: float
     what: str
     timeout_s: float | None
-    made: dict
+    outs: bool
     results: dict | None = None  # every run's result, once all succeeded
 
 
@@ -70,6 +70,7 @@ class Runtime:
         self.lock = threading.RLock()
         self.registry = DeviceRegistry()
         self.programs = ProgramCache()
+        self.bindings = ProgramCache()  # what each device's runs were bound to (``Bound``), by id
         self.groups = GroupTable()
         self.backends: dict[str, object] = {}
         self.stats: Counter = Counter()
@@ -107,7 +108,10 @@ class Runtime:
             return ref
 
     def updates_for(self, device: int, sets=()) -> Updates:
-        return Updates(tuple(self._group_drops.pop(device, ())), tuple(sets), self.programs.take_drops(device))
+        return Updates(
+            tuple(self._group_drops.pop(device, ())), tuple(sets), self.programs.take_drops(device),
+            self.bindings.take_drops(device),
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- groups
 
@@ -209,22 +213,17 @@ class Runtime:
             backend = recs[0].backend if recs else "gloo"
             sets = self.admit_groups([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
+            bid = self.bindings.program_id((pid, tuple(n for n, _ in sources), None if outs is None else tuple(outs)))
             wall = _wall(deadline)
             refs = {}
             for rec in recs:
-                parts = program.for_device(rec.id).parts
                 blob = self.programs.to_ship(rec.id, pid, compiled.blobs[rec.id], rec.max_programs)
                 self.stats["programs_shipped"] += blob is not None
+                bound = None
+                if self.bindings.to_ship(rec.id, bid, True, rec.max_programs):
+                    bound = _bound(compiled, rec.id, sources, outs, self.registry.devices)
                 upd = self.updates_for(rec.id, sets.get(rec.id, ()))
-                names = tuple(sources[p.tensor][0] if p.program.src_shape is not None else None for p in parts)
-                pulls = {t: {h: sources[t][1][h] for h in holders}
-                         for t, holders in compiled.pull_sources.get(rec.id, {}).items()} or None  # fmt: skip
-                relaying = compiled.relay_sources.get(rec.id)
-                relays = {h: self.registry.devices[h].board for h in relaying} if relaying else None
-                mine = None
-                if outs is not None:
-                    mine = tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
-                req = (pid, blob, upd or None, run, wall, names, pulls, mine, direct, relays, commit, verify)
+                req = (pid, blob, upd or None, run, wall, bid, bound, direct, commit, verify)
                 refs[rec.id] = self.submit(
                     rec, lambda t, rec=rec, req=req: rec.actor.reshard_run.remote(RunRequest(t, *req))
                 )
@@ -241,11 +240,7 @@ class Runtime:
                         )  # fmt: skip
             self.stats["runs"] += 1
             self.stats["run_calls"] += len(refs) + len(commits)
-        made = {} if outs is not None else {
-            d: tuple(shard_name(run, p.tensor) for p in program.for_device(d).parts if p.program.dst_shape is not None)
-            for d in refs
-        }  # fmt: skip
-        return Pending(compiled, run, refs, commits, pid, deadline, what, timeout_s, made)
+        return Pending(compiled, run, refs, commits, pid, deadline, what, timeout_s, outs is not None)
 
     def finish_batch(self, pending: Pending) -> dict:
         """Wait for a submitted batch (and its commits): ``{device: RunResult}``; on failure,
@@ -288,7 +283,15 @@ class Runtime:
         return outcome.results
 
     def abandon_batch(self, pending: Pending, outcome: Outcome) -> None:
-        self.abandon(pending.refs, pending.run, pending.made, pending.compiled.groups, pending.pid, outcome)
+        """``abandon`` a batch: the new shards it made are dropped (outputs staged for a commit
+        are the commit's to drop)."""
+        program = pending.compiled.program
+        made = {} if pending.outs else {
+            d: tuple(shard_name(pending.run, p.tensor) for p in program.for_device(d).parts
+                     if p.program.dst_shape is not None)
+            for d in pending.refs
+        }  # fmt: skip
+        self.abandon(pending.refs, pending.run, made, pending.compiled.groups, pending.pid, outcome)
 
     def abandon(self, refs: dict, run: str | None, made: dict, groups, pid: int | None, outcome: Outcome) -> None:
         """Clean up after a failed call (module docstring); bounded by ``CLEANUP_S``. ``run``: what
@@ -302,6 +305,7 @@ class Runtime:
                 for d in refs:
                     if d not in outcome.results:
                         self.programs.unsure(d, pid)
+                        self.bindings.unsure_all(d)
             rendezvous = [self._rendezvous[k] for k in keys if k in self._rendezvous]
             drops = self.groups.forget(keys)
             for k, _ in drops:
@@ -406,6 +410,7 @@ class Runtime:
             self.registry.mark([device], DeviceState.DEAD, reason)
             self._queue_drops(self.groups.forget_device(device))
             self.programs.forget_device(device)
+            self.bindings.forget_device(device)
 
     def close_devices(self, devices, reason: str) -> None:
         with self.lock:
@@ -413,6 +418,7 @@ class Runtime:
             for d in devices:
                 self._queue_drops(self.groups.forget_device(d))
                 self.programs.forget_device(d)
+                self.bindings.forget_device(d)
 
     def release(self, devices, name: str, holder: str) -> None:
         """``holder`` lets go of shard ``name`` on ``devices`` (fire and forget, ordered)."""
@@ -508,6 +514,18 @@ class Runtime:
                     self._clusters.clear()
                 self._clusters[key] = hit
             return hit
+
+
+def _bound(compiled, device: int, sources, outs, records) -> Bound:
+    """What ``device``'s parts of a batch are bound to (``Bound``): ``sources[t]`` is tensor
+    ``t``'s source shard name and ``{device: shared-memory descriptor}``, ``outs[t]`` its output."""
+    parts = compiled.program.for_device(device).parts
+    names = tuple(sources[p.tensor][0] if p.program.src_shape is not None else None for p in parts)
+    pulls = {t: {h: sources[t][1][h] for h in holders} for t, holders in compiled.pull_sources.get(device, {}).items()}
+    mine = None if outs is None else tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
+    relaying = compiled.relay_sources.get(device)
+    relays = {h: records[h].board for h in relaying} if relaying else None
+    return Bound(names, pulls or None, mine, relays)
 
 
 def _wall(deadline: float) -> float:

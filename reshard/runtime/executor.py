@@ -99,12 +99,17 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class PreparedProgram:
-    """A ``DeviceProgram`` ready to run: steps per window, background steps, dtype."""
+    """A ``DeviceProgram`` ready to run: steps per window, background steps, dtype, and what its
+    run needs, worked out once: the holders it pulls from, whether it publishes, whether a window
+    holds messages (else it runs its ops at once)."""
 
     program: DeviceProgram
     dtype: str
     windows: tuple[tuple[Step, ...], ...]
     background: tuple[Step, ...]
+    holders: tuple[int, ...] = ()
+    publishes: bool = False
+    messages: tuple[bool, ...] = ()
 
     @property
     def device(self) -> int:
@@ -247,7 +252,11 @@ def prepare(program: DeviceProgram, dtype: str) -> PreparedProgram:
     """Precompute every op's handler, slices and ranks."""
     d = program.device
     windows = tuple(tuple(_step(op, d) for op in w) for w in program.issue_windows)
-    return PreparedProgram(program, dtype, windows, tuple(_step(op, d) for op in program.background))
+    messages = tuple(any(isinstance(s.op, Send | Recv | Broadcast | Publish) for s in w) for w in windows)
+    return PreparedProgram(
+        program, dtype, windows, tuple(_step(op, d) for op in program.background), program.holders,
+        program.publishes, messages,
+    )  # fmt: skip
 
 
 _helper: ThreadPoolExecutor | None = None
@@ -288,8 +297,11 @@ def _run_program(run: Run) -> None:
     if prepared.background:
         background = _helper_thread().submit(_run_local, run, prepared.background)
     try:
-        for window in prepared.windows:
-            _run_window(run, window)
+        for window, messages in zip(prepared.windows, prepared.messages, strict=True):
+            if messages:
+                _run_window(run, window)
+            else:
+                _run_local(run, window)
     finally:
         if background is not None:
             background.result()  # re-raises a copy error; never leaves a thread writing dst
@@ -344,10 +356,10 @@ def _check_peers(prog: DeviceProgram, run: Run) -> None:
     source and publications a board."""
     if prog.relays and run.relayed is None:
         raise ReshardError(f"device {prog.device}: the program pulls relays but the run has no way to find them")
-    if prog.publishes and run.publish is None:
+    if run.prepared.publishes and run.publish is None:
         raise ReshardError(f"device {prog.device}: the program publishes relays but the run has nowhere to")
     dtype = run.dtype
-    for holder in prog.holders:
+    for holder in run.prepared.holders:
         t = run.peers.get(holder)
         if t is None or not _is(t, dtype):
             got = "nothing" if t is None else f"a {t.dtype} shard"

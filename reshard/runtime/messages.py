@@ -45,9 +45,10 @@ class Updates:
     group_drops: tuple = ()
     group_sets: tuple = ()
     program_drops: tuple = ()
+    binding_drops: tuple = ()
 
     def __bool__(self) -> bool:
-        return bool(self.group_drops or self.group_sets or self.program_drops)
+        return bool(self.group_drops or self.group_sets or self.program_drops or self.binding_drops)
 
 
 def shard_name(run: str, tensor: int) -> str:
@@ -56,16 +57,28 @@ def shard_name(run: str, tensor: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Bound:
+    """What a run's parts on one device are bound to, per part in order: ``sources``, the name of
+    its source shard (None: it holds none), and ``outs``, the user's shard its result is for (None:
+    a new tensor); ``pulls`` maps each tensor to ``{holder: descriptor}`` of the source shards this
+    device pulls, ``relays`` each device it pulls relays from to its relay board's descriptor. The
+    same for every replay of one tree onto one output, so it is shipped once and then named by id
+    (``RunRequest.binding``)."""
+
+    sources: tuple
+    pulls: dict | None
+    outs: tuple | None
+    relays: dict | None
+
+
+@dataclass(frozen=True, slots=True)
 class RunRequest:
     """Run batch program ``program_id`` (decoding ``blob`` first when given) before ``deadline``:
-    run ``run``, whose new destination shard of tensor ``t`` is ``shard_name(run, t)``. Per part of
-    this device's program, in order: ``sources``, the name of its source shard (None: it holds
-    none), and ``outs``, the user's shard its result is for (None: a new tensor), written into
-    directly when ``direct``, else kept under its own name until ``reshard_commit``. ``pulls`` maps
-    each tensor to ``{holder: descriptor}`` of the source shards this device pulls; ``relays`` each
-    device it pulls relays from to its relay board's descriptor. ``commit``: results wait for a
-    commit, and a run that ends after its deadline fails. ``verify``: return checksums
-    (``reshard.runtime.batches``)."""
+    run ``run``, whose new destination shard of tensor ``t`` is ``shard_name(run, t)``, its parts
+    bound as binding ``binding`` says (``bound``: shipped with this call when the device may not
+    have it). Results for users' shards are written into them ``direct``ly, else kept under their
+    own names until ``reshard_commit``. ``commit``: results wait for a commit, and a run that ends
+    after its deadline fails. ``verify``: return checksums (``reshard.runtime.batches``)."""
 
     ticket: Ticket
     program_id: int
@@ -73,11 +86,9 @@ class RunRequest:
     updates: Updates | None
     run: str
     deadline: float
-    sources: tuple = ()
-    pulls: dict | None = None
-    outs: tuple | None = None
+    binding: int
+    bound: Bound | None = None
     direct: bool = False
-    relays: dict | None = None
     commit: bool = False
     verify: bool = False
 

@@ -50,6 +50,13 @@ class ProgramCache:
         if cache is not None and pid in cache:
             cache[pid] = False
 
+    def unsure_all(self, device: int) -> None:
+        """The device failed a run: ship whatever it needs again (it may have lost its cache)."""
+        cache = self._cached.get(device)
+        if cache is not None:
+            for pid in cache:
+                cache[pid] = False
+
     def forget_device(self, device: int) -> None:
         self._cached.pop(device, None)
         self._drops.pop(device, None)

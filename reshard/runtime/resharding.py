@@ -9,6 +9,8 @@ tensors, one commit call behind it), whatever the number of tensors. ``async_op=
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from reshard.compile import BatchItem, CompiledBatch, CompiledReshard, CompileOptions, compile_batch, planning_hosts
 from reshard.errors import ReshardError
 from reshard.layout import Layout
@@ -100,8 +102,7 @@ class _Call:
         if self.single:
             t, layout = self.leaves[0], self.layouts[0]
             return f"reshard {t.dtype_name}{list(t.shape)} {t.layout} -> {layout}"
-        total = sum(t.size_bytes for t in self.leaves)
-        return f"reshard of {len(self.leaves)} tensors ({total / 2**20:.1f} MiB) from {self.src_mesh!r}"
+        return f"reshard of {len(self.leaves)} tensors from {self.src_mesh!r}"
 
     def items(self, shared_memory: bool) -> tuple[BatchItem, ...]:
         out = []
@@ -195,13 +196,36 @@ def _check_out(out, tensor: ShardedTensor, layout: Layout, path: str) -> None:
         )
 
 
+_PLANS: OrderedDict = OrderedDict()  # a call's signature -> its CompiledBatch (``_compile``)
+PLANS = 64
+
+
 def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_bytes: int) -> CompiledBatch:
+    """The call's compiled batch, cached by its signature: the tensors' shapes, dtypes, layouts and
+    which of their source shards are in shared memory, the destination layouts, the options and
+    the link figures' generation (a replay of a tree costs a lookup)."""
+    from topology.runtime import links_generation
+
+    outs = call.outs if call.direct else [None] * len(call.leaves)
+    key = (
+        strategy, cluster, shared_memory, bucket_bytes, links_generation(), call.src_mesh.backend,
+        tuple((t.layout, t.shape, t.dtype_name, frozenset(t._shared)) for t in call.leaves), tuple(call.layouts),
+        tuple(None if o is None else frozenset(o._shared) for o in outs),
+    )  # fmt: skip
+    hit = _PLANS.get(key)
+    if hit is not None:
+        _PLANS.move_to_end(key)
+        return hit
     items = call.items(shared_memory)
     backend = call.src_mesh.backend
     if cluster is None:
         cluster = runtime().planning_cluster(backend, call.planning_hosts(items))
-    return compile_batch(items, strategy=strategy, cluster=cluster, options=compile_options(backend),
-                         bucket_bytes=bucket_bytes)  # fmt: skip
+    compiled = compile_batch(items, strategy=strategy, cluster=cluster, options=compile_options(backend),
+                             bucket_bytes=bucket_bytes)  # fmt: skip
+    _PLANS[key] = compiled
+    while len(_PLANS) > PLANS:
+        _PLANS.popitem(last=False)
+    return compiled
 
 
 def lowered_reshard(

@@ -46,10 +46,12 @@ import numpy as np
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime.communicator import PeerFailed
 
-#: Bound on the peer mappings a device keeps. A mapping of a shard its owner still holds costs no
-#: memory (the pages are the owner's); one whose owner dropped the shard pins that memory, so
-#: those are dropped whenever the device runs pulls (``PeerShards.purge``).
-PEER_MAPS = 256
+#: Bound on the peer mappings a device keeps: enough for every shard of a large model's state dict
+#: from a few holders. A mapping of a shard its owner still holds costs no memory (the pages are the
+#: owner's); one whose owner dropped the shard pins that memory, so those are dropped whenever the
+#: device runs pulls (``PeerShards.purge``).
+PEER_MAPS = 4096
+PURGE_STATS = 32
 #: ``madvise`` advice that faults every page of a mapping in at once, writable (Linux >= 5.14; not
 #: named by Python's mmap module yet): a fresh shard's pages are made in one call instead of one
 #: trap per page while the first copy runs.
@@ -228,6 +230,7 @@ class PeerShards:
         self.device = device
         self.limit = limit
         self.maps: OrderedDict[tuple[int, int], tuple[int, np.ndarray]] = OrderedDict()  # (pid, inode) -> fd, block
+        self._cursor = 0  # where the next purge starts looking descriptors up
         self._lock = threading.Lock()
 
     def get(self, holder: int, desc, dtype: np.dtype) -> np.ndarray:
@@ -307,15 +310,25 @@ class PeerShards:
             )
 
     def purge(self) -> None:
-        """Drop the mappings whose owner has let go of the shard (its descriptor is closed)."""
+        """Drop the mappings of blocks whose owner has let go of the shard in them: its tenure is
+        cleared (the block went back to the owner's pool, or was freed and is pinned by this
+        mapping alone), read without a system call for every mapping; or its descriptor is closed
+        (the memory died with its last array, or its owner died), looked up for at most
+        ``PURGE_STATS`` mappings per call, in turn. It runs with every run that pulls."""
         with self._lock:
-            for (pid, inode), (fd, _) in list(self.maps.items()):
-                try:
-                    live = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == inode
-                except OSError:
-                    live = False
+            items = list(self.maps.items())
+            start = self._cursor % max(1, len(items))
+            stat = {key for key, _ in (items[start:] + items[:start])[:PURGE_STATS]}
+            self._cursor = start + PURGE_STATS
+            for key, (fd, block) in items:
+                live = int(block[:8].view(np.uint64)[0]) != 0
+                if live and key in stat:
+                    try:
+                        live = os.stat(f"/proc/{key[0]}/fd/{fd}").st_ino == key[1]
+                    except OSError:
+                        live = False
                 if not live:
-                    del self.maps[(pid, inode)]
+                    del self.maps[key]
 
     def _map(self, holder: int, pid: int, fd: int, inode: int) -> np.ndarray:
         path = f"/proc/{pid}/fd/{fd}"
