@@ -374,7 +374,7 @@ class DeviceRole:
         setup = getattr(backend, "setup_actor", None)  # optional backend hook
         if setup is not None:
             setup()
-        return self.reshard_ready()
+        return DeviceRole.reshard_ready(self)  # ``self`` may be any actor (``DeviceMesh.attach``)
 
     @property
     def reshard_device(self) -> DeviceContext:
@@ -492,7 +492,7 @@ class DeviceRole:
         state = ctx.controller(req.ticket.controller)
         with ctx.inbox.turn(req.ticket, req.deadline, f"the reshard {req.run}"):
             state.apply(req.updates)  # bookkeeping is never lost, even when the run is dropped
-            return self._reshard_run(req, state, t0)
+            return DeviceRole._reshard_run(self, req, state, t0)
 
     def _reshard_run(self, req: RunRequest, state: ControllerState, t0: float) -> RunResult:
         ctx = getattr(self, "_reshard_ctx", None)

@@ -153,7 +153,7 @@ def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
     elif single:
         raise TypeError(f"dst_layout must be a reshard.Layout, got {type(dst_layouts).__name__}")
     else:
-        got, _, layout_def = flatten(dst_layouts, lambda x: isinstance(x, Layout))
+        got, _, layout_def = flatten(dst_layouts, lambda x: not isinstance(x, dict | list | tuple) and x is not None)
         diff = same_structure(treedef, layout_def)
         if diff is not None:
             raise ValueError(f"reshard: the tree of layouts does not match the tree of tensors ({diff})")
@@ -299,13 +299,12 @@ def reshard(
         if verify:
             _raise_mismatch(call, compiled, {d: r.checks for d, r in results.items()})
         if call.outs is not None:
-            leaves = call.outs
-        else:
-            leaves = [
-                ShardedTensor(dmesh, layout, t.shape, t.dtype_name, shard_name(run, i),
-                              {d: desc for d, r in results.items() if (desc := r.descriptors.get(i)) is not None})
-                for i, (t, layout, dmesh) in enumerate(zip(call.leaves, call.layouts, call.dst_meshes, strict=True))
-            ]  # fmt: skip
+            return out  # the user's own tree
+        leaves = [
+            ShardedTensor(dmesh, layout, t.shape, t.dtype_name, shard_name(run, i),
+                          {d: desc for d, r in results.items() if (desc := r.descriptors.get(i)) is not None})
+            for i, (t, layout, dmesh) in enumerate(zip(call.leaves, call.layouts, call.dst_meshes, strict=True))
+        ]  # fmt: skip
         return leaves[0] if call.single else unflatten(call.treedef, leaves)
 
     if async_op:

@@ -24,6 +24,8 @@ def pytest_collection_modifyitems(items):
 
     for name in {item.module.__name__ for item in items if item.get_closest_marker("dist")}:
         cloudpickle.register_pickle_by_value(sys.modules[name])
+    if "dist_helpers" in sys.modules:
+        cloudpickle.register_pickle_by_value(sys.modules["dist_helpers"])
 
 
 
@@ -52,3 +54,14 @@ def view(pool):
     yield make
     for m in made:
         m.shutdown()
+
+
+@pytest.fixture
+def gate(ray_cluster):
+    """A ``Gate`` actor: a victim's run says it arrived and waits to be let go."""
+    from dist_helpers import Gate
+
+    actor = ray_cluster.remote(num_cpus=0)(Gate).remote()
+    yield actor
+    ray_cluster.get(actor.release.remote())  # a victim still held goes on
+    ray_cluster.kill(actor)

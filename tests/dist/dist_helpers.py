@@ -63,3 +63,34 @@ def read(tensor):
 def groups_of(stats: dict, channel: str = "") -> set[tuple[int, ...]]:
     """The device tuples of the live reshard communicators in a device's ``stats()``."""
     return {g for (_, (ch, g)) in stats["groups"] if ch == channel}
+
+
+class Gate:
+    """A victim's run says it arrived at an op and waits to be let go (an async Ray actor)."""
+
+    def __init__(self):
+        import asyncio
+
+        self.arrived, self.released = asyncio.Event(), asyncio.Event()
+
+    async def arrive(self) -> None:
+        self.arrived.set()
+
+    async def release(self) -> None:
+        self.released.set()
+
+    async def wait_arrived(self, timeout_s: float) -> bool:
+        return await _within(self.arrived, timeout_s)
+
+    async def wait_released(self, timeout_s: float) -> bool:
+        return await _within(self.released, timeout_s)
+
+
+async def _within(event, timeout_s: float) -> bool:
+    import asyncio
+
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+        return True
+    except asyncio.TimeoutError:
+        return False

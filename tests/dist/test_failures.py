@@ -178,45 +178,6 @@ LONG_S = 120.0
 HOLD_S = 120.0  # how long a held victim waits to be let go if the test never does
 
 
-class Gate:
-    """A victim's run says it arrived at an op and waits to be let go (an async Ray actor)."""
-
-    def __init__(self):
-        import asyncio
-
-        self.arrived, self.released = asyncio.Event(), asyncio.Event()
-
-    async def arrive(self) -> None:
-        self.arrived.set()
-
-    async def release(self) -> None:
-        self.released.set()
-
-    async def wait_arrived(self, timeout_s: float) -> bool:
-        return await _within(self.arrived, timeout_s)
-
-    async def wait_released(self, timeout_s: float) -> bool:
-        return await _within(self.released, timeout_s)
-
-
-async def _within(event, timeout_s: float) -> bool:
-    import asyncio
-
-    try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-        return True
-    except asyncio.TimeoutError:
-        return False
-
-
-@pytest.fixture
-def gate(ray_cluster):
-    actor = ray_cluster.remote(num_cpus=0)(Gate).remote()
-    yield actor
-    ray_cluster.get(actor.release.remote())  # a victim still held goes on
-    ray_cluster.kill(actor)
-
-
 def _hold_at_first_op(ctx, gate):
     """The next run holds before its first op (mid-run: its destination allocated, its groups
     connected): it tells ``gate`` and waits to be let go."""

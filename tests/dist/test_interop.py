@@ -61,6 +61,20 @@ class Worker(DeviceRole):
         dt = self.reshard_device.to_dtensor(name, init_device_mesh("cpu", (self.world,)))
         return tuple(type(p).__name__ for p in dt.placements), dt.full_tensor().numpy()
 
+    def share_model(self):
+        """FSDP2's way: the whole state dict as DTensors, shared as one tree."""
+        return self.reshard_device.share_state_dict({"layer": {"weight": self.weights}}, prefix="model.")
+
+    def distribute_own_dtensor(self, mesh) -> str:
+        """``distribute`` of a DTensor sharded over this world: this process holds one shard only."""
+        from reshard import distribute
+
+        try:
+            distribute(self.weights, mesh)
+        except TypeError as e:
+            return str(e)
+        return "accepted"
+
     def user_method(self) -> str:
         return f"rank {self.rank} still serves its own calls"
 
@@ -173,3 +187,18 @@ def test_holds_and_frees_still_in_flight_when_the_mesh_closed_do_nothing(ray_clu
         assert ray.get(w.user_method.remote(), timeout=30).startswith("rank 0")
     finally:
         ray.kill(w)
+
+
+def test_a_dtensor_state_dict_is_shared_and_adopted_as_one_tree(worlds):
+    trainers, infer, t_mesh, i_mesh = worlds
+    full = np.arange(ROWS * COLS, dtype=np.float64).reshape(ROWS, COLS) / 4
+    ray.get([w.make_dtensor_weights.remote(full) for w in trainers], timeout=60)
+    names = ray.get([w.share_model.remote() for w in trainers], timeout=60)
+    assert names[0] == names[1] == {"layer": {"weight": "model.layer.weight"}}
+    tree = adopt(t_mesh, names[0])  # placements from the DTensors
+    assert tree["layer"]["weight"].placements == (Shard(0),)
+    assert_bit_exact(tree["layer"]["weight"].to_numpy(), full)
+    moved = reshard(tree, t_mesh, {"layer": {"weight": Layout(i_mesh, (Replicate(),))}})
+    assert_bit_exact(moved["layer"]["weight"].to_numpy(), full)
+    said = ray.get(trainers[0].distribute_own_dtensor.remote(t_mesh), timeout=60)
+    assert "sharded over 2 ranks" in said and "from_dtensor" in said and "adopt" in said

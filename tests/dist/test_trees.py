@@ -1,0 +1,343 @@
+"""Whole models in one call: trees of tensors (state dicts) distributed, resharded and adopted
+bit-exact through the public API; one call is one compiled reshard (one run call per device, and a
+replay ships no program and no binding); small tensors travel in buckets; works in flight; trees,
+layouts and works used from Ray tasks; verify catches a flipped byte; out= commits all or nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import numpy as np
+import pytest
+import ray
+from dist_helpers import assert_bit_exact, pl, random_array
+
+from reshard import DeviceMesh, Layout, ReshardError, Shard, WorkerDied, distribute, reshard
+from reshard.runtime import Work, adopt, runtime_stats, settle
+
+pytestmark = pytest.mark.dist
+
+
+def model(seed: int = 0, layers: int = 3) -> dict:
+    """A small GPT-shaped state dict: big and small tensors, several dtypes, nested."""
+    sd = {"wte": random_array((64, 16), "float32", seed), "blocks": []}
+    for i in range(layers):
+        sd["blocks"].append(
+            {
+                "attn": {"w": random_array((16, 48), "float32", seed + 10 * i + 1),
+                         "b": random_array((48,), "float32", seed + 10 * i + 2)},
+                "ln": (random_array((16,), "float64", seed + 10 * i + 3), random_array((16,), "int64", seed + i)),
+            }
+        )  # fmt: skip
+    sd["step"] = random_array((), "int32", seed + 99)
+    return sd
+
+
+def last_dim(mesh):
+    return lambda path, t: Layout(mesh, (Shard(-1),) if len(t.shape) else (pl("R")[0],))
+
+
+def flat(tree, prefix=""):
+    """``{path: leaf}`` of a nested dict/list/tuple tree."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+    if isinstance(tree, list | tuple):
+        return {k: v for i, sub in enumerate(tree) for k, v in flat(sub, f"{prefix}{i}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def assert_tree(got, want) -> None:
+    got, want = flat(got), flat(want)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert_bit_exact(got[k].to_numpy(), want[k])
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["default", "gloo"])
+def test_a_state_dict_moves_in_one_call_and_keeps_its_structure(view, shared_memory):
+    a, b = view([0, 1], (2,)), view([2, 3, 4, 5], (4,))
+    sd = model()
+    src = distribute(sd, last_dim(a))
+    assert type(src["blocks"][0]["ln"]) is tuple and src["blocks"][1]["attn"]["w"].placements == (Shard(1),)
+    before = runtime_stats()
+    out = reshard(src, a, last_dim(b), shared_memory=shared_memory)
+    after = runtime_stats()
+    assert after["runs"] - before.get("runs", 0) == 1  # one compiled reshard for the whole tree
+    assert after["run_calls"] - before.get("run_calls", 0) <= 6  # one call per participating device
+    assert_tree(out, sd)
+    assert_tree(src, sd)  # the sources are intact
+    again = reshard(out, b, Layout(b, pl("R")), shared_memory=shared_memory)  # one Layout for every tensor
+    assert_tree(again, sd)
+
+
+def test_trees_of_layouts_lists_single_tensors_and_empty_trees(view):
+    a, b = view([0, 1], (2,)), view([6, 7], (2,))
+    xs = [random_array((5, 3), "float32", 1), random_array((7,), "int32", 2)]
+    src = distribute(xs, [Layout(a, pl("S0")), Layout(a, pl("R"))])
+    out = reshard(src, a, [Layout(b, pl("R")), Layout(b, pl("S0"))])
+    assert isinstance(out, list) and out[1].placements == (Shard(0),)
+    for got, want in zip(out, xs, strict=True):
+        assert_bit_exact(got.to_numpy(), want)
+    one = reshard(src[0], a, Layout(b, pl("S0")))  # a single tensor keeps working
+    assert_bit_exact(one.to_numpy(), xs[0])
+    assert reshard({}, a, {}) == {} and reshard([], a, Layout(b, pl("R"))) == []
+
+
+def test_bad_trees_are_refused_before_anything_moves(view):
+    a, b, c = view([0, 1], (2,)), view([2, 3], (2,)), view([4, 5], (2,))
+    x = distribute(np.ones((4,), np.float32), Layout(a, pl("S0")))
+    y = distribute(np.ones((4,), np.float32), Layout(c, pl("S0")))
+    with pytest.raises(ValueError, match=r"not the mesh of 'y'"):
+        reshard({"x": x, "y": y}, a, Layout(b, pl("R")))
+    with pytest.raises(ValueError, match=r"does not match the tree of tensors \(at the root: keys \['z'\]"):
+        reshard({"x": x, "z": x}, a, {"x": Layout(b, pl("R"))})
+    with pytest.raises(TypeError, match="distribute\\(\\) it onto a mesh first"):
+        reshard({"x": x, "raw": np.ones(3)}, a, Layout(b, pl("R")))
+    with pytest.raises(TypeError, match="layout for 'x': is a str"):
+        reshard({"x": x}, a, {"x": "R"})
+    out = distribute({"x": np.zeros(4, np.float32)}, Layout(b, pl("R")))
+    with pytest.raises(ValueError, match=r"out= does not match the tree of tensors"):
+        reshard({"x": x}, a, Layout(b, pl("R")), out={"y": out["x"]})
+    with pytest.raises(ValueError, match=r"out at 'x' is laid out"):
+        reshard({"x": x}, a, Layout(b, pl("S0")), out=out)
+
+
+def test_a_replay_plans_nothing_and_ships_nothing(view):
+    a, b = view([0, 1], (2,)), view([2, 3, 4, 5], (4,))
+    src = distribute(model(3), last_dim(a))
+    layouts = last_dim(b)
+    reshard(src, a, layouts, shared_memory=False)
+    shipped = runtime_stats()["programs_shipped"]
+    received = [s["programs_received"] for s in b.stats()]
+    calls = runtime_stats()["run_calls"]
+    out = reshard(src, a, layouts, shared_memory=False)
+    assert runtime_stats()["programs_shipped"] == shipped
+    assert [s["programs_received"] for s in b.stats()] == received
+    assert runtime_stats()["run_calls"] - calls == 6
+    assert_tree(out, model(3))
+
+
+def test_small_tensors_travel_in_buckets_and_big_ones_stream(view):
+    from reshard.runtime import lowered_reshard  # noqa: F401 - the single-tensor view stays available
+    from reshard.runtime.resharding import _Call, _compile
+
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    small = {f"b{i}": np.full((8,), i, np.float32) for i in range(20)}
+    src = distribute({**small, "big": random_array((512, 64), "float32", 7)}, lambda p, t: Layout(a, pl("S0")))
+    layouts = lambda p, t: Layout(b, pl("R"))  # noqa: E731
+    compiled = _compile(_Call(src, a, layouts, None, False), "auto", None, False, 4096)
+    assert compiled.program.buckets >= 1 and compiled.program.buckets < 20
+    out = reshard(src, a, layouts, shared_memory=False, bucket_bytes=4096)
+    for i in range(20):
+        assert_bit_exact(out[f"b{i}"].to_numpy(), small[f"b{i}"])
+
+
+def test_works_run_while_the_caller_goes_on_and_order_behind_each_other(view):
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    sd = {"w": random_array((32, 8), "float32", 5), "b": random_array((8,), "float32", 6)}
+    src = distribute(sd, last_dim(a))
+    out = distribute({k: np.zeros_like(v) for k, v in sd.items()}, last_dim(b))
+    works = [reshard(src, a, last_dim(b), async_op=True, shared_memory=s) for s in (True, False)]
+    assert all(isinstance(w, Work) for w in works)
+    for w in works:
+        assert_tree(w.wait(timeout_s=60), sd)
+        assert w.done()
+    into = reshard(src, a, last_dim(b), out=out, async_op=True)  # writes out
+    back = reshard(out, b, last_dim(a), async_op=True)  # reads out: ordered after the first
+    assert into.wait() is out
+    assert_tree(back.wait(), sd)
+    assert_tree(asyncio.run(_awaited(reshard(src, a, last_dim(b), async_op=True))), sd)
+    with pytest.raises(ValueError, match="mesh axis 0 shards dim 0"):  # misuse: at the call, before anything moves
+        reshard({"s": distribute(np.float32(1), Layout(a, pl("R")))}, a, Layout(b, pl("S0")), async_op=True)
+    other = copy.deepcopy(src["w"])  # another handle on the same shards...
+    other.free()  # ...frees them for every handle: the devices will find no source shard
+    work = reshard(src, a, last_dim(b), async_op=True)
+    with pytest.raises(ReshardError, match="source shard (is gone|.* is missing)"):
+        work.wait()
+
+
+async def _awaited(work):
+    return await work
+
+
+def test_errors_of_a_work_surface_at_wait_and_a_dropped_one_leaks_nothing(pool, view):
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    src = distribute({"x": random_array((64,), "float32", 1)}, Layout(a, pl("S0")))
+    settle(pool)
+    before = [set(s["buffers"]) for s in b.stats()]
+    reshard(src, a, Layout(b, pl("R")), async_op=True)  # dropped at once
+    import gc
+
+    runtime().works.after(frozenset({src["x"].name}), frozenset({src["x"].name}), 60)  # it finished
+    gc.collect()
+    settle(b)
+    assert all(set(s["buffers"]) <= names for s, names in zip(b.stats(), before, strict=True))
+    src["x"].free()
+    with pytest.raises(ValueError, match="was freed"):
+        reshard(src, a, Layout(b, pl("R")), async_op=True)
+
+
+def runtime():
+    from reshard.runtime import runtime as rt
+
+    return rt()
+
+
+@ray.remote(num_cpus=0)
+def _push_from_a_task(tree, src_mesh, layouts, out):
+    """A trainer's own process: trees, meshes and layouts built on the driver, used here."""
+    work = reshard(tree, src_mesh, layouts, out=out, async_op=True)
+    work.wait()
+    return {k: v.to_numpy() for k, v in out.items()}
+
+
+def test_trees_and_layouts_work_in_ray_tasks(view):
+    a, b = view([0, 1], (2,)), view([4, 5, 6, 7], (4,))
+    sd = {"w": random_array((16, 8), "float32", 2), "b": random_array((8,), "float32", 3)}
+    src = distribute(sd, last_dim(a))
+    layouts = {"w": Layout(b, pl("S0")), "b": Layout(b, pl("R"))}  # built here, resolved there
+    out = distribute({k: np.zeros_like(v) for k, v in sd.items()}, layouts)
+    got = ray.get(_push_from_a_task.remote(src, a, layouts, out), timeout=120)
+    for k in sd:
+        assert_bit_exact(got[k], sd[k])
+        assert_bit_exact(out[k].to_numpy(), sd[k])
+
+
+def _flip_one_byte(ctx):
+    def after(runs):
+        ctx.after_run = None
+        for r in runs.values():
+            if r.dst is not None and r.dst.size:
+                flat_bytes = r.dst.reshape(-1).view(np.uint8)
+                flat_bytes[0] ^= 0xFF
+                return
+
+    ctx.after_run = after
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["default", "gloo"])
+def test_verify_names_a_flipped_byte_and_commits_nothing(view, shared_memory):
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    sd = {"w": random_array((16, 8), "float32", 4), "b": random_array((8,), "float32", 5)}
+    src = distribute(sd, last_dim(a))
+    out = distribute({k: np.zeros_like(v) for k, v in sd.items()}, last_dim(b))
+    assert_tree(reshard(src, a, last_dim(b), verify=True, shared_memory=shared_memory), sd)
+    b.call(_flip_one_byte, devices=[1])
+    with pytest.raises(ReshardError, match=r"verify: tensor '(w|b)' on device \d+: the slice .* differs"):
+        reshard(src, a, last_dim(b), verify=True, shared_memory=shared_memory)
+    b.call(_flip_one_byte, devices=[0])
+    with pytest.raises(ReshardError, match="no output was changed"):
+        reshard(src, a, last_dim(b), out=out, verify=True, shared_memory=shared_memory)
+    for v in out.values():
+        assert not v.to_numpy().any()  # every output still holds its old values
+
+
+def _hold_then_exit(ctx, gate):
+    """The next run holds before its first op, tells ``gate``, and its actor exits once let go."""
+    import os
+
+    def hook(run, op):
+        ctx.before_op = None
+        ray.get(gate.arrive.remote())
+        ray.get(gate.wait_released.remote(60))
+        os._exit(1)
+
+    ctx.before_op = hook
+
+
+def test_out_commits_all_or_nothing_when_a_device_dies_mid_sync(view, gate):
+    a = view([0, 1], (2,))
+    b = DeviceMesh.create((3,), backend="gloo", startup_timeout_s=180)
+    try:
+        sd = {f"t{i}": random_array((12, 6), "float32", 20 + i) for i in range(4)}
+        src = distribute(sd, lambda p, t: Layout(a, pl("S0")))
+        out = distribute({k: np.full_like(v, 7.0) for k, v in sd.items()}, lambda p, t: Layout(b, pl("S1")))
+        old = {k: v.local_shards() for k, v in out.items()}
+        b.call(_hold_then_exit, gate, devices=[2])
+        work = reshard(src, a, lambda p, t: Layout(b, pl("S1")), out=out, async_op=True, timeout_s=60)
+        assert ray.get(gate.wait_arrived.remote(60), timeout=90)
+        ray.get(gate.release.remote())
+        with pytest.raises(WorkerDied):
+            work.wait()
+        for k, v in out.items():  # the survivors all kept their old values
+            for flat_index in (0, 1):
+                got = ray.get(b.actors[flat_index].reshard_fetch.remote(v.name), timeout=30)
+                assert_bit_exact(got, old[k][flat_index])
+    finally:
+        b.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class PlainWorker:
+    """A framework's worker: no DeviceRole, methods of its own."""
+
+    def __init__(self):
+        self.weights = {}
+
+    def make_weights(self, shapes: dict, value: float):
+        import torch
+
+        from reshard.runtime import device_of
+
+        self.weights = {k: torch.full(s, value) for k, s in shapes.items()}
+        return device_of(self).share_state_dict(self.weights, prefix="m.")
+
+    def total(self) -> float:
+        return float(sum(t.sum() for t in self.weights.values()))
+
+
+def test_attach_makes_any_actor_a_device_and_adopts_its_state_dict(view):
+    a = view([0, 1], (2,))
+    workers = [PlainWorker.remote() for _ in range(2)]
+    mesh = DeviceMesh.attach(workers, (2,))
+    try:
+        shapes = {"w": (4, 3), "b": (3,)}
+        names = ray.get([w.make_weights.remote(shapes, -1.0) for w in workers], timeout=120)[0]
+        assert names == {"w": "m.w", "b": "m.b"}
+        weights = adopt(Layout(mesh, pl("R")), names)  # the same tree of handles, one call per device
+        sd = {k: np.arange(np.prod(s), dtype=np.float32).reshape(s) for k, s in shapes.items()}
+        src = distribute(sd, lambda p, t: Layout(a, pl("S0")))
+        assert reshard(src, a, Layout(mesh, pl("R")), out=weights) is weights
+        expected = float(sum(v.sum() for v in sd.values()))
+        assert ray.get([w.total.remote() for w in workers], timeout=60) == [expected, expected]
+    finally:
+        mesh.shutdown()
+        for w in workers:
+            ray.kill(w)
+
+
+@ray.remote(num_cpus=0)
+def _dtensor_on_one_rank(mesh, port: int):
+    """A process holding a whole DTensor (a world of one rank): distribute takes its placements."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+        dt = distribute_tensor(full, init_device_mesh("cpu", (1,)), [_torch_shard0()])
+        t = distribute({"w": dt}, mesh)["w"]
+        return t.placements == (Shard(0),), t.to_numpy()
+    finally:
+        dist.destroy_process_group()
+
+
+def _torch_shard0():
+    from torch.distributed.tensor import Shard as TorchShard
+
+    return TorchShard(0)
+
+
+def test_distribute_takes_a_whole_dtensor_with_its_placements(view):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    a = view([0], (1,))
+    placed, got = ray.get(_dtensor_on_one_rank.remote(a, port), timeout=120)
+    assert placed
+    assert_bit_exact(got, np.arange(24, dtype=np.float32).reshape(4, 6))
