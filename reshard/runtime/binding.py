@@ -84,6 +84,8 @@ class Binding:
         if self.req.direct:
             return self._out(out, prog.dst_shape, dtype)
         try:
+            if self.bound.outs is not None:  # staged for a commit, never mapped by peers: pooled private memory
+                return ctx.store.allocate(prog.dst_shape, dtype, shared=False)
             if prepared.publishes:  # peers read it while the run goes on: in place
                 return ctx.store.allocate(prog.dst_shape, dtype)
             return ctx.store.allocate_destination(prog.dst_shape, dtype)

@@ -166,9 +166,10 @@ class ShardStore:
     def get(self, name: str):
         return self.shards.get(name)
 
-    def allocate(self, shape, dtype: str):
+    def allocate(self, shape, dtype: str, *, shared: bool = True):
         """A new shard's memory (dtype by name): on a CPU device a numpy array in pooled memory of
-        the same byte size, else fresh (shared) memory; on a GPU a torch tensor."""
+        the same byte size, else fresh (shared, unless ``shared`` is False: nobody maps it) memory;
+        on a GPU a torch tensor."""
         if self.device_type != "cpu":
             import torch
 
@@ -177,7 +178,7 @@ class ShardStore:
         nbytes = _nbytes(shape, storage)
         with self._lock:
             flat = self.pool.take(nbytes) if nbytes else None
-        if flat is None and nbytes and self.shared is not None:
+        if flat is None and nbytes and shared and self.shared is not None:
             flat = self._shared_or_none(self.shared.allocate, nbytes, shape)
         if flat is None:
             return np.empty(tuple(shape), dtype=storage)
