@@ -1,7 +1,8 @@
 """Cross-mesh resharding: plan (pure) and execute (on Ray actors) moves of sharded tensors.
 
 The planning names import without ray/torch; the runtime names (DeviceMesh, distribute,
-reshard, ShardedTensor) load the runtime on first use.
+reshard, adopt, ShardedTensor, Work) load the runtime on first use. ``reshard``, ``distribute``
+and ``adopt`` take one tensor or a whole tree of them (a model's state dict).
 """
 
 from reshard.compile import CompiledReshard, CompileOptions, compile_reshard
@@ -16,13 +17,13 @@ from reshard.program import Broadcast, Copy, DeviceProgram, Op, Program, Pull, R
 from reshard.tasks import UnitTask, plan_unit_tasks
 from reshard.validate import validate_plan, validate_program
 
-_RUNTIME = {"DeviceMesh", "ShardedTensor", "adopt", "distribute", "reshard"}
+_RUNTIME = {"DeviceMesh", "ShardedTensor", "Work", "adopt", "distribute", "reshard"}
 
 __all__ = [
     "STRATEGIES", "Broadcast", "CompileOptions", "CompiledReshard", "Copy", "DeviceMesh", "DeviceProgram", "Layout",
     "MeshClosed", "Op", "Partial", "Placement", "PlanError", "Program", "Pull", "Recv", "ReduceOp", "Replicate",
     "ReshardError", "ReshardPlan", "ReshardTimeout", "Send", "Shard", "ShardedTensor", "Transfer", "TransferKind",
-    "UnitTask", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "lower_plan", "plan_reshard",
+    "UnitTask", "Work", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "lower_plan", "plan_reshard",
     "plan_unit_tasks", "reshard", "validate_plan", "validate_program",
 ]  # fmt: skip
 

@@ -6,6 +6,10 @@ shard once it published the slice) -> sequencing (order and overlap of local
 ops, issue windows; groups connect in order of first use) -> ``validate_program`` -> msgpack, one
 blob per participating device. The runtime ships the blobs; its executor runs each device's ops in
 the order given and decides nothing. Results are cached by their inputs.
+
+``compile_batch``: many tensors in one reshard (a model's state dict): each compiled as above, then
+the small ones' messages packed into buckets (``reshard.packing``), ``validate_batch``, one blob
+per device holding its part of every tensor.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from reshard.batch import BatchProgram
+from reshard.cost import lower_bound_s, resolve_cluster
 from reshard.layout import Layout
 from reshard.lowering import lower_plan
 from reshard.packing import BUCKET_BYTES, pack_batch
@@ -161,6 +166,16 @@ class CompiledBatch:
     pull_sources: Mapping[int, Mapping[int, tuple[int, ...]]]
     relay_sources: Mapping[int, tuple[int, ...]]
     bucket_bytes: int
+
+    def lower_bound_s(self, cluster=None) -> float:
+        """The fluid lower bound (``reshard.cost``) of moving every tensor of the batch: all their
+        unit tasks served at once, each host's bytes summed over the tensors."""
+        hosts: dict[int, int] = {}
+        tasks: list = []
+        for c in self.tensors:
+            hosts.update(c.plan.host_map)
+            tasks += c.plan.tasks
+        return lower_bound_s(tuple(tasks), hosts, resolve_cluster(cluster, hosts))
 
     @property
     def writers(self) -> Mapping[int, tuple[int, ...]]:
