@@ -23,8 +23,8 @@ __all__ = [
     "STRATEGIES", "Broadcast", "CompileOptions", "CompiledReshard", "Copy", "DeviceMesh", "DeviceProgram", "Layout",
     "MeshClosed", "Op", "Partial", "Placement", "PlanError", "Program", "Pull", "Recv", "ReduceOp", "Replicate",
     "ReshardError", "ReshardPlan", "ReshardTimeout", "Send", "Shard", "ShardedTensor", "Transfer", "TransferKind",
-    "UnitTask", "Work", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "lower_plan", "plan_reshard",
-    "plan_unit_tasks", "reshard", "validate_plan", "validate_program",
+    "UnitTask", "Work", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "lower_plan",
+    "plan_reshard", "plan_unit_tasks", "reshard", "validate_plan", "validate_program",
 ]  # fmt: skip
 
 
