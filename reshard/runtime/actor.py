@@ -85,7 +85,7 @@ class DeviceContext:
     def __init__(self, device: int, backend: Backend, options: dict):
         self.device = device
         self.backend = backend
-        self.device_type = _device_type(options.get("device_type") or getattr(backend, "device_type", "cpu"))
+        self.device_type = _device_type(options.get("device_type") or backend.device_type)
         self.options = dict(options)
         want_shared = options.get("shared_memory", False) and self.device_type == "cpu"
         shared = SharedShards() if want_shared and SharedShards.available() else None
@@ -371,9 +371,7 @@ class DeviceRole:
         if threads > 0:
             _set_threads(threads)
         self._reshard_ctx = DeviceContext(device, backend, options)
-        setup = getattr(backend, "setup_actor", None)  # optional backend hook
-        if setup is not None:
-            setup()
+        backend.setup_actor()
         return DeviceRole.reshard_ready(self)  # ``self`` may be any actor (``DeviceMesh.attach``)
 
     @property

@@ -88,13 +88,13 @@ def make_backend(backend) -> tuple[str, Backend]:
     ``device_type`` and ``gpus_per_device`` (0 if it declares none); for a known name, a declared
     ``gpus_per_device`` that differs from the entry's replaces it."""
     if isinstance(backend, Backend):
-        gpus = getattr(backend, "gpus_per_device", None)
+        gpus = backend.gpus_per_device
         spec = BACKENDS.get(backend.name)
         if spec is None:
             register_backend(
                 backend.name,
                 type(backend),
-                device_type=getattr(backend, "device_type", "cpu"),
+                device_type=backend.device_type,
                 gpus_per_device=0.0 if gpus is None else gpus,
             )
         elif gpus is not None and check_gpus_per_device(gpus) != spec.gpus_per_device:

@@ -103,6 +103,8 @@ class Backend(abc.ABC):
     device_type: str = "cpu"
     #: whether ``grouped`` issues the operations inside it as one call (NCCL's group calls).
     batches: bool = False
+    #: GPUs each device actor reserves (None: as the backend's registry entry says).
+    gpus_per_device: float | None = None
 
     def grouped(self, timeout_s: float | None = None):
         """A context inside which operations are issued as one call and waited for together (only
@@ -116,3 +118,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def connect(self, rendezvous: Rendezvous, device: int, timeout_s: float) -> Communicator:
         """Actor side: this device's communicator for the group."""
+
+    def connect_many(self, rendezvous: list[Rendezvous], device: int, timeout_s: float) -> list[Communicator]:
+        """Actor side: this device's communicators for several groups, in order (a backend may
+        set them up together; by default one after the other)."""
+        return [self.connect(r, device, timeout_s) for r in rendezvous]
+
+    def abort_rendezvous(self, rendezvous: list[Rendezvous], reason: str = "aborted") -> None:  # noqa: B027
+        """Make members still waiting to join these groups give up at once (default: nothing to do;
+        they wait until their deadline)."""
+
+    def setup_actor(self) -> None:  # noqa: B027 - optional hook
+        """Actor side, once when an actor becomes a device: whatever the backend needs there."""

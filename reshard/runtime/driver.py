@@ -310,9 +310,9 @@ class Runtime:
             drops = self.groups.forget(keys)
             for k, _ in drops:
                 self._rendezvous.pop(k, None)
-            abort = getattr(self._backend_of(refs), "abort_rendezvous", None)
-            if abort is not None and rendezvous:
-                abort(rendezvous, "the controller gave up on the reshard")
+            backend = self._backend_of(refs)
+            if backend is not None and rendezvous:
+                backend.abort_rendezvous(rendezvous, "the controller gave up on the reshard")
             acks = {}
             for d in refs:
                 rec = self.registry.devices.get(d)

@@ -203,9 +203,8 @@ class GroupCache:
                     del self.entries[k]
                 else:
                     self._release(k, abort=True)
-        abort_rendezvous = getattr(self.backend, "abort_rendezvous", None)
-        if waiting and abort_rendezvous is not None:
-            abort_rendezvous(waiting, f"device {self.device}: {reason}")
+        if waiting:
+            self.backend.abort_rendezvous(waiting, f"device {self.device}: {reason}")
 
     def close_all(self) -> None:
         with self._lock:
