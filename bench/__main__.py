@@ -1,6 +1,7 @@
 """Benchmarks: ``python -m bench`` (real reshards on a local Ray cluster),
 ``python -m bench --simulate ...`` (paper-scale simulation), ``python -m bench pipeline ...``,
-``python -m bench multihost`` (Ray nodes on emulated hosts with shaped NICs)."""
+``python -m bench multihost`` (Ray nodes on emulated hosts with shaped NICs), ``python -m bench weights``
+(whole-model weight sync: GPT-2- and Qwen3-shaped state dicts in one call, beside what users write instead)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ def main(argv: list[str]) -> int:
         return run(argv[1:])
     if argv[:1] == ["multihost"]:
         from bench.multihost import main as run
+
+        return run(argv[1:])
+    if argv[:1] == ["weights"]:
+        from bench.weights import main as run
 
         return run(argv[1:])
     if argv[:1] == ["emulate"]:

@@ -23,6 +23,12 @@
   pulls run). The gloo path's ceiling is ``bench.ceiling`` (raw gloo of the bytes that cross).
 * ``bare_startup_s``: seconds until a new pool of bare Ray actors that import numpy answers a first
   call (the reference of the mesh start-up target).
+* Whole trees (``bench.weights``; a ``TreeSpec`` says what moves): ``ObjectStoreTree`` (each source
+  actor ``ray.put``s its whole shard of every tensor a destination needs from it, each destination
+  ``ray.get``s the shards that overlap its own and copies the overlaps), ``NaiveRefit``
+  (torch.distributed gloo as a refit loop writes it: per tensor, gather to one rank, broadcast to
+  every destination, each keeps its slice), ``DirectTransportTree`` (RDT, one call per (source,
+  destination) pair carrying that pair's pieces of every tensor, on ``TreeRdtActor``s).
 
 Which source supplies which piece (``assign_pieces``): a destination that holds a piece in its own
 source shard copies it; otherwise the holder with the fewest bytes assigned so far sends it. Each
@@ -243,13 +249,14 @@ def rdt_actor_class():
 
 
 class RdtPool:
-    """``n`` RDT actors (one per pool position) in one torch_gloo collective group."""
+    """``n`` RDT actors (one per pool position) in one torch_gloo collective group; ``actor_class``:
+    a Ray actor class of an ``RdtActor`` subclass (default ``rdt_actor_class()``)."""
 
-    def __init__(self, n: int, timeout_s: float = 180.0):
+    def __init__(self, n: int, timeout_s: float = 180.0, actor_class=None):
         from ray.experimental.collective import create_collective_group
 
         t0 = time.perf_counter()
-        cls = rdt_actor_class()
+        cls = actor_class or rdt_actor_class()
         self.actors = [cls.remote() for _ in range(n)]
         try:
             ray.get([a.ping.remote() for a in self.actors], timeout=timeout_s)
@@ -507,3 +514,331 @@ def bare_startup_s(n: int, timeout_s: float = 180.0) -> float:
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
+
+
+# ------------------------------------------------------------------ whole trees (``bench.weights``)
+
+_TREES: dict[str, list] = {}  # in an actor: a tree peer's latest output (one array per tensor), per key
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TreeSpec:
+    """A tree of tensors to move, as plain data: tensor ``names``, the source ``shards``' names on
+    the device actors, the source ``arrays`` (numpy), per tensor each device's box of it on the
+    source and destination side (``src_boxes[t][device]``, ``dst_boxes[t][device]``)."""
+
+    names: tuple
+    shards: tuple
+    arrays: tuple
+    src_boxes: tuple
+    dst_boxes: tuple
+    src_devices: tuple
+    dst_devices: tuple
+    timeout_s: float
+
+    def dst_shapes(self) -> dict[int, list]:
+        return {d: [box_shape(b[d]) for b in self.dst_boxes] for d in self.dst_devices}
+
+    def route(self) -> tuple[dict, dict]:
+        """Who sends what (``assign_pieces`` per tensor): ``pairs[(src, dst)]``, the pieces of every
+        tensor that ``src`` sends ``dst`` as ``(tensor, box local to src's shard)``; per destination
+        ``(sources in argument order, local pieces (tensor, src-local box, dst-local box), remote
+        pieces (argument, index in that pair's list, tensor, dst-local box))``."""
+        pairs: dict[tuple[int, int], list] = {}
+        plans: dict[int, tuple[list, list, list]] = {d: ([], [], []) for d in self.dst_devices}
+        for t, (src, dst) in enumerate(zip(self.src_boxes, self.dst_boxes, strict=True)):
+            for d, pieces in assign_pieces(src, dst).items():
+                srcs, local, remote = plans[d]
+                for p in pieces:
+                    dbox = relative(p.box, dst[d])
+                    if p.src == d:
+                        local.append((t, relative(p.box, src[d]), dbox))
+                        continue
+                    if p.src not in srcs:
+                        srcs.append(p.src)
+                    items = pairs.setdefault((p.src, d), [])
+                    items.append((t, relative(p.box, src[p.src])))
+                    remote.append((srcs.index(p.src), len(items) - 1, t, dbox))
+        return pairs, plans
+
+    def pieces_bytes(self, pairs: dict) -> int:
+        return sum(box_volume(box) * self.arrays[t].itemsize for items in pairs.values() for t, box in items)
+
+    def min_bytes(self) -> int:
+        """Bytes that must cross between devices: each destination's box less what the same device
+        holds of it in its source shard."""
+        total = 0
+        for a, src, dst in zip(self.arrays, self.src_boxes, self.dst_boxes, strict=True):
+            for d, box in dst.items():
+                own = intersect(box, src[d]) if d in src else None
+                total += (box_volume(box) - (box_volume(own) if own else 0)) * a.itemsize
+        return total
+
+    def compare(self, got: dict) -> tuple[bool, str]:
+        """Whether every destination's arrays (``got[device]``, in tensor order: a method's
+        ``last()``) equal their boxes of the source arrays, bit for bit; and what differs."""
+        import numpy as np
+
+        for d in self.dst_devices:
+            have = got.get(d)
+            if have is None or len(have) != len(self.names):
+                return False, f"device {d}: got {0 if have is None else len(have)} arrays, want {len(self.names)}"
+            for name, a, boxes, g in zip(self.names, self.arrays, self.dst_boxes, have, strict=True):
+                want, g = np.ascontiguousarray(a[_slices(boxes[d])]), np.ascontiguousarray(g)
+                if g.shape != want.shape or g.dtype != want.dtype:
+                    return (
+                        False,
+                        f"{name!r} on device {d}: got {g.dtype}{list(g.shape)}, want {want.dtype}{list(want.shape)}",
+                    )
+                if not np.array_equal(g.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)):
+                    return False, f"{name!r} on device {d}: {int(np.count_nonzero(g != want))} elements differ"
+        return True, f"{len(self.names)} tensors on {len(self.dst_devices)} devices bit-exact"
+
+
+def _tree_last(actor, key: str) -> list:
+    import numpy as np
+
+    return [o if isinstance(o, np.ndarray) else o.numpy() for o in _TREES[key]]
+
+
+def _tree_drop(actor, key: str) -> None:
+    _TREES.pop(key, None)
+
+
+class _TreePeer:
+    """A tree peer on Ray actors (``actors``: global device id -> handle; ``fn(actor, ...)`` runs
+    there through ``__ray_call__``): ``last()`` ({destination: arrays in tensor order}) and
+    ``release()``."""
+
+    def __init__(self, key: str, spec: TreeSpec, actors: dict):
+        self.key, self.spec, self.actors, self.timeout_s = key, spec, actors, spec.timeout_s
+
+    def _on(self, devices, fn, *args) -> list:
+        return _get([self.actors[d].__ray_call__.remote(fn, *args) for d in devices], self.timeout_s)
+
+    def last(self) -> dict:
+        return dict(zip(self.spec.dst_devices, self._on(self.spec.dst_devices, _tree_last, self.key), strict=True))
+
+    def release(self) -> None:
+        self._on(self.spec.dst_devices, _tree_drop, self.key)
+
+    def close(self) -> None:
+        self.release()
+
+
+def _os_put_tree(actor, shards: list, tensors: list) -> dict:
+    """In a source actor: ``ray.put`` its whole shard of each tensor in ``tensors``."""
+    return {t: ray.put(actor.reshard_device.local(shards[t]).numpy()) for t in tensors}
+
+
+def _os_assemble_tree(actor, key: str, shards, shapes, dtype, local, remote, timeout_s: float, *puts) -> None:
+    """In a destination actor: its shard of every tensor, from its own source shards (``local``)
+    and the source shards that overlap it (``remote``: (argument, tensor, source-local box,
+    destination-local box); ``puts[i]``: source i's references, by tensor)."""
+    import numpy as np
+
+    outs = [np.empty(s, dtype=dtype) for s in shapes]
+    needed = sorted({(i, t) for i, t, _, _ in remote})
+    got = dict(zip(needed, ray.get([puts[i][t] for i, t in needed], timeout=timeout_s), strict=True))
+    for i, t, sbox, dbox in remote:
+        outs[t][_slices(dbox)] = got[(i, t)][_slices(sbox)]
+    del got
+    for t, sbox, dbox in local:
+        outs[t][_slices(dbox)] = actor.reshard_device.local(shards[t]).numpy()[_slices(sbox)]
+    _TREES[key] = outs
+
+
+class ObjectStoreTree(_TreePeer):
+    """The object store as a user writes it for a tree, on the device actors: one call per source
+    (``ray.put`` of its whole shard of every tensor some destination needs from it) and one per
+    destination (``ray.get`` of the shards that overlap its own, the overlaps copied into its
+    shards), the sources' references passed as top-level arguments. Moved bytes: the shards the
+    destinations get (what would cross between machines)."""
+
+    def __init__(self, key: str, spec: TreeSpec, actors: dict):
+        super().__init__(key, spec, actors)
+        pairs, self.plans = spec.route()
+        self.tensors: dict[int, list] = {}  # source -> the tensors whose shard it puts
+        self.moved = 0
+        for d, (srcs, _, remote) in self.plans.items():
+            whole = {(i, t) for i, _, t, _ in remote}
+            self.moved += sum(box_volume(spec.src_boxes[t][srcs[i]]) * spec.arrays[t].itemsize for i, t in whole)
+            remote[:] = [(i, t, pairs[(srcs[i], d)][j][1], dbox) for i, j, t, dbox in remote]
+        for (s, _), items in pairs.items():
+            self.tensors[s] = sorted({*self.tensors.get(s, ()), *(t for t, _ in items)})
+
+    def run(self) -> float:
+        spec, dtype, shapes = self.spec, str(self.spec.arrays[0].dtype), self.spec.dst_shapes()
+        t0 = time.perf_counter()
+        puts = {s: self.actors[s].__ray_call__.remote(_os_put_tree, list(spec.shards), tensors)
+                for s, tensors in self.tensors.items()}  # fmt: skip
+        done = [
+            self.actors[d].__ray_call__.remote(_os_assemble_tree, self.key, list(spec.shards), shapes[d], dtype, local,
+                                               remote, self.timeout_s, *(puts[s] for s in srcs))
+            for d, (srcs, local, remote) in self.plans.items()
+        ]  # fmt: skip
+        _get(done, self.timeout_s)
+        return time.perf_counter() - t0
+
+    def moved_bytes(self) -> int:
+        return self.moved
+
+
+def _naive_join(actor, key: str, port: int, rank: int, world: int, bcast_rank, bcast_size: int, timeout_s: float):
+    """In a device actor: join the refit's world group and, if a member, its broadcast group."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+    def group(name: str, r: int, n: int):
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=True)]
+        return dist.ProcessGroupGloo(dist.PrefixStore(f"bench-naive/{key}/{name}", store), r, n, opts)
+
+    _STATE[key] = (group("world", rank, world), None if bcast_rank is None else group("bcast", bcast_rank, bcast_size))
+
+
+def _naive_run(actor, key: str, steps: list) -> None:
+    """In a device actor, per tensor in order: the root gathers the whole tensor (its own shard and
+    the other sources' messages) or a source sends the root its shard; the broadcast group gets the
+    whole tensor from the root; a destination keeps a copy of its slice. Waits are bounded by the
+    groups' timeout."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    ctx, (world, bcast) = actor.reshard_device, _STATE[key]
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    outs = []
+    for tag, (shard, shape, dtype, own, recvs, send, in_bcast, keep) in enumerate(steps):
+        full = None
+        if own is not None:
+            full = torch.from_numpy(np.empty(shape, dtype=dtype))
+            full[_slices(own)] = ctx.local(shard)
+            for peer, box in recvs:
+                buf = torch.from_numpy(np.empty(box_shape(box), dtype=dtype))
+                world.recv([buf], peer, tag).wait()
+                full[_slices(box)] = buf
+        elif send:
+            world.send([ctx.local(shard).contiguous()], 0, tag).wait()
+        if in_bcast:
+            full = torch.from_numpy(np.empty(shape, dtype=dtype)) if full is None else full
+            bcast.broadcast([full], opts).wait()
+        if keep is not None:
+            outs.append(full[_slices(keep)].clone())
+    _TREES[key] = outs
+
+
+def _naive_leave(actor, key: str) -> None:
+    _STATE.pop(key, None)
+    _TREES.pop(key, None)
+
+
+class NaiveRefit(_TreePeer):
+    """torch.distributed gloo as a refit loop writes it, on the device actors (ranks: sources
+    first; rank 0, the first source, is the root): per tensor, gather to the root, broadcast from
+    the root to every destination (a group of the root and the destinations)."""
+
+    def __init__(self, key: str, spec: TreeSpec, actors: dict, store_port: int):
+        super().__init__(key, spec, actors)
+        srcs, dsts = list(spec.src_devices), list(spec.dst_devices)
+        members = srcs + [d for d in dsts if d not in srcs]
+        rank = {d: i for i, d in enumerate(members)}
+        root, bcast = srcs[0], [srcs[0]] + [d for d in dsts if d != srcs[0]]
+        self.steps: dict[int, list] = {d: [] for d in members}
+        self.moved = 0
+        for shard, a, src, dst in zip(spec.shards, spec.arrays, spec.src_boxes, spec.dst_boxes, strict=True):
+            gather, held = [], {src[root]}
+            for s in srcs[1:]:  # each box the root lacks, from its first holder
+                if src[s] not in held and box_volume(src[s]):
+                    gather.append((s, src[s]))
+                    held.add(src[s])
+            self.moved += sum(box_volume(b) for _, b in gather) * a.itemsize + a.nbytes * (len(bcast) - 1)
+            senders = {s for s, _ in gather}
+            for d in members:
+                own, recvs = (src[root], [(rank[s], b) for s, b in gather]) if d == root else (None, [])
+                self.steps[d].append((shard, a.shape, str(a.dtype), own, recvs, d in senders, d in bcast, dst.get(d)))
+        _get([self.actors[d].__ray_call__.remote(_naive_join, key, store_port, rank[d], len(members),
+                                                 bcast.index(d) if d in bcast else None, len(bcast), self.timeout_s)
+              for d in members], self.timeout_s)  # fmt: skip
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        _get([self.actors[d].__ray_call__.remote(_naive_run, self.key, steps) for d, steps in self.steps.items()],
+             self.timeout_s)  # fmt: skip
+        return time.perf_counter() - t0
+
+    def moved_bytes(self) -> int:
+        return self.moved
+
+    def close(self) -> None:
+        self._on(list(self.steps), _naive_leave, self.key)
+
+
+class TreeRdtActor(RdtActor):
+    """``RdtActor`` for trees: its source shards of every tensor; one RDT call per (source,
+    destination) pair carries that pair's pieces of every tensor."""
+
+    def load_tree(self, key: str, shards: list) -> None:
+        import numpy as np
+        import torch
+
+        self.sources[key] = [torch.from_numpy(np.array(s)) for s in shards]
+
+    @ray.method(tensor_transport="gloo")
+    def tree_pieces(self, key: str, items: list) -> list:
+        src = self.sources[key]
+        return [src[t][_slices(box)].contiguous() for t, box in items]
+
+    def tree_assemble(self, key: str, shapes: list, dtype: str, local: list, remote: list, *lists) -> None:
+        import numpy as np
+        import torch
+
+        outs = [torch.from_numpy(np.empty(s, dtype=dtype)) for s in shapes]
+        for i, j, t, box in remote:
+            outs[t][_slices(box)] = lists[i][j]
+        for t, sbox, dbox in local:
+            outs[t][_slices(dbox)] = self.sources[key][t][_slices(sbox)]
+        _TREES[key] = outs
+
+
+_TREE_RDT_CLASS = None
+
+
+def tree_rdt_pool(n: int, timeout_s: float = 180.0) -> RdtPool:
+    """``n`` ``TreeRdtActor``s in one torch_gloo group."""
+    global _TREE_RDT_CLASS
+    if _TREE_RDT_CLASS is None:
+        _TREE_RDT_CLASS = ray.remote(num_cpus=0, enable_tensor_transport=True)(TreeRdtActor)
+    return RdtPool(n, timeout_s, actor_class=_TREE_RDT_CLASS)
+
+
+class DirectTransportTree(_TreePeer):
+    """Ray Direct Transport between RDT actors (``actors``: global device id -> the RDT actor of
+    its pool position); the sources' shards are loaded once, untimed."""
+
+    def __init__(self, key: str, spec: TreeSpec, actors: dict):
+        super().__init__(key, spec, actors)
+        self.pairs, self.plans = spec.route()
+        _get([actors[s].load_tree.remote(key, [a[_slices(b[s])] for a, b in zip(spec.arrays, spec.src_boxes,
+                                                                                  strict=True)])
+              for s in spec.src_devices], self.timeout_s)  # fmt: skip
+
+    def run(self) -> float:
+        dtype, shapes = str(self.spec.arrays[0].dtype), self.spec.dst_shapes()
+        t0 = time.perf_counter()
+        done = []
+        for d, (srcs, local, remote) in self.plans.items():
+            refs = [self.actors[s].tree_pieces.remote(self.key, self.pairs[(s, d)]) for s in srcs]
+            done.append(self.actors[d].tree_assemble.remote(self.key, shapes[d], dtype, local, remote, *refs))
+        _get(done, self.timeout_s)
+        return time.perf_counter() - t0
+
+    def moved_bytes(self) -> int:
+        return self.spec.pieces_bytes(self.pairs)
+
+    def close(self) -> None:
+        self.release()
+        _get([self.actors[s].drop.remote(self.key, True) for s in self.spec.src_devices], self.timeout_s)
