@@ -9,18 +9,19 @@ rank by ``for_shape``, which every user of a layout applies before planning.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reshard.placement import Partial, Placement, ReduceOp, Replicate, Shard, as_placement
 from topology.mesh import Mesh
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Layout:
     """How a tensor is laid out over ``mesh``: ``placements[a]`` says what mesh axis ``a`` does."""
 
     mesh: Mesh
     placements: tuple[Placement, ...]
+    _hash: int = field(compare=False, repr=False)
 
     def __init__(self, mesh, placements):
         mesh = getattr(mesh, "mesh", mesh)  # a runtime DeviceMesh carries its abstract Mesh
@@ -42,6 +43,10 @@ class Layout:
             )
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "placements", placements)
+        object.__setattr__(self, "_hash", hash((mesh, placements)))  # layouts key many caches
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
         return f"{_fmt(self.placements, self.mesh.axis_names)} on mesh {self.mesh.shape}"
