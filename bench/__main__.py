@@ -1,6 +1,7 @@
 """Benchmarks: ``python -m bench`` (real reshards on a local Ray cluster),
 ``python -m bench --simulate ...`` (paper-scale simulation), ``python -m bench pipeline ...``,
-``python -m bench multihost`` (Ray nodes on emulated hosts with shaped NICs), ``python -m bench weights``
+``python -m bench multihost [--weights]`` (Ray nodes on emulated hosts with shaped NICs; ``--weights``: a
+whole model's sync), ``python -m bench weights``
 (whole-model weight sync: GPT-2- and Qwen3-shaped state dicts in one call, beside what users write instead)."""
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ def main(argv: list[str]) -> int:
         from bench.pipeline import main as run
 
         return run(argv[1:])
+    if argv[:1] == ["multihost"] and "--weights" in argv:
+        from bench.multihost_weights import main as run
+
+        return run([a for a in argv[1:] if a != "--weights"])
     if argv[:1] == ["multihost"]:
         from bench.multihost import main as run
 

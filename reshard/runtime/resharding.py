@@ -243,6 +243,16 @@ def lowered_reshard(
     return _compile(call, strategy, cluster, shared_memory, BUCKET_BYTES).tensors[0]
 
 
+def lowered_batch(
+    tensors, src_mesh: DeviceMesh, dst_layouts, *, strategy: str = "auto", cluster=None, shared_memory: bool = True,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> CompiledBatch:  # fmt: skip
+    """What ``reshard(tensors, src_mesh, dst_layouts, ...)`` of a tree runs: its ``CompiledBatch``
+    (each tensor's compiled reshard, the packed batch program, blobs), compiled and cached as
+    ``reshard`` does; e.g. ``.lower_bound_s(cluster)``."""
+    return _compile(_Call(tensors, src_mesh, dst_layouts, None, False), strategy, cluster, shared_memory, bucket_bytes)
+
+
 def reshard(
     tensors, src_mesh: DeviceMesh, dst_layouts, *, strategy: str = "auto",
     timeout_s: float | None = DEFAULT_TIMEOUT_S, cluster=None, shared_memory: bool = True,
@@ -328,4 +338,4 @@ def _raise_mismatch(call: _Call, compiled: CompiledBatch, checks_by_device: dict
     )
 
 
-__all__ = ["compile_options", "lowered_reshard", "memory_domains", "relay_publishers", "reshard"]
+__all__ = ["compile_options", "lowered_batch", "lowered_reshard", "memory_domains", "relay_publishers", "reshard"]
