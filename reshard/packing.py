@@ -2,7 +2,10 @@
 
 A tensor is packed when it moves at most ``bucket_bytes`` in all and its program only moves plain
 slices: every message reads the sender's source shard and lands in the receivers' destination
-shards as it is (no relay, no Partial contribution combined, no scaling). Its messages are then
+shards as it is (no message forwards what it received, no Partial contribution combined, no
+scaling). A relay inside a machine stays as it is: the relaying device publishes the slice when
+its part runs, after all its buckets landed, and its peers pull it in their part of that tensor
+(every device runs its parts in tensor order, so nobody waits for a later tensor). Its messages are then
 grouped by their group (a sender and a receiver, or a broadcast group), in tensor and step order,
 and each group's slices are cut into buckets of at most ``bucket_bytes``; the buckets of all groups
 go in one global order, round robin over the groups (the k-th bucket of every group before the
@@ -33,8 +36,6 @@ from reshard.program import (
     DeviceProgram,
     Group,
     Program,
-    Publish,
-    Pull,
     Scale,
     group_key,
     op_box,
@@ -47,19 +48,23 @@ BUCKET_BYTES = 4 << 20
 
 
 def packable(program: Program, bucket_bytes: int) -> bool:
-    """Whether ``program``'s messages may be packed (module docstring)."""
+    """Whether ``program``'s messages may be packed (module docstring): every message reads the
+    sender's source shard and lands as it is in a destination shard. Relays through shared memory
+    stay: a device publishes what its buckets brought it when its part runs, after every bucket."""
     if math.prod(program.shape) * itemsize(program.dtype) > bucket_bytes:
         return False
     messages = False
     for p in program.devices:
-        if p.tmp or p.relays:
+        if p.tmp:
             return False
         for op in p.all_ops:
-            if isinstance(op, Publish | Scale) or getattr(op, "reduce", None) is not None:
+            if isinstance(op, Scale) or getattr(op, "reduce", None) is not None:
                 return False
-            if reads_output(op) is not None or getattr(op, "target", Buffer.DST) is not Buffer.DST:
+            if isinstance(op, MESSAGE_OPS) and (
+                reads_output(op) is not None or getattr(op, "buffer", None) is Buffer.DST
+            ):
                 return False
-            if isinstance(op, Pull) and op.buffer is not Buffer.SRC:
+            if getattr(op, "target", Buffer.DST) is not Buffer.DST:
                 return False
             messages = messages or isinstance(op, MESSAGE_OPS)
     return messages

@@ -151,8 +151,8 @@ def test_works_run_while_the_caller_goes_on_and_order_behind_each_other(view):
     with pytest.raises(ValueError, match="mesh axis 0 shards dim 0"):  # misuse: at the call, before anything moves
         reshard({"s": distribute(np.float32(1), Layout(a, pl("R")))}, a, Layout(b, pl("S0")), async_op=True)
     other = copy.deepcopy(src["w"])  # another handle on the same shards...
-    other.free()  # ...frees them for every handle: the devices will find no source shard
-    work = reshard(src, a, last_dim(b), async_op=True)
+    other.free()  # ...frees them for every handle: the sending devices will find no source shard
+    work = reshard(src, a, last_dim(b), async_op=True, shared_memory=False)  # the senders run it, after the free
     with pytest.raises(ReshardError, match="source shard (is gone|.* is missing)"):
         work.wait()
 

@@ -34,14 +34,17 @@ STORAGE = {"bfloat16": "int16", "bool": "uint8"}
 
 @st.composite
 def batches(draw):
+    """Tensors over one pair of meshes; at times devices share memory domains (pulls, relays)."""
     src_mesh, dst_mesh = draw(mesh_pairs())
+    devices = sorted(set(src_mesh.device_ids) | set(dst_mesh.device_ids))
+    domains = tuple(sorted((d, dom) for d in devices if (dom := draw(st.sampled_from([None, 0, 1]))) is not None))
     items = []
     for _ in range(draw(st.integers(1, 6))):
         ndim = draw(st.integers(0, 3))
         shape = tuple(draw(st.lists(st.integers(0, 7), min_size=ndim, max_size=ndim)))
         src = Layout(src_mesh, placements(draw, src_mesh.ndim, ndim)).for_shape(shape)
         dst = Layout(dst_mesh, placements(draw, dst_mesh.ndim, ndim)).for_shape(shape)
-        items.append(BatchItem(shape, draw(st.sampled_from(sorted(ITEMSIZE))), src, dst))
+        items.append(BatchItem(shape, draw(st.sampled_from(sorted(ITEMSIZE))), src, dst, domains))
     return items, draw(st.sampled_from(sorted(STRATEGIES))), draw(st.sampled_from([1, 64, 400, 1 << 20]))
 
 
@@ -80,15 +83,18 @@ def interpret_batch(compiled, items, fulls) -> dict[tuple[int, int], np.ndarray]
                 landed[(q.tensor, d, q.box)] = wire[q.offset : q.offset + q.nbytes].view(dtype)
     out = {}
     for t, item in enumerate(items):
-        parts = [p.part(t) for p in batch.devices if p.part(t) is not None]
-        program = Program(item.dtype, item.shape, tuple(part.program for part in parts))
-        got = interpret(program, item.src, fulls[t]) if parts else {}
+        after_buckets = {}  # what the buckets landed in each destination shard: the parts start from it
         for d, box in regions_by_device(item.dst, item.shape).items():
-            shard = got.get(d, np.zeros([hi - lo for lo, hi in box], fulls[t].dtype)).copy()
+            shard = np.zeros([hi - lo for lo, hi in box], fulls[t].dtype)
             for (tt, dd, pbox), data in landed.items():
                 if (tt, dd) == (t, d):
                     shard[sl(pbox)] = data.reshape([hi - lo for lo, hi in pbox])
-            out[(t, d)] = shard
+            after_buckets[d] = shard
+        parts = [p.part(t) for p in batch.devices if p.part(t) is not None]
+        program = Program(item.dtype, item.shape, tuple(part.program for part in parts))
+        got = interpret(program, item.src, fulls[t], dst_init=after_buckets) if parts else {}
+        for d in after_buckets:
+            out[(t, d)] = got.get(d, after_buckets[d])
     return out
 
 
@@ -176,3 +182,32 @@ def test_pytrees_flatten_and_rebuild_state_dicts():
     assert "keys" in same_structure(treedef, flatten({"h": 1}, lambda x: isinstance(x, int))[2])
     with pytest.raises(TypeError, match="at h.0"):
         flatten({"h": [object()]}, lambda x: isinstance(x, int))
+
+
+def test_relays_of_packed_tensors_are_published_after_the_buckets_and_pulled():
+    """A small tensor replicated onto two devices of one machine, from another machine: the plan
+    sends it across once and relays it inside (the receiver publishes, its peer pulls). Packed, the
+    message rides a bucket; the publication and the pull stay in the tensor's parts; exact."""
+    import dataclasses
+
+    from reshard import Replicate
+    from reshard.program import Publish, Pull
+    from topology import Cluster, Mesh
+
+    src_mesh, dst_mesh = Mesh((1,), (0,), (0,)), Mesh((2,), (1, 2), (1, 1))
+    cluster = dataclasses.replace(
+        Cluster.for_hosts({0: 0, 1: 1, 2: 1}, nic_GBps=0.12, intra_host_GBps=2.8), latency_us=900, backend="gloo"
+    )
+    domains = ((1, "b"), (2, "b"))
+    items = [BatchItem((256, 32), "float32", Layout(src_mesh, (Replicate(),)), Layout(dst_mesh, (Replicate(),)),
+                       domains)] * 3  # fmt: skip
+    compiled = compile_batch(items, cluster=cluster, bucket_bytes=1 << 20)
+    batch = compiled.program
+    assert batch.buckets == 1  # the three tensors' slices cross in one message
+    ops = [(d.device, type(op)) for d in batch.devices for part in d.parts for op in part.program.ops]
+    assert sum(kind is Publish for _, kind in ops) == 3 and sum(kind is Pull for _, kind in ops) == 3
+    fulls = [full_of(item, t) for t, item in enumerate(items)]
+    got = interpret_batch(compiled, items, fulls)
+    for t in range(3):
+        for d in (1, 2):
+            np.testing.assert_array_equal(got[(t, d)], fulls[t])

@@ -42,24 +42,27 @@ def sl(box):
 COMBINE = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
 
 
-def interpret(program, src_layout, full: np.ndarray, contributions=None) -> dict[int, np.ndarray]:
+def interpret(program, src_layout, full: np.ndarray, contributions=None, dst_init=None) -> dict[int, np.ndarray]:
     """Run the program in numpy as the executor would: each device connects nothing (groups are
     free here), runs its background ops whenever they can (they touch nothing the others read),
     and its windows in order: local ops at once, message ops issued, a pull of a relay once its
     holder published it; a message completes (data moves) once every member issued its op; a
     publication runs once the window's messages before it completed; a window ends when its
     messages completed and its publications ran. Raises if it gets stuck.
-    ``contributions[c]``: the full tensor contribution ``c`` of a Partial source holds."""
+    ``contributions[c]``: the full tensor contribution ``c`` of a Partial source holds;
+    ``dst_init[d]``: what device ``d``'s destination shard holds before the program (else zeros)."""
     src_layout = src_layout.for_shape(full.shape)
     regions = regions_by_device(src_layout, full.shape)
     src = {}
     for flat, (d, box) in enumerate(regions.items()):
         whole = full if contributions is None else contributions[src_layout.contribution(flat)]
         src[d] = whole[sl(box)].copy()
-    buffers = {(p.device, Buffer.SRC): src.get(p.device) for p in program.devices}
+    buffers = {(d, Buffer.SRC): a for d, a in src.items()}  # a holder pulled from may run nothing
+    buffers.update({(p.device, Buffer.SRC): src.get(p.device) for p in program.devices})
     for p in program.devices:
         if p.dst_shape is not None:
-            buffers[(p.device, Buffer.DST)] = np.zeros(p.dst_shape, full.dtype)
+            init = (dst_init or {}).get(p.device)
+            buffers[(p.device, Buffer.DST)] = np.zeros(p.dst_shape, full.dtype) if init is None else init.copy()
         if p.tmp:
             buffers[(p.device, Buffer.TMP)] = np.zeros(p.src_shape, full.dtype)
 
