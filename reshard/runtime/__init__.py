@@ -57,8 +57,8 @@ def runtime_stats() -> dict:
 
 __all__ = [
     "BACKENDS", "Backend", "Communicator", "DeviceContext", "DeviceMesh", "DeviceRole", "Rendezvous", "ShardedTensor",
-    "Work", "adopt", "device_of", "distribute",
-    "ensure_groups", "lowered_batch", "lowered_reshard", "register_backend", "reshard", "runtime", "runtime_stats", "settle",
+    "Work", "adopt", "device_of", "distribute", "ensure_groups", "lowered_batch", "lowered_reshard",
+    "register_backend", "reshard", "runtime", "runtime_stats", "settle",
 ]  # fmt: skip
 
 
