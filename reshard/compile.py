@@ -218,9 +218,12 @@ def _compile_batch(items, strategy, cluster, options, bucket_bytes) -> CompiledB
     singles = tuple(
         _compile(i.shape, i.dtype, i.src, i.dst, strategy, cluster, i.domains, i.publishers, options) for i in items
     )
+    hosts: dict[int, int] = {}
+    for c in singles:
+        hosts.update(c.plan.host_map)
     batch = pack_batch(
         [c.program for c in singles], bucket_bytes=bucket_bytes, window_ops=options.window_ops,
-        window_bytes=options.window_bytes, window_staging_bytes=options.window_staging_bytes,
+        window_bytes=options.window_bytes, window_staging_bytes=options.window_staging_bytes, hosts=hosts,
     )  # fmt: skip
     validate_batch(batch)
     metas = [shard_meta(i.dst, i.shape) for i in items]

@@ -1,15 +1,15 @@
 """Packing: the messages of a batch's small tensors become bucket messages (``reshard.batch``).
 
-A tensor is packed when it moves at most ``bucket_bytes`` in all and its program only moves plain
-slices: every message reads the sender's source shard and lands in the receivers' destination
+A tensor is packed when none of its messages moves more than ``bucket_bytes`` and its program only
+moves plain slices: every message reads the sender's source shard and lands in the receivers' destination
 shards as it is (no message forwards what it received, no Partial contribution combined, no
 scaling). A relay inside a machine stays as it is: the relaying device publishes the slice when
 its part runs, after all its buckets landed, and its peers pull it in their part of that tensor
 (every device runs its parts in tensor order, so nobody waits for a later tensor). Its messages are then
 grouped by their group (a sender and a receiver, or a broadcast group), in tensor and step order,
 and each group's slices are cut into buckets of at most ``bucket_bytes``; the buckets of all groups
-go in one global order, round robin over the groups (the k-th bucket of every group before the
-(k+1)-th of any), so that buckets of different links are in flight together. What is left of a
+go in one global order of host-disjoint rounds (``_rounds``), so that buckets issued together use
+different links. What is left of a
 packed tensor's program are its local copies and pulls.
 
 Other tensors keep their programs as compiled: big ones stream as single reshards do, and so do
@@ -22,9 +22,8 @@ windows a single program's messages; a window's buckets sit side by side in its 
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
-from collections.abc import Sequence
+from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from reshard.batch import BatchDeviceProgram, BatchProgram, Bucket, Part, Piece, aligned, piece_bytes
@@ -39,20 +38,20 @@ from reshard.program import (
     Scale,
     group_key,
     op_box,
+    op_numel,
     reads_output,
 )
 from reshard.regions import Box
 from reshard.sequencing import IN, OUT, WINDOW_BYTES, WINDOW_STAGING_BYTES
 
-BUCKET_BYTES = 4 << 20
+BUCKET_BYTES = 1 << 20
 
 
 def packable(program: Program, bucket_bytes: int) -> bool:
     """Whether ``program``'s messages may be packed (module docstring): every message reads the
     sender's source shard and lands as it is in a destination shard. Relays through shared memory
     stay: a device publishes what its buckets brought it when its part runs, after every bucket."""
-    if math.prod(program.shape) * itemsize(program.dtype) > bucket_bytes:
-        return False
+    item = itemsize(program.dtype)
     messages = False
     for p in program.devices:
         if p.tmp:
@@ -66,7 +65,10 @@ def packable(program: Program, bucket_bytes: int) -> bool:
                 return False
             if getattr(op, "target", Buffer.DST) is not Buffer.DST:
                 return False
-            messages = messages or isinstance(op, MESSAGE_OPS)
+            if isinstance(op, MESSAGE_OPS):
+                if op_numel(op) * item > bucket_bytes:
+                    return False  # a slice that fills a message on its own: the tensor streams
+                messages = True
     return messages
 
 
@@ -77,13 +79,15 @@ def pack_batch(
     window_ops: int = 1,
     window_bytes: int = WINDOW_BYTES,
     window_staging_bytes: int = WINDOW_STAGING_BYTES,
+    hosts: Mapping[int, int] | None = None,
 ) -> BatchProgram:
     """One ``BatchProgram`` for the tensors whose single programs are ``programs`` (sequenced, by
-    tensor index), with the messages of the packable ones in buckets (module docstring)."""
+    tensor index), with the messages of the packable ones in buckets (module docstring); ``hosts``
+    maps devices to the hosts whose links the buckets share (default: every device its own)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     packed = {t for t, prog in enumerate(programs) if packable(prog, bucket_bytes)}
-    buckets = _buckets(programs, sorted(packed), bucket_bytes)
+    buckets = _buckets(programs, sorted(packed), bucket_bytes, hosts)
     parts: dict[int, list[Part]] = defaultdict(list)
     for t, prog in enumerate(programs):
         for p in prog.devices:
@@ -113,8 +117,8 @@ def _strip(p: DeviceProgram) -> DeviceProgram:
     return replace(p, ops=local, background=(), windows=(), staging_bytes=0, connect=())
 
 
-def _buckets(programs: Sequence[Program], packed: list[int], bucket_bytes: int):
-    """The batch's buckets in global order: ``(group, slices, nbytes)``, each slice
+def _buckets(programs: Sequence[Program], packed: list[int], bucket_bytes: int, hosts: Mapping[int, int] | None):
+    """The batch's buckets in global order (``_rounds``): ``(group, slices, nbytes)``, each slice
     ``(tensor, step, {device: box}, offset, nbytes)``."""
     streams: dict[Group, list[tuple[int, int, dict[int, Box], int]]] = defaultdict(list)
     for t in packed:
@@ -132,13 +136,34 @@ def _buckets(programs: Sequence[Program], packed: list[int], bucket_bytes: int):
             nbytes = piece_bytes(next(iter(boxes.values())), item)
             if nbytes:
                 streams[tuple(group)].append((t, step, boxes, nbytes))
-    chunked = [(group, _chunks(items, bucket_bytes)) for group, items in sorted(streams.items())]
+    chunked = [(group, deque(_chunks(items, bucket_bytes))) for group, items in sorted(streams.items())]
+    return _rounds(chunked, hosts or {})
+
+
+def _rounds(chunked: list, hosts: Mapping[int, int]) -> list:
+    """The buckets of every group in rounds: a round takes the next bucket of each group in turn
+    (starting one group later each round) as long as its sender's host sends nothing else in the
+    round and its receivers' hosts receive nothing else (the paper's host-disjoint rounds), so that
+    the buckets issued together use distinct links; a round takes at least one bucket."""
     out = []
-    for k in range(max((len(c) for _, c in chunked), default=0)):
-        for group, chunks in chunked:
-            if k < len(chunks):
-                slices, nbytes = chunks[k]
-                out.append((group, slices, nbytes))
+    start = 0
+    while any(q for _, q in chunked):
+        sending: set[int] = set()
+        receiving: set[int] = set()
+        n = len(chunked)
+        for k in range(n):
+            group, q = chunked[(start + k) % n]
+            if not q:
+                continue
+            src = hosts.get(group[0], group[0])
+            dst = {hosts.get(d, d) for d in group[1:]} - {src}
+            if (src in sending or dst & receiving) and (sending or receiving):
+                continue
+            slices, nbytes = q.popleft()
+            out.append((group, slices, nbytes))
+            sending.add(src)
+            receiving |= dst
+        start += 1
     return out
 
 
