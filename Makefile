@@ -16,6 +16,7 @@ setup: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)
+	$(BIN)/python -m bench weights $(filter --quick,$(ARGS))
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)

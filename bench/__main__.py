@@ -9,7 +9,20 @@ from __future__ import annotations
 import sys
 
 
+SUITES = """suites (each has its own --help):
+  python -m bench [options]              local microbenchmarks: our reshard beside its peers (below)
+  python -m bench weights [options]      whole-model weight sync: state dicts in one call, beside the peers
+  python -m bench --simulate [options]   paper-scale simulation of the planners
+  python -m bench pipeline [options]     pipeline schedules, real and simulated
+  python -m bench multihost [options]    Ray nodes on emulated hosts with shaped NICs (root)
+  python -m bench multihost --weights    a whole model's sync across emulated hosts (root)
+  python -m bench emulate ...            bring emulated hosts up and down by hand (root)
+"""
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(SUITES)
     if argv[:1] == ["pipeline"]:
         from bench.pipeline import main as run
 
