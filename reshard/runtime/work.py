@@ -4,7 +4,8 @@ The call returns once its runs are submitted; a thread of the controller (``WORK
 waits for the devices, commits, builds the result and records its error, so a work finishes
 whether or not anybody waits for it, and a dropped one leaves nothing behind. ``wait()`` returns
 the result (the same tree ``reshard`` returns) or raises the error the blocking call would have
-raised; ``done()`` says whether it finished; ``await work`` waits in asyncio.
+raised; ``done()`` says whether it finished; ``await work`` waits in asyncio. A work pickled into a Ray
+task or actor of the job carries its outcome there (pickling waits for it).
 
 Ordering: every device runs one controller's calls in the order they were made, so works queue
 behind each other on the devices they share. A work that reads or writes tensors that a pending
@@ -53,6 +54,22 @@ class Work:
 
     def __await__(self):
         return asyncio.wrap_future(self._future).__await__()
+
+    def __reduce__(self):
+        """A copy for a Ray task or actor of the job: pickling waits for the work (bounded by its
+        own deadline) and the copy carries its result or its error, so ``wait()`` there returns
+        the same tree (handles that hold the shards as any pickled handle does) or raises."""
+        error = self._future.exception()
+        return _finished, (None if error is not None else self._future.result(), error, self.what)
+
+
+def _finished(result, error: BaseException | None, what: str) -> Work:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+    return Work(future, what)
 
 
 class WorkQueue:

@@ -186,10 +186,10 @@ def runtime():
 
 @ray.remote(num_cpus=0)
 def _push_from_a_task(tree, src_mesh, layouts, out):
-    """A trainer's own process: trees, meshes and layouts built on the driver, used here."""
+    """A trainer's own process: trees, meshes and layouts built on the driver, used here; the work
+    goes back to the driver."""
     work = reshard(tree, src_mesh, layouts, out=out, async_op=True)
-    work.wait()
-    return {k: v.to_numpy() for k, v in out.items()}
+    return work, {k: v.to_numpy() for k, v in work.wait().items()}
 
 
 def test_trees_and_layouts_work_in_ray_tasks(view):
@@ -198,10 +198,12 @@ def test_trees_and_layouts_work_in_ray_tasks(view):
     src = distribute(sd, last_dim(a))
     layouts = {"w": Layout(b, pl("S0")), "b": Layout(b, pl("R"))}  # built here, resolved there
     out = distribute({k: np.zeros_like(v) for k, v in sd.items()}, layouts)
-    got = ray.get(_push_from_a_task.remote(src, a, layouts, out), timeout=120)
+    work, got = ray.get(_push_from_a_task.remote(src, a, layouts, out), timeout=120)
+    assert work.done() and sorted(work.wait()) == sorted(sd)  # a work pickles with its outcome
     for k in sd:
         assert_bit_exact(got[k], sd[k])
         assert_bit_exact(out[k].to_numpy(), sd[k])
+        assert_bit_exact(work.wait()[k].to_numpy(), sd[k])
 
 
 def _flip_one_byte(ctx):
