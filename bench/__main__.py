@@ -1,13 +1,8 @@
-"""Benchmarks: ``python -m bench`` (real reshards on a local Ray cluster),
-``python -m bench --simulate ...`` (paper-scale simulation), ``python -m bench pipeline ...``,
-``python -m bench multihost [--weights]`` (Ray nodes on emulated hosts with shaped NICs; ``--weights``: a
-whole model's sync), ``python -m bench weights``
-(whole-model weight sync: GPT-2- and Qwen3-shaped state dicts in one call, beside what users write instead)."""
+"""Benchmarks, one suite per subcommand (``SUITES``, what ``python -m bench --help`` prints first)."""
 
 from __future__ import annotations
 
 import sys
-
 
 SUITES = """suites (each has its own --help):
   python -m bench [options]              local microbenchmarks: our reshard beside its peers (below)
