@@ -107,6 +107,13 @@ class Runtime:
             rec.seq += 1
             return ref
 
+    def submit_each(self, devices, make, what: str) -> dict:
+        """One ordered call to each of ``devices`` (``make(rec)`` is the ``call(ticket)`` for
+        ``submit``), all under the lock: every device sees this controller's calls in one order.
+        Returns the calls' refs by device; ``MeshClosed``/``WorkerDied`` for an unusable device."""
+        with self.lock:
+            return {rec.id: self.submit(rec, make(rec)) for rec in self.registry.check(list(devices), what)}
+
     def updates_for(self, device: int, sets=()) -> Updates:
         return Updates(
             tuple(self._group_drops.pop(device, ())), tuple(sets), self.programs.take_drops(device),
@@ -387,14 +394,12 @@ class Runtime:
         a ``ReshardError``."""
         deadline = time.monotonic() + timeout_s
         wall = _wall(deadline)
-        refs = {}
-        with self.lock:
-            recs = self.registry.check(list(calls), what)
-            for rec in recs:
-                fn, args, kwargs = calls[rec.id]
-                refs[rec.id] = self.submit(
-                    rec, lambda t, rec=rec, fn=fn, a=args, k=kwargs: rec.actor.reshard_call.remote(t, fn, a, k, wall)
-                )
+
+        def make(rec):
+            fn, args, kwargs = calls[rec.id]
+            return lambda t: rec.actor.reshard_call.remote(t, fn, args, kwargs, wall)
+
+        refs = self.submit_each(calls, make, what)
         outcome = self.wait(refs, deadline, what)
         if not outcome.ok:
             own = [f.error for d, f in sorted(outcome.failures.items()) if f.kind is FailureKind.ERROR]

@@ -164,13 +164,9 @@ def _load(arrays: list[np.ndarray], specs: list[tuple], timeout_s) -> list[Shard
     deadline = deadline_of(timeout_s)
     wall = time.time() + (deadline - time.monotonic())
     what = f"distribute onto {specs[0][0]}" if len(specs) == 1 else f"distribute of {len(specs)} tensors"
-    refs = {}
-    with rt.lock:
-        for rec in rt.registry.check(list(loads), what):
-            mine = tuple(loads[rec.id])
-            refs[rec.id] = rt.submit(
-                rec, lambda t, rec=rec, mine=mine: rec.actor.reshard_load.remote(t, mine, ref, wall)
-            )
+    refs = rt.submit_each(
+        loads, lambda rec: lambda t, mine=tuple(loads[rec.id]): rec.actor.reshard_load.remote(t, mine, ref, wall), what
+    )
     made = {d: tuple(e[0] for e in entries) for d, entries in loads.items()}
     try:
         outcome = rt.wait(refs, deadline, what)
@@ -250,13 +246,11 @@ def adopt(layout, name, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
     deadline = deadline_of(timeout_s)
     wall = time.time() + (deadline - time.monotonic())
     what = f"adopt {names[0]!r}" if len(names) == 1 else f"adopt {len(names)} tensors"
-    refs = {}
-    with rt.lock:
-        for rec in rt.registry.check(list(per_device), what):
-            mine = tuple(per_device[rec.id])
-            refs[rec.id] = rt.submit(
-                rec, lambda t, rec=rec, mine=mine: rec.actor.reshard_describe.remote(t, mine, wall)
-            )
+
+    def describe(rec):
+        return lambda t, mine=tuple(per_device[rec.id]): rec.actor.reshard_describe.remote(t, mine, wall)
+
+    refs = rt.submit_each(per_device, describe, what)
     outcome = rt.wait(refs, deadline, what)
     if not outcome.ok:
         own = [f.error for f in outcome.failures.values() if isinstance(getattr(f.error, "cause", f.error), KeyError)]

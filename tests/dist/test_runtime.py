@@ -12,7 +12,7 @@ from dist_helpers import assert_bit_exact, assert_shards, groups_of, pl, random_
 from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, plan_reshard, reshard
 from reshard.lowering import lower_plan
 from reshard.regions import box_shape, box_volume, layout_regions
-from reshard.runtime import ensure_groups, lowered_reshard, runtime_stats, settle
+from reshard.runtime import ensure_groups, lowered_reshard, runtime, runtime_stats, settle
 from reshard.runtime.actor import STAGING_KEEP_BYTES
 from reshard.runtime.shards import ASSEMBLY_MIN_BYTES
 
@@ -236,7 +236,7 @@ def test_communicator_and_program_cache_bounds(view, pool):
             for i, s in enumerate(pool.stats()):
                 needed = sum(1 for g in compiled.groups if pool.device_ids[i] in g)
                 assert len(groups_of(s)) <= max(3, needed), (i, groups_of(s), needed)
-                assert len(s["programs"]) <= 2
+                assert len([p for p in s["programs"] if p[0] == runtime().id]) <= 2  # the bound is per controller
         shipped = runtime_stats()["programs_shipped"]
         reshard(t, mesh, Layout(mesh, layouts[0]), strategy="send_recv", shared_memory=False)  # evicted: shipped again
         assert runtime_stats()["programs_shipped"] > shipped
