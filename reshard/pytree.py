@@ -160,6 +160,21 @@ def leaves_in_order_of(a: TreeDef, b: TreeDef, leaves_b: list) -> list:
     return out
 
 
+def per_leaf(spec, leaves: list, paths: list[str], treedef: TreeDef, is_one: Callable[[Any], bool], what: str) -> list:
+    """One value per leaf of a tree (``leaves`` at ``paths``, shaped ``treedef``) from ``spec``:
+    one value for all (``is_one(spec)``), a callable ``(path, leaf) -> value``, or the same tree of
+    values (dict keys in any order; a difference raises ValueError naming it, ``what`` first)."""
+    if is_one(spec):
+        return [spec] * len(leaves)
+    if callable(spec) and not isinstance(spec, Mapping | list | tuple):
+        return [spec(path, leaf) for path, leaf in zip(paths, leaves, strict=True)]
+    got, _, spec_def = flatten(spec, lambda x: not isinstance(x, Mapping | list | tuple) and x is not None)
+    diff = same_structure(treedef, spec_def)
+    if diff is not None:
+        raise ValueError(f"{what} ({diff})")
+    return leaves_in_order_of(treedef, spec_def, got)
+
+
 def _said(t: TreeDef) -> str:
     return {"leaf": "a tensor", "none": "None"}.get(t.kind, f"a {t.kind}")
 

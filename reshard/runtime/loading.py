@@ -17,7 +17,7 @@ import ray
 
 from reshard.dtypes import dtype_name
 from reshard.layout import Layout
-from reshard.pytree import flatten, leaves_in_order_of, same_structure, unflatten
+from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.regions import layout_regions
 from reshard.runtime.dispatch import Outcome, failure_error
 from reshard.runtime.driver import runtime
@@ -113,16 +113,14 @@ def distribute(array, layout, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
     except TypeError as e:
         raise TypeError(f"distribute needs a numpy array or a torch tensor, or a tree of them: {e}") from None
     single = treedef.kind == "leaf"
-    if isinstance(layout, Layout | DeviceMesh):
-        given = [layout] * len(leaves)
-    elif callable(layout) and not isinstance(layout, dict | list | tuple):
-        given = [layout(p, a) for p, a in zip(paths, leaves, strict=True)]
-    else:
-        got, _, layout_def = flatten(layout, lambda x: isinstance(x, Layout | DeviceMesh))
-        diff = same_structure(treedef, layout_def)
-        if diff is not None:
-            raise ValueError(f"distribute: the tree of layouts does not match the tree of tensors ({diff})")
-        given = leaves_in_order_of(treedef, layout_def, got)
+    given = per_leaf(
+        layout,
+        leaves,
+        paths,
+        treedef,
+        _one_layout,
+        "distribute: the tree of layouts does not match the tree of tensors",
+    )
     arrays, specs = [], []
     for path, a, lay in zip(paths, leaves, given, strict=True):
         if _is_dtensor(a):
@@ -137,6 +135,10 @@ def distribute(array, layout, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
         return unflatten(treedef, [])
     out = _load(arrays, specs, timeout_s)
     return out[0] if single else unflatten(treedef, out)
+
+
+def _one_layout(x) -> bool:
+    return isinstance(x, Layout | DeviceMesh)
 
 
 def _local_form(given) -> bool:
@@ -225,14 +227,9 @@ def adopt(layout, name, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
     names, paths, treedef = flatten(name, lambda x: isinstance(x, str))
     if not names:
         return unflatten(treedef, [])
-    if isinstance(layout, Layout | DeviceMesh):
-        given = [layout] * len(names)
-    else:
-        got, _, layout_def = flatten(layout, lambda x: isinstance(x, Layout | DeviceMesh))
-        diff = same_structure(treedef, layout_def)
-        if diff is not None:
-            raise ValueError(f"adopt: the tree of layouts does not match the tree of names ({diff})")
-        given = leaves_in_order_of(treedef, layout_def, got)
+    given = per_leaf(
+        layout, names, paths, treedef, _one_layout, "adopt: the tree of layouts does not match the tree of names"
+    )
     rt = runtime()
     meshes: dict = {}
     per_device: dict[int, list[str]] = {}

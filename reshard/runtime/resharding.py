@@ -15,7 +15,7 @@ from reshard.compile import BatchItem, CompiledBatch, CompiledReshard, CompileOp
 from reshard.errors import ReshardError
 from reshard.layout import Layout
 from reshard.packing import BUCKET_BYTES
-from reshard.pytree import flatten, leaves_in_order_of, same_structure, unflatten
+from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.backends import backend_spec
 from reshard.runtime.batches import first_mismatch
 from reshard.runtime.driver import runtime
@@ -146,18 +146,10 @@ def _flatten_tensors(tensors):
 def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
     """One destination Layout per leaf: from the same tree of Layouts, one Layout for every
     tensor, or a callable ``(path, tensor) -> Layout``; each checked against its tensor's shape."""
-    if isinstance(dst_layouts, Layout):
-        given = [dst_layouts] * len(leaves)
-    elif callable(dst_layouts) and not isinstance(dst_layouts, dict | list | tuple):
-        given = [dst_layouts(path, t) for path, t in zip(paths, leaves, strict=True)]
-    elif single:
+    if single and not isinstance(dst_layouts, Layout) and not callable(dst_layouts):
         raise TypeError(f"dst_layout must be a reshard.Layout, got {type(dst_layouts).__name__}")
-    else:
-        got, _, layout_def = flatten(dst_layouts, lambda x: not isinstance(x, dict | list | tuple) and x is not None)
-        diff = same_structure(treedef, layout_def)
-        if diff is not None:
-            raise ValueError(f"reshard: the tree of layouts does not match the tree of tensors ({diff})")
-        given = leaves_in_order_of(treedef, layout_def, got)
+    what = "reshard: the tree of layouts does not match the tree of tensors"
+    given = per_leaf(dst_layouts, leaves, paths, treedef, lambda x: isinstance(x, Layout), what)
     out = []
     for path, t, layout in zip(paths, leaves, given, strict=True):
         if not isinstance(layout, Layout):
@@ -170,11 +162,8 @@ def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
 def _outs(out, treedef, single: bool) -> list[ShardedTensor]:
     if single:
         return [out]
-    got, _, out_def = flatten(out, lambda x: isinstance(x, ShardedTensor))
-    diff = same_structure(treedef, out_def)
-    if diff is not None:
-        raise ValueError(f"reshard: out= does not match the tree of tensors ({diff}); nothing was written")
-    return leaves_in_order_of(treedef, out_def, got)
+    what = "reshard: out= does not match the tree of tensors; nothing was written"
+    return per_leaf(out, [None] * treedef.num_leaves, [""] * treedef.num_leaves, treedef, lambda x: False, what)
 
 
 def _check_out(out, tensor: ShardedTensor, layout: Layout, path: str) -> None:
