@@ -23,7 +23,7 @@ The fit: t = tensors x per-tensor cost + bytes / bandwidth (bytes: the minimum t
 between devices); per path a least-squares fit over the tree and one-tensor medians of every case
 in the run, and per case the two-point solution, per-tensor cost = (tree - one) / (tensors - 1).
 Output (``bench.weights_report``: the fit, the targets, tables, plot): tables and targets (met / NO)
-on the terminal, JSON (``bench/results/weights-<timestamp>.json``), ``bench/figures/weights.png``.
+on the terminal, JSON (``bench/results/weights-<timestamp>.json``) and a PNG beside it (``--figure``).
 """
 
 from __future__ import annotations
@@ -438,7 +438,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="transformer layers per model (default: the model's own, 12 / 28)")
     p.add_argument("--repeats", type=int, help="timed rounds per case (default 5; --quick 2)")
     p.add_argument("--out", help="JSON output path (default bench/results/weights-<timestamp>.json)")
-    p.add_argument("--figure", default=str(ROOT / "figures" / "weights.png"), help="plot path ('none': no plot)")
+    p.add_argument("--figure", help="plot path (default: the JSON path as .png; 'none': no plot)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-call timeout in seconds (default 300)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -500,8 +500,9 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
     out.write_text(json.dumps(data, indent=1))
     render(data, console)
     if args.figure != "none":
-        plot(data, Path(args.figure))
-        console.print(f"figure: {args.figure}")
+        figure = Path(args.figure) if args.figure else out.with_suffix(".png")
+        plot(data, figure)
+        console.print(f"figure: {figure}")
     console.print(f"results: {out}")
     return 0 if entries and all(e["ok"] for e in entries) else 1
 
