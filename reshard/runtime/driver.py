@@ -20,6 +20,7 @@ never written, so the source tensor stays intact.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -82,8 +83,10 @@ class Runtime:
         self._clusters: dict = {}
         self._live_cluster: Cluster | None = None
         self._submitting = False
-        self._held: queue.SimpleQueue = queue.SimpleQueue()  # (acquire, devices, name, holder), see hold_later
+        self._queued: collections.deque = collections.deque()  # (acquire, devices, name, holder), see hold_later
+        self._held: queue.SimpleQueue = queue.SimpleQueue()  # a token per queued hold: wakes the janitor
         self._janitor: threading.Thread | None = None
+        self._holding = threading.Lock()  # held while queued holds are drained and submitted
 
     def new_name(self) -> str:
         """A shard name unique in the job."""
@@ -434,7 +437,8 @@ class Runtime:
         may run inside any submission, so the change is queued and a janitor thread submits it.
         The queue keeps this process's order, so a pickled copy's hold is taken before the
         original's release."""
-        self._held.put((acquire, tuple(devices), name, holder))
+        self._queued.append((acquire, tuple(devices), name, holder))  # deque.append: safe in a finalizer
+        self._held.put(None)  # wakes the janitor
         if self._janitor is None or not self._janitor.is_alive():
             with _RUNTIME_LOCK:
                 if self._janitor is None or not self._janitor.is_alive():
@@ -443,23 +447,25 @@ class Runtime:
 
     def flush_holds(self) -> None:
         """Submit the queued holds now (in this thread)."""
-        self._submit_holds(self._drain())
+        with self._holding:
+            self._submit_holds(self._drain())
 
     def _sweep(self) -> None:
         while True:
             try:
-                first = self._held.get(timeout=JANITOR_IDLE_S)
+                self._held.get(timeout=JANITOR_IDLE_S)
             except queue.Empty:
                 return  # started again by the next hold_later
-            self._submit_holds([first, *self._drain()])
+            with self._holding:
+                self._submit_holds(self._drain())
 
     def _drain(self) -> list:
+        """The queued holds, oldest first (taken only under ``_holding``: whoever takes them
+        submits them before anyone takes later ones, so the queue's order is kept)."""
         out = []
-        while True:
-            try:
-                out.append(self._held.get_nowait())
-            except queue.Empty:
-                return out
+        while self._queued:
+            out.append(self._queued.popleft())
+        return out
 
     def _submit_holds(self, changes) -> None:
         """Queued holds and releases, one ordered call per device for all of its (in queue order:

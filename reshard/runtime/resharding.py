@@ -279,6 +279,7 @@ def reshard(
     reads = frozenset(t.name for t in call.leaves)
     writes = frozenset(o.name for o in call.outs) if call.outs is not None else frozenset()
     rt.works.after(reads, writes, timeout_s)
+    rt.flush_holds()  # releases of dropped handles first: their memory is pooled for this run's shards
     deadline = deadline_of(timeout_s)
     compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
     run = rt.new_name()
