@@ -222,6 +222,28 @@ class RelayBoard:
         os.close(self._fd)
 
 
+class _Mapped:
+    """A peer's block mapped here: its descriptor number, its bytes, its tenure cell, and the typed
+    views of its data handed out so far (a replay asks for the same ones)."""
+
+    __slots__ = ("block", "fd", "tenure", "views")
+
+    def __init__(self, fd: int, block: np.ndarray):
+        self.fd, self.block = fd, block
+        self.tenure = block[:8].view(np.uint64)
+        self.views: dict = {}
+
+    def view(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        key = (dtype, shape)
+        v = self.views.get(key)
+        if v is None:
+            numel = 1
+            for n in shape:
+                numel *= n
+            v = self.views[key] = self.block[HEADER : HEADER + numel * dtype.itemsize].view(dtype).reshape(shape)
+        return v
+
+
 class PeerShards:
     """Peers' shards mapped into this process, kept while their owners keep them (``purge``, run
     by the actor after mapping a run's holders), at most ``limit`` (least recently used first)."""
@@ -229,7 +251,7 @@ class PeerShards:
     def __init__(self, device: int, limit: int = PEER_MAPS):
         self.device = device
         self.limit = limit
-        self.maps: OrderedDict[tuple[int, int], tuple[int, np.ndarray]] = OrderedDict()  # (pid, inode) -> fd, block
+        self.maps: OrderedDict[tuple[int, int], _Mapped] = OrderedDict()  # (pid, inode) -> its mapping
         self._cursor = 0  # where the next purge starts looking descriptors up
         self._lock = threading.Lock()
 
@@ -237,25 +259,22 @@ class PeerShards:
         """Device ``holder``'s shard named by ``desc``, viewed (read-only) as ``dtype`` of its shape;
         ``ReshardError`` if the shard was dropped (``check`` again after copying from it)."""
         pid, fd, inode, shape, _ = desc
-        block = self._mapped(holder, pid, fd, inode)
-        self._check(holder, desc, block)
-        numel = 1
-        for n in shape:
-            numel *= n
-        return block[HEADER : HEADER + numel * dtype.itemsize].view(dtype).reshape(tuple(shape))
+        mapped = self._mapped(holder, pid, fd, inode)
+        self._check(holder, desc, mapped)
+        return mapped.view(dtype, tuple(shape))
 
-    def _mapped(self, holder: int, pid: int, fd: int, inode: int) -> np.ndarray:
+    def _mapped(self, holder: int, pid: int, fd: int, inode: int) -> _Mapped:
         """Process ``pid``'s memfd ``fd`` (``inode``), mapped once and kept (least recently used out)."""
         key = (pid, inode)
         with self._lock:
             hit = self.maps.get(key)
             if hit is None:
-                hit = self.maps[key] = (fd, self._map(holder, pid, fd, inode))
+                hit = self.maps[key] = _Mapped(fd, self._map(holder, pid, fd, inode))
                 while len(self.maps) > self.limit:
                     self.maps.popitem(last=False)
             else:
                 self.maps.move_to_end(key)
-        return hit[1]
+        return hit
 
     def relay(self, holder: int, board: tuple, name: str, after: int, shape, dtype: np.dtype, deadline: float,
               cancelled=None) -> tuple[np.ndarray, tuple]:  # fmt: skip
@@ -265,7 +284,7 @@ class PeerShards:
         or ``cancelled()`` (the controller gave up), ``ReshardError`` when its process is gone,
         ``ReshardTimeout`` at ``deadline`` (monotonic)."""
         pid, fd, inode = board
-        slots = self._mapped(holder, pid, fd, inode).view(np.uint64).reshape(BOARD_SLOTS, 8)
+        slots = self._mapped(holder, pid, fd, inode).block.view(np.uint64).reshape(BOARD_SLOTS, 8)
         want = run_key(name)
         pause = POLL_S[0]
         alive_at = time.monotonic() + ALIVE_CHECK_S
@@ -300,10 +319,10 @@ class PeerShards:
         with self._lock:
             hit = self.maps.get((desc[0], desc[2]))
         if hit is not None:
-            self._check(holder, desc, hit[1])
+            self._check(holder, desc, hit)
 
-    def _check(self, holder: int, desc, block: np.ndarray) -> None:
-        if int(block[:8].view(np.uint64)[0]) != desc[4]:
+    def _check(self, holder: int, desc, mapped: _Mapped) -> None:
+        if int(mapped.tenure[0]) != desc[4]:
             raise ReshardError(
                 f"device {self.device}: device {holder}'s source shard is gone (the tensor was freed, through this "
                 "handle or another); its memory no longer holds it"
@@ -320,11 +339,11 @@ class PeerShards:
             start = self._cursor % max(1, len(items))
             stat = {key for key, _ in (items[start:] + items[:start])[:PURGE_STATS]}
             self._cursor = start + PURGE_STATS
-            for key, (fd, block) in items:
-                live = int(block[:8].view(np.uint64)[0]) != 0
+            for key, mapped in items:
+                live = int(mapped.tenure[0]) != 0
                 if live and key in stat:
                     try:
-                        live = os.stat(f"/proc/{key[0]}/fd/{fd}").st_ino == key[1]
+                        live = os.stat(f"/proc/{key[0]}/fd/{mapped.fd}").st_ino == key[1]
                     except OSError:
                         live = False
                 if not live:
