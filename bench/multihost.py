@@ -21,7 +21,7 @@ then runs a driver inside the head namespace that
 * records ``compiled.simulate(cluster).makespan_s`` (pulls as pulls) and ``plan.lower_bound_s(cluster)`` of the plan
   each strategy ran, and small tensors' latency against one TCP round trip and one Ray call.
 
-Targets (issue 9), computed from the medians: ``auto`` <= 1.15x the bound at 256 MiB; ``auto`` at
+Targets, computed from the medians: ``auto`` <= 1.15x the bound at 256 MiB; ``auto`` at
 most 3 % slower than any strategy at >= 64 MiB whose plan is not its own (``= auto`` in the table:
 the same transfers, so any difference is noise); the simulator within 10 % of every measurement at
 >= 64 MiB; small tensors within 3 TCP round trips plus one empty Ray call.

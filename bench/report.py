@@ -203,7 +203,7 @@ def _target(title: str, method: str, vals: list, ok, fmt, worst_is_max: bool = F
 
 
 def targets(data: dict) -> list[dict]:
-    """Issue 14's targets, on the headline mode (outputs kept alive)."""
+    """The local suite's targets, on the headline mode (outputs kept alive)."""
     res = data["results"]
 
     def where(e, extra=""):
@@ -272,7 +272,7 @@ def _tables(data: dict):
     head, rows = startup_rows(data)
     if rows:
         out.append(("Mesh start-up: until every actor answered a first call", head, rows))
-    out.append(("Targets (issue 14; outputs kept alive)", *target_rows(data)))
+    out.append(("Targets (outputs kept alive)", *target_rows(data)))
     return out
 
 
