@@ -211,3 +211,21 @@ def test_relays_of_packed_tensors_are_published_after_the_buckets_and_pulled():
     for t in range(3):
         for d in (1, 2):
             np.testing.assert_array_equal(got[(t, d)], fulls[t])
+
+
+def test_buckets_go_in_host_disjoint_rounds():
+    """Eight links between two source hosts and two destination hosts, three buckets each: every
+    run of consecutive buckets that one round holds uses each sending host and each receiving host
+    once, so the buckets a device issues together cross different links."""
+    from collections import deque
+
+    from reshard.packing import _rounds
+
+    hosts = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2, 6: 3, 7: 3}
+    groups = [(s, r) for s in (0, 2) for r in (4, 6)] + [(s, r) for s in (1, 3) for r in (5, 7)]
+    chunked = [(g, deque([([], 1), ([], 1), ([], 1)])) for g in groups]
+    order = [g for g, _, _ in _rounds(chunked, hosts)]
+    assert len(order) == 3 * len(groups)
+    for k in range(0, len(order), 2):  # two source hosts, two destination hosts: rounds of two
+        pair = order[k : k + 2]
+        assert len({hosts[s] for s, _ in pair}) == 2 and len({hosts[r] for _, r in pair}) == 2, order
