@@ -62,7 +62,7 @@ class Binding:
                 self.pulled[tensor] = pulls
             dst = None
             if prog.dst_shape is not None:
-                dst = self.dsts[tensor] = self._destination(tensor, prepared, dtype, out)
+                dst = self.dsts[tensor] = self._destination(prepared, dtype, out)
             publish = relayed = None
             if prepared.publishes:
                 self.slots[tensor] = self._open_slot(tensor, dst)
@@ -78,25 +78,21 @@ class Binding:
             ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
         return runs
 
-    def _destination(self, tensor: int, prepared, dtype: str, out: str | None):
+    def _destination(self, prepared, dtype: str, out: str | None):
         ctx = self.ctx
         prog = prepared.program
         if self.req.direct:
-            return self._out(out, prog.dst_shape, dtype)
+            return checked_out(ctx, out, prog.dst_shape, dtype)
         try:
+            if prepared.publishes:  # peers read it while the run goes on: in place, in shared memory
+                return ctx.store.allocate(prog.dst_shape, dtype)
             if self.bound.outs is not None:  # staged for a commit, never mapped by peers: pooled private memory
                 return ctx.store.allocate(prog.dst_shape, dtype, shared=False)
-            if prepared.publishes:  # peers read it while the run goes on: in place
-                return ctx.store.allocate(prog.dst_shape, dtype)
             return ctx.store.allocate_destination(prog.dst_shape, dtype)
         except (MemoryError, RuntimeError, OSError) as e:
             raise ReshardError(
                 f"device {ctx.device}: could not allocate its destination shard {prog.dst_shape}: {e}"
             ) from e
-
-    def _out(self, name: str | None, shape, dtype: str):
-        """The user's tensor a reshard writes into, checked against what the program writes."""
-        return checked_out(self.ctx, name, shape, dtype)
 
     def _open_slot(self, tensor: int, dst) -> int:
         """A board slot for a part's publications, naming its destination shard (given its tenure

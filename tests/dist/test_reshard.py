@@ -290,6 +290,9 @@ def test_relays_inside_a_machine_are_pulled_from_the_relaying_device(view, ray_c
             assert_bit_exact(y.to_numpy(), x)
             assert_shards(y, x)
             y.free()
+        out = distribute(np.zeros_like(x), layout)  # staged for a commit, the relays still in shared memory
+        assert reshard(t, own, layout, cluster=cluster, out=out) is out
+        assert_shards(out, x)
     finally:
         own.shutdown()
 
