@@ -177,12 +177,6 @@ class CompiledBatch:
             tasks += c.plan.tasks
         return lower_bound_s(tuple(tasks), hosts, resolve_cluster(cluster, hosts))
 
-    @property
-    def writers(self) -> Mapping[int, tuple[int, ...]]:
-        """``{tensor: devices that hold a destination shard of it}``."""
-        return {t: tuple(p.device for p in c.program.devices if p.dst_shape is not None)
-                for t, c in enumerate(self.tensors)}  # fmt: skip
-
 
 @dataclass(frozen=True, slots=True)
 class BatchItem:

@@ -27,7 +27,7 @@ from reshard.errors import ReshardTimeout
 from reshard.program import Broadcast, Buffer, Copy, Pull, Recv, Scale, Send, group_key
 from reshard.regions import box_shape
 from reshard.runtime import arrays
-from reshard.runtime.executor import PreparedProgram, Run, _begin, _run_program, _slices, prepare
+from reshard.runtime.executor import PreparedProgram, Run, begin_run, box_index, prepare, run_windows
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ def _prepare_bucket(b: Bucket, device: int) -> PreparedBucket:
     peer = -1
     if len(b.group) == 2:
         peer = key.index(b.group[1] if b.group[0] == device else b.group[0])
-    pieces = tuple((q.tensor, _slices(q.box), box_shape(q.box), q.offset) for q in b.pieces)
+    pieces = tuple((q.tensor, box_index(q.box), box_shape(q.box), q.offset) for q in b.pieces)
     return PreparedBucket(b, key, root, peer, b.group[0] == device, pieces)
 
 
@@ -113,11 +113,11 @@ def execute_batch(run: BatchRun, *, verify: bool = False) -> dict:
     t0 = time.monotonic()
     ordered = [run.runs[part.tensor] for part in run.prepared.program.parts]
     for r in ordered:
-        _begin(r)
+        begin_run(r)
     for window in run.prepared.windows:
         _run_window(run, window)
     for r in ordered:
-        _run_program(r)
+        run_windows(r)
     comm_s = run.comm_s + sum(r.comm_s for r in ordered)
     if run.after_run is not None:
         run.after_run(run.runs)

@@ -231,7 +231,7 @@ HANDLERS: dict[type, Callable] = {
 }  # fmt: skip
 
 
-def _slices(box):
+def box_index(box):
     """The index of ``box``: always a view, a 0-d one too (numpy gives a scalar for ``a[()]``)."""
     return None if box is None else (*(slice(lo, hi) for lo, hi in box), Ellipsis)
 
@@ -244,7 +244,7 @@ def _step(op, device: int) -> Step:
         root = key.index(group[0])
         other = group[1] if group[0] == device else group[0]
         peer = key.index(other) if isinstance(op, Send | Recv) else -1
-    return Step(HANDLERS[type(op)], op, _slices(getattr(op, "read", None)), _slices(getattr(op, "write", None)),
+    return Step(HANDLERS[type(op)], op, box_index(getattr(op, "read", None)), box_index(getattr(op, "write", None)),
                 key, -1 if root is None else root, -1 if peer is None else peer, op_shape(op))  # fmt: skip
 
 
@@ -274,12 +274,12 @@ def execute(run: Run) -> dict:
     """Run ``run.prepared`` (module docstring). Returns ``{"elapsed_s", "comm_s"}``; raises
     ``ReshardError`` / ``ReshardTimeout``; the caller aborts the program's groups on failure."""
     t0 = time.monotonic()
-    _begin(run)
-    _run_program(run)
+    begin_run(run)
+    run_windows(run)
     return {"elapsed_s": time.monotonic() - t0, "comm_s": run.comm_s}
 
 
-def _begin(run: Run) -> None:
+def begin_run(run: Run) -> None:
     """Check the run's buffers against its program and zero a destination that starts as zeros."""
     prog = run.prepared.program
     _check_buffer("source", run.src, prog.src_shape, run.dtype, run.device)
@@ -291,7 +291,7 @@ def _begin(run: Run) -> None:
     _check_peers(prog, run)
 
 
-def _run_program(run: Run) -> None:
+def run_windows(run: Run) -> None:
     prepared = run.prepared
     background = None
     if prepared.background:
