@@ -382,10 +382,12 @@ def layouts(mesh, cfg: Config, side: str) -> dict:
     }
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
+@ray.remote(num_cpus=0, max_concurrency=32)
 class Trainer(DeviceRole):
     """One of the tensor-parallel trainers: its shard of every parameter in shard memory, shared.
-    Threaded: a sync it pushes makes calls to its own device role while it waits for them."""
+    Threaded: a sync it pushes makes calls to its own device role while it waits for them (with
+    threads to spare: Ray may deliver a controller's later calls first, and each waits for its
+    turn on a thread of its own)."""
 
     def __init__(self, rank: int, cfg: Config):
         torch.set_num_threads(1)
@@ -451,7 +453,7 @@ class Trainer(DeviceRole):
         }
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
+@ray.remote(num_cpus=0)
 class Inference(DeviceRole):
     """One of the tensor-parallel inference actors: parameters in shard memory that syncs write into."""
 

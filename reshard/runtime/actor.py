@@ -356,6 +356,9 @@ class DeviceRole:
     ``DeviceMesh.from_actors`` (the runtime then calls ``reshard_attach`` on it). A threaded actor
     (``max_concurrency`` > 1) runs each controller's calls in order and serves ``reshard_stats`` and
     aborts even while a reshard runs; a single-threaded one (Ray's default) serves them after it.
+    A threaded one needs threads to spare (``DeviceActor`` has 32): Ray may deliver a controller's
+    later calls first (a run's commit, releases), and each waits for its turn on a thread; with
+    every thread waiting, the call whose turn it is cannot start before the deadlines pass.
     """
 
     _reshard_ctx: DeviceContext | None = None
