@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup bench test lint clean
+.PHONY: setup bench test lint clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-logo
+
+# The ordered first checks on a GPU machine (tests/gpu/check.py), stopping at the first failure; logs in
+# gpu-check/. GPU_PYTHON: an interpreter with torch, cupy and ray (default: the project's virtualenv).
+GPU_PYTHON ?= $(BIN)/python
+gpu-check:
+	RESHARD_REQUIRE_GPUS=1 $(GPU_PYTHON) tests/gpu/check.py $(ARGS)
 
 # The virtualenv, tool caches and scratch bench output; tracked files (the quoted bench results) stay.
 clean:

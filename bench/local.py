@@ -147,6 +147,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backend", choices=("gloo", "nccl"),
                    help="communicator backend of the device pool (default: nccl when Ray reports a GPU per "
                    "device, else gloo); with nccl the peers and ceilings (CPU) are skipped")  # fmt: skip
+    p.add_argument("--gpus-per-device", metavar="F|auto",
+                   help="with nccl: GPUs each device actor reserves; a fraction shares a GPU among several actors, "
+                   "each its own NCCL host (socket transport: correctness, not speed); auto: the GPUs Ray reports "
+                   "divided among the pool's devices, at most 1")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.sizes = args.sizes or ",".join(QUICK_SIZES)
@@ -835,6 +839,14 @@ def mesh_options(args) -> dict:
         options["assembly_bytes"] = args.assembly
     if getattr(args, "backend", None) is not None:
         options["backend"] = args.backend
+    share = getattr(args, "gpus_per_device", None)
+    if args.backend == "nccl" and share is not None:
+        import ray
+
+        from reshard.runtime.nccl import NcclBackend
+
+        per = min(1.0, ray.cluster_resources().get("GPU", 0.0) / POOL_SIZE) if share == "auto" else float(share)
+        options["backend"] = NcclBackend(gpus_per_device=per, gpu_sharing="hostid" if per < 1 else "auto")
     return options
 
 

@@ -119,5 +119,5 @@ def _from_numpy(a: np.ndarray, dtype):
 
     if not a.flags.writeable:  # torch wants writable memory even to read it
         a = a.copy()
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    t = torch.from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))  # ascontiguousarray makes 0-d 1-d
     return t.view(dtype) if t.dtype != dtype and t.element_size() == dtype.itemsize else t

@@ -172,15 +172,20 @@ _VISIBLE: list[str] | None = None
 
 
 def visible_gpu_uuids() -> list[str]:
-    """UUIDs of the GPUs this process sees, in its CUDA index order (empty without cupy or GPUs)."""
+    """UUIDs of the GPUs this process sees, in its CUDA index order (empty without torch's CUDA or GPUs).
+
+    Read through torch, which returns the 16 raw bytes: cupy's ``getDeviceProperties(i)["uuid"]``
+    converts them like a C string, so a UUID holding a 0x00 byte comes back truncated."""
     global _VISIBLE
     if _VISIBLE is None:
         try:
-            import cupy
+            import torch
 
-            n = cupy.cuda.runtime.getDeviceCount()
-            _VISIBLE = [normalize_uuid(cupy.cuda.runtime.getDeviceProperties(i)["uuid"]) for i in range(n)]
-        except Exception:
+            if not torch.cuda.is_available():
+                return []
+            n = torch.cuda.device_count()
+            _VISIBLE = [normalize_uuid(bytes(torch.cuda.get_device_properties(i).uuid.bytes)) for i in range(n)]
+        except (ImportError, RuntimeError, AttributeError, ValueError):
             return []
     return list(_VISIBLE)
 
@@ -202,6 +207,9 @@ class CudaShards:
 
         ptr = t.data_ptr()
         index = t.device.index
+        uuids = visible_gpu_uuids()
+        if index >= len(uuids):  # no UUID to name the GPU by: peers could not find it
+            return None
         try:
             with cupy.cuda.Device(index):
                 base, size = address_range(ptr)
@@ -209,7 +217,7 @@ class CudaShards:
         except (OSError, cupy.cuda.runtime.CUDARuntimeError):
             return None
         event = self._ready_event(t)
-        return CudaShard(os.getpid(), visible_gpu_uuids()[index], handle, size, ptr - base, tuple(t.shape), event)
+        return CudaShard(os.getpid(), uuids[index], handle, size, ptr - base, tuple(t.shape), event)
 
     def _ready_event(self, t) -> bytes:
         import torch

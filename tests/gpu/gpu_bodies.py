@@ -14,6 +14,13 @@ def environment(actor) -> dict:
     return {"uuids": visible_gpu_uuids(), "pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}
 
 
+def reserved_gpu_bytes(ctx) -> int:
+    """What torch's caching allocator holds on this device actor's GPU (``DeviceMesh.call``)."""
+    import torch
+
+    return int(torch.cuda.memory_reserved())
+
+
 def lonely_recv(actor, group, seconds: float):
     """A recv that no member ever sends: must time out and abort (and tell the others)."""
     import cupy

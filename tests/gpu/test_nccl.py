@@ -242,7 +242,7 @@ def test_non_contiguous_views_pass_through_one_reusable_staging_buffer(backend, 
     import cupy
 
     src = cupy.arange(64 * 48, dtype=cupy.float32).reshape(64, 48)
-    backend.reserve_staging(64 * 16 * 4)
+    backend.reserve_staging(2 * 64 * 16 * 4)  # the send's and the receive's segments, in one group
     cap, gen = backend._staging.capacity_bytes, backend._staging.alloc.generation
     for k in range(5):
         dst = cupy.zeros((64, 48), dtype=cupy.float32)

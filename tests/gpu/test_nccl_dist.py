@@ -1,8 +1,8 @@
 """The dist suite's reshard bodies (tests/dist/test_reshard.py), run on NCCL device actors.
 
 The bodies are imported unchanged; only their fixtures differ: ``pool`` is one device actor per
-GPU (at most 8; NCCL backend) instead of 8 gloo actors, or, on a machine with ONE GPU, four device
-actors sharing it (a quarter GPU each, each its own NCCL host: the one-GPU tier). ``view`` maps
+GPU (at most 8; NCCL backend) instead of 8 gloo actors, or, on a machine with ONE GPU, eight device
+actors sharing it (an eighth of a GPU each, each its own NCCL host: the one-GPU tier). ``view`` maps
 the pool indices a test uses, in order of first use, onto the pool (a case that needs more
 distinct devices than the pool has is skipped). Placement on logical hosts changes with the
 mapping; bit-exactness must not.
@@ -16,49 +16,51 @@ import os
 import sys
 
 import pytest
+from gpu_bodies import reserved_gpu_bytes
 
 from reshard.runtime.nccl import NcclBackend
 
 pytestmark = pytest.mark.gpu(1)
-SHARED_GPU_POOL = 4  # device actors on a single GPU
+SHARED_GPU_POOL = 8  # device actors on a single GPU
 
 _DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist")
-_OUR_FIXTURES = {"view", "pool", "ray_cluster"}
+# The bodies that run on an NCCL pool, named one by one: the others mix in a gloo mesh (refused:
+# both meshes must use one backend) or assert shared-memory pulls, which CUDA tensors do not use.
+ALLOWED = (
+    "test_layout_pairs",
+    "test_every_dtype",
+    "test_every_strategy",
+    "test_zero_d_and_empty",
+    "test_zero_d_torch_scalar",
+    "test_same_mesh",
+    "test_repeated_reshard_ships_programs_once",
+    "test_chain_of_reshards",
+    "test_torch_input_and_output",
+    "test_partial_sources_arrive_reduced",
+    "test_distribute_checks_local_shards",
+)
 
 
-def _reuse(module_name: str) -> list[str]:
-    """Re-export the ``test_*`` functions of tests/dist/<module_name>.py that need only our fixtures."""
-    path = os.path.join(_DIST, f"{module_name}.py")
-    if not os.path.exists(path):
-        return []
+def _load(module_name: str):
     if _DIST not in sys.path:
         sys.path.insert(0, _DIST)  # the dist bodies import dist_helpers
+    path = os.path.join(_DIST, f"{module_name}.py")
     spec = importlib.util.spec_from_file_location(f"_nccl_reuse_{module_name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    found = []
-    for name, fn in vars(module).items():
-        if not name.startswith("test_") or not inspect.isfunction(fn):
-            continue
-        argnames = set()
-        for mark in getattr(fn, "pytestmark", []):
-            if mark.name == "parametrize":
-                params = mark.args[0]
-                if isinstance(params, str):
-                    params = params.split(",")
-                argnames.update(p.strip() for p in params)
-        if set(inspect.signature(fn).parameters) <= _OUR_FIXTURES | argnames:
-            globals()[name] = fn
-            found.append(name)
-    return found
+    return module
 
 
-REUSED = _reuse("test_reshard")
+_BODIES = _load("test_reshard")
+MISSING = [name for name in ALLOWED if not inspect.isfunction(getattr(_BODIES, name, None))]
+for _name in ALLOWED:
+    if _name not in MISSING:
+        globals()[_name] = getattr(_BODIES, _name)
 
 
 @pytest.mark.gpu(0)
-def test_the_dist_bodies_were_found():
-    assert REUSED, f"no reusable test bodies in {_DIST}/test_reshard.py"
+def test_every_allowed_dist_body_exists():
+    assert not MISSING, f"tests/dist/test_reshard.py no longer has {MISSING}: update ALLOWED"
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +104,6 @@ def view(pool):
         m.shutdown()
 
 
-def _reserved(ctx) -> int:
-    import torch
-
-    return int(torch.cuda.memory_reserved())
-
-
 def test_empty_cache_gives_back_torchs_cached_gpu_blocks(view):
     import numpy as np
 
@@ -122,8 +118,9 @@ def test_empty_cache_gives_back_torchs_cached_gpu_blocks(view):
     np.testing.assert_array_equal(y.to_numpy(), x)
     y.free()
     settle(b)
-    cached = b.call(_reserved)
+    cached = b.call(reserved_gpu_bytes)
     b.empty_cache()
-    assert all(now < before for now, before in zip(b.call(_reserved), cached, strict=True))  # the replicas' blocks
+    now = b.call(reserved_gpu_bytes)
+    assert all(a < c for a, c in zip(now, cached, strict=True))  # the replicas' blocks went back
     np.testing.assert_array_equal(t.to_numpy(), x)  # live shards untouched
     t.free()

@@ -253,6 +253,16 @@ def _case(dtype="float32", n=4):
     return compiled, source_shards(src, full), full
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (3, 2)])
+def test_numpy_into_torch_keeps_the_shape_zero_d_included(shape):
+    import torch
+
+    src = np.array(np.arange(np.prod(shape, dtype=int)).reshape(shape) + 2.5, dtype=np.float16)
+    dst = torch.zeros(shape, dtype=torch.float16)
+    arrays.copy(dst, src)  # a 0-d array once became 1-d on the way: "doesn't match the broadcast shape"
+    assert tuple(dst.shape) == shape and np.array_equal(dst.numpy(), src)
+
+
 def test_bfloat16_moves_as_bits_and_sums_in_bfloat16():
     """numpy has no bfloat16: shards hold its bit patterns and only combining goes through torch."""
     torch = pytest.importorskip("torch")
