@@ -184,6 +184,10 @@ def nccl_version_tuple(code: int) -> tuple[int, int, int]:
     return code // 1000, code // 100 % 10, code % 100
 
 
+#: cupy 13 loads its own libnccl unless torch loaded the wheel's first; 14 finds the wheel's.
+MIN_CUPY_MAJOR = 14
+
+
 def gpu_stack_problems(
     cupy_dists: list[tuple[str, str]],
     nccl_libraries: list[str],
@@ -201,6 +205,12 @@ def gpu_stack_problems(
             f"{len(cupys)} cupy distributions are installed ({shown}); they overwrite each other's files. Keep the one "
             f"matching your CUDA and torch (pip uninstall the others, then reinstall it); {GPU_EXTRA_HINT}"
         )
+    old = [f"{n} {v}" for n, v in cupys if _major(v) < MIN_CUPY_MAJOR]
+    if old:
+        problems.append(
+            f"{', '.join(old)} is older than cupy {MIN_CUPY_MAJOR}: it finds the nvidia-nccl wheel's libnccl only if "
+            f"torch loaded it first, else a second NCCL; install cupy >= {MIN_CUPY_MAJOR} ({GPU_EXTRA_HINT})"
+        )
     libs = sorted(set(nccl_libraries))
     if len(libs) > 1:
         problems.append(
@@ -214,6 +224,11 @@ def gpu_stack_problems(
             f"nvidia-nccl wheel of torch's CUDA version; {GPU_EXTRA_HINT}"
         )
     return problems
+
+
+def _major(version: str) -> int:
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else 0
 
 
 def installed_cupy_distributions() -> list[tuple[str, str]]:

@@ -111,10 +111,16 @@ PER_PROCESS_SETTINGS = frozenset({
 DEFAULT_TIMEOUT_S = 60.0
 RENDEZVOUS_INFO_VERSION = 2
 NCCL_IN_PROGRESS = 7  # ncclInProgress
+NCCL_TIMEOUT = 8  # ncclTimeout (NCCL >= 2.32; cupy 14 raises it as KeyError(8))
 WEDGE_GRACE_S = 30.0
 WEDGED_EXIT_CODE = 86
 #: NCCL >= 2.30 lets several ranks share one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1.
 MULTI_RANK_GPU_MIN_VERSION = (2, 30, 0)
+#: NCCL documents its multi-rank mode as experimental, for about two ranks per GPU, and as hanging
+#: with more unless NCCL_MAX_CTAS is lowered: "auto" picks it only from half a GPU per actor up.
+MULTI_RANK_MIN_SHARE = 0.5
+#: How long a failed batch waits for the copies it queued on the stream before staging is reused.
+STREAM_DRAIN_S = 5.0
 BOOTSTRAP_ROOT_THREAD = "NCCL BootstrapR"
 BOOTSTRAP_ROOTS_WARN = 64
 
@@ -126,7 +132,7 @@ class GpuSharing(enum.Enum):
     process names its own host (``NCCL_HOSTID``: NCCL then connects them like separate machines,
     sockets over loopback) or, from NCCL 2.30, ``NCCL_MULTI_RANK_GPU_ENABLE=1``."""
 
-    AUTO = "auto"  # MULTI_RANK on NCCL >= 2.30, else HOSTID; OFF when each actor has whole GPUs
+    AUTO = "auto"  # MULTI_RANK on NCCL >= 2.30 at >= 1/2 GPU per actor, else HOSTID; OFF with whole GPUs
     OFF = "off"
     HOSTID = "hostid"
     MULTI_RANK = "multi_rank"
@@ -237,6 +243,7 @@ def sharing_env(mode: GpuSharing, gpus_per_device: float, nccl_version: tuple[in
         if gpus_per_device >= 1:
             return {}
         multi = nccl_version is not None and nccl_version >= MULTI_RANK_GPU_MIN_VERSION
+        multi = multi and gpus_per_device >= MULTI_RANK_MIN_SHARE
         mode = GpuSharing.MULTI_RANK if multi else GpuSharing.HOSTID
     if mode is GpuSharing.OFF:
         return {}
@@ -520,6 +527,7 @@ class NcclCommunicator(Communicator):
         self.abort_to = [tuple(a) for a in info.get("abort_to", ())]
         self.aborted = False
         self.closed = False
+        self.abort_requested = False  # another thread asked for an abort while a run held the backend
 
     def __repr__(self) -> str:
         state = "aborted" if self.aborted else "closed" if self.closed else "live"
@@ -558,12 +566,13 @@ class NcclCommunicator(Communicator):
 
     def abort(self) -> None:
         """Abort in-flight operations, free the communicator and tell the other members (local
-        ``ncclCommAbort``, never blocks on peers). Called from the thread that issues this actor's
-        NCCL calls; from any other thread it waits for that thread to leave NCCL."""
+        ``ncclCommAbort``, never blocks on peers). From the thread that issues this actor's NCCL
+        calls it happens at once; from another thread while a run holds the backend it is recorded,
+        and the run's polling thread aborts within one poll (NCCL allows no abort under a caller)."""
         self._backend._abort(self)
 
     def close(self) -> None:
-        self._backend.destroy([self.group])
+        self._backend._destroy([self])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,7 +648,10 @@ class NcclBackend(Backend):
         # driver-side cache: device -> (actor id, static member report)
         self._members: dict[int, tuple[str, dict]] = {}
         # actor-side state, created on first use
-        self._comms: OrderedDict[Group, NcclCommunicator] = OrderedDict()
+        # uid digest -> communicator: two channels on the same devices are two communicators
+        self._comms: OrderedDict[bytes, NcclCommunicator] = OrderedDict()
+        self._abort_requests = False  # some communicator has abort_requested set
+        self._abandoned_staging: list = []  # staging a failed batch's queued copies may still use
         self._device: int | None = None
         self._stream = None
         self._staging: cb.StagingBuffer | None = None
@@ -812,7 +824,7 @@ class NcclBackend(Backend):
         return self._stream
 
     def live_groups(self) -> list[Group]:
-        return list(self._comms)
+        return [c.group for c in self._comms.values()]
 
     # ---------------------------------------------------------------- calls into NCCL
 
@@ -835,9 +847,12 @@ class NcclBackend(Backend):
         if comm.aborted or comm.closed:
             self._forget(comm)
             return
-        if not self._lock.acquire(timeout=WEDGE_GRACE_S):
-            log.error("abort of group %s: another thread stays inside NCCL; the wedge guard ends the process "
-                      "if it never returns", comm.group)  # fmt: skip
+        if not self._lock.acquire(blocking=False):
+            # A run's thread holds the backend (a group block, a poll): record the request; that
+            # thread serves it at its next poll or when it lets go of the backend.
+            comm.abort_requested = True
+            self._abort_requests = True
+            self._after_release()  # it may have let go meanwhile
             return
         try:
             comm.aborted = True
@@ -850,6 +865,32 @@ class NcclBackend(Backend):
             self._forget(comm)
         finally:
             self._lock.release()
+
+    def _serve_abort_requests(self, batch: _Batch | None) -> None:
+        """Abort the communicators other threads asked to abort; if ``batch`` uses one, fail it.
+        Inside an open NCCL group nothing is aborted (the failure ends the group first)."""
+        if not self._abort_requests:
+            return
+        with self._lock:
+            asked_in_batch = batch is not None and any(c.abort_requested for c in batch.comms.values())
+            if batch is not None and batch.open:
+                if asked_in_batch:
+                    self._fail(batch, None, timeout=False, aborted=True)
+                return
+            self._abort_requests = False
+            for c in [c for c in self._comms.values() if c.abort_requested]:
+                if batch is None or id(c) not in batch.comms:
+                    c.abort()
+            if asked_in_batch:
+                self._fail(batch, None, timeout=False, aborted=True)
+
+    def _after_release(self) -> None:
+        """Serve the abort requests made while another holder had the backend, if it is free now."""
+        if self._abort_requests and self._lock.acquire(blocking=False):
+            try:
+                self._serve_abort_requests(None)
+            finally:
+                self._lock.release()
 
     def _abort_raws(self, raws: list, infos: list[dict], rank_of: list[int]) -> None:
         """Abort half-made communicators (creation failed) and tell the other members."""
@@ -870,36 +911,40 @@ class NcclBackend(Backend):
         group call, so actors that create overlapping sets of groups cannot deadlock on the order.
         Raises ReshardTimeout if peers do not join within ``timeout_s``, PeerFailed if a member
         aborted its side meanwhile."""
-        with self._lock:
-            self._ensure_actor(device)
-            todo: dict[Group, Rendezvous] = {}
-            for r in rendezvous:
-                g = normalize_group(r.group)
-                if device not in g:
-                    raise ValueError(f"device {device} is not a member of group {g}")
-                info = r.info
-                if not isinstance(info, Mapping) or info.get("v") != RENDEZVOUS_INFO_VERSION:
-                    version = info.get("v") if isinstance(info, Mapping) else None
-                    raise ValueError(
-                        f"rendezvous of group {g} has info version {version}, this backend reads "
-                        f"{RENDEZVOUS_INFO_VERSION}: driver and actors run different versions of reshard"
-                    )
-                live = self._comms.get(g)
-                if live is not None and live.uid != _uid_bytes(info["uid"]):
-                    # A rendezvous names one communicator: a new one for a live group means the driver
-                    # re-created the group (e.g. after a peer failed); drop ours (local abort).
-                    live.abort()
-                    live = None
-                if live is None and g not in todo:
-                    todo[g] = r
-            if todo:
-                self._create(sorted(todo.items()), device, timeout_s)
-            out = []
-            for r in rendezvous:
-                c = self._comms[tuple(r.group)]
-                self._comms.move_to_end(c.group)
-                out.append(c)
-            return out
+        try:
+            with self._lock:
+                return self._connect_many(rendezvous, device, timeout_s)
+        finally:
+            self._after_release()
+
+    def _connect_many(self, rendezvous: list[Rendezvous], device: int, timeout_s: float) -> list[NcclCommunicator]:
+        self._ensure_actor(device)
+        todo: dict[bytes, tuple[Group, Rendezvous]] = {}
+        for r in rendezvous:
+            g = normalize_group(r.group)
+            if device not in g:
+                raise ValueError(f"device {device} is not a member of group {g}")
+            info = r.info
+            if not isinstance(info, Mapping) or info.get("v") != RENDEZVOUS_INFO_VERSION:
+                version = info.get("v") if isinstance(info, Mapping) else None
+                raise ValueError(
+                    f"rendezvous of group {g} has info version {version}, this backend reads "
+                    f"{RENDEZVOUS_INFO_VERSION}: driver and actors run different versions of reshard"
+                )
+            # A rendezvous names one communicator (its unique id): another channel on the same
+            # devices, or a group re-created after a failure, is another communicator.
+            digest = uid_digest(_uid_bytes(info["uid"]))
+            if digest not in self._comms and digest not in todo:
+                todo[digest] = (g, r)
+        if todo:
+            # every member creates in the same order: by group, then by unique id
+            self._create([todo[k] for k in sorted(todo, key=lambda k: (todo[k][0], k))], device, timeout_s)
+        out = []
+        for r in rendezvous:
+            digest = uid_digest(_uid_bytes(r.info["uid"]))
+            self._comms.move_to_end(digest)
+            out.append(self._comms[digest])
+        return out
 
     def _create(self, items: list[tuple[Group, Rendezvous]], device: int, timeout_s: float) -> None:
         cupy, nccl = cb.import_nccl()
@@ -946,42 +991,60 @@ class NcclBackend(Backend):
         self.stats["create_s"] += time.monotonic() - t0
         self.stats["bootstrap_roots"] = bootstrap_root_threads()
         for g, info, raw, rank in zip(groups, infos, raws, ranks, strict=True):
-            self._comms[g] = NcclCommunicator(self, g, rank, timeout_s, raw, info)
+            comm = NcclCommunicator(self, g, rank, timeout_s, raw, info)
+            self._comms[comm.digest] = comm
 
     def _await(self, raws: list, digests: list[bytes], deadline: float) -> None:
         """Poll non-blocking calls of ``raws`` until none is in progress: raises the first
-        asynchronous error, ``_PeerAbort`` when a member reported an abort, ``_Deadline`` at the deadline."""
+        asynchronous error, ``_PeerAbort`` when a member reported an abort (checked first: a peer's abort
+        also shows here as a remote error), ``_Deadline`` at the deadline."""
         pending = list(zip(raws, digests, strict=True))
         aborts = peer_aborts()
         pause = 0.0
         while pending:
-            pending = [(raw, d) for raw, d in pending if self._async_state(raw, deadline)]
-            if not pending:
-                return
+            # a peer's notice first: its abort also surfaces here as a remote error, which it explains
             if any(aborts.aborted(d) for _, d in pending):
                 self.stats["peer_aborts"] += 1
                 raise _PeerAbort
+            try:
+                pending = [(raw, d) for raw, d in pending if self._async_state(raw, deadline)]
+            except Exception:
+                if any(aborts.aborted(d) for _, d in pending):
+                    self.stats["peer_aborts"] += 1
+                    raise _PeerAbort from None
+                raise
+            if not pending:
+                return
             if time.monotonic() >= deadline:
                 raise _Deadline
             time.sleep(pause)
             pause = min(max(2 * pause, 2e-5), 1e-3)
 
     def communicator(self, group: Group) -> NcclCommunicator:
-        """The cached communicator for ``group`` (KeyError if this device has none)."""
-        return self._comms[normalize_group(group)]
+        """The communicator of ``group`` connected last (KeyError if this device has none)."""
+        group = normalize_group(group)
+        for c in reversed(self._comms.values()):
+            if c.group == group:
+                return c
+        raise KeyError(group)
 
     def destroy(self, groups: Iterable[Group], timeout_s: float | None = None) -> None:
-        """Destroy idle communicators (every member destroys the same groups, in sorted order).
+        """Destroy every communicator of ``groups`` (every member destroys the same groups)."""
+        wanted = {normalize_group(g) for g in groups}
+        self._destroy([c for c in self._comms.values() if c.group in wanted], timeout_s)
+
+    def _destroy(self, comms: list[NcclCommunicator], timeout_s: float | None = None) -> None:
+        """Destroy idle communicators, in the order of their groups.
 
         cupy's ``destroy()`` discards ``ncclCommDestroy``'s return code, so the communicator's
         asynchronous error is read first: a communicator with an error, or with a call still in
         progress, is aborted instead and the error raised."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            for g in sorted(normalize_group(g) for g in groups):
-                c = self._comms.get(g)
-                if c is None or c.aborted or c.closed:
-                    self._comms.pop(g, None)
+            for c in sorted(comms, key=lambda c: (c.group, c.digest)):
+                g = c.group
+                if c.aborted or c.closed:
+                    self._forget(c)
                     continue
                 deadline = time.monotonic() + timeout
                 try:
@@ -993,7 +1056,8 @@ class NcclBackend(Backend):
                     c.abort()
                     raise ReshardError(f"NCCL communicator of group {g} still had a call in progress; aborted it")
                 c.closed = True
-                self._comms.pop(g, None)
+                if self._comms.get(c.digest) is c:
+                    del self._comms[c.digest]
                 with self._guard.inside(deadline, f"ncclCommDestroy(group={g})"):
                     c.raw.destroy()
                 self.stats["destroyed"] += 1
@@ -1006,15 +1070,15 @@ class NcclBackend(Backend):
         return groups
 
     def _forget(self, comm: NcclCommunicator) -> None:
-        if self._comms.get(comm.group) is comm:
-            del self._comms[comm.group]
+        if self._comms.get(comm.digest) is comm:
+            del self._comms[comm.digest]
             self.stats["aborted"] += 1
 
     def close(self) -> None:
         """Destroy every communicator and free the staging buffer."""
         try:
             if self._comms:
-                self.destroy(list(self._comms))
+                self._destroy(list(self._comms.values()))
         finally:
             if self._staging is not None:
                 self._staging.release()
@@ -1037,24 +1101,26 @@ class NcclBackend(Backend):
         _, nccl = cb.import_nccl()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         batch = _Batch(grouped=True, deadline=deadline)
-        with self._lock:
-            self._tls.batch = batch
-            self._call(nccl.groupStart, time.monotonic() + self.timeout_s, "ncclGroupStart")
-            batch.open = True
-            try:
-                yield
-                self._finish(batch, nccl)
-            except BaseException:
-                if batch.open or any(not c.aborted for c in batch.comms.values()):
-                    # The block failed: end the group (groupStart/groupEnd must pair), then abort what it used.
-                    self._end_group(batch, nccl, time.monotonic() + WEDGE_GRACE_S)
-                    for c in list(batch.comms.values()):
-                        c.abort()
-                    if self._staging is not None:
-                        self._staging.reset()
-                raise
-            finally:
-                self._tls.batch = None
+        try:
+            with self._lock:
+                self._tls.batch = batch
+                self._call(nccl.groupStart, time.monotonic() + self.timeout_s, "ncclGroupStart")
+                batch.open = True
+                try:
+                    yield
+                    self._finish(batch, nccl)
+                except BaseException:
+                    if batch.open or any(not c.aborted for c in batch.comms.values()):
+                        # The block failed: end the group (groupStart/groupEnd must pair), then abort what it used.
+                        self._end_group(batch, nccl, time.monotonic() + WEDGE_GRACE_S)
+                        for c in list(batch.comms.values()):
+                            c.abort()
+                        self._reset_staging_after_failure()
+                    raise
+                finally:
+                    self._tls.batch = None
+        finally:
+            self._after_release()
 
     def _end_group(self, batch: _Batch, nccl, deadline: float) -> BaseException | None:
         """``nccl.groupEnd()`` of an open batch: the error it raised, if any (in progress is fine)."""
@@ -1068,65 +1134,73 @@ class NcclBackend(Backend):
         return None
 
     def _issue(self, comm: NcclCommunicator, kind: str, x, arg) -> None:
-        with self._lock:
-            cupy, nccl = cb.import_nccl()
-            view = cb.describe(x)
-            if view.cuda_device != self.cuda_device:
-                raise ValueError(
-                    f"{kind} on group {comm.group}: buffer is on CUDA device {view.cuda_device}, "
-                    f"this actor's communicators use device {self.cuda_device}"
-                )
-            if kind == "all_reduce":
-                cb.nccl_reduce_args(view.dtype_name, view.numel, view.itemsize, arg)  # refuse before queuing
-            batch = getattr(self._tls, "batch", None)
-            single = batch is None
-            if single:
-                batch = _Batch(grouped=False, deadline=None)
-            if batch.deadline is None:
-                batch.deadline = time.monotonic() + comm.timeout_s
-            self.stats["ops"] += 1
-            batch.ops.append(f"{kind}(group={comm.group}, rank={comm.rank}, arg={arg}, shape={view.shape})")
-            batch.comms[id(comm)] = comm
-            if comm.peer_aborted():
-                self.stats["peer_aborts"] += 1
-                self._fail(batch, None, timeout=False, peer=True)
-            stream = self._stream
-            if view.numel == 0:
-                return  # every member sees the same shape, so every member skips
-            # 1. the comm stream waits for the computation that produced / last used the buffer
-            producer = cb.producer_stream(x, view)
-            ready = cupy.cuda.Event(block=False, disable_timing=True)
-            ready.record(producer)
-            stream.wait_event(ready)
-            batch.consumers[producer.ptr] = producer
-            # 2. non-contiguous: pass through a segment of the staging buffer
-            reads = kind in ("send", "all_reduce") or (kind == "broadcast" and arg == comm.rank)
-            writes = kind in ("recv", "broadcast", "all_reduce")
-            buf, bview = x, view
-            if not view.contiguous:
-                buf = self._staging.segment_like(view, x)
-                bview = cb.describe(buf)
-                batch.staged = True
-                if reads:
-                    cb.copy_on_stream(buf, x, view.framework, stream)
-                if writes:
-                    batch.unpack.append((x, buf, view.framework))
-            batch.keep.append(x)
-            batch.keep.append(buf)
-            # 3. enqueue: returns at once (queued in a group, or ncclInProgress on a non-blocking comm)
-            if kind == "all_reduce":
-                count, dtype, op = cb.nccl_reduce_args(bview.dtype_name, bview.numel, bview.itemsize, arg)
-                call = lambda: comm.raw.allReduce(bview.ptr, bview.ptr, count, dtype, op, stream.ptr)  # noqa: E731
-            else:
-                count, dtype = bview.nccl_args()
-                method = {"broadcast": comm.raw.bcast, "send": comm.raw.send, "recv": comm.raw.recv}[kind]
-                call = lambda: method(bview.ptr, count, dtype, arg, stream.ptr)  # noqa: E731
-            try:
-                self._call(call, batch.deadline, batch.ops[-1])
-            except Exception as e:
-                self._fail(batch, e, timeout=False)
-            if single:
-                self._finish(batch, nccl)
+        try:
+            with self._lock:
+                self._issue_locked(comm, kind, x, arg)
+        finally:
+            if getattr(self._tls, "batch", None) is None:
+                self._after_release()
+
+    def _issue_locked(self, comm: NcclCommunicator, kind: str, x, arg) -> None:
+        cupy, nccl = cb.import_nccl()
+        view = cb.describe(x)
+        if view.cuda_device != self.cuda_device:
+            raise ValueError(
+                f"{kind} on group {comm.group}: buffer is on CUDA device {view.cuda_device}, "
+                f"this actor's communicators use device {self.cuda_device}"
+            )
+        if kind == "all_reduce":
+            cb.nccl_reduce_args(view.dtype_name, view.numel, view.itemsize, arg)  # refuse before queuing
+        batch = getattr(self._tls, "batch", None)
+        single = batch is None
+        if single:
+            batch = _Batch(grouped=False, deadline=None)
+        if batch.deadline is None:
+            batch.deadline = time.monotonic() + comm.timeout_s
+        self.stats["ops"] += 1
+        batch.ops.append(f"{kind}(group={comm.group}, rank={comm.rank}, arg={arg}, shape={view.shape})")
+        batch.comms[id(comm)] = comm
+        self._serve_abort_requests(batch)
+        if comm.peer_aborted():
+            self.stats["peer_aborts"] += 1
+            self._fail(batch, None, timeout=False, peer=True)
+        stream = self._stream
+        if view.numel == 0:
+            return  # every member sees the same shape, so every member skips
+        # 1. the comm stream waits for the computation that produced / last used the buffer
+        producer = cb.producer_stream(x, view)
+        ready = cupy.cuda.Event(block=False, disable_timing=True)
+        ready.record(producer)
+        stream.wait_event(ready)
+        batch.consumers[producer.ptr] = producer
+        # 2. non-contiguous: pass through a segment of the staging buffer
+        reads = kind in ("send", "all_reduce") or (kind == "broadcast" and arg == comm.rank)
+        writes = kind in ("recv", "broadcast", "all_reduce")
+        buf, bview = x, view
+        if not view.contiguous:
+            buf = self._staging.segment_like(view, x)
+            bview = cb.describe(buf)
+            batch.staged = True
+            if reads:
+                cb.copy_on_stream(buf, x, view.framework, stream)
+            if writes:
+                batch.unpack.append((x, buf, view.framework))
+        batch.keep.append(x)
+        batch.keep.append(buf)
+        # 3. enqueue: returns at once (queued in a group, or ncclInProgress on a non-blocking comm)
+        if kind == "all_reduce":
+            count, dtype, op = cb.nccl_reduce_args(bview.dtype_name, bview.numel, bview.itemsize, arg)
+            call = lambda: comm.raw.allReduce(bview.ptr, bview.ptr, count, dtype, op, stream.ptr)  # noqa: E731
+        else:
+            count, dtype = bview.nccl_args()
+            method = {"broadcast": comm.raw.bcast, "send": comm.raw.send, "recv": comm.raw.recv}[kind]
+            call = lambda: method(bview.ptr, count, dtype, arg, stream.ptr)  # noqa: E731
+        try:
+            self._call(call, batch.deadline, batch.ops[-1])
+        except Exception as e:
+            self._fail(batch, e, timeout=False)
+        if single:
+            self._finish(batch, nccl)
 
     def _finish(self, batch: _Batch, nccl) -> None:
         cupy = cb.import_cupy()
@@ -1155,51 +1229,84 @@ class NcclBackend(Backend):
             self._staging.reset()
 
     def _poll(self, batch: _Batch, done) -> None:
-        """Until the batch's calls left ``ncclInProgress`` (``done`` None) or ``done`` fired: checks
-        asynchronous errors, peers' abort notices and the deadline."""
-        cupy = cb.import_cupy()
+        """Until the batch's calls left ``ncclInProgress`` (``done`` None) or ``done`` fired. Each
+        round checks, in order: abort requests of other threads, peers' abort notices (before
+        NCCL's own error: a peer's abort surfaces there as a remote error), asynchronous errors,
+        the event, the deadline."""
         comms = list(batch.comms.values())
         aborts = peer_aborts()
         pause = 0.0
         while True:
+            self._serve_abort_requests(batch)
+            self._check_notices(batch, comms, aborts)
             busy = False
             for c in comms:
                 try:
                     busy |= self._async_state(c.raw, batch.deadline)
                 except Exception as e:
+                    self._check_notices(batch, comms, aborts)
                     self._fail(batch, e, timeout=False)
             finished = not busy
             if done is not None and finished:
                 try:
                     finished = done.done
-                except cupy.cuda.runtime.CUDARuntimeError as e:
+                except Exception as e:  # cupy.cuda.runtime.CUDARuntimeError
                     self._fail(batch, e, timeout=False)
             if finished:
                 return
-            if any(aborts.aborted(c.digest) for c in comms):
-                self.stats["peer_aborts"] += 1
-                self._fail(batch, None, timeout=False, peer=True)
             if time.monotonic() >= batch.deadline:
                 self._fail(batch, None, timeout=True)
             time.sleep(pause)
             pause = min(max(2 * pause, 2e-5), 1e-3)
 
-    def _fail(self, batch: _Batch, error: BaseException | None, *, timeout: bool, peer: bool = False):
+    def _check_notices(self, batch: _Batch, comms: list[NcclCommunicator], aborts: PeerAborts) -> None:
+        if any(aborts.aborted(c.digest) for c in comms):
+            self.stats["peer_aborts"] += 1
+            self._fail(batch, None, timeout=False, peer=True)
+
+    def _reset_staging_after_failure(self) -> None:
+        """Staging is free again once the copies a failed batch queued on the stream have run; if
+        they do not finish within ``STREAM_DRAIN_S`` its buffers are set aside, never reused."""
+        if self._staging is None:
+            return
+        drained = self._stream is None
+        if not drained:
+            with contextlib.suppress(Exception):
+                cupy = cb.import_cupy()
+                event = cupy.cuda.Event(block=False, disable_timing=True)
+                event.record(self._stream)
+                until = time.monotonic() + STREAM_DRAIN_S
+                while not (drained := event.done) and time.monotonic() < until:
+                    time.sleep(1e-3)
+        if drained:
+            self._staging.reset()
+        else:
+            log.error("device %s: copies queued on the NCCL stream did not finish within %.0fs after a failure; "
+                      "its staging buffer is set aside", self._device, STREAM_DRAIN_S)  # fmt: skip
+            self._abandoned_staging.append(self._staging)
+            self._staging = cb.StagingBuffer(self.cuda_device)
+
+    def _fail(self, batch: _Batch, error: BaseException | None, *, timeout: bool, peer: bool = False,
+              aborted: bool = False):  # fmt: skip
         if batch.open:
             # never abort a communicator that an unfinished NCCL group still refers to: end it first
             _, nccl = cb.import_nccl()
             self._end_group(batch, nccl, time.monotonic() + WEDGE_GRACE_S)
         for c in list(batch.comms.values()):
             c.abort()
-        if self._staging is not None:
-            self._staging.reset()
+        self._reset_staging_after_failure()
         ops = "; ".join(batch.ops[:8]) + (" ..." if len(batch.ops) > 8 else "")
+        if aborted:
+            raise PeerFailed(
+                f"NCCL operations on device {self._device}: the controller aborted them: {ops}; communicators "
+                "aborted and the other members told"
+            )
         if peer:
             raise PeerFailed(
                 f"NCCL operations on device {self._device}: a member of the group aborted its communicator: {ops}; "
                 "aborted here too (a failure elsewhere; the driver reports it)"
             )
-        if timeout:
+        if timeout or (error is not None and nccl_status(error) == NCCL_TIMEOUT):
             raise ReshardTimeout(
                 f"NCCL operations did not complete before their deadline on device {self._device}: {ops}; "
                 "communicators aborted (a peer is missing, dead or issued a different operation order)"

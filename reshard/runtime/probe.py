@@ -146,33 +146,42 @@ def _exchange(
     import torch
 
     comm = ctx.communicator(group, PROBE_CHANNEL)
+    deadline = time.monotonic() + timeout_s
     first = comm.rank < peer
     one = torch.ones(1, dtype=torch.uint8, device=ctx.torch_device)
     got = torch.zeros(1, dtype=torch.uint8, device=ctx.torch_device)
     outbox = torch.ones(size_bytes if send else 1, dtype=torch.uint8, device=ctx.torch_device)
     inbox = torch.zeros(size_bytes if recv else 1, dtype=torch.uint8, device=ctx.torch_device)
+
+    def left() -> float:
+        """What is left of the probe's deadline; also the budget of the operations issued next."""
+        comm.timeout_s = max(deadline - time.monotonic(), 1e-3)
+        return comm.timeout_s
+
     rtts = []
     for i in range(pings + 2):
         t0 = time.perf_counter()
         if first:
-            comm.isend(one, peer).wait(timeout_s)
-            comm.irecv(got, peer).wait(timeout_s)
+            comm.isend(one, peer).wait(left())
+            comm.irecv(got, peer).wait(left())
         else:
-            comm.irecv(got, peer).wait(timeout_s)
-            comm.isend(one, peer).wait(timeout_s)
+            comm.irecv(got, peer).wait(left())
+            comm.isend(one, peer).wait(left())
         if i >= 2 and first:
             rtts.append(time.perf_counter() - t0)
     best = float("inf")
     for _ in range(repeats):
-        r, s = comm.irecv(got, peer), comm.isend(one, peer)
-        r.wait(timeout_s)
-        s.wait(timeout_s)
+        with ctx.backend.grouped(timeout_s=left()):  # both at once (NCCL: one group call, else a deadlock)
+            r, s = comm.irecv(got, peer), comm.isend(one, peer)
+        r.wait(left())
+        s.wait(left())
         t0 = time.perf_counter()
-        r = comm.irecv(inbox, peer) if recv else None
-        s = comm.isend(outbox, peer) if send else None
+        with ctx.backend.grouped(timeout_s=left()):
+            r = comm.irecv(inbox, peer) if recv else None
+            s = comm.isend(outbox, peer) if send else None
         if r is not None:
-            r.wait(timeout_s)
+            r.wait(left())
             best = min(best, time.perf_counter() - t0)
         if s is not None:
-            s.wait(timeout_s)
+            s.wait(left())
     return {"recv_s": best, "rtt_s": rtts}

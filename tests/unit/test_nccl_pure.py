@@ -187,7 +187,9 @@ def test_a_process_checks_its_own_settings_against_the_agreed_ones():
 def test_gpu_sharing_picks_hostids_before_nccl_2_30_and_multi_rank_after():
     auto = GpuSharing.AUTO
     assert sharing_env(auto, 1.0, (2, 32, 3), 7, "h", {}) == {}
-    assert sharing_env(auto, 0.25, (2, 32, 3), 7, "h", {}) == {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    assert sharing_env(auto, 0.5, (2, 32, 3), 7, "h", {}) == {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    # below half a GPU per actor NCCL's multi-rank mode is experimental and can hang: hostids instead
+    assert sharing_env(auto, 0.25, (2, 32, 3), 7, "h", {}) == {"NCCL_HOSTID": "reshard-h-7", "NCCL_SOCKET_IFNAME": "lo"}
     assert sharing_env(auto, 0.25, (2, 21, 5), 7, "h", {}) == {"NCCL_HOSTID": "reshard-h-7", "NCCL_SOCKET_IFNAME": "lo"}
     assert sharing_env(GpuSharing.HOSTID, 1.0, None, 8, "h", {"NCCL_SOCKET_IFNAME": "eth0"}) == {
         "NCCL_HOSTID": "reshard-h-8"
@@ -286,6 +288,8 @@ def test_gpu_stack_problems_name_both_sides_and_the_fix():
     assert len(libs) == 1 and "/a/libnccl.so.2, /b/libnccl.so.2" in libs[0]
     versions = cb.gpu_stack_problems([], [], (2, 27, 3), (2, 21, 5))
     assert len(versions) == 1 and "cupy uses NCCL 2.27.3 but torch uses NCCL 2.21.5" in versions[0]
+    old = cb.gpu_stack_problems([("cupy-cuda12x", "13.6.0")], [], None, None)
+    assert len(old) == 1 and "cupy-cuda12x 13.6.0 is older than cupy 14" in old[0]
 
 
 def test_loaded_nccl_libraries_are_read_from_the_memory_map(tmp_path):
@@ -433,6 +437,7 @@ class ScriptedComm:
         self.error = error
         self.comm = 1
         self.aborts = 0
+        self.destroyed = 0
 
     def check_async_error(self):
         if self.left > 0:
@@ -444,6 +449,27 @@ class ScriptedComm:
     def abort(self):
         self.aborts += 1
         self.comm = 0
+
+    def destroy(self):
+        self.destroyed += 1
+        self.comm = 0
+
+
+def _comm(b: NcclBackend, group, rank: int, raw, uid: bytes, abort_to=()) -> NcclCommunicator:
+    """A communicator over ``raw`` registered in ``b`` as ``connect`` would."""
+    comm = NcclCommunicator(b, group, rank, 5.0, raw, {"uid": uid, "abort_to": [list(a) for a in abort_to]})
+    b._comms[comm.digest] = comm
+    return comm
+
+
+def _batch(*comms, deadline_s: float = 60.0):
+    from reshard.runtime.nccl import _Batch
+
+    batch = _Batch(grouped=True, deadline=time.monotonic() + deadline_s)
+    for c in comms:
+        batch.comms[id(c)] = c
+        batch.ops.append(f"send(group={c.group})")
+    return batch
 
 
 def test_polling_waits_out_in_progress_and_raises_errors():
@@ -478,7 +504,7 @@ def test_abort_is_local_once_and_tells_the_other_members():
         info = {"uid": b"u" * 128, "host": 0, "abort_to": [list(peer_aborts().address), list(other.address)]}
         raw = ScriptedComm(0)
         comm = NcclCommunicator(b, (3, 8), 0, 5.0, raw, info)
-        b._comms[(3, 8)] = comm
+        b._comms[comm.digest] = comm
         comm.abort()
         comm.abort()
         assert raw.aborts == 1 and comm.aborted and b.live_groups() == [] and b.stats["aborted"] == 1
@@ -504,6 +530,94 @@ def test_a_failed_batch_aborts_its_communicators_and_names_the_cause():
     assert raw.aborts == 1
     with pytest.raises(PeerFailed, match="a member of the group aborted"):
         b._fail(batch, None, timeout=False, peer=True)
+
+
+def test_a_peers_notice_is_read_before_the_remote_error_its_abort_causes():
+    b = NcclBackend()
+    comm = _comm(b, (0, 1), 0, ScriptedComm(0, RuntimeError("NCCL_ERROR_REMOTE_ERROR")), b"n" * 128)
+    sender = PeerAborts()
+    try:
+        sender.notify([peer_aborts().address], comm.digest)
+        assert peer_aborts().wait(comm.digest, 10)
+        with pytest.raises(_PeerAbort):
+            b._await([comm.raw], [comm.digest], time.monotonic() + 60)
+        with pytest.raises(PeerFailed, match="a member of the group aborted"):
+            b._poll(_batch(comm), None)
+    finally:
+        sender.close()
+
+
+def test_ncclTimeout_is_a_timeout():
+    b = NcclBackend()
+    comm = _comm(b, (0, 1), 0, ScriptedComm(0), b"t" * 128)
+    with pytest.raises(ReshardTimeout):
+        b._fail(_batch(comm), KeyError(8), timeout=False)  # NCCL 2.32's code 8, as cupy 14 raises it
+
+
+def test_an_abort_from_another_thread_is_served_by_the_polling_thread():
+    """A control thread's abort must not wait for the run thread to leave the backend: it is
+    recorded, and the thread polling the batch aborts, tells the other members and fails."""
+    b = NcclBackend()
+    other = PeerAborts()
+    raw = ScriptedComm(10**9)  # in progress until aborted
+    comm = _comm(b, (0, 1), 0, raw, b"a" * 128, [peer_aborts().address, other.address])
+    polling, outcome = threading.Event(), {}
+
+    def run():
+        with b._lock:  # what a run's group block holds
+            polling.set()
+            try:
+                b._poll(_batch(comm), None)
+            except Exception as e:
+                outcome["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert polling.wait(10)
+        comm.abort()  # returns at once: the lock is the run's
+        t.join(30)
+        assert not t.is_alive()
+        assert isinstance(outcome.get("error"), PeerFailed) and "controller aborted" in str(outcome["error"])
+        assert raw.aborts == 1 and comm.aborted and b.live_groups() == []
+        assert other.wait(comm.digest, 10)  # the other member heard of it
+    finally:
+        t.join(30)
+        other.close()
+
+
+def test_an_abort_asked_for_an_idle_communicator_happens_when_the_holder_lets_go():
+    b = NcclBackend()
+    raw = ScriptedComm(0)
+    comm = _comm(b, (0, 1), 0, raw, b"i" * 128)
+    held, asked = threading.Event(), threading.Event()
+
+    def hold():
+        with b._lock:
+            held.set()
+            assert asked.wait(10)
+        b._after_release()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(10)
+    comm.abort()
+    assert raw.aborts == 0 and comm.abort_requested  # recorded while the lock was held
+    asked.set()
+    t.join(30)
+    assert raw.aborts == 1 and comm.aborted
+
+
+def test_two_channels_on_the_same_devices_are_two_communicators():
+    b = NcclBackend()
+    first = _comm(b, (0, 1), 0, ScriptedComm(0), b"1" * 128)
+    second = _comm(b, (0, 1), 0, ScriptedComm(0), b"2" * 128)
+    assert b.live_groups() == [(0, 1), (0, 1)] and b.communicator((0, 1)) is second
+    second.close()  # closes itself only
+    assert second.raw.destroyed == 1 and first.raw.destroyed == 0 and not first.closed
+    assert b.communicator((0, 1)) is first
+    first.abort()
+    assert first.raw.aborts == 1 and second.raw.aborts == 0 and b.live_groups() == []
 
 
 # -- bootstrap roots ----------------------------------------------------------------------------
