@@ -5,6 +5,7 @@ Ray's cloudpickle by value, so the workers need not import it."""
 from __future__ import annotations
 
 import os
+import time
 
 
 def environment(actor) -> dict:
@@ -65,6 +66,51 @@ def blocked_recv(actor, group, peer: int, seconds: float):
     except Exception as e:
         return type(e).__name__
     return "completed"
+
+
+def aborted_from_another_thread(actor, group, peer: int, seconds: float):
+    """A recv that no member answers runs on a thread of this actor, holding the backend while it
+    polls; the calling thread then aborts the communicator, as a controller's abort does from the
+    actor's control thread. Returns how the recv ended and what it said."""
+    import threading
+
+    import cupy
+
+    comm = actor.backend.communicator(group)
+    comm.timeout_s = seconds  # the recv would wait this long without the abort
+    polled = actor.backend.stats["batches"]
+    outcome = {}
+
+    def recv():
+        try:
+            comm.recv(cupy.zeros(1 << 20, dtype=cupy.float32), peer)
+            outcome["end"] = ("completed", "")
+        except Exception as e:
+            outcome["end"] = (type(e).__name__, str(e))
+
+    t = threading.Thread(target=recv)
+    t.start()
+    while actor.backend.stats["batches"] == polled and t.is_alive():  # until the recv polls
+        time.sleep(1e-3)
+    comm.abort()
+    t.join(seconds)
+    return outcome.get("end", ("still running", "")), comm.aborted
+
+
+def two_channels(actor, rdvs, timeout_s: float):
+    """Two communicators of one group (two rendezvous, as two channels make): both work, and closing
+    one leaves the other working. Returns what each broadcast delivered and the channels' states."""
+    import cupy
+
+    first, second = actor.backend.connect_many(list(rdvs), actor.device, timeout_s)
+    got = []
+    for comm in (first, second, first):
+        x = cupy.full(16, 10 * (comm is first) + 20 * (comm is second) + actor.device, dtype=cupy.int32)
+        comm.broadcast(x, 0)
+        got.append(int(x[0]))
+        if comm is second:
+            second.close()
+    return got, first.closed, second.closed, first is second
 
 
 def try_connect(actor, rdvs, timeout_s: float):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from gpu_bodies import (
     abort_group,
+    aborted_from_another_thread,
     blocked_recv,
     environment,
     exchange_bits,
@@ -29,6 +30,7 @@ from gpu_bodies import (
     send_after_long_kernel,
     told_of_abort,
     try_connect,
+    two_channels,
 )
 
 pytestmark = pytest.mark.gpu(1)
@@ -97,6 +99,26 @@ def test_a_members_abort_makes_a_blocked_member_fail_at_once(shared, connect_ran
     assert shared.call(abort_group, group, devices=[2]) == [True]
     assert shared.ray.get(blocked, timeout=120) == "PeerFailed"  # the notice, not the deadline
     assert shared.pids() == pids
+
+
+def test_an_abort_from_another_thread_ends_a_blocked_recv_and_tells_the_peer(shared, connect_ranks):
+    group = (0, 2)
+    pids = shared.pids()
+    connect_ranks(shared, shared.rendezvous([group]))
+    (((kind, message), aborted),) = shared.call(aborted_from_another_thread, group, 1, 600.0, devices=[0])
+    assert (kind, aborted) == ("PeerFailed", True) and "the controller aborted" in message
+    assert shared.call(told_of_abort, group, 30.0, devices=[2]) == [("PeerFailed", True)]
+    assert shared.pids() == pids
+
+
+def test_two_channels_on_the_same_devices_coexist(shared):
+    group = (1, 2)
+    rdvs = shared.rendezvous([group]) + shared.rendezvous([group])  # two unique ids: two channels
+    assert rdvs[0].info["uid"] != rdvs[1].info["uid"]
+    results = shared.call(two_channels, rdvs, 60.0, devices=list(group))
+    for got, first_closed, second_closed, same in results:
+        assert got == [10 + 1, 20 + 1, 10 + 1]  # rank 0 (device 1) broadcast each time
+        assert (first_closed, second_closed, same) == (False, True, False)
 
 
 def test_the_comm_stream_waits_for_a_long_kernel_across_actors(shared, connect_ranks):
