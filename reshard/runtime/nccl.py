@@ -747,6 +747,15 @@ class NcclBackend(Backend):
                 self._members[dev] = (key, static)
         return [Rendezvous(g, self._group_info(g, *uid_of[g], reports)) for g in groups]
 
+    def abort_rendezvous(self, rendezvous: list[Rendezvous], reason: str = "aborted") -> None:
+        """Members still creating these groups give up at once: each is sent the abort notice of its
+        group's unique id, as a member that aborted would send (their creation polls read it)."""
+        for r in rendezvous:
+            info = r.info
+            if isinstance(info, Mapping) and "uid" in info:
+                addresses = [tuple(a) for a in info.get("abort_to", ())]
+                peer_aborts().notify(addresses, uid_digest(_uid_bytes(info["uid"])))
+
     def _cached_member(self, device: int, handle) -> dict | None:
         hit = self._members.get(device)
         if hit is None or hit[0] != _actor_key(handle):

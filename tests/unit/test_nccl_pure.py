@@ -608,6 +608,20 @@ def test_an_abort_asked_for_an_idle_communicator_happens_when_the_holder_lets_go
     assert raw.aborts == 1 and comm.aborted
 
 
+def test_an_aborted_rendezvous_tells_every_member():
+    from reshard.runtime.communicator import Rendezvous
+
+    members = [PeerAborts(), PeerAborts()]
+    try:
+        uid = b"r" * 128
+        rdv = Rendezvous((0, 1), {"uid": uid, "abort_to": [list(m.address) for m in members]})
+        NcclBackend().abort_rendezvous([rdv], "the controller gave up")
+        assert all(m.wait(uid_digest(uid), 10) for m in members)
+    finally:
+        for m in members:
+            m.close()
+
+
 def test_two_channels_on_the_same_devices_are_two_communicators():
     b = NcclBackend()
     first = _comm(b, (0, 1), 0, ScriptedComm(0), b"1" * 128)
