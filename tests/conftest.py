@@ -1,12 +1,86 @@
-"""Shared by every tier: Ray's environment for a single-machine cluster, and the one local Ray
-cluster (``ray_cluster``) that the dist and chaos tiers run on."""
+"""Shared by every tier: Ray's environment for a single-machine cluster, the one local Ray cluster
+(``ray_cluster``) that the dist and chaos tiers run on, and the CPU stand-in for cupy.
 
+The stand-in (tests/gpu/standin/cupy) lets tests/gpu run the NCCL backend's control logic on a
+machine without cupy. It is activated here, before any Ray cluster starts, so that Ray's workers
+inherit it through ``PYTHONPATH``; never where a cupy package can be found (a real one, or a
+broken one that must fail as such), never when ``RESHARD_REQUIRE_GPUS`` promises GPUs, and not with
+``RESHARD_GPU_STANDIN=0``. Tests outside tests/gpu run without it in this process (hidden from
+``sys.path`` and ``sys.modules``); their Ray workers and subprocesses still have it on
+``PYTHONPATH``, where nothing imports cupy unless the NCCL backend is used.
+"""
+
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest  # noqa: E402
+
+GPU_TIER = Path(__file__).resolve().parent / "gpu"
+STANDIN = str(GPU_TIER / "standin")
+
+
+def _standin_wanted() -> bool:
+    if os.environ.get("RESHARD_GPU_STANDIN", "1") == "0":
+        return False
+    if int(os.environ.get("RESHARD_REQUIRE_GPUS", "0") or 0):
+        return False  # a promised GPU run fails without cupy instead of passing on the stand-in
+    spec = importlib.util.find_spec("cupy")
+    return spec is None or os.path.dirname(os.path.dirname(spec.origin or "")) == STANDIN
+
+
+def _activate_standin() -> bool:
+    if not _standin_wanted():
+        return False
+    if STANDIN not in sys.path:
+        sys.path.insert(0, STANDIN)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if STANDIN not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([STANDIN, *(p for p in paths if p)])
+    return True
+
+
+GPU_STANDIN = _activate_standin()
+
+
+def pytest_report_header(config):
+    if GPU_STANDIN:
+        return f"GPU tier: cupy CPU stand-in ({STANDIN}); no GPU result"
+    return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not GPU_STANDIN:
+        return
+    prefix = GPU_TIER.relative_to(terminalreporter.config.rootpath).as_posix() + "/"
+    passed = [r for r in terminalreporter.stats.get("passed", []) if r.nodeid.startswith(prefix)]
+    if passed:
+        terminalreporter.write_line(
+            f"{len(passed)} GPU-tier test(s) passed on the cupy CPU stand-in: control logic only, not a GPU result"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Outside tests/gpu the stand-in is hidden from this process for the whole test (fixtures
+    included). It stays on ``PYTHONPATH``: the Ray cluster that tests/gpu reuses may start here."""
+    if not GPU_STANDIN or Path(str(item.path)).resolve().is_relative_to(GPU_TIER):
+        yield
+        return
+    hidden = {name: sys.modules.pop(name) for name in list(sys.modules) if name == "cupy" or name.startswith("cupy.")}
+    sys.path[:] = [p for p in sys.path if p != STANDIN]
+    try:
+        yield
+    finally:
+        if STANDIN not in sys.path:
+            sys.path.insert(0, STANDIN)
+        for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
+            del sys.modules[name]
+        sys.modules.update(hidden)
 
 
 @pytest.fixture(scope="session")

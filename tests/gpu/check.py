@@ -107,9 +107,28 @@ def steps(bench: bool) -> list[Step]:
     return out
 
 
+def nccl_summary(folder: str) -> str:
+    """How many processes logged, and the transports NCCL chose ("via NET/Socket/0", "via P2P/IPC")."""
+    transports: dict[str, int] = {}
+    files = [os.path.join(folder, f) for f in os.listdir(folder)]
+    for path in files:
+        with open(path, errors="replace") as f:
+            for line in f:
+                if " via " in line:
+                    kind = line.split(" via ", 1)[1].split()[0]
+                    transports[kind] = transports.get(kind, 0) + 1
+    shown = ", ".join(f"{k} x{n}" for k, n in sorted(transports.items())) or "no connections logged"
+    return f"{len(files)} process(es); {shown}"
+
+
 def run(step: Step, index: int, out_dir: str) -> tuple[str, float]:
     log = os.path.join(out_dir, f"{index:02d}-{step.name}.log")
     env = {**os.environ, **step.env}
+    debug_dir = None
+    if "NCCL_DEBUG" in step.env:  # the ranks are Ray workers: NCCL writes its lines to files, one per process
+        debug_dir = os.path.join(out_dir, f"{index:02d}-{step.name}-nccl")
+        os.makedirs(debug_dir, exist_ok=True)
+        env["NCCL_DEBUG_FILE"] = os.path.join(debug_dir, "%h.%p.log")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
     start = time.monotonic()
     with open(log, "w") as f:
@@ -126,8 +145,10 @@ def run(step: Step, index: int, out_dir: str) -> tuple[str, float]:
     elapsed = time.monotonic() - start
     with open(log) as f:
         tail = f.read().splitlines()[-25:]
+    if debug_dir is not None:
+        tail.append(f"NCCL debug lines: {nccl_summary(debug_dir)}")
     print(f"== {index:02d} {step.name}: {outcome} in {elapsed:.1f} s ({log})")
-    if outcome != "ok" or step.name in ("identity", "torch", "stack", "uuids"):
+    if outcome != "ok" or step.name in ("identity", "torch", "stack", "uuids") or debug_dir is not None:
         print("\n".join("   " + line for line in tail))
     return outcome, elapsed
 

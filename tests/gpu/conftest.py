@@ -1,10 +1,17 @@
 """Skip (or fail) logic and shared fixtures of the GPU tests.
 
 Every test here carries the ``gpu`` marker; ``@pytest.mark.gpu(n)`` says it needs ``n`` visible
-GPUs (default 1; ``gpu(0)`` needs cupy with NCCL but no GPU). Without cupy / NCCL or with fewer
-GPUs a test is SKIPPED, unless whoever runs the GPU tier promised GPUs with
-``RESHARD_REQUIRE_GPUS=N``: then a test needing at most N GPUs FAILS when cupy/NCCL is missing or
-fewer than its GPUs are visible, and a GPU pool that cannot get the GPUs it was promised fails too.
+GPUs (default 1; ``gpu(0)`` needs cupy with NCCL but no GPU), ``gpu(n, torch_cuda=True)`` that it
+also needs torch CUDA tensors. Without cupy / NCCL or with fewer GPUs a test is SKIPPED, unless
+whoever runs the GPU tier promised GPUs with ``RESHARD_REQUIRE_GPUS=N``: then a test needing at
+most N GPUs FAILS when cupy/NCCL is missing or fewer than its GPUs are visible, and a GPU pool that
+cannot get the GPUs it was promised fails too.
+
+The CPU stand-in (tests/gpu/standin, activated by tests/conftest.py where no cupy exists) runs the
+tests that need cupy only: tests needing torch CUDA tensors skip, saying so. Under it the Ray
+cluster has no GPUs and pools reserve none; every rank process has its own stand-in GPU, so a test
+of ``n`` ranks on ``n`` GPUs runs as ``n`` processes (up to ``STANDIN_GPUS``), and ranks meant to
+share one GPU are distinct stand-in GPUs (sharing a GPU is not modelled).
 
 GPUs come back to Ray asynchronously after ``ray.kill``: pools never read
 ``available_resources()`` once; ``wait_for_free_gpus`` waits (with a deadline) until the GPUs a
@@ -23,6 +30,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 REQUIRED_GPUS = int(os.environ.get("RESHARD_REQUIRE_GPUS", "0") or 0)
 GPU_RETURN_TIMEOUT_S = 120.0
+#: Under the stand-in: the most rank processes (each with its own stand-in GPU) a test may ask for.
+STANDIN_GPUS = 4
+STANDIN_NO_TORCH = "needs torch CUDA tensors: the CPU stand-in models cupy only"
 
 _PROBE: dict = {}
 
@@ -30,43 +40,68 @@ _PROBE: dict = {}
 def _probe() -> tuple[str | None, int]:
     """(reason cupy/NCCL is unusable or None, visible GPU count), computed once per session."""
     if not _PROBE:
-        reason, count = None, 0
+        reason, count, standin = None, 0, False
         try:
             from reshard.runtime import cuda_buffers
 
-            cuda_buffers.import_nccl()
+            cupy, _ = cuda_buffers.import_nccl()
+            standin = getattr(cupy, "_standin", False) is True
         except ImportError as e:
             reason = str(e)
         if reason is None:
             from reshard.runtime.nccl import visible_gpu_count
 
             count = visible_gpu_count()
-        _PROBE.update(reason=reason, count=count)
+        _PROBE.update(reason=reason, count=count, standin=standin)
     return _PROBE["reason"], _PROBE["count"]
 
 
-def gpus_needed(item) -> int | None:
+def standin() -> bool:
+    """cupy is the CPU stand-in (tests/gpu/standin): no GPU result."""
+    _probe()
+    return _PROBE["standin"]
+
+
+def torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def gpus_needed(item) -> tuple[int, bool] | None:
+    """(GPUs, needs torch CUDA tensors) of a ``gpu`` test, None for other tests."""
     marker = item.get_closest_marker("gpu")
     if marker is None:
         return None
-    return int(marker.args[0]) if marker.args else 1
+    return (int(marker.args[0]) if marker.args else 1), bool(marker.kwargs.get("torch_cuda", False))
 
 
-def unavailable(need: int) -> str | None:
-    """Why a test needing ``need`` GPUs cannot run here (None: it can)."""
+def unavailable(need: int, torch_tensors: bool = False) -> str | None:
+    """Why a test needing ``need`` GPUs (and torch CUDA tensors) cannot run here (None: it can)."""
     reason, count = _probe()
     if reason is not None:
         return f"cupy/NCCL unavailable ({reason})"
+    if standin():
+        if torch_tensors:
+            return STANDIN_NO_TORCH
+        if need > STANDIN_GPUS:
+            return f"needs {need} GPU(s); the CPU stand-in runs at most {STANDIN_GPUS} rank processes"
+        return None
     if count < need:
         return f"needs {need} GPU(s), {count} visible"
+    if torch_tensors and not torch_cuda():
+        return "needs torch CUDA tensors; torch here has no CUDA"
     return None
 
 
 def pytest_runtest_setup(item):
-    need = gpus_needed(item)
-    if need is None:
+    needed = gpus_needed(item)
+    if needed is None:
         return
-    why = unavailable(need)
+    need, torch_tensors = needed
+    why = unavailable(need, torch_tensors)
     if why is None:
         return
     if REQUIRED_GPUS and need <= REQUIRED_GPUS:
@@ -112,7 +147,8 @@ def ray_cluster():
     ray.cloudpickle.register_pickle_by_value(gpu_bodies)
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=_probe()[1], include_dashboard=False,
+        gpus = 0 if standin() else _probe()[1]  # stand-in GPUs are per process, not Ray resources
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpus, include_dashboard=False,
                  log_to_driver=False)  # fmt: skip
         started = True
     yield ray
@@ -121,22 +157,29 @@ def ray_cluster():
 
 
 class GpuBook:
-    """The Ray cluster's GPUs as pools see them: the total, and a wait until enough are free."""
+    """The Ray cluster's GPUs as pools see them: the total, a wait until enough are free, and what
+    an actor reserves. Under the stand-in: ``STANDIN_GPUS`` rank processes, nothing reserved."""
 
-    def __init__(self, ray):
+    def __init__(self, ray, standin: bool = False):
         self.ray = ray
+        self.standin = standin
 
     @property
     def total(self) -> int:
-        return total_gpus(self.ray)
+        return STANDIN_GPUS if self.standin else total_gpus(self.ray)
 
     def wait_free(self, need: float, timeout_s: float = GPU_RETURN_TIMEOUT_S) -> None:
-        wait_for_free_gpus(self.ray, need, timeout_s)
+        if not self.standin:
+            wait_for_free_gpus(self.ray, need, timeout_s)
+
+    def reserve(self, gpus_per_actor: float) -> float:
+        """``num_gpus`` of an actor that wants ``gpus_per_actor`` GPUs."""
+        return 0 if self.standin else gpus_per_actor
 
 
 @pytest.fixture(scope="session")
 def gpus(ray_cluster) -> GpuBook:
-    return GpuBook(ray_cluster)
+    return GpuBook(ray_cluster, standin())
 
 
 def pool_shortfall(need: int, have: int) -> None:
@@ -199,7 +242,7 @@ def nccl_ranks(ray_cluster, gpus):
         pool_shortfall(-int(-need // 1), gpus.total)
         gpus.wait_free(need)
 
-        @ray.remote(num_cpus=0, num_gpus=gpus_per_rank, max_restarts=0, max_task_retries=0)
+        @ray.remote(num_cpus=0, num_gpus=gpus.reserve(gpus_per_rank), max_restarts=0, max_task_retries=0)
         class Rank:
             def __init__(self, device, backend):
                 self.device = device

@@ -36,14 +36,6 @@ pytestmark = pytest.mark.gpu
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _torch_cuda():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
 # ============================================================================================
 # cupy + NCCL, no GPU
 
@@ -206,10 +198,12 @@ def test_communicators_are_cached_by_group_and_rendezvous(backend):
     comm = backend.connect(rdv, 0, 30)
     assert backend.connect(rdv, 0, 30) is comm
     assert backend.live_groups() == [(0,)] and backend.stats["created"] == 1
-    # a new rendezvous for a live group means the driver re-created it: the old one is replaced
+    # a rendezvous names one communicator (its unique id): a second one for the same group is a
+    # second channel, and both stay live
     (rdv2,) = backend.local_rendezvous([(0,)])
     comm2 = backend.connect(rdv2, 0, 30)
-    assert comm2 is not comm and comm.aborted and backend.live_groups() == [(0,)]
+    assert comm2 is not comm and not comm.aborted and backend.live_groups() == [(0,), (0,)]
+    assert backend.connect(rdv, 0, 30) is comm and backend.stats["created"] == 2
 
 
 def test_rank_and_device_are_checked(backend, comm):
@@ -313,10 +307,10 @@ def test_a_failed_group_block_aborts_its_communicators(backend, comm):
     assert comm.aborted and backend.live_groups() == []
 
 
+@pytest.mark.gpu(1, torch_cuda=True)
 def test_torch_bfloat16_bool_and_strided_views(backend, comm):
-    torch = _torch_cuda()
-    if torch is None:
-        pytest.skip("torch without CUDA")
+    import torch
+
     a = torch.arange(1 << 16, device="cuda", dtype=torch.float32).to(torch.bfloat16)
     flags = (torch.arange(1000, device="cuda") % 3) == 0
     b = torch.empty_like(a)
@@ -335,12 +329,12 @@ def test_torch_bfloat16_bool_and_strided_views(backend, comm):
     assert torch.equal(out[:, 7:10], m[:, 2:5])
 
 
+@pytest.mark.gpu(1, torch_cuda=True)
 def test_the_comm_stream_waits_for_a_long_kernel_that_writes_the_buffer(backend, comm):
     """The buffer is written on a side stream behind ~0.5 s of GPU sleep. If the comm stream did not
     wait for the producer's event, NCCL would read the old zeros while the sleep still runs."""
-    torch = _torch_cuda()
-    if torch is None:
-        pytest.skip("torch without CUDA")
+    import torch
+
     a = torch.zeros(1 << 20, device="cuda", dtype=torch.int32)
     b = torch.full_like(a, -1)
     torch.cuda.synchronize()
@@ -387,11 +381,10 @@ def test_destroy_reads_the_async_error_first_and_frees_the_communicator(backend,
     assert comm.raw.comm == 0
 
 
+@pytest.mark.gpu(1, torch_cuda=True)
 def test_cupy_and_torch_buffers_mix_zero_copy(backend, comm):
-    torch = _torch_cuda()
-    if torch is None:
-        pytest.skip("torch without CUDA")
     import cupy
+    import torch
 
     t = torch.arange(256, device="cuda", dtype=torch.int32)
     c = cupy.from_dlpack(t)  # same memory
@@ -455,6 +448,7 @@ def test_creating_a_group_whose_peer_never_joins_times_out_and_the_backend_stays
 # test module itself is not importable in the workers).
 
 
+@pytest.mark.gpu(1, torch_cuda=True)  # the runtime's device actors allocate torch CUDA tensors
 def test_reshard_on_a_one_gpu_mesh_keeps_data_bit_exact(ray_cluster, gpus):
     from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, reshard
 
@@ -484,7 +478,7 @@ def gpu_mesh(ray_cluster, gpus, require_pool):
     mesh.shutdown()
 
 
-@pytest.mark.gpu(2)
+@pytest.mark.gpu(2, torch_cuda=True)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int64", "int8", "uint8", "bool", "bfloat16"])
 @pytest.mark.parametrize("case", ["shard_to_replicate", "dim0_to_dim1", "one_to_other"])
 def test_reshard_between_gpus_is_bit_exact(gpu_mesh, dtype, case):

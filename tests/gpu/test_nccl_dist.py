@@ -20,7 +20,7 @@ from gpu_bodies import reserved_gpu_bytes
 
 from reshard.runtime.nccl import NcclBackend
 
-pytestmark = pytest.mark.gpu(1)
+pytestmark = pytest.mark.gpu(1, torch_cuda=True)  # device actors allocate torch CUDA tensors
 SHARED_GPU_POOL = 8  # device actors on a single GPU
 
 _DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from gpu_bodies import environment, exchange_bits
 
-pytestmark = pytest.mark.gpu(1)
+pytestmark = pytest.mark.gpu(1, torch_cuda=True)
 
 
 def test_multi_rank_gpu_mode_on_nccl_2_30(nccl_ranks, connect_ranks):

@@ -52,6 +52,7 @@ def test_the_ranks_share_one_gpu_as_distinct_nccl_hosts(shared, gpus):
     assert {e["NCCL_COMM_BLOCKING"] for e in envs} == {"0"} and {e["NCCL_SOCKET_IFNAME"] for e in envs} == {"lo"}
 
 
+@pytest.mark.gpu(1, torch_cuda=True)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64", "int8", "bool"])
 def test_broadcast_of_every_bit_pattern_and_all_reduce_are_exact(shared, connect_ranks, dtype):
     group = tuple(range(RANKS))
@@ -121,6 +122,7 @@ def test_two_channels_on_the_same_devices_coexist(shared):
         assert (first_closed, second_closed, same) == (False, True, False)
 
 
+@pytest.mark.gpu(1, torch_cuda=True)
 def test_the_comm_stream_waits_for_a_long_kernel_across_actors(shared, connect_ranks):
     group = (0, 3)
     connect_ranks(shared, shared.rendezvous([group]))
@@ -132,6 +134,7 @@ def test_the_comm_stream_waits_for_a_long_kernel_across_actors(shared, connect_r
     assert values == [7]
 
 
+@pytest.mark.gpu(1, torch_cuda=True)  # and CUDA IPC, which the stand-in does not model either
 def test_cuda_ipc_pulls_between_actors_with_a_storage_offset_and_a_ready_event(shared):
     n, offset = 5000, 1000
     desc, _ = shared.call(export_shard, n, offset, 0.0, False, devices=[0])[0]

@@ -1,0 +1,95 @@
+"""A CPU stand-in for ``cupy``, ``cupy.cuda``, ``cupy.cuda.runtime`` and ``cupy.cuda.nccl``: tests only.
+
+tests/conftest.py puts its folder first on ``sys.path`` and ``PYTHONPATH`` (so Ray workers get it
+too) when no real cupy can be found, unless ``RESHARD_GPU_STANDIN=0`` or ``RESHARD_REQUIRE_GPUS``
+is set. It reports itself: ``cupy._standin is True``, ``cupy.__version__`` ends in ``+standin``;
+it is no installed distribution and never counts as a GPU result.
+
+What it is: device memory as host buffers behind fake pointers (``cuda._gpu``), streams as FIFO
+worker threads with events, the subset of ``ndarray`` the NCCL backend and its tests use, and an
+NCCL model (``cuda.nccl``) whose ranks live in different processes: unique ids name a bootstrap
+root listening in the process that made them, ranks connect over TCP on 127.0.0.1 and move the
+bytes rank to rank; non-blocking communicators (``NCCL_COMM_BLOCKING=0``) answer
+``ncclInProgress`` until their work is launched; collectives and send/recv are matched by
+per-communicator sequence numbers; ``abort`` is local. ``_control`` injects faults and reports what it saw.
+
+What it proves, across real processes: the backend's control logic (the communicator cache,
+group pairing, polling, deadlines, abort notices between members, abort from another thread,
+stream/event ordering, staging lifetimes, the global operation order) and that bytes arrive
+unchanged. What it does NOT prove: NCCL itself, its transports and protocols, several ranks on
+one GPU, CUDA IPC, torch CUDA tensors, or speed.
+"""
+
+from numpy import (
+    bool_,
+    complex64,
+    complex128,
+    dtype,
+    float16,
+    float32,
+    float64,
+    int8,
+    int16,
+    int32,
+    int64,
+    uint8,
+    uint16,
+    uint32,
+    uint64,
+)
+
+from cupy import cuda
+from cupy._array import asarray, asnumpy, empty, full, ndarray
+
+__version__ = "14.2.0+standin"
+_standin = True
+
+__all__ = [
+    "arange", "array", "asarray", "asnumpy", "bool_", "complex64", "complex128", "cuda", "dtype", "empty", "empty_like",
+    "float16", "float32", "float64", "full", "full_like", "get_array_module", "int8", "int16", "int32", "int64",
+    "ndarray", "ones", "ones_like", "uint8", "uint16", "uint32", "uint64", "zeros", "zeros_like",
+]  # fmt: skip
+
+
+def zeros(shape, dtype=float, order="C") -> ndarray:
+    return full(shape, 0, dtype, order)
+
+
+def ones(shape, dtype=float, order="C") -> ndarray:
+    return full(shape, 1, dtype, order)
+
+
+def arange(start, stop=None, step=1, dtype=None) -> ndarray:
+    import numpy
+
+    return asarray(numpy.arange(start, stop, step, dtype=dtype))
+
+
+def array(obj, dtype=None, copy=True, order="K") -> ndarray:
+    if isinstance(obj, ndarray):
+        return obj.astype(obj.dtype if dtype is None else dtype, copy=True) if copy else asarray(obj, dtype)
+    return asarray(obj, dtype)
+
+
+def empty_like(a, dtype=None) -> ndarray:
+    return empty(a.shape, a.dtype if dtype is None else dtype)
+
+
+def zeros_like(a, dtype=None) -> ndarray:
+    return zeros(a.shape, a.dtype if dtype is None else dtype)
+
+
+def ones_like(a, dtype=None) -> ndarray:
+    return ones(a.shape, a.dtype if dtype is None else dtype)
+
+
+def full_like(a, fill_value, dtype=None) -> ndarray:
+    return full(a.shape, fill_value, a.dtype if dtype is None else dtype)
+
+
+def get_array_module(*args):
+    import numpy
+
+    import cupy
+
+    return cupy if any(isinstance(a, ndarray) for a in args) else numpy
