@@ -111,7 +111,8 @@ PER_PROCESS_SETTINGS = frozenset({
 DEFAULT_TIMEOUT_S = 60.0
 RENDEZVOUS_INFO_VERSION = 2
 NCCL_IN_PROGRESS = 7  # ncclInProgress
-NCCL_TIMEOUT = 8  # ncclTimeout (NCCL >= 2.32; cupy 14 raises it as KeyError(8))
+NCCL_TIMEOUT = 8  # ncclTimeout (NCCL >= 2.30.3; cupy 14 raises it as KeyError(8))
+CUDA_NOT_READY = 600  # cudaErrorNotReady
 WEDGE_GRACE_S = 30.0
 WEDGED_EXIT_CODE = 86
 #: NCCL >= 2.30 lets several ranks share one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1.
@@ -1073,7 +1074,7 @@ class NcclBackend(Backend):
 
     def abort_all(self) -> list[Group]:
         """Abort every communicator of this actor (failure cleanup; local, never blocks on peers)."""
-        groups = list(self._comms)
+        groups = [c.group for c in self._comms.values()]
         for c in list(self._comms.values()):
             c.abort()
         return groups
@@ -1258,8 +1259,8 @@ class NcclBackend(Backend):
             finished = not busy
             if done is not None and finished:
                 try:
-                    finished = done.done
-                except Exception as e:  # cupy.cuda.runtime.CUDARuntimeError
+                    finished = event_fired(done)
+                except Exception as e:  # a CUDA error: the batch's kernels or copies failed
                     self._fail(batch, e, timeout=False)
             if finished:
                 return
@@ -1285,7 +1286,7 @@ class NcclBackend(Backend):
                 event = cupy.cuda.Event(block=False, disable_timing=True)
                 event.record(self._stream)
                 until = time.monotonic() + STREAM_DRAIN_S
-                while not (drained := event.done) and time.monotonic() < until:
+                while not (drained := event_fired(event)) and time.monotonic() < until:
                     time.sleep(1e-3)
         if drained:
             self._staging.reset()
@@ -1321,6 +1322,18 @@ class NcclBackend(Backend):
                 "communicators aborted (a peer is missing, dead or issued a different operation order)"
             ) from error
         raise ReshardError(f"NCCL operations failed on device {self._device}: {ops}: {error}") from error
+
+
+def event_fired(event) -> bool:
+    """Whether a cupy event has fired; a CUDA error recorded by the work before it raises.
+
+    cupy 14's ``Event.done`` compares ``runtime.eventQuery``'s status with 0, so an error there
+    reads as "not yet" and a failed kernel would wait for the deadline; the status is read here."""
+    cupy = cb.import_cupy()
+    status = cupy.cuda.runtime.eventQuery(event.ptr)
+    if status in (0, CUDA_NOT_READY):
+        return status == 0
+    raise cupy.cuda.runtime.CUDARuntimeError(status)
 
 
 class _Deadline(Exception):
