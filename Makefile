@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup bench test lint clean gpu-check
+.PHONY: setup setup-cupy bench test lint clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# The real cupy and NCCL (CUDA 12 wheels; they import without a GPU), for the API-level GPU tests
+# that tests/gpu/test_cupy_api.py runs against them. CI installs them; on a machine without a GPU
+# the other GPU tests still run on the CPU stand-in (tests/gpu/standin).
+setup-cupy: $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt cupy-cuda12x==14.2.0 nvidia-nccl-cu12==2.32.3
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)

@@ -2,14 +2,17 @@
 (``ray_cluster``) that the dist and chaos tiers run on, and the CPU stand-in for cupy.
 
 The stand-in (tests/gpu/standin/cupy) lets tests/gpu run the NCCL backend's control logic on a
-machine without cupy. It is activated here, before any Ray cluster starts, so that Ray's workers
-inherit it through ``PYTHONPATH``; never where a cupy package can be found (a real one, or a
-broken one that must fail as such), never when ``RESHARD_REQUIRE_GPUS`` promises GPUs, and not with
-``RESHARD_GPU_STANDIN=0``. Tests outside tests/gpu run without it in this process (hidden from
-``sys.path`` and ``sys.modules``); their Ray workers and subprocesses still have it on
-``PYTHONPATH``, where nothing imports cupy unless the NCCL backend is used.
+machine without a GPU. It is activated here, before any Ray cluster starts, so that Ray's workers
+inherit it through ``PYTHONPATH``: where no cupy is installed, or a real cupy is installed but the
+machine has no NVIDIA GPU (then the stand-in comes first on the path; tests/gpu/test_cupy_api.py
+runs the API-level tests against the real cupy in a process of their own). Never when
+``RESHARD_REQUIRE_GPUS`` promises GPUs, and not with ``RESHARD_GPU_STANDIN=0``. Tests outside
+tests/gpu run without it in this process (hidden from ``sys.path`` and ``sys.modules``); their Ray
+workers and subprocesses still have it on ``PYTHONPATH``, where nothing imports cupy unless the
+NCCL backend is used.
 """
 
+import glob
 import importlib.util
 import os
 import sys
@@ -30,7 +33,12 @@ def _standin_wanted() -> bool:
     if int(os.environ.get("RESHARD_REQUIRE_GPUS", "0") or 0):
         return False  # a promised GPU run fails without cupy instead of passing on the stand-in
     spec = importlib.util.find_spec("cupy")
-    return spec is None or os.path.dirname(os.path.dirname(spec.origin or "")) == STANDIN
+    return spec is None or os.path.dirname(os.path.dirname(spec.origin or "")) == STANDIN or not nvidia_gpus()
+
+
+def nvidia_gpus() -> bool:
+    """An NVIDIA GPU device node exists (read without importing cupy or CUDA)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def _activate_standin() -> bool:

@@ -59,6 +59,21 @@ def test_cupys_in_progress_status_is_recognised():
 
 
 @pytest.mark.gpu(0)
+def test_cupy_has_every_call_the_backend_makes():
+    import cupy
+    from cupy.cuda import nccl, runtime
+
+    for name in ("groupStart", "groupEnd", "get_unique_id", "get_version", "NcclCommunicator", "NcclError"):
+        assert callable(getattr(nccl, name)), name
+    for name in ("bcast", "send", "recv", "allReduce", "check_async_error", "abort", "destroy"):
+        assert callable(getattr(nccl.NcclCommunicator, name)), name
+    for name in ("eventQuery", "getDeviceCount", "runtimeGetVersion", "CUDARuntimeError"):
+        assert callable(getattr(runtime, name)), name
+    for name in ("Stream", "Event", "Device", "ExternalStream"):
+        assert callable(getattr(cupy.cuda, name)), name
+
+
+@pytest.mark.gpu(0)
 def test_unique_ids_are_fresh():
     ids = generate_unique_ids(4)
     assert len(set(ids)) == 4 and all(isinstance(u, bytes) and len(u) == 128 for u in ids)
