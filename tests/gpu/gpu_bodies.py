@@ -9,10 +9,11 @@ import time
 
 
 def environment(actor) -> dict:
-    from reshard.runtime.cuda_ipc import visible_gpu_uuids
+    import torch
 
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
     keys = ("NCCL_HOSTID", "NCCL_COMM_BLOCKING", "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_SOCKET_IFNAME")
-    return {"uuids": visible_gpu_uuids(), "pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}
+    return {"uuids": uuids, "pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}
 
 
 def reserved_gpu_bytes(ctx) -> int:
@@ -171,44 +172,3 @@ def recv_values(actor, group, peer: int, n: int):
     b = torch.full((n,), -1, device="cuda", dtype=torch.int32)
     comm.recv(b, peer)
     return sorted(set(b.cpu().tolist()))
-
-
-def export_shard(actor, n: int, offset: int, value_shift: float, sleep: bool):
-    """A float32 shard ``big[offset:offset+n]`` (non-zero storage offset), written behind a long
-    kernel when ``sleep``; returns its CUDA IPC descriptor and whether the write was still pending."""
-    import torch
-
-    from reshard.runtime.cuda_ipc import CudaShards
-
-    if not hasattr(actor, "cuda_shards"):
-        actor.cuda_shards = CudaShards()
-        actor.big = torch.zeros(offset + n + 64, device="cuda", dtype=torch.float32)
-    torch.cuda.synchronize()
-    t = actor.big[offset : offset + n]
-    side = torch.cuda.Stream()
-    written = torch.cuda.Event()
-    with torch.cuda.stream(side):
-        if sleep:
-            torch.cuda._sleep(1_000_000_000)
-        t.copy_(torch.arange(n, device="cuda", dtype=torch.float32) + value_shift)
-        written.record(side)
-        desc = actor.cuda_shards.descriptor(t)
-        pending = not written.query()
-    assert t.storage_offset() == offset
-    return desc.encode(), pending
-
-
-def pull_shard(actor, holder: int, desc, n: int, lo: int, hi: int):
-    """Copy ``holder's shard[lo:hi]`` into a fresh tensor through CUDA IPC; returns the values and
-    how many peer allocations this process has open."""
-    import torch
-
-    from reshard.runtime.cuda_ipc import PeerCudaShards
-
-    if not hasattr(actor, "cuda_peers"):
-        actor.cuda_peers = PeerCudaShards(actor.device)
-    dst = torch.full((hi - lo,), -1.0, device="cuda", dtype=torch.float32)
-    stream = torch.cuda.Stream()
-    actor.cuda_peers.copy(dst, holder, desc, (slice(lo, hi),), stream)
-    stream.synchronize()
-    return dst.cpu().tolist(), len(actor.cuda_peers.maps)
