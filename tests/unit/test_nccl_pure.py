@@ -31,8 +31,6 @@ from reshard.runtime.nccl import (
     NcclCommunicator,
     PeerAborts,
     WedgeGuard,
-    _Deadline,
-    _PeerAbort,
     agreed_settings,
     assign_id_hosts,
     bootstrap_root_threads,
@@ -45,6 +43,7 @@ from reshard.runtime.nccl import (
     sharing_env,
     uid_digest,
 )
+from reshard.runtime.nccl.status import _Deadline, _PeerAbort
 
 pytestmark = pytest.mark.unit
 
@@ -460,7 +459,7 @@ def _comm(b: NcclBackend, group, rank: int, raw, uid: bytes, abort_to=()) -> Ncc
 
 
 def _batch(*comms, deadline_s: float = 60.0):
-    from reshard.runtime.nccl import _Batch
+    from reshard.runtime.nccl.operations import _Batch
 
     batch = _Batch(grouped=True, deadline=time.monotonic() + deadline_s)
     for c in comms:
@@ -514,7 +513,7 @@ def test_abort_is_local_once_and_tells_the_other_members():
 
 
 def test_a_failed_batch_aborts_its_communicators_and_names_the_cause():
-    from reshard.runtime.nccl import _Batch
+    from reshard.runtime.nccl.operations import _Batch
 
     b = NcclBackend()
     raw = ScriptedComm(0)
