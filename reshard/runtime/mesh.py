@@ -525,7 +525,7 @@ class DeviceMesh:
         buffers (``staging_keep_bytes``), peers' freed shards still mapped, and torch's cached GPU
         blocks. Live tensors are untouched; the next reshards allocate again. Returns the bytes
         freed (GPU caches not counted), as ``stats()`` reported them."""
-        from reshard.runtime.actor import DeviceContext
+        from reshard.runtime.device_context import DeviceContext
 
         return sum(self.call(DeviceContext.empty_cache, timeout_s=timeout_s))
 

@@ -23,7 +23,7 @@ from reshard import (
     reshard,
 )
 from reshard.runtime import lowered_reshard
-from reshard.runtime.actor import STAGING_KEEP_BYTES
+from reshard.runtime.device_context import STAGING_KEEP_BYTES
 from topology import Mesh
 
 pytestmark = pytest.mark.dist

@@ -1,0 +1,317 @@
+"""What a device actor holds (``DeviceContext``: also what ``call(fn, ...)`` hands to ``fn``) and each
+controller's part of it (``ControllerState``): the shard store, peers' mapped shards, the relay
+board, communicators per controller and channel, staging, and the user-facing sharing of tensors
+(``share``, ``local``, DTensor and state dicts)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections import OrderedDict
+
+from reshard.dtypes import dtype_name
+from reshard.program import DeviceProgram
+from reshard.runtime import arrays
+from reshard.runtime.batches import PreparedBatch
+from reshard.runtime.communicator import Backend, Communicator
+from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
+from reshard.runtime.groups import GroupCache, group_key
+from reshard.runtime.inbox import OrderedInbox
+from reshard.runtime.messages import Bound, Updates
+from reshard.runtime.shards import ShardStore
+from reshard.runtime.shared_memory import PeerShards, RelayBoard, SharedShards
+
+log = logging.getLogger(__name__)
+
+BUFFER_POOL_BYTES = 256 << 20
+ASSEMBLY_BYTES = 256 << 20
+STAGING_KEEP_BYTES = 64 << 20
+
+
+class ControllerState:
+    """What one controller has set up on this device: communicators, programs, staging."""
+
+    def __init__(self, ctx: DeviceContext):
+        self.groups = GroupCache(ctx.backend, ctx.device, float(ctx.options.get("op_timeout_s", 300.0)))
+        self.programs: OrderedDict[int, PreparedBatch] = OrderedDict()
+        self.bindings: dict[int, Bound] = {}  # the controller's mirror says which to drop
+        self.staging = StagingBuffer(ctx.device_type, int(ctx.options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))
+        self.active: tuple[str, tuple] | None = None  # (destination name, group keys) of the run in progress
+        self.cancelled = threading.Event()  # the run in progress was aborted by the controller
+
+    def apply(self, updates: Updates | None) -> None:
+        if not updates:
+            return
+        for pid in updates.program_drops:
+            self.programs.pop(pid, None)
+        for bid in updates.binding_drops:
+            self.bindings.pop(bid, None)
+        self.groups.apply(updates.group_drops, updates.group_sets)
+
+
+class DeviceContext:
+    """Everything a device actor owns; the first argument of functions run through ``call``."""
+
+    def __init__(self, device: int, backend: Backend, options: dict):
+        self.device = device
+        self.backend = backend
+        self.device_type = _device_type(options.get("device_type") or backend.device_type)
+        self.options = dict(options)
+        want_shared = options.get("shared_memory", False) and self.device_type == "cpu"
+        shared = SharedShards() if want_shared and SharedShards.available() else None
+        self.store = ShardStore(
+            device,
+            self.device_type,
+            int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES)),
+            shared,
+            int(options.get("assembly_bytes", ASSEMBLY_BYTES)),
+        )
+        self.peers = PeerShards(device)
+        self.board = RelayBoard() if shared is not None and RelayBoard.available() else None
+        self.controllers: dict[str, ControllerState] = {}
+        self.inbox = OrderedInbox()
+        self.before_op = None
+        self.after_run = None  # a test hook: fn(runs by tensor) after a batch ran, before its checksums
+        self.extensions: dict[str, object] = {}  # state that libraries on the runtime keep here (pipelines)
+        self.peak_bytes = 0  # destination (twice if assembled) + staging bytes of the last run
+        self.assembled = False  # the last run assembled its destination apart (``ShardStore``)
+        self.counters = {"programs_received": 0, "runs": 0, "failed_runs": 0, "dropped_late": 0}
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    @property
+    def shared(self):
+        return self.store.shared
+
+    @property
+    def torch_device(self):
+        """This device as a ``torch.device`` (imports torch)."""
+        import torch
+
+        return torch.device(self.device_type)
+
+    @property
+    def caller(self) -> str | None:
+        """The controller whose ``call`` runs on this thread (None outside ``call``)."""
+        return getattr(self._local, "controller", None)
+
+    def controller(self, cid: str) -> ControllerState:
+        with self._lock:
+            state = self.controllers.get(cid)
+            if state is None:
+                state = self.controllers[cid] = ControllerState(self)
+            return state
+
+    # ---------------------------------------------------------------- for functions run by ``call``
+
+    @property
+    def buffers(self) -> dict:
+        """This device's shards by name, as torch tensors over their memory."""
+        return {name: self.local(name) for name in list(self.store.shards)}
+
+    def communicator(self, group, channel: str = "") -> Communicator:
+        """This device's communicator for ``group`` of the calling controller (set up by
+        ``reshard.runtime.ensure_groups``), connected now if needed."""
+        state = self.controller(self.caller)
+        key = group_key(group, channel)
+        state.groups.connect([key])
+        return state.groups.get(key)
+
+    def empty_cache(self) -> int:
+        """Free what this device keeps for reuse and nobody uses now: freed shards' memory, the
+        assembly buffer, the calling controller's staging buffer (its runs come before and after
+        this call, never during it), mappings of peers' shards their owners let go of, and on a GPU
+        torch's cached blocks. Returns the bytes freed of the first three (torch's are its own)."""
+        freed = self.store.empty_cache()
+        state = self.controllers.get(self.caller)
+        if state is not None:
+            freed += state.staging.nbytes
+            state.staging.reserve(0)
+        self.peers.purge()
+        if self.device_type.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+        return freed
+
+    # ---------------------------------------------------------------- for the user's code in an attached actor
+
+    def empty(self, shape, dtype):
+        """A new torch tensor in this device's shard memory (shared memory on CPU devices): keep
+        the tensors you share in it, and peers on this machine pull from them without a copy."""
+        name = dtype_name(dtype)
+        a = self.store.allocate(tuple(shape), name)
+        return arrays.as_torch(a, name) if arrays.is_numpy(a) else a
+
+    def share(self, name: str, tensor, *, shape=None, placements=None, mesh_shape=None, coordinate=None) -> None:
+        """Offer ``tensor`` (a torch tensor or numpy array: this device's shard of a sharded
+        tensor; no copy) as shard ``name``, for ``reshard.runtime.adopt`` on the driver.
+        ``shape``/``placements`` say what it is a shard of (the driver checks them against the
+        layout it adopts it with); ``reshard`` may write into it in place (``out=``). Stays the
+        user's: ``unshare`` takes it back."""
+        if not arrays.is_numpy(tensor) and not hasattr(tensor, "untyped_storage"):
+            raise TypeError(f"share needs a torch.Tensor or numpy array, got {type(tensor).__name__}")
+        here = arrays.is_numpy(tensor) or str(tensor.device) == self.device_type or (
+            tensor.device.type == "cuda" and self.device_type.startswith("cuda") and tensor.device.index is None
+        )  # fmt: skip
+        if not arrays.contiguous(tensor) or not here:
+            where = "host memory" if arrays.is_numpy(tensor) else str(tensor.device)
+            raise ValueError(
+                f"device {self.device}: share({name!r}) needs a contiguous tensor on {self.device_type}, got one on "
+                f"{where} with strides {tensor.strides if arrays.is_numpy(tensor) else tensor.stride()}; pass a "
+                "contiguous copy or allocate it with reshard_device.empty(...)"
+            )
+        arrays.dtype_of(tensor)  # a dtype the runtime moves
+        meta = {"shape": None if shape is None else tuple(shape), "placements": placements,
+                "mesh_shape": mesh_shape, "coordinate": coordinate}  # fmt: skip
+        if self.device_type == "cpu" and not arrays.is_numpy(tensor):
+            tensor = arrays.as_numpy(tensor)  # the same memory
+        self.store.share(name, tensor, meta)
+
+    def unshare(self, name: str) -> None:
+        self.store.unshare(name)
+
+    def local(self, name: str):
+        """This device's shard ``name`` as a torch tensor over its memory (a reshard's result, or
+        a shared tensor)."""
+        a = self.store.get(name)
+        if a is None:
+            raise KeyError(f"device {self.device} holds no shard {name!r} (never shared, freed, or not resharded here)")
+        return arrays.as_torch(a, arrays.dtype_of(a)) if arrays.is_numpy(a) else a
+
+    def from_dtensor(self, name: str, dt) -> None:
+        """``share`` a torch DTensor's local shard (no copy) with its placements and global shape;
+        the driver's ``adopt`` checks its device mesh against the mesh it adopts it on."""
+        from reshard.placement import as_placement
+
+        mesh = dt.device_mesh
+        self.share(
+            name, dt.to_local(), shape=tuple(dt.shape), placements=tuple(as_placement(p) for p in dt.placements),
+            mesh_shape=tuple(mesh.shape), coordinate=tuple(mesh.get_coordinate() or ()),
+        )  # fmt: skip
+
+    def share_state_dict(self, state_dict, prefix: str = ""):
+        """``share`` every tensor of a state dict (nested dicts, lists and tuples too), each under
+        its key (``prefix`` first, e.g. ``"policy."``): a DTensor (FSDP2's ``model.state_dict()``)
+        with its placements (``from_dtensor``), a plain tensor as it is. No copy. Returns the same
+        tree of names, what ``adopt`` takes on the driver."""
+        from reshard.pytree import flatten, unflatten
+
+        def leaf(x) -> bool:
+            return arrays.is_numpy(x) or hasattr(x, "untyped_storage")
+
+        leaves, paths, treedef = flatten(state_dict, leaf)
+        names = []
+        for path, t in zip(paths, leaves, strict=True):
+            name = f"{prefix}{path}"
+            if type(t).__name__ == "DTensor":
+                self.from_dtensor(name, t.detach())
+            else:
+                self.share(name, t.detach() if hasattr(t, "detach") else t)
+            names.append(name)
+        return unflatten(treedef, names)
+
+    def to_dtensor(self, name: str, device_mesh):
+        """Shard ``name`` as a torch DTensor over ``device_mesh`` (the user's torch DeviceMesh, whose
+        shape and rank order must be this mesh's), no copy."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        local = self.local(name)
+        meta = self.store.meta.get(name) or {}
+        if meta.get("placements") is None or meta.get("shape") is None:
+            raise ValueError(
+                f"device {self.device}: shard {name!r} carries no layout to build a DTensor from (only reshard results "
+                "and shards shared with placements do)"
+            )
+        placements = tuple(_torch_placement(p) for p in meta["placements"])
+        if tuple(device_mesh.shape) != tuple(meta.get("mesh_shape") or device_mesh.shape):
+            raise ValueError(
+                f"device {self.device}: {name!r} lives on a mesh of shape {meta['mesh_shape']}, the DeviceMesh given "
+                f"has shape {tuple(device_mesh.shape)}"
+            )
+        return DTensor.from_local(local, device_mesh, placements, shape=torch.Size(meta["shape"]),
+                                  stride=_stride(meta["shape"]), run_check=False)  # fmt: skip
+
+    def run_program(self, program: DeviceProgram, src, dst, *, dtype: str | None = None, timeout_s: float = 60.0,
+                    groups=None, peers=None) -> dict:  # fmt: skip
+        """Run one ``DeviceProgram`` over ``src``/``dst`` tensors with the calling controller's
+        communicators (or ``groups``, an object with ``get(key)``). On failure the program's groups
+        are aborted and the error raised."""
+        if dtype is None:
+            t = src if src is not None else dst
+            if t is None:
+                raise ValueError("run_program needs dtype= when neither src nor dst is given")
+            dtype = arrays.dtype_of(t)
+        prepared = prepare(program, dtype)
+        state = self.controller(self.caller)
+        keys = [group_key(g) for g in program.connect]
+        deadline = time.monotonic() + timeout_s
+        try:
+            if groups is None:
+                state.groups.connect(keys, timeout_s)
+                groups = Channel(state.groups, "")
+            state.staging.reserve(program.staging_bytes)
+            tmp = self.store.allocate(program.src_shape, prepared.dtype) if program.tmp else None
+            run = Run(prepared, src, dst, peers or {}, groups, state.staging, deadline, self.before_op, tmp,
+                      self.backend.grouped if self.backend.batches else None)  # fmt: skip
+            stats = execute(run)
+            run = None  # the scratch buffer's other reference
+            self.store.recycle(tmp)
+            return stats
+        except BaseException:
+            state.groups.abort(keys, "its program failed")
+            raise
+        finally:
+            state.staging.trim()
+
+
+class Channel:
+    """The communicators of one channel of a ``GroupCache``, by device tuple (what a run uses)."""
+
+    def __init__(self, groups: GroupCache, channel: str):
+        self.groups, self.channel = groups, channel
+
+    def get(self, devices) -> Communicator:
+        return self.groups.get((self.channel, devices))
+
+
+def _torch_placement(p):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from reshard.placement import Partial as OurPartial
+    from reshard.placement import Shard as OurShard
+
+    if isinstance(p, OurShard):
+        return Shard(p.dim)
+    if isinstance(p, OurPartial):
+        return Partial(p.reduce_op.value)
+    return Replicate()
+
+
+def _stride(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def _device_type(kind: str) -> str:
+    """ "cpu", or "cuda:<index>" of the current GPU (the actor sees one)."""
+    if kind != "cuda":
+        return kind
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def set_torch_threads(threads: int) -> None:
+    """torch's intra-op threads for this actor: now if torch is loaded, else when it is."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
