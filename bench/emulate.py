@@ -459,6 +459,23 @@ def read_line(proc: subprocess.Popen, timeout_s: float, what: str = "process") -
     return line.rstrip("\n")
 
 
+def namespace_listeners(namespace: str, *, udp: bool = False) -> tuple[Listener, ...]:
+    """Every listening TCP socket (bound UDP socket with ``udp``) inside network namespace
+    ``namespace`` with its process (``ss``; root). Also usable from a driver inside an emulated host."""
+    done = _sh(["ip", "netns", "exec", namespace, "ss", "-lunpH" if udp else "-ltnpH"])
+    found = []
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        addr, _, port = fields[3].rpartition(":")
+        addr = addr.strip("[]").split("%")[0]
+        users = re.findall(r'\("([^"]*)",pid=(\d+),', line)
+        for command, pid in dict.fromkeys(users) or [("", None)]:
+            found.append(Listener(addr, int(port), int(pid) if pid else None, command))
+    return tuple(found)
+
+
 def _pick_subnet(token: str) -> ipaddress.IPv4Network:
     """A /24 in 10.213.0.0/16 that overlaps no address or route of the root namespace."""
     used = []
@@ -731,21 +748,11 @@ class EmulatedCluster:
             )
         return json.loads(results[0])
 
-    def listening_sockets(self, host: int) -> tuple[Listener, ...]:
-        """Every listening TCP socket inside ``host`` with its process: (address, port, pid, command)."""
+    def listening_sockets(self, host: int, *, udp: bool = False) -> tuple[Listener, ...]:
+        """Every listening TCP socket (bound UDP socket with ``udp``) inside ``host`` with its
+        process: (address, port, pid, command)."""
         self._check_up()
-        done = _sh(["ip", "netns", "exec", self.namespaces[host], "ss", "-ltnpH"])
-        found = []
-        for line in done.stdout.splitlines():
-            fields = line.split()
-            if len(fields) < 4:
-                continue
-            addr, _, port = fields[3].rpartition(":")
-            addr = addr.strip("[]").split("%")[0]
-            users = re.findall(r'\("([^"]*)",pid=(\d+),', line)
-            for command, pid in dict.fromkeys(users) or [("", None)]:
-                found.append(Listener(addr, int(port), int(pid) if pid else None, command))
-        return tuple(found)
+        return namespace_listeners(self.namespaces[host], udp=udp)
 
     def pids(self, host: int | None = None) -> tuple[int, ...]:
         """PIDs of the processes inside ``host`` (every host when None)."""
