@@ -6,10 +6,9 @@ machine without a GPU. It is activated here, before any Ray cluster starts, so t
 inherit it through ``PYTHONPATH``: where no cupy is installed, or a real cupy is installed but the
 machine has no NVIDIA GPU (then the stand-in comes first on the path; tests/gpu/test_cupy_api.py
 runs the API-level tests against the real cupy in a process of their own). Never when
-``RESHARD_REQUIRE_GPUS`` promises GPUs, and not with ``RESHARD_GPU_STANDIN=0``. Tests outside
-tests/gpu run without it in this process (hidden from ``sys.path`` and ``sys.modules``); their Ray
-workers and subprocesses still have it on ``PYTHONPATH``, where nothing imports cupy unless the
-NCCL backend is used.
+``RESHARD_REQUIRE_GPUS`` promises GPUs, and not with ``RESHARD_GPU_STANDIN=0``. It stays on the
+path for the whole session, so a real cupy is never imported beside it; tests that need no cupy
+at all or the real one run in a fresh interpreter without it.
 """
 
 import glob
@@ -70,25 +69,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{len(passed)} GPU-tier test(s) passed on the cupy CPU stand-in: control logic only, not a GPU result"
         )
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Outside tests/gpu the stand-in is hidden from this process for the whole test (fixtures
-    included). It stays on ``PYTHONPATH``: the Ray cluster that tests/gpu reuses may start here."""
-    if not GPU_STANDIN or Path(str(item.path)).resolve().is_relative_to(GPU_TIER):
-        yield
-        return
-    hidden = {name: sys.modules.pop(name) for name in list(sys.modules) if name == "cupy" or name.startswith("cupy.")}
-    sys.path[:] = [p for p in sys.path if p != STANDIN]
-    try:
-        yield
-    finally:
-        if STANDIN not in sys.path:
-            sys.path.insert(0, STANDIN)
-        for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
-            del sys.modules[name]
-        sys.modules.update(hidden)
 
 
 @pytest.fixture(scope="session")
