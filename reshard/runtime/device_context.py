@@ -17,6 +17,7 @@ from reshard.program import DeviceProgram
 from reshard.runtime import arrays
 from reshard.runtime.batches import PreparedBatch
 from reshard.runtime.communicator import Backend, Communicator
+from reshard.runtime.device_options import DeviceOptions
 from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
 from reshard.runtime.groups import GroupCache, group_key
 from reshard.runtime.inbox import OrderedInbox
@@ -26,16 +27,18 @@ from reshard.runtime.shared_memory import PeerShards, RelayBoard, SharedShards
 
 log = logging.getLogger(__name__)
 
-BUFFER_POOL_BYTES = 256 << 20
-ASSEMBLY_BYTES = 256 << 20
-STAGING_KEEP_BYTES = 64 << 20
+BUFFER_POOL_BYTES = DeviceOptions.buffer_pool_bytes
+ASSEMBLY_BYTES = DeviceOptions.assembly_bytes
+STAGING_KEEP_BYTES = DeviceOptions.staging_keep_bytes
 
 
 class ControllerState:
     """What one controller has set up on this device: communicators, programs, staging."""
 
     def __init__(self, ctx: DeviceContext):
-        self.groups = GroupCache(ctx.backend, ctx.device, float(ctx.options.get("op_timeout_s", 300.0)))
+        self.groups = GroupCache(
+            ctx.backend, ctx.device, float(ctx.options.get("op_timeout_s", DeviceOptions.op_timeout_s))
+        )
         self.programs: OrderedDict[int, PreparedBatch] = OrderedDict()
         self.bindings: dict[int, Bound] = {}  # the controller's mirror says which to drop
         self.staging = StagingBuffer(ctx.device_type, int(ctx.options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))

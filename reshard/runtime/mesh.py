@@ -28,7 +28,6 @@ may attach a debugger; the actors themselves map their peers' shards read-only.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import ray
@@ -36,6 +35,7 @@ import ray
 from reshard.errors import MeshClosed, ReshardTimeout
 from reshard.runtime import placement
 from reshard.runtime.backends import backend_spec, make_backend
+from reshard.runtime.device_options import DeviceOptions, positive_int, positive_seconds
 from reshard.runtime.dispatch import failure_error, gather
 from reshard.runtime.driver import runtime
 from reshard.runtime.messages import DeviceState
@@ -77,24 +77,6 @@ def ensure_ray() -> None:
     ray.init(include_dashboard=False)
 
 
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _positive_seconds(name: str, value) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
-    return float(value)
-
-
-def _byte_count(name: str, value, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0 ({what}), got {value!r}")
-    return value
-
-
 class DeviceMesh:
     """A grid of device actors. Build with ``create`` (new actors) or ``from_devices`` (a view)."""
 
@@ -125,13 +107,13 @@ class DeviceMesh:
         resources: dict | None = None,
         max_communicators: int = 64,
         max_programs: int = 256,
-        op_timeout_s: float = 300.0,
+        op_timeout_s: float = DeviceOptions.op_timeout_s,
         startup_timeout_s: float = 120.0,
-        staging_keep_bytes: int = 64 << 20,
-        buffer_pool_bytes: int = 256 << 20,
-        assembly_bytes: int = 256 << 20,
-        torch_threads: int = 1,
-        shared_memory: bool = True,
+        staging_keep_bytes: int = DeviceOptions.staging_keep_bytes,
+        buffer_pool_bytes: int = DeviceOptions.buffer_pool_bytes,
+        assembly_bytes: int = DeviceOptions.assembly_bytes,
+        torch_threads: int = DeviceOptions.torch_threads,
+        shared_memory: bool = DeviceOptions.shared_memory,
     ) -> DeviceMesh:
         """Start one actor per device of a mesh of ``shape`` (module docstring).
 
@@ -149,12 +131,12 @@ class DeviceMesh:
         ``shared_memory`` (CPU devices only): see the module docstring.
         """
         probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)  # validates
-        _positive_int("max_communicators", max_communicators)
-        _positive_int("max_programs", max_programs)
-        _positive_seconds("op_timeout_s", op_timeout_s)
-        _positive_seconds("startup_timeout_s", startup_timeout_s)
-        _byte_count("buffer_pool_bytes", buffer_pool_bytes, "0 disables the pool")
-        _byte_count("assembly_bytes", assembly_bytes, "0 writes destinations in place")
+        positive_int("max_communicators", max_communicators)
+        positive_int("max_programs", max_programs)
+        positive_seconds("startup_timeout_s", startup_timeout_s)
+        device_options = DeviceOptions(
+            op_timeout_s, staging_keep_bytes, buffer_pool_bytes, assembly_bytes, torch_threads, shared_memory
+        )
         if not isinstance(num_cpus, int | float) or num_cpus < 0:
             raise ValueError(f"num_cpus must be a number >= 0 (CPUs each device actor reserves), got {num_cpus!r}")
         ensure_ray()
@@ -185,15 +167,7 @@ class DeviceMesh:
             n_hosts, dph, nodes, placement.demand(num_cpus, spec.gpus_per_device, resources), startup_timeout_s
         )
         ids = rt.registry.new_device_ids(size)
-        options = {
-            "op_timeout_s": float(op_timeout_s),
-            "staging_keep_bytes": int(staging_keep_bytes),
-            "buffer_pool_bytes": int(buffer_pool_bytes),
-            "assembly_bytes": int(assembly_bytes),
-            "torch_threads": int(torch_threads),
-            "device_type": spec.device_type,
-            "shared_memory": bool(shared_memory) and spec.device_type == "cpu",
-        }
+        options = device_options.for_device(spec.device_type)
         actor_cls = _actor_class()
         actors = [
             actor_cls.options(**opts, max_restarts=0, max_task_retries=0, max_concurrency=MAX_CONCURRENCY).remote(
@@ -230,14 +204,14 @@ class DeviceMesh:
         devices_per_host: int | None = None,
         axis_names=None,
         backend="gloo",
-        shared_memory: bool = True,
+        shared_memory: bool = DeviceOptions.shared_memory,
         max_communicators: int = 64,
         max_programs: int = 256,
-        op_timeout_s: float = 300.0,
+        op_timeout_s: float = DeviceOptions.op_timeout_s,
         startup_timeout_s: float = 120.0,
-        buffer_pool_bytes: int = 256 << 20,
-        assembly_bytes: int = 256 << 20,
-        staging_keep_bytes: int = 64 << 20,
+        buffer_pool_bytes: int = DeviceOptions.buffer_pool_bytes,
+        assembly_bytes: int = DeviceOptions.assembly_bytes,
+        staging_keep_bytes: int = DeviceOptions.staging_keep_bytes,
         torch_threads: int = 0,
     ) -> DeviceMesh:
         """A mesh over the user's own Ray actors (flat order), whose classes mix in
@@ -259,11 +233,12 @@ class DeviceMesh:
                     "DeviceMesh.from_actors needs Ray actors whose class mixes in reshard.runtime.DeviceRole, "
                     f"got {a!r}"
                 )
-        _positive_int("max_communicators", max_communicators)
-        _positive_int("max_programs", max_programs)
-        _byte_count("buffer_pool_bytes", buffer_pool_bytes, "0 disables the pool")
-        _byte_count("assembly_bytes", assembly_bytes, "0 writes destinations in place")
-        deadline = time.monotonic() + _positive_seconds("startup_timeout_s", startup_timeout_s)
+        positive_int("max_communicators", max_communicators)
+        positive_int("max_programs", max_programs)
+        device_options = DeviceOptions(
+            op_timeout_s, staging_keep_bytes, buffer_pool_bytes, assembly_bytes, torch_threads, shared_memory
+        )
+        deadline = time.monotonic() + positive_seconds("startup_timeout_s", startup_timeout_s)
         rt = runtime()
         session = Session.current()
         if isinstance(backend, str) and backend in rt.backends:
@@ -272,15 +247,7 @@ class DeviceMesh:
             name, instance = make_backend(backend)
         spec = backend_spec(name)
         ids = rt.registry.new_device_ids(probe.size)
-        options = {
-            "op_timeout_s": _positive_seconds("op_timeout_s", op_timeout_s),
-            "buffer_pool_bytes": int(buffer_pool_bytes),
-            "assembly_bytes": int(assembly_bytes),
-            "staging_keep_bytes": _byte_count("staging_keep_bytes", staging_keep_bytes, "0 keeps none"),
-            "torch_threads": _byte_count("torch_threads", torch_threads, "0 leaves them as they are"),
-            "device_type": spec.device_type,
-            "shared_memory": bool(shared_memory) and spec.device_type == "cpu",
-        }
+        options = device_options.for_device(spec.device_type)
         refs = {d: a.reshard_attach.remote(d, instance, options) for d, a in zip(ids, actors, strict=True)}
         outcome = gather(refs, deadline, settle_s=None)
         if not outcome.ok:
@@ -502,7 +469,7 @@ class DeviceMesh:
         all), in order with this process's other calls to them, and return the results in that
         order. ``ctx`` is the actor's ``DeviceContext``; ``fn``'s own exception is raised as is."""
         self.check_open()
-        timeout_s = _positive_seconds("timeout_s", timeout_s)
+        timeout_s = positive_seconds("timeout_s", timeout_s)
         idx = range(self.size) if devices is None else list(devices)
         ids = [self.device_ids[i] for i in idx]
         out = runtime().call({d: (fn, args, kwargs) for d in ids}, timeout_s, f"{self!r}.call({_name(fn)})")
@@ -514,9 +481,9 @@ class DeviceMesh:
         self.check_open()
         for rec in self._records:
             if max_communicators is not None:
-                rec.max_communicators = _positive_int("max_communicators", max_communicators)
+                rec.max_communicators = positive_int("max_communicators", max_communicators)
             if max_programs is not None:
-                rec.max_programs = _positive_int("max_programs", max_programs)
+                rec.max_programs = positive_int("max_programs", max_programs)
 
     def empty_cache(self, timeout_s: float = 60.0) -> int:
         """Give back the memory this mesh's devices keep for reuse (as ``torch.cuda.empty_cache``
@@ -532,7 +499,7 @@ class DeviceMesh:
     def stats(self, timeout_s: float = 30.0) -> list[dict]:
         """Each device's state: shards and bytes, holders, cached programs, live groups, counters."""
         self.check_open()
-        deadline = time.monotonic() + _positive_seconds("timeout_s", timeout_s)
+        deadline = time.monotonic() + positive_seconds("timeout_s", timeout_s)
         refs = {r.id: r.actor.reshard_stats.remote() for r in self._records}
         outcome = runtime().wait(refs, deadline, "stats")
         if not outcome.ok:
