@@ -33,6 +33,7 @@ from reshard.runtime import arrays
 from reshard.runtime.batches import BatchRun, execute_batch, first_mismatch, prepare_batch
 from reshard.runtime.binding import Binding, checked_out
 from reshard.runtime.communicator import Backend, PeerFailed
+from reshard.runtime.deadlines import monotonic_of
 from reshard.runtime.device_context import Channel, ControllerState, DeviceContext, set_torch_threads
 from reshard.runtime.groups import group_key
 from reshard.runtime.messages import RunRequest, RunResult, Ticket, Updates
@@ -44,10 +45,6 @@ CONTROL = "control"  # the concurrency group of calls that must never wait behin
 NO_DEADLINE = float("inf")
 #: How long after a run's deadline a commit still waits for the other participants' runs to end.
 VOTE_GRACE_S = 5.0
-
-
-def _monotonic(wall_deadline: float) -> float:
-    return time.monotonic() + (wall_deadline - time.time())
 
 
 class DeviceRole:
@@ -184,7 +181,7 @@ class DeviceRole:
             state.apply(updates)
             if connect:
                 try:
-                    state.groups.connect(list(connect), _monotonic(deadline) - time.monotonic())
+                    state.groups.connect(list(connect), monotonic_of(deadline) - time.monotonic())
                 except BaseException:
                     state.groups.abort(list(connect), "it could not connect")
                     raise
@@ -199,7 +196,7 @@ class DeviceRole:
 
     def _reshard_run(self, req: RunRequest, state: ControllerState, t0: float) -> RunResult:
         ctx = getattr(self, "_reshard_ctx", None)
-        deadline = _monotonic(req.deadline)
+        deadline = monotonic_of(req.deadline)
         keys: list = []
         binding = None
         try:
@@ -280,7 +277,7 @@ class DeviceRole:
         Every device decides on the same votes, so all outputs change or none do."""
         ctx = getattr(self, "_reshard_ctx", None)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
-            failed = _failed_vote(votes, _monotonic(deadline) + VOTE_GRACE_S, verify)
+            failed = _failed_vote(votes, monotonic_of(deadline) + VOTE_GRACE_S, verify)
             try:
                 if failed is None:
                     for staged, out in pairs:

@@ -32,6 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from reshard.errors import ReshardError
+from reshard.runtime.deadlines import wall_of
 from reshard.runtime.dispatch import Outcome, failure_error, gather
 from reshard.runtime.groups import GroupKey, GroupTable, group_key
 from reshard.runtime.messages import Bound, DeviceState, FailureKind, RunRequest, Ticket, Updates, shard_name
@@ -184,7 +185,7 @@ class Runtime:
                 refs[rec.id] = self.submit(
                     rec,
                     lambda t, rec=rec, upd=upd, mine=mine: rec.actor.reshard_update.remote(
-                        t, upd, mine, _wall(deadline)
+                        t, upd, mine, wall_of(deadline)
                     ),
                 )
         outcome = self.wait(refs, deadline, "ensure_groups")
@@ -224,7 +225,7 @@ class Runtime:
             sets = self.admit_groups([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
             bid = self.bindings.program_id((pid, tuple(n for n, _ in sources), None if outs is None else tuple(outs)))
-            wall = _wall(deadline)
+            wall = wall_of(deadline)
             refs = {}
             for rec in recs:
                 blob = self.programs.to_ship(rec.id, pid, compiled.blobs[rec.id], rec.max_programs)
@@ -396,7 +397,7 @@ class Runtime:
         Returns ``{device: result}``; a device's own exception is raised as is, other failures as
         a ``ReshardError``."""
         deadline = time.monotonic() + timeout_s
-        wall = _wall(deadline)
+        wall = wall_of(deadline)
 
         def make(rec):
             fn, args, kwargs = calls[rec.id]
@@ -537,11 +538,6 @@ def _bound(compiled, device: int, sources, outs, records) -> Bound:
     relaying = compiled.relay_sources.get(device)
     relays = {h: records[h].board for h in relaying} if relaying else None
     return Bound(names, pulls or None, mine, relays)
-
-
-def _wall(deadline: float) -> float:
-    """A monotonic deadline as a wall-clock one (what travels to the actors)."""
-    return time.time() + (deadline - time.monotonic())
 
 
 def _first(err) -> str:

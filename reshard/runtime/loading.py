@@ -9,7 +9,6 @@ under the given names. Both are all or nothing: a failure keeps no shard.
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import numpy as np
@@ -19,10 +18,11 @@ from reshard.dtypes import dtype_name
 from reshard.layout import Layout
 from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.regions import layout_regions
+from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of, wall_of
 from reshard.runtime.dispatch import Outcome, failure_error
 from reshard.runtime.driver import runtime
 from reshard.runtime.mesh import DeviceMesh
-from reshard.runtime.tensor import DEFAULT_TIMEOUT_S, ShardedTensor, check_timeout, deadline_of
+from reshard.runtime.tensor import ShardedTensor
 
 
 def _is_dtensor(x) -> bool:
@@ -164,7 +164,7 @@ def _load(arrays: list[np.ndarray], specs: list[tuple], timeout_s) -> list[Shard
         for d, (index, box) in zip(meshes[lay.mesh].device_ids, sources, strict=True):
             loads.setdefault(d, []).append((name, index, box, dtype))
     deadline = deadline_of(timeout_s)
-    wall = time.time() + (deadline - time.monotonic())
+    wall = wall_of(deadline)
     what = f"distribute onto {specs[0][0]}" if len(specs) == 1 else f"distribute of {len(specs)} tensors"
     refs = rt.submit_each(
         loads, lambda rec: lambda t, mine=tuple(loads[rec.id]): rec.actor.reshard_load.remote(t, mine, ref, wall), what
@@ -241,7 +241,7 @@ def adopt(layout, name, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
     for dmesh in {id(m): m for m in meshes.values()}.values():
         dmesh.check_open()
     deadline = deadline_of(timeout_s)
-    wall = time.time() + (deadline - time.monotonic())
+    wall = wall_of(deadline)
     what = f"adopt {names[0]!r}" if len(names) == 1 else f"adopt {len(names)} tensors"
 
     def describe(rec):

@@ -18,10 +18,11 @@ from reshard.packing import BUCKET_BYTES
 from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.backends import backend_spec
 from reshard.runtime.batches import first_mismatch
+from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of
 from reshard.runtime.driver import runtime
 from reshard.runtime.mesh import DeviceMesh
 from reshard.runtime.messages import shard_name
-from reshard.runtime.tensor import DEFAULT_TIMEOUT_S, ShardedTensor, check_timeout, deadline_of
+from reshard.runtime.tensor import ShardedTensor
 from reshard.sequencing import window_ops_for
 from topology.mesh import device_hosts
 

@@ -12,8 +12,6 @@ of a bfloat16 tensor raise TypeError; use ``to_torch()`` / ``local_shards(as_tor
 
 from __future__ import annotations
 
-import math
-import time
 import uuid
 
 import numpy as np
@@ -22,24 +20,10 @@ import ray
 from reshard.dtypes import itemsize
 from reshard.layout import Layout
 from reshard.regions import box_volume, layout_regions
+from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of
 from reshard.runtime.dispatch import failure_error
 from reshard.runtime.driver import runtime
 from reshard.runtime.mesh import DeviceMesh
-
-DEFAULT_TIMEOUT_S = 60.0
-
-
-def check_timeout(timeout_s) -> float | None:
-    """``timeout_s`` validated: a positive finite number, or None (no limit)."""
-    if timeout_s is None:
-        return None
-    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or not 0 < timeout_s < math.inf:
-        raise ValueError(f"timeout_s must be a positive finite number of seconds or None (no limit), got {timeout_s!r}")
-    return float(timeout_s)
-
-
-def deadline_of(timeout_s: float | None) -> float:
-    return math.inf if timeout_s is None else time.monotonic() + timeout_s
 
 
 class ShardedTensor:
@@ -212,4 +196,4 @@ def _rebuild(mesh, layout, shape, dtype, name, shared, token) -> ShardedTensor:
     return ShardedTensor(mesh, layout, shape, dtype, name, shared, holder)
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ShardedTensor", "check_timeout", "deadline_of"]
+__all__ = ["ShardedTensor"]
