@@ -3,8 +3,8 @@ emulated hosts, with link cuts, slow links, partitions, node loss and cuts of th
 host injected before and during steps; every invariant of ``net_harness`` checked after every
 step.
 
-``RESHARD_NETCHAOS_STEPS`` (default 40: every (fault, phase) combination twice, a node loss, and
-as many clean steps, in about 3 minutes on 2 cores), ``RESHARD_NETCHAOS_SEED``,
+``RESHARD_NETCHAOS_STEPS`` (default 32: every (fault, phase) combination at least once, a node loss,
+and as many clean steps, in about 3 minutes on 2 cores), ``RESHARD_NETCHAOS_SEED``,
 ``RESHARD_NETCHAOS_SEGMENT`` (steps per cluster: each segment ends its last quarter without the
 host it lost), ``RESHARD_NETCHAOS_REPORT`` (a JSON file with the summary and every step) and
 ``RESHARD_NETCHAOS_VERBOSE=1`` (every step printed) set up longer runs; RELIABILITY.md has the
@@ -29,7 +29,7 @@ from .conftest import _SUMMARY
 pytestmark = pytest.mark.multihost
 
 SCRIPT = Path(__file__).with_name("net_harness.py")
-STEPS = int(os.environ.get("RESHARD_NETCHAOS_STEPS", "40"))
+STEPS = int(os.environ.get("RESHARD_NETCHAOS_STEPS", "32"))
 SEED = int(os.environ.get("RESHARD_NETCHAOS_SEED", "20261126"))
 SEGMENT = int(os.environ.get("RESHARD_NETCHAOS_SEGMENT", "48"))
 HOSTS = 4
@@ -100,6 +100,7 @@ def summarize(records: list[dict]) -> dict:
                 Counter(r["kind"] for r in errors if r["seconds"] > r["timeout_s"] + TARGET_S)
             ),
             "ok_seconds_max": max((r["seconds"] for r in recs if r["outcome"] == "ok"), default=None),
+            "first_retry_failed": sum(r.get("first_retry_failed", False) for r in recs),
             "first_retry_p50_s": _pct(retries, 50),
             "first_retry_p99_s": _pct(retries, 99),
             "first_retry_max_s": max(retries, default=None),
@@ -126,6 +127,7 @@ def test_faults_between_hosts():
         "by_kind": summarize(records),
         "dead_mesh_checks": [c for s in segments for c in s["dead_mesh_checks"]],
         "listener_checks": sum(len(s["listener_checks"]) for s in segments),
+        "first_retry_failures": [dict(f, segment=k) for k, s in enumerate(segments) for f in s["first_retry_failures"]],
         "bring_up_s": [s["bring_up_s"] for s in segments],
         "devices_started_s": [s["devices_started_s"] for s in segments],
         "teardown_s": [s["teardown_s"] for s in segments],
@@ -140,6 +142,8 @@ def test_faults_between_hosts():
     for kind, s in summary["by_kind"].items():
         _SUMMARY.append(f"{kind}: {s['steps']} steps {s['outcomes']} error p50/max {s['time_to_error_p50_s']}/"
                         f"{s['time_to_error_max_s']} s, retry p50 {s['first_retry_p50_s']} s")  # fmt: skip
+    for f in summary["first_retry_failures"]:  # an open finding (RELIABILITY.md), shown on every run
+        _SUMMARY.append(f"OPEN: segment {f['segment']} step {f['step']}: first retry failed: {f['error'][:300]}")
     assert not violations, "\n".join(f"segment {v['segment']} step {v['step']}: {v['invariant']}: {v['detail']}"
                                      for v in violations)  # fmt: skip
     assert summary["steps"] == STEPS
