@@ -36,7 +36,7 @@ from reshard.runtime.deadlines import wall_of
 from reshard.runtime.dispatch import Outcome, failure_error, gather
 from reshard.runtime.groups import GroupKey, GroupTable, group_key
 from reshard.runtime.messages import Bound, DeviceState, FailureKind, RunRequest, Ticket, Updates, shard_name
-from reshard.runtime.programs import ProgramCache
+from reshard.runtime.program_cache import ProgramCache
 from reshard.runtime.registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.work import WorkQueue
 from topology.cluster import Cluster

@@ -1,7 +1,7 @@
 """DeviceMesh: an n-D grid of device actors, bound to an abstract ``topology.Mesh``.
 
 ``DeviceMesh.create(shape)`` starts one Ray actor per device, placed on nodes
-(``reshard.runtime.placement``): axis 0 enumerates hosts (unless ``devices_per_host`` says
+(``reshard.runtime.node_placement``): axis 0 enumerates hosts (unless ``devices_per_host`` says
 otherwise), each host's devices on one Ray node (``nodes=[...]`` names them). When the devices
 sit on several nodes, their hosts ARE those nodes (job-wide host ids, as ``Cluster.from_ray``
 numbers them); when they all share one node, the mesh keeps its logical hosts (the planner then
@@ -33,7 +33,7 @@ import time
 import ray
 
 from reshard.errors import MeshClosed, ReshardTimeout
-from reshard.runtime import placement
+from reshard.runtime import node_placement
 from reshard.runtime.backends import backend_spec, make_backend
 from reshard.runtime.device_options import DeviceOptions, positive_int, positive_seconds
 from reshard.runtime.dispatch import failure_error, gather
@@ -163,8 +163,8 @@ class DeviceMesh:
         dph = default_devices_per_host(probe.shape) if devices_per_host is None else devices_per_host
         n_hosts = size // dph
         deadline = time.monotonic() + startup_timeout_s
-        where = placement.place(
-            n_hosts, dph, nodes, placement.demand(num_cpus, spec.gpus_per_device, resources), startup_timeout_s
+        where = node_placement.place(
+            n_hosts, dph, nodes, node_placement.demand(num_cpus, spec.gpus_per_device, resources), startup_timeout_s
         )
         ids = rt.registry.new_device_ids(size)
         options = device_options.for_device(spec.device_type)
@@ -181,12 +181,12 @@ class DeviceMesh:
         if not outcome.ok:
             for a in actors:
                 ray.kill(a, no_restart=True)
-            placement.remove(where.placement_group)
+            node_placement.remove(where.placement_group)
             if outcome.pending and not outcome.failures:
                 raise ReshardTimeout(
                     f"DeviceMesh.create({probe.shape}): devices {outcome.pending} did not start within "
                     f"startup_timeout_s={startup_timeout_s:g}s; Ray has {ray.available_resources()} available "
-                    f"and each device asks for {placement.demand(num_cpus, spec.gpus_per_device, resources)}"
+                    f"and each device asks for {node_placement.demand(num_cpus, spec.gpus_per_device, resources)}"
                 )
             raise failure_error(outcome, f"DeviceMesh.create({probe.shape})", startup_timeout_s)
         return cls._register(
@@ -541,7 +541,7 @@ class DeviceMesh:
                     ray.kill(r.actor, no_restart=True)
                 except Exception:  # already gone
                     pass
-            placement.remove(self._placement_group)
+            node_placement.remove(self._placement_group)
 
     def __enter__(self) -> DeviceMesh:
         return self
