@@ -27,7 +27,7 @@ from pathlib import Path
 
 from reshard import STRATEGIES, Layout, Replicate, Shard, plan_reshard
 from reshard.planner import clear_plan_cache
-from reshard.sequencing import window_ops_for
+from reshard.target import window_ops_for
 from reshard.tasks import plan_unit_tasks
 from topology import PRESETS, Cluster
 

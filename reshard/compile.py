@@ -29,6 +29,7 @@ from reshard.program import Buffer, Group, Program, Publish, Pull
 from reshard.pulls import last_write, to_pulls
 from reshard.sequencing import OVERLAP_COPY_BYTES, WINDOW_BYTES, WINDOW_STAGING_BYTES, sequence_program
 from reshard.serialize import encode_batch_device_program, encode_device_program
+from reshard.target import CompileTarget
 from reshard.validate import validate_batch, validate_plan, validate_program
 
 
@@ -42,6 +43,13 @@ class CompileOptions:
     window_ops: int = 1
     window_staging_bytes: int = WINDOW_STAGING_BYTES
     window_bytes: int = WINDOW_BYTES
+
+    @classmethod
+    def for_target(cls, target: CompileTarget) -> CompileOptions:
+        """How ``target``'s devices run their programs: messages in its windows, and local copies
+        beside them only where its devices copy on a helper thread (CPUs)."""
+        overlap = OVERLAP_COPY_BYTES if target.copies_beside_messages else None
+        return cls(overlap_copy_bytes=overlap, window_ops=target.window_ops, window_bytes=target.window_bytes)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

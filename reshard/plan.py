@@ -12,7 +12,7 @@ from reshard.layout import Layout
 from reshard.placement import ReduceOp
 from reshard.program import Buffer
 from reshard.regions import Box, box_volume, contains, device_regions
-from reshard.sequencing import WINDOW_BYTES, window_ops_for
+from reshard.target import WINDOW_BYTES, window_ops_for
 from reshard.tasks import UnitTask
 from topology.cluster import Cluster
 from topology.mesh import device_hosts
@@ -180,7 +180,7 @@ class ReshardPlan:
         """Simulated execution (``topology.simulator``) on ``cluster`` with the plan's hosts; default
         cluster: ``Cluster.for_hosts`` of them. ``pulled``: the transfers that run as pulls
         (``CompiledReshard.pulled``); ``window``: messages a device issues together, moving at most
-        ``window_bytes`` (default: the runtime's for the backend, ``reshard.sequencing``);
+        ``window_bytes`` (default: the backend's, ``reshard.target``);
         ``local_beside``: local transfers run beside the messages where nothing reads what they
         write (default: on gloo's CPU devices). A ``SimResult`` with ``.makespan_s``."""
         hosts = self.host_map

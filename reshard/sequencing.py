@@ -40,24 +40,11 @@ from reshard.program import (
     op_numel,
     reads_output,
 )
+from reshard.target import WINDOW_BYTES
 
 OVERLAP_COPY_BYTES = 1 << 20  # below it the hand-off to the helper thread costs more than it saves
 WINDOW_STAGING_BYTES = 64 << 20
-# Messages a device issues together, per backend: gloo runs a window's sends and receives at once
-# (their latencies overlap). NCCL keeps one at a time: a window is one group call over several
-# communicators, whose kernels could queue behind each other on one stream (untested without GPUs).
-WINDOW_OPS = {"gloo": 4}
-# ... while they move at most this much together in each direction. Measured on 4 emulated hosts
-# (1 Gbit/s, ~1 ms per gloo message): 64 KiB reshards gained from windows, while 4-16 MiB slices in
-# flight together ran at half the rate one at a time reached (shard -> replicate at 256 MiB: 4.5 s
-# against 2.5 s). On one 2-core machine, a bound of 64 MiB gained nothing either (bench/LOCAL.md).
-WINDOW_BYTES = 1 << 20
 OUT, IN = 0, 1  # the directions of a device's link
-
-
-def window_ops_for(backend: str) -> int:
-    """The ``window_ops`` the runtime sequences with for ``backend``'s devices (1: one at a time)."""
-    return WINDOW_OPS.get(backend, 1)
 
 
 def sequence_program(

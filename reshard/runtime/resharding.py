@@ -23,17 +23,18 @@ from reshard.runtime.driver import runtime
 from reshard.runtime.mesh import DeviceMesh
 from reshard.runtime.messages import shard_name
 from reshard.runtime.tensor import ShardedTensor
-from reshard.sequencing import window_ops_for
+from reshard.target import CompileTarget
 from topology.mesh import device_hosts
 
 
+def compile_target(backend: str) -> CompileTarget:
+    """What a backend's devices are compiled for (``reshard.target``)."""
+    return CompileTarget(backend, backend_spec(backend).device_type)
+
+
 def compile_options(backend: str) -> CompileOptions:
-    """How programs are sequenced for a backend's devices (GPUs copy on their streams; messages go
-    in windows of ``window_ops_for(backend)``)."""
-    window = window_ops_for(backend)
-    if backend_spec(backend).device_type != "cpu":
-        return CompileOptions(overlap_copy_bytes=None, window_ops=window)
-    return CompileOptions(window_ops=window)
+    """How programs are sequenced for a backend's devices (``CompileOptions.for_target``)."""
+    return CompileOptions.for_target(compile_target(backend))
 
 
 def memory_domains(tensor: ShardedTensor, dst_mesh: DeviceMesh) -> dict[int, str]:
