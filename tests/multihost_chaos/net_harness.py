@@ -422,7 +422,7 @@ class NetChaos:
                         "hosts": src_hosts}  # fmt: skip
                 self.held.append(held)
             src, arrays = held["tensor"], held["expected"]
-            del held  # only ``self.held`` keeps handles alive past the step (invariant 3)
+            del held, candidates  # only ``self.held`` keeps handles alive past the step (invariant 3)
             dst_layouts = self.random_layout(dst_mesh, arrays.ndim)
             nbytes = arrays.nbytes
 
