@@ -652,6 +652,14 @@ class NcclConfig:
         self.split_share = split_share
 
 
+def _free(c: _Comm) -> None:
+    """Forget ``c`` and wake everything waiting on it (its pending operations end)."""
+    with _comms_lock:
+        _comms.pop(c.handle, None)
+    c.aborted.set()
+    c.interrupt()
+
+
 class NcclCommunicator:
     """``ncclCommInitRank``: inside a group the creation is queued until ``groupEnd``."""
 
@@ -696,13 +704,18 @@ class NcclCommunicator:
         with _comms_lock:
             return _comms.get(self._comm)
 
+    def _take(self) -> _Comm | None:
+        """The live communicator behind this handle, which no longer names it (destroy, abort)."""
+        if not self._comm:
+            return None
+        c = self._live()
+        self._comm = 0
+        return c
+
     def destroy(self) -> None:
         """``ncclCommDestroy`` (void in cupy): refused while in progress or failed, else waits for
         the communicator's outstanding operations, then frees it."""
-        if not self._comm:
-            return
-        c = self._live()
-        self._comm = 0
+        c = self._take()
         if c is None:
             return
         state = c.async_result
@@ -714,23 +727,14 @@ class NcclCommunicator:
         with c.cv:
             while c.pending and not c.aborted.is_set():
                 c.cv.wait(0.5)
-        with _comms_lock:
-            _comms.pop(c.handle, None)
-        c.aborted.set()
-        c.interrupt()
+        _free(c)
 
     def abort(self) -> None:
         """``ncclCommAbort`` (void in cupy): local; an unfinished group launch is aborted and joined."""
-        if not self._comm:
-            return
-        c = self._live()
-        self._comm = 0
+        c = self._take()
         if c is None:
             return
-        with _comms_lock:
-            _comms.pop(c.handle, None)
-        c.aborted.set()
-        c.interrupt()
+        _free(c)
         job = c.group
         if job is not None:
             job.abort()
