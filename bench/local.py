@@ -840,7 +840,7 @@ def mesh_options(args) -> dict:
     if getattr(args, "backend", None) is not None:
         options["backend"] = args.backend
     share = getattr(args, "gpus_per_device", None)
-    if args.backend == "nccl" and share is not None:
+    if share is not None and getattr(args, "backend", None) == "nccl":
         import ray
 
         from reshard.runtime.nccl import NcclBackend
