@@ -36,15 +36,13 @@ from reshard.runtime.communicator import Backend, PeerFailed
 from reshard.runtime.deadlines import monotonic_of
 from reshard.runtime.device_context import Channel, ControllerState, DeviceContext, set_torch_threads
 from reshard.runtime.groups import group_key
-from reshard.runtime.messages import RunRequest, RunResult, Ticket, Updates
+from reshard.runtime.messages import COMMIT_WAIT_S, RunRequest, RunResult, Ticket, Updates
 from reshard.serialize import decode_batch_device_program
 
 log = logging.getLogger(__name__)
 
 CONTROL = "control"  # the concurrency group of calls that must never wait behind a run
 NO_DEADLINE = float("inf")
-#: How long after a run's deadline a commit still waits for the other participants' runs to end.
-VOTE_GRACE_S = 5.0
 
 
 class DeviceRole:
@@ -272,12 +270,14 @@ class DeviceRole:
     def reshard_commit(self, ticket: Ticket, run: str, pairs, votes, deadline: float, verify: bool = False) -> bool:
         """The second half of a reshard into users' tensors: once every participant's run
         (``votes``, their result refs) succeeded, copy each staged result into its output
-        (``pairs``: ``(staged, out)``); if one failed, or some did not end by ``deadline`` plus
-        ``VOTE_GRACE_S``, leave the outputs as they are. Drops the staged results either way.
-        Every device decides on the same votes, so all outputs change or none do."""
+        (``pairs``: ``(staged, out)``); if one failed, leave the outputs as they are. Drops the
+        staged results either way. Every device decides on the same votes, so all outputs change
+        or none do; a device that cannot read them (cut off from the controller, which owns them)
+        waits for them, up to ``COMMIT_WAIT_S`` after the deadline, and only then keeps its old
+        values without them."""
         ctx = getattr(self, "_reshard_ctx", None)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
-            failed = _failed_vote(votes, monotonic_of(deadline) + VOTE_GRACE_S, verify)
+            failed = _failed_vote(votes, monotonic_of(deadline) + COMMIT_WAIT_S, verify)
             try:
                 if failed is None:
                     for staged, out in pairs:
@@ -391,18 +391,23 @@ class DeviceActor(DeviceRole):
 
 def _failed_vote(votes, until: float, verify: bool) -> str | None:
     """None once every vote (a run's result ref) succeeded (with ``verify``: and every received
-    slice matches what its sender read); else why not: the first that failed, or the ones that did
-    not end before ``until`` (monotonic)."""
+    slice matches what its sender read); else why not: the first that failed, or the ones that
+    could not be read before ``until`` (monotonic). A vote that cannot be read yet is asked again:
+    only a failed run counts against the commit."""
+    from ray.exceptions import GetTimeoutError
+
     waiting = list(votes)
     results = []
     while waiting:
         left = until - time.monotonic()
         if left <= 0:
-            return f"{len(waiting)} participant(s) had not ended their run in time"
+            return f"{len(waiting)} run result(s) could not be read within {COMMIT_WAIT_S:g} s of the deadline"
         ready, waiting = ray.wait(waiting, num_returns=1, timeout=left)
         for ref in ready:
             try:
-                results.append(ray.get(ref, timeout=max(1.0, left)))
+                results.append(ray.get(ref, timeout=max(0.0, until - time.monotonic())))
+            except GetTimeoutError:
+                waiting.append(ref)
             except Exception as e:
                 text = str(e).strip().splitlines()
                 return text[-1] if text else type(e).__name__

@@ -35,7 +35,16 @@ from reshard.errors import ReshardError
 from reshard.runtime.deadlines import wall_of
 from reshard.runtime.dispatch import Outcome, failure_error, gather
 from reshard.runtime.groups import GroupKey, GroupTable, group_key
-from reshard.runtime.messages import Bound, DeviceState, FailureKind, RunRequest, Ticket, Updates, shard_name
+from reshard.runtime.messages import (
+    COMMIT_WAIT_S,
+    Bound,
+    DeviceState,
+    FailureKind,
+    RunRequest,
+    Ticket,
+    Updates,
+    shard_name,
+)
 from reshard.runtime.program_cache import ProgramCache
 from reshard.runtime.registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.work import WorkQueue
@@ -47,6 +56,17 @@ CLEANUP_S = 1.5  # how long a failed call waits for the survivors to drop its pa
 DESCRIBE_S = 1.0  # how long a failure message waits for the devices to say what they are doing
 JANITOR_IDLE_S = 5.0  # an idle janitor thread ends after this (the next release starts one)
 INTACT = "The source tensor is intact; the partial destination shards were freed."
+_NOT_KNOWN = (
+    "Whether the outputs changed is not known yet: some runs' results did not reach this process in time. Each "
+    "destination device changes all of its outputs or none, as every run's result says, once it can read them "
+    f"(within {COMMIT_WAIT_S:g} s of the deadline), so every output ends up old or every one new. "
+)
+_LEFT = "The outputs were left as they were. "
+_COMMIT_FAILED = "Every run succeeded; a device whose commit failed kept its old values, the others hold the new ones. "
+_COMMITTING = (
+    "Every run succeeded, so the outputs change: each destination device applies the new values once it can read "
+    f"every run's result (within {COMMIT_WAIT_S:g} s of the deadline); its later calls wait for that. "
+)
 
 
 @dataclass
@@ -255,58 +275,61 @@ class Runtime:
 
     def finish_batch(self, pending: Pending) -> dict:
         """Wait for a submitted batch (and its commits): ``{device: RunResult}``; on failure,
-        ``abandon`` it and raise a ``ReshardError`` (module docstring). With commits, every
-        output changed or none did: all runs succeeded (if late, within the cleanup), or the
-        commits left the outputs as they were."""
+        ``abandon`` it and raise a ``ReshardError`` (module docstring), at most ``CLEANUP_S`` after
+        the deadline. With commits, every output changes or none does: each destination device
+        commits once it has read every run's result and all succeeded (``reshard_commit``), so the
+        outcome is fixed by the runs alone; the error says which it was, or that it is not known
+        yet (the controller could not read every result in time)."""
         refs = pending.refs
         try:
             outcome = gather(refs, pending.deadline)
         except BaseException:  # KeyboardInterrupt, or Ray failing under us
             self.abandon_batch(pending, Outcome(pending=sorted(refs)))
             raise
+        until = max(pending.deadline, time.monotonic()) + CLEANUP_S
         if not outcome.ok:
             asked = self.ask(outcome.pending)  # before the cleanup: a stuck device costs one wait, not two
-            self.abandon_batch(pending, outcome)
-            if pending.commits and outcome.pending and not outcome.failures:
-                late = gather({d: refs[d] for d in outcome.pending}, time.monotonic() + CLEANUP_S, settle_s=None)
-                if late.ok:  # the runs ended before the abort reached them: the commit goes on
-                    outcome.results.update(late.results)
-                    outcome.pending = []
+            late = {d: refs[d] for d in outcome.pending} if pending.commits and not outcome.failures else {}
+            self.abandon_batch(pending, outcome, late=late, until=until)
             if not outcome.ok:
-                tail = "The outputs were left as they were. " if pending.commits else ""
-                raise failure_error(
-                    outcome,
-                    pending.what,
-                    pending.timeout_s,
-                    tail=f"{self.describe(outcome.pending, asked)}{tail}{INTACT}",
-                )
+                tail = "" if not pending.commits else _NOT_KNOWN if not outcome.failures else _LEFT
+                tail = f"{self.describe(outcome.pending, asked)}{tail}{INTACT}"
+                raise failure_error(outcome, pending.what, pending.timeout_s, tail=tail)
         pending.results = outcome.results
         if pending.commits:
-            done = gather(pending.commits, max(pending.deadline, time.monotonic()) + CLEANUP_S)
+            done = gather(pending.commits, until)
             if not done.ok:
                 for d in done.died:
                     self.mark_dead(d, f"actor died while committing: {_first(done.failures[d].error)}")
-                raise failure_error(
-                    done, f"{pending.what}: committing", pending.timeout_s,
-                    tail="Every run succeeded, so every device that did not fail holds the new values.",
-                )  # fmt: skip
+                tail = _COMMITTING if not done.failures else _COMMIT_FAILED
+                raise failure_error(done, f"{pending.what}: committing", pending.timeout_s, tail=tail)
         self.last_run = outcome.results
         return outcome.results
 
-    def abandon_batch(self, pending: Pending, outcome: Outcome) -> None:
+    def abandon_batch(self, pending: Pending, outcome: Outcome, late: dict | None = None, until: float = 0.0) -> None:
         """``abandon`` a batch: the new shards it made are dropped (outputs staged for a commit
-        are the commit's to drop)."""
+        are the commit's to drop). ``late``: runs still pending, collected into ``outcome`` if
+        they end by ``until`` (monotonic) too: they decide whether the commits go on."""
         program = pending.compiled.program
         made = {} if pending.outs else {
             d: tuple(shard_name(pending.run, p.tensor) for p in program.for_device(d).parts
                      if p.program.dst_shape is not None)
             for d in pending.refs
         }  # fmt: skip
-        self.abandon(pending.refs, pending.run, made, pending.compiled.groups, pending.pid, outcome)
+        groups = pending.compiled.groups
+        acks = self.abandon(pending.refs, pending.run, made, groups, pending.pid, outcome, wait=not late)
+        if late:
+            ended = gather(late, until, settle_s=None)
+            outcome.results.update(ended.results)
+            outcome.failures.update(ended.failures)
+            outcome.pending = ended.pending
+            self._wait_acks(acks, until)
 
-    def abandon(self, refs: dict, run: str | None, made: dict, groups, pid: int | None, outcome: Outcome) -> None:
+    def abandon(self, refs: dict, run: str | None, made: dict, groups, pid: int | None, outcome: Outcome,
+                wait: bool = True) -> dict:  # fmt: skip
         """Clean up after a failed call (module docstring); bounded by ``CLEANUP_S``. ``run``: what
-        the devices must keep nothing of; ``made[device]``: the shards it made there, dropped now."""
+        the devices must keep nothing of; ``made[device]``: the shards it made there, dropped now.
+        Returns the devices' acknowledgements (``wait=False``: not waited for; ``_wait_acks``)."""
         keys = [group_key(g) for g in groups]
         with self.lock:
             self.stats["failed_runs"] += 1
@@ -338,11 +361,17 @@ class Runtime:
                 for d in k[1]:
                     if d not in refs:
                         self._group_drops.setdefault(d, []).append((k, gen))
-        if acks:
-            done = gather(acks, time.monotonic() + CLEANUP_S, settle_s=None)
-            for d, f in done.failures.items():
-                if f.kind is FailureKind.DIED:
-                    self.mark_dead(d, f"actor died: {_first(f.error)}")
+        if wait:
+            self._wait_acks(acks, time.monotonic() + CLEANUP_S)
+        return acks
+
+    def _wait_acks(self, acks: dict, until: float) -> None:
+        if not acks:
+            return
+        done = gather(acks, until, settle_s=None)
+        for d, f in done.failures.items():
+            if f.kind is FailureKind.DIED:
+                self.mark_dead(d, f"actor died: {_first(f.error)}")
 
     def ask(self, devices) -> tuple[dict, float]:
         """Ask ``devices`` what they are doing (on their control threads); ``describe`` reads the

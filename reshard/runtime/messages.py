@@ -12,6 +12,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+#: How long after a run's deadline a destination device waits to read every participant's result
+#: before it commits (all succeeded) or keeps its old values (one failed). Past it, the device keeps
+#: its old values and says so: longer than Ray takes to declare a silent node dead, so a device
+#: cut off that long is lost with its node anyway.
+COMMIT_WAIT_S = 60.0
+
 
 class DeviceState(enum.Enum):
     ALIVE = "alive"

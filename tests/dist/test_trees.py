@@ -13,7 +13,7 @@ import pytest
 import ray
 from dist_helpers import assert_bit_exact, pl, random_array
 
-from reshard import DeviceMesh, Layout, ReshardError, Shard, WorkerDied, distribute, reshard
+from reshard import DeviceMesh, Layout, ReshardError, ReshardTimeout, Shard, WorkerDied, distribute, reshard
 from reshard.runtime import Work, adopt, runtime_stats, settle
 
 pytestmark = pytest.mark.dist
@@ -268,6 +268,48 @@ def test_out_commits_all_or_nothing_when_a_device_dies_mid_sync(view, gate):
                 assert_bit_exact(got, old[k][flat_index])
     finally:
         b.shutdown()
+
+
+def _hold_after_run(ctx, gate):
+    """The next run, its ops done, tells ``gate`` and waits to be let go."""
+
+    def hook(runs):
+        ctx.after_run = None
+        ray.get(gate.arrive.remote())
+        ray.get(gate.wait_released.remote(60))
+
+    ctx.after_run = hook
+
+
+def _shards(ctx, names):
+    return [ctx.local(n).numpy().copy() for n in names]
+
+
+def test_out_whose_results_come_late_is_not_known_then_all_old(view, gate):
+    """A run that ends after the controller gave up: the error says the outcome is not known yet
+    (the devices decide it from the runs' results), and every device ends with its old values
+    (a run that ends after its deadline fails, so no device commits)."""
+    a = view([0, 1], (2,))
+    b = view([2, 3, 4], (3,))
+    sd = {f"t{i}": random_array((12, 6), "float32", 30 + i) for i in range(3)}
+    src = distribute(sd, lambda p, t: Layout(a, pl("S0")))
+    out = distribute({k: np.full_like(v, 5.0) for k, v in sd.items()}, lambda p, t: Layout(b, pl("S1")))
+    names = [v.name for v in out.values()]
+    old = b.call(_shards, names)
+    b.call(_hold_after_run, gate, devices=[2])
+    work = reshard(src, a, lambda p, t: Layout(b, pl("S1")), out=out, async_op=True, timeout_s=10)
+    assert ray.get(gate.wait_arrived.remote(60), timeout=90)
+    with pytest.raises(ReshardTimeout, match="Whether the outputs changed is not known yet"):
+        work.wait()
+    ray.get(gate.release.remote())
+    assert_same_shards(b.call(_shards, names), old)  # ordered after the commits
+
+
+def assert_same_shards(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        for x, y in zip(g, w, strict=True):
+            assert_bit_exact(x, y)
 
 
 @ray.remote(num_cpus=0)
