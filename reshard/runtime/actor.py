@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 import numpy as np
@@ -34,7 +33,7 @@ from reshard.runtime.batches import BatchRun, execute_batch, first_mismatch, pre
 from reshard.runtime.binding import Binding, checked_out
 from reshard.runtime.communicator import Backend, PeerFailed
 from reshard.runtime.deadlines import monotonic_of
-from reshard.runtime.device_context import Channel, ControllerState, DeviceContext, set_torch_threads
+from reshard.runtime.device_context import ActiveRun, Channel, ControllerState, DeviceContext, set_torch_threads
 from reshard.runtime.groups import group_key
 from reshard.runtime.messages import COMMIT_WAIT_S, RunRequest, RunResult, Ticket, Updates
 from reshard.serialize import decode_batch_device_program
@@ -209,8 +208,8 @@ class DeviceRole:
                 )
             state.programs.move_to_end(req.program_id)
             keys = [group_key(g) for g in prepared.groups]
-            state.cancelled = threading.Event()
-            state.active = (req.run, tuple(keys))
+            gens = [(k, state.groups.generation(k)) for k in keys]
+            active = state.active = ActiveRun(req.run, tuple((k, g) for k, g in gens if g is not None))
             if time.monotonic() >= deadline:
                 ctx.counters["dropped_late"] += 1
                 raise ReshardTimeout(f"device {ctx.device}: the reshard's deadline passed before it started here")
@@ -222,7 +221,7 @@ class DeviceRole:
             binding = Binding(ctx, req, bound, prepared)
             channel = Channel(state.groups, "")
             batch = ctx.backend.grouped if ctx.backend.batches else None
-            runs = binding.runs(channel, state.staging, deadline, state.cancelled, ctx.before_op, batch)
+            runs = binding.runs(channel, state.staging, deadline, active.cancelled, ctx.before_op, batch)
             state.groups.connect(keys, deadline - time.monotonic())
             state.staging.reserve(prepared.staging_bytes)
             ctx.assembled = binding.assembled  # its shards are made at the end: twice their bytes then
@@ -303,10 +302,10 @@ class DeviceRole:
         if state is None:
             return
         active = state.active
-        if active is not None and active[0] == run:
-            state.cancelled.set()
-            state.groups.abort(active[1], "the controller aborted the reshard")
-        state.groups.abort([k for k, gen in group_drops if state.groups.generation(k) == gen], "dropped")
+        if active is not None and active.run == run:
+            active.cancelled.set()
+            state.groups.abort_generations(active.groups, "the controller aborted the reshard")
+        state.groups.abort_generations(group_drops, "dropped")
 
     # ---------------------------------------------------------------- extension point
 

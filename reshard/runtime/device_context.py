@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from reshard.dtypes import dtype_name
 from reshard.program import DeviceProgram
@@ -32,6 +33,16 @@ ASSEMBLY_BYTES = DeviceOptions.assembly_bytes
 STAGING_KEEP_BYTES = DeviceOptions.staging_keep_bytes
 
 
+@dataclass(frozen=True)
+class ActiveRun:
+    """A run in progress: its name, its groups at the generations it uses (an abort from the
+    controller tears down those and no later ones), and whether the controller cancelled it."""
+
+    run: str
+    groups: tuple
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
 class ControllerState:
     """What one controller has set up on this device: communicators, programs, staging."""
 
@@ -42,8 +53,7 @@ class ControllerState:
         self.programs: OrderedDict[int, PreparedBatch] = OrderedDict()
         self.bindings: dict[int, Bound] = {}  # the controller's mirror says which to drop
         self.staging = StagingBuffer(ctx.device_type, int(ctx.options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))
-        self.active: tuple[str, tuple] | None = None  # (destination name, group keys) of the run in progress
-        self.cancelled = threading.Event()  # the run in progress was aborted by the controller
+        self.active: ActiveRun | None = None  # the run in progress
 
     def apply(self, updates: Updates | None) -> None:
         if not updates:

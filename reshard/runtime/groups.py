@@ -192,11 +192,17 @@ class GroupCache:
     def abort(self, keys, reason: str = "aborted") -> None:
         """Failure path: tear these groups down at once. Connected ones are aborted (peers blocked
         on them fail fast); members still waiting to connect one are told through its rendezvous."""
+        self.abort_generations([(k, None) for k in keys], reason)
+
+    def abort_generations(self, pairs, reason: str = "aborted") -> None:
+        """``abort`` the groups of ``pairs`` = ``(key, generation)`` that are still at that
+        generation (None: any), checked under the lock: an abort from another thread never tears
+        down the generation a later call has set up meanwhile."""
         waiting = []
         with self._lock:
-            for k in dict.fromkeys(keys):
+            for k, gen in dict.fromkeys(pairs):
                 e = self.entries.get(k)
-                if e is None:
+                if e is None or (gen is not None and e.generation != gen):
                     continue
                 if e.comm is None:
                     waiting.append(e.rendezvous)
