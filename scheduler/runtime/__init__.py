@@ -1,7 +1,11 @@
-"""The pipeline runtime (runtime layer: ray, torch): ``pipeline`` (the driver: ``Pipeline``,
-``Stage``, results and errors) and ``worker`` (each device's stage worker, inside the device
-actors). Everything it moves goes through ``reshard.runtime``'s compile step, groups and calls."""
+"""The pipeline runtime (runtime layer: ray, torch): ``pipeline`` (the driver: ``Pipeline`` and
+its errors), ``stages`` (``Stage`` and its checks), ``results`` (what an iteration measured),
+``specs`` (what the driver ships its workers), ``worker`` (each device's stage worker, inside the
+device actors) and ``stage_context`` (what the stage callables see). Everything it moves goes
+through ``reshard.runtime``'s compile step, groups and calls."""
 
-from scheduler.runtime.pipeline import IterationResult, Pipeline, PipelineError, PipelineTimeout, Stage, TimelineEvent
+from scheduler.runtime.pipeline import Pipeline, PipelineError, PipelineTimeout
+from scheduler.runtime.results import IterationResult, TimelineEvent
+from scheduler.runtime.stages import Stage
 
 __all__ = ["IterationResult", "Pipeline", "PipelineError", "PipelineTimeout", "Stage", "TimelineEvent"]

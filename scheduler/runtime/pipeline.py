@@ -44,29 +44,25 @@ microbatch; no wait is unbounded.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from reshard.compile import compile_reshard
-from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.layout import Layout
-from reshard.regions import box_shape, layout_regions
+from reshard.regions import layout_regions
 from reshard.runtime.dispatch import failure_error
 from reshard.runtime.driver import runtime
 from reshard.runtime.messages import FailureKind
 from reshard.runtime.resharding import compile_options
 from scheduler.ir import Schedule
 from scheduler.pipeline_plan import Lane, PipelinePlan, plan_pipeline
-from scheduler.runtime import worker as stage_worker
-from scheduler.runtime.worker import ErrorKind, IterationSpec, WorkerSpec
-from scheduler.simulate import SimulationResult, simulate
+from scheduler.runtime.results import IterationResult, TimelineEvent
+from scheduler.runtime.specs import ErrorKind, IterationSpec, WorkerSpec
+from scheduler.runtime.stages import Stage, check_boundaries, check_stage, local_shape
 from topology.mesh import device_hosts
 
 
@@ -89,131 +85,43 @@ class PipelineTimeout(PipelineError, ReshardTimeout):
     """An iteration did not finish within its timeout."""
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage: a device mesh, its callables, and the layouts of what crosses its edges.
-
-    ``in_shape``/``in_layout``: the global shape of one microbatch's stage input and its layout on
-    this mesh (stage 0: optional, for ``inputs``). ``out_shape``/``out_layout``: the same for the
-    output (not on the last stage, which returns a loss). ``dtype`` of both.
-    """
-
-    mesh: Any
-    forward: Callable
-    backward: Callable | None = None
-    setup: Callable | None = None
-    in_shape: tuple[int, ...] | None = None
-    in_layout: Layout | None = None
-    out_shape: tuple[int, ...] | None = None
-    out_layout: Layout | None = None
-    dtype: str = "float32"
-    name: str = ""
-
-
-@dataclass(frozen=True)
-class TimelineEvent:
-    """One bar of the measured timeline, seconds from the iteration start."""
-
-    stage: int
-    kind: str  # "forward", "backward", "send"
-    label: str
-    start_s: float
-    end_s: float
-
-
-@dataclass
-class IterationResult:
-    """What one iteration did, measured on the actors.
-
-    iteration_s: earliest compute/transfer start to latest end over all devices. driver_s: the
-    driver's wall time for `run` (adds Ray round trips). peak_activations[i]: the most microbatch
-    contexts stage i held at once (forward run, backward not yet), max over its devices.
-    forward_s / backward_s: per stage, the measured compute durations. transfer_s: {(src, dst):
-    measured send durations (the sender's side, max over its devices per transfer)}.
-    """
-
-    schedule: Schedule
-    overlap: bool
-    iteration_s: float
-    driver_s: float
-    losses: list[float]
-    peak_activations: tuple[int, ...]
-    forward_s: list[list[float]]
-    backward_s: list[list[float]]
-    transfer_s: dict[Lane, list[float]]
-    events: list[TimelineEvent] = field(default_factory=list)
-
-    def simulate_inputs(self, *, skip_lanes: bool = False) -> dict:
-        """Mean measured durations as `scheduler.simulate` keyword arguments."""
-        n = self.schedule.n_stages
-
-        def med(xs: Sequence[float]) -> float:
-            return statistics.fmean(xs) if xs else 0.0
-
-        kwargs = {
-            "forward_s": [med(self.forward_s[s]) for s in range(n)],
-            "backward_s": [med(self.backward_s[s]) for s in range(n)],
-            "transfer_s": [med(self.transfer_s.get((b, b + 1), [])) for b in range(n - 1)],
-            "backward_transfer_s": [med(self.transfer_s.get((b + 1, b), [])) for b in range(n - 1)],
-        }
-        if self.schedule.skips and not skip_lanes:
-            kwargs["skip_transfer_s"] = {
-                (i, j): max(med(self.transfer_s.get((i, j), [])), med(self.transfer_s.get((j, i), [])))
-                for i, j in self.schedule.skips
-            }
-        return kwargs
-
-    def predicted(self) -> SimulationResult:
-        """`scheduler.simulate` of this schedule with this run's measured durations and overlap."""
-        return simulate(self.schedule, overlap=self.overlap, **self.simulate_inputs())
-
-    def to_dict(self) -> dict:
-        return {
-            "schedule": self.schedule.name,
-            "n_stages": self.schedule.n_stages,
-            "n_microbatches": self.schedule.n_microbatches,
-            "overlap": self.overlap,
-            "iteration_s": self.iteration_s,
-            "driver_s": self.driver_s,
-            "losses": self.losses,
-            "peak_activations": list(self.peak_activations),
-            "analytic_peak_activations": list(self.schedule.peak_activations),
-            "forward_s": self.forward_s,
-            "backward_s": self.backward_s,
-            "transfer_s": {f"{a}->{b}": v for (a, b), v in sorted(self.transfer_s.items())},
-            "events": [[e.stage, e.kind, e.label, e.start_s, e.end_s] for e in self.events],
-        }
-
-
 # ----------------------------------------------------------------------------------------------
 # actor-side entry points (run as fn(ctx, ...) inside the device actor, through ordered calls)
 
 
 def _install(ctx, spec) -> None:
-    stage_worker.install(ctx, spec)
+    _workers().install(ctx, spec)
 
 
 def _start(ctx, pipeline_id: str, spec) -> None:
-    stage_worker.worker(ctx, pipeline_id).start(spec)
+    _workers().worker(ctx, pipeline_id).start(spec)
 
 
 def _poll(ctx, pipeline_id: str, wait_s: float) -> dict:
-    return stage_worker.worker(ctx, pipeline_id).poll(wait_s)
+    return _workers().worker(ctx, pipeline_id).poll(wait_s)
 
 
 def _abort(ctx, pipeline_id: str) -> None:
-    stage_worker.worker(ctx, pipeline_id).abort()
+    _workers().worker(ctx, pipeline_id).abort()
 
 
 def _apply(ctx, pipeline_id: str, fn: Callable, args: tuple) -> Any:
-    w = stage_worker.worker(ctx, pipeline_id)
+    w = _workers().worker(ctx, pipeline_id)
     if w.iteration is not None and not w.iteration.finished.is_set():
         raise RuntimeError(f"stage {w.spec.stage} device {w.spec.device} is running an iteration")
     return fn(w.ctx, *args)
 
 
 def _uninstall(ctx, pipeline_id: str) -> None:
-    stage_worker.uninstall(ctx, pipeline_id)
+    _workers().uninstall(ctx, pipeline_id)
+
+
+def _workers():
+    """The stage workers' module, imported where they run (the device actors): the driver never
+    loads torch for a pipeline."""
+    from scheduler.runtime import worker
+
+    return worker
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,8 +150,8 @@ class Pipeline:
                     raise TypeError(f"stage {i}: {name} must be callable or None, got {fn!r}")
         if not (isinstance(timeout_s, int | float) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        self.stages = tuple(_check_stage(i, s, len(stages)) for i, s in enumerate(stages))
-        _check_boundaries(self.stages)
+        self.stages = tuple(check_stage(i, s, len(stages)) for i, s in enumerate(stages))
+        check_boundaries(self.stages)
         self.n_stages = len(stages)
         self.strategy = strategy
         self.timeout_s = float(timeout_s)
@@ -299,8 +207,8 @@ class Pipeline:
         stage = self.stages[s]
         mesh = self.meshes[s]
         flat = mesh.device_ids.index(device)
-        in_local = _local_shape(stage.in_layout, stage.in_shape, flat)
-        out_local = _local_shape(stage.out_layout, stage.out_shape, flat)
+        in_local = local_shape(stage.in_layout, stage.in_shape, flat)
+        out_local = local_shape(stage.out_layout, stage.out_shape, flat)
         send = {lane: prog.for_device(device) for lane, prog in self._lane_programs.items() if lane[0] == s}
         recv = {lane: prog.for_device(device) for lane, prog in self._lane_programs.items() if lane[1] == s}
         channels = {lane: self.channel("lane", lane) for lane in (*send, *recv)}
@@ -606,77 +514,6 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# ----------------------------------------------------------------------------------------------
-# validation helpers
-
-
-def _check_stage(i: int, s: Stage, n: int) -> Stage:
-    mesh = getattr(s.mesh, "mesh", s.mesh)
-    if not hasattr(mesh, "device_ids"):
-        raise TypeError(f"stage {i}: mesh must be a reshard.DeviceMesh, got {type(s.mesh).__name__}")
-    try:
-        dtype = dtype_name(s.dtype)
-    except TypeError as exc:
-        raise TypeError(f"stage {i}: {exc}") from None
-    changes: dict[str, Any] = {"dtype": dtype}
-    for side in ("in", "out"):
-        shape, layout = getattr(s, f"{side}_shape"), getattr(s, f"{side}_layout")
-        needed = (side == "in" and i > 0) or (side == "out" and i < n - 1)
-        if shape is None and layout is None:
-            if needed:
-                why = (
-                    "every stage after the first takes an input"
-                    if side == "in"
-                    else "every stage but the last has an output"
-                )
-                raise ValueError(f"stage {i}: {side}_shape and {side}_layout are required ({why})")
-            continue
-        if shape is None or layout is None:
-            raise ValueError(f"stage {i}: give both {side}_shape and {side}_layout, or neither")
-        if side == "out" and i == n - 1:
-            raise ValueError(f"stage {i} is the last stage: it returns the loss and has no out_shape/out_layout")
-        try:
-            shape = tuple(int(x) for x in shape)
-        except TypeError:
-            raise TypeError(f"stage {i}: {side}_shape must be a tuple of ints, got {shape!r}") from None
-        if not isinstance(layout, Layout):
-            raise TypeError(f"stage {i}: {side}_layout must be a reshard.Layout, got {type(layout).__name__}")
-        if layout.mesh != mesh:
-            raise ValueError(
-                f"stage {i}: {side}_layout {layout} is on mesh {layout.mesh}, not on the stage's mesh {mesh}"
-            )
-        try:
-            layout.check_shape(shape)
-        except ValueError as exc:
-            raise ValueError(f"stage {i}: {side}_layout does not fit {side}_shape {shape}: {exc}") from None
-        changes[f"{side}_shape"] = shape
-    return _replace(s, **changes)
-
-
-def _check_boundaries(stages: Sequence[Stage]) -> None:
-    for i in range(len(stages) - 1):
-        a, b = stages[i], stages[i + 1]
-        if a.out_shape != b.in_shape:
-            raise ValueError(
-                f"stage {i} produces {a.out_shape} ({a.out_layout}) but stage {i + 1} expects an input of "
-                f"shape {b.in_shape} ({b.in_layout}); make stage {i}'s out_shape equal stage {i + 1}'s in_shape"
-            )
-        if a.dtype != b.dtype:
-            raise ValueError(f"stage {i} produces {a.dtype} but stage {i + 1} expects {b.dtype}")
-
-
-def _replace(s: Stage, **changes) -> Stage:
-    import dataclasses
-
-    return dataclasses.replace(s, **changes)
-
-
-def _local_shape(layout: Layout | None, shape, flat: int):
-    if layout is None:
-        return None
-    return box_shape(layout_regions(layout, tuple(shape))[flat])
 
 
 def _as_error(errors: Sequence[dict]) -> PipelineError:

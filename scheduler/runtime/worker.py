@@ -27,153 +27,23 @@ iteration. Every wait has a deadline.
 
 from __future__ import annotations
 
-import enum
 import math
 import queue
 import threading
 import time
-import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from reshard.errors import ReshardTimeout
-from reshard.program import DeviceProgram
 from reshard.runtime.arrays import torch_dtype
 from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
 from scheduler.ir import Payload, Phase
-from scheduler.pipeline_plan import Lane, StagePlan, payload_name
+from scheduler.pipeline_plan import Lane, payload_name
+from scheduler.runtime.specs import ErrorKind, IterationSpec, Role, StageFailure, WorkerSpec, error_info
+from scheduler.runtime.stage_context import MicrobatchContext, StageContext
 
 LANE_STAGING_KEEP_BYTES = 1 << 20
-
-
-class Role(str, enum.Enum):
-    """A lane thread's side of its transfers."""
-
-    SEND = "send"
-    RECV = "recv"
-
-
-class ErrorKind(str, enum.Enum):
-    """What failed in an iteration, in the order the root cause is chosen."""
-
-    USER = "user"  # a stage callable raised
-    SLOW = "slow"  # a callable ran past the iteration deadline
-    TRANSFER = "transfer"  # a transfer failed
-    TIMEOUT = "timeout"  # a wait passed the iteration deadline
-    INTERNAL = "internal"
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What one device of one stage needs to run its part of every iteration."""
-
-    pipeline_id: str
-    stage: int
-    n_stages: int
-    device: int
-    coords: tuple[int, ...]
-    mesh_shape: tuple[int, ...]
-    mesh_devices: tuple[int, ...]
-    forward: Callable
-    backward: Callable | None
-    setup: Callable | None
-    dtype: str
-    in_local_shape: tuple[int, ...] | None  # this device's shard of the stage input
-    out_local_shape: tuple[int, ...] | None  # this device's shard of the stage output
-    send_programs: dict[Lane, DeviceProgram]  # per lane leaving this stage: this device's program
-    recv_programs: dict[Lane, DeviceProgram]
-    timeout_s: float
-    name: str = ""
-    lane_channels: dict[Lane, str] = field(default_factory=dict)  # lane -> its communicator channel
-    stage_channel: str = ""  # the channel of this stage mesh's groups (all_reduce)
-
-
-@dataclass
-class IterationSpec:
-    plan: StagePlan
-    overlap: bool
-    inputs: list | None  # stage 0: this device's input shard per microbatch (numpy), or None
-    targets: list | None  # last stage: the target per microbatch (numpy), or None
-    timeout_s: float
-
-
-class StageFailure(Exception):
-    """Raised inside the worker to carry a located failure."""
-
-
-# ----------------------------------------------------------------------------------------------
-# contexts handed to user callables
-
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, worker, axis, backward_reduce):
-        ctx.worker, ctx.axis, ctx.backward_reduce = worker, axis, backward_reduce
-        if backward_reduce:
-            return tensor.clone()
-        return worker.all_reduce(tensor.detach().clone(), axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.backward_reduce:
-            return ctx.worker.all_reduce(grad.contiguous().clone(), ctx.axis), None, None, None
-        return grad, None, None, None
-
-
-class StageContext:
-    """What a stage callable sees of its device: position, state, intra-stage collectives."""
-
-    def __init__(self, worker: StageWorker):
-        self._worker = worker
-        self.state: Any = None
-
-    @property
-    def stage(self) -> int:
-        return self._worker.spec.stage
-
-    @property
-    def device(self) -> int:
-        return self._worker.spec.device
-
-    @property
-    def coords(self) -> tuple[int, ...]:
-        """This device's position in the stage mesh."""
-        return self._worker.spec.coords
-
-    @property
-    def mesh_shape(self) -> tuple[int, ...]:
-        return self._worker.spec.mesh_shape
-
-    def all_reduce(self, tensor: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-        """Sum `tensor` over the stage mesh (or over mesh axis `axis` only); returns the sum, the
-        same bits on every device. Not differentiable; see `reduce_from_tp` / `copy_to_tp`."""
-        return self._worker.all_reduce(tensor, axis)
-
-    def reduce_from_tp(self, tensor: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-        """Tensor parallelism's "g": all-reduce forward, identity backward (after a row-parallel
-        linear layer)."""
-        return _AllReduce.apply(tensor, self._worker, axis, False)
-
-    def copy_to_tp(self, tensor: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-        """Tensor parallelism's "f": identity forward, all-reduce backward (before a
-        column-parallel linear layer whose input is replicated)."""
-        return _AllReduce.apply(tensor, self._worker, axis, True)
-
-
-class MicrobatchContext:
-    """Per-microbatch context: `saved` lives from this microbatch's forward to its backward."""
-
-    def __init__(self, stage_ctx: StageContext, microbatch: int, target: Any):
-        self.stage_ctx = stage_ctx
-        self.microbatch = microbatch
-        self.target = target
-        self.saved: dict[str, Any] = {}
-
-    def __getattr__(self, name: str) -> Any:  # state, stage, device, coords, all_reduce, ...
-        return getattr(self.stage_ctx, name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -433,7 +303,7 @@ class StageWorker:
                                 f"{'forward' if forward else 'backward'} ran {time.time() - start:.3g} s and "
                                 f"passed the iteration deadline ({it.spec.timeout_s:g} s)"
                             )
-                            it.fail(_error_info(ErrorKind.SLOW, spec, k, action.phase, late))
+                            it.fail(error_info(ErrorKind.SLOW, spec, k, action.phase, late))
                 end = time.time()
                 it.events.append(("forward" if forward else "backward", label, start, end))
                 it.held.append(len(self.saved))
@@ -446,7 +316,7 @@ class StageWorker:
                         it.wait(it.slots[p].done, f"send {payload_name(p)} after {label} on stage {spec.stage}")
             except BaseException as exc:  # noqa: BLE001 - a deadline or an internal error: stop computing
                 it.fail(
-                    _error_info(
+                    error_info(
                         ErrorKind.TIMEOUT if isinstance(exc, TimeoutError) else ErrorKind.INTERNAL,
                         spec,
                         k,
@@ -462,7 +332,7 @@ class StageWorker:
         it.current = "finished computing"
         if len(self.saved) and not it.errors:
             left = RuntimeError(f"{len(self.saved)} saved contexts left")
-            it.fail(_error_info(ErrorKind.INTERNAL, spec, None, None, left))
+            it.fail(error_info(ErrorKind.INTERNAL, spec, None, None, left))
         self.saved.clear()
         it.one_done()
 
@@ -516,7 +386,7 @@ class StageWorker:
         except StageFailure:
             raise
         except BaseException as exc:  # noqa: BLE001 - the user's callable failed
-            raise StageFailure(_error_info(ErrorKind.USER, spec, k, phase, exc)) from exc
+            raise StageFailure(error_info(ErrorKind.USER, spec, k, phase, exc)) from exc
 
     def _check_out(self, t, shape, what: str, k: int, name: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -592,7 +462,7 @@ class StageWorker:
         receives with zeros, and let the driver re-create the communicators before the next run."""
         it.broken_lanes.add(lane)
         kind = ErrorKind.TIMEOUT if isinstance(exc, TimeoutError | ReshardTimeout) else ErrorKind.TRANSFER
-        info = _error_info(kind, self.spec, p.microbatch, p.phase, exc)
+        info = error_info(kind, self.spec, p.microbatch, p.phase, exc)
         info["transfer"] = f"{role.value} {payload_name(p)}"
         it.fail(info)
         channel = self.spec.lane_channels[lane]
@@ -614,20 +484,6 @@ def _as_float(y) -> float:
     if isinstance(y, torch.Tensor):
         return float(y.detach().sum()) if y.numel() else math.nan
     return float(y)
-
-
-def _error_info(kind: ErrorKind, spec: WorkerSpec, microbatch, phase, exc: BaseException) -> dict:
-    return {
-        "kind": kind.value,
-        "stage": spec.stage,
-        "device": spec.device,
-        "microbatch": microbatch,
-        "phase": None if phase is None else phase.value,
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "time": time.time(),
-    }
 
 
 # ----------------------------------------------------------------------------------------------
