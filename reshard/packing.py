@@ -36,7 +36,7 @@ from reshard.program import (
     Group,
     Program,
     Scale,
-    group_key,
+    group_of,
     op_box,
     op_numel,
     reads_output,
@@ -102,7 +102,7 @@ def pack_batch(
     devices = []
     for d in sorted(set(parts) | set(mine)):
         ordered, windows, staging = _windows(mine[d], d, window_ops, window_bytes, window_staging_bytes)
-        connect = [group_key(b.group) for b in ordered]
+        connect = [group_of(b.group) for b in ordered]
         for part in parts[d]:
             connect += part.program.connect
         devices.append(

@@ -141,7 +141,7 @@ LOCAL_OPS = (Copy, Pull, Scale, Publish)
 MESSAGE_OPS = (Send, Recv, Broadcast)
 
 
-def group_key(devices) -> Group:
+def group_of(devices) -> Group:
     """The communicator of a set of devices: their sorted tuple (a device's rank is its index)."""
     return tuple(sorted(int(d) for d in devices))
 
@@ -264,4 +264,4 @@ class Program:
 
 def first_use_groups(ops) -> tuple[Group, ...]:
     """The communicators of ``ops`` in order of first use."""
-    return tuple(dict.fromkeys(group_key(op.group) for op in ops if isinstance(op, MESSAGE_OPS)))
+    return tuple(dict.fromkeys(group_of(op.group) for op in ops if isinstance(op, MESSAGE_OPS)))

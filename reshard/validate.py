@@ -23,7 +23,7 @@ from reshard.program import (
     Scale,
     Send,
     first_use_groups,
-    group_key,
+    group_of,
     op_box,
     op_numel,
     reads_output,
@@ -428,7 +428,7 @@ def validate_batch(batch: BatchProgram) -> None:
                 if span[0] < 0 or span[1] > p.staging_bytes or any(a < span[1] and span[0] < e for a, e in spans):
                     raise PlanError(f"device {p.device} bucket {b.step}: staging {span} overlaps or exceeds its buffer")
                 spans.append(span)
-        used = [group_key(b.group) for b in p.buckets]
+        used = [group_of(b.group) for b in p.buckets]
         for part in p.parts:
             used += first_use_groups(part.program.ops)
         if set(p.connect) != set(used) or len(set(p.connect)) != len(p.connect):

@@ -24,7 +24,7 @@ import numpy as np
 
 from reshard.batch import BatchDeviceProgram, Bucket
 from reshard.errors import ReshardTimeout
-from reshard.program import Broadcast, Buffer, Copy, Pull, Recv, Scale, Send, group_key
+from reshard.program import Broadcast, Buffer, Copy, Pull, Recv, Scale, Send, group_of
 from reshard.regions import box_shape
 from reshard.runtime import arrays
 from reshard.runtime.executor import PreparedProgram, Run, begin_run, box_index, prepare, run_windows
@@ -73,7 +73,7 @@ def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> Pre
 
 
 def _prepare_bucket(b: Bucket, device: int) -> PreparedBucket:
-    key = group_key(b.group)
+    key = group_of(b.group)
     root = key.index(b.group[0])
     peer = -1
     if len(b.group) == 2:

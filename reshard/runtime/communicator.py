@@ -13,8 +13,7 @@ import contextlib
 from dataclasses import dataclass
 
 from reshard.errors import ReshardError
-
-Group = tuple[int, ...]
+from reshard.program import Group
 
 
 class PeerFailed(ReshardError):

@@ -31,7 +31,7 @@ from reshard.program import (
     Recv,
     Scale,
     Send,
-    group_key,
+    group_of,
     op_shape,
 )
 from reshard.runtime import arrays
@@ -240,7 +240,7 @@ def _step(op, device: int) -> Step:
     key = root = peer = None
     group = getattr(op, "group", None)
     if group is not None:
-        key = group_key(group)
+        key = group_of(group)
         root = key.index(group[0])
         other = group[1] if group[0] == device else group[0]
         peer = key.index(other) if isinstance(op, Send | Recv) else -1

@@ -20,7 +20,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from reshard.runtime.communicator import Backend, Communicator, Group, Rendezvous
+from reshard.program import Group, group_of
+from reshard.runtime.communicator import Backend, Communicator, Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ GroupKey = tuple[str, Group]
 
 
 def group_key(devices, channel: str = RESHARD_CHANNEL) -> GroupKey:
-    return channel, tuple(sorted(int(d) for d in devices))
+    """The key of the communicator of ``devices`` (``reshard.program.group_of``) on ``channel``."""
+    return channel, group_of(devices)
 
 
 # ------------------------------------------------------------------------------------- controller

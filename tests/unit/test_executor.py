@@ -34,7 +34,7 @@ from reshard import Layout, Replicate, Shard, validate_program
 from reshard.compile import CompileOptions, compile_reshard
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.placement import Partial
-from reshard.program import Broadcast, Publish, Recv, Send, group_key
+from reshard.program import Broadcast, Publish, Recv, Send, group_of
 from reshard.runtime import arrays
 from reshard.runtime.communicator import Communicator, PeerFailed
 from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
@@ -226,7 +226,7 @@ def test_every_device_lands_exactly_its_destination_shard(problem, shared, windo
         np.testing.assert_array_equal(got[d], full[tuple(slice(lo, hi) for lo, hi in box)])
     kinds = {Send: "send", Recv: "recv", Broadcast: "broadcast"}
     for p in compiled.program.devices:  # issued as written: every message, in program order
-        want = [(kinds[type(op)], group_key(op.group)) for w in p.issue_windows for op in w if isinstance(op, MESSAGES)]
+        want = [(kinds[type(op)], group_of(op.group)) for w in p.issue_windows for op in w if isinstance(op, MESSAGES)]
         assert [i[:2] for i in fabric.issued[p.device]] == want, p.device
 
 
@@ -501,5 +501,5 @@ def test_a_batch_runs_its_buckets_then_its_parts_exactly(as_torch, window_ops):
             np.testing.assert_array_equal(got, fulls[t][tuple(slice(lo, hi) for lo, hi in box)])
     for d, issued in fabric.issued.items():
         want = [b.group for b in compiled.program.for_device(d).buckets]
-        assert [g for _, g, _, _ in issued[: len(want)]] == [tuple(g) for g in map(group_key, want)]
+        assert [g for _, g, _, _ in issued[: len(want)]] == [tuple(g) for g in map(group_of, want)]
     assert first_mismatch({d: dst[("checks", d)] for d in (0, 1, 2, 3)}) is None

@@ -22,7 +22,9 @@ def test_an_abort_of_an_older_generation_leaves_the_newer_one():
 
     cache.abort_generations([(key, 2)], "its own run failed")
     assert cache.generation(key) is None
-    assert store.get(new.info["prefix"] + "abort") == b"device 0: its own run failed"  # members waiting to join are told
+    assert (
+        store.get(new.info["prefix"] + "abort") == b"device 0: its own run failed"
+    )  # members waiting to join are told
 
 
 def test_abort_without_a_generation_tears_down_whatever_is_there():
