@@ -33,7 +33,7 @@ from reshard.runtime.batches import BatchRun, execute_batch, first_mismatch, pre
 from reshard.runtime.binding import Binding, checked_out
 from reshard.runtime.communicator import Backend, PeerFailed
 from reshard.runtime.deadlines import monotonic_of
-from reshard.runtime.device_context import ActiveRun, Channel, ControllerState, DeviceContext, set_torch_threads
+from reshard.runtime.device_context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
 from reshard.runtime.groups import group_key
 from reshard.runtime.messages import COMMIT_WAIT_S, RunRequest, RunResult, Ticket, Updates
 from reshard.serialize import decode_batch_device_program
@@ -219,8 +219,8 @@ class DeviceRole:
             if bound is None:
                 raise ReshardError(f"device {ctx.device}: binding {req.binding} is not cached here and was not shipped")
             binding = Binding(ctx, req, bound, prepared)
-            channel = Channel(state.groups, "")
-            batch = ctx.backend.grouped if ctx.backend.batches else None
+            channel = state.groups.channel("")
+            batch = ctx.backend.batcher
             runs = binding.runs(channel, state.staging, deadline, active.cancelled, ctx.before_op, batch)
             state.groups.connect(keys, deadline - time.monotonic())
             state.staging.reserve(prepared.staging_bytes)

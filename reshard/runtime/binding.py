@@ -72,8 +72,9 @@ class Binding:
             tmp = None
             if prog.tmp:
                 tmp = self.tmps[tensor] = ctx.store.allocate(prog.src_shape, dtype)
-            runs[tensor] = Run(prepared, src, dst, peers, groups, staging, deadline, before_op, tmp, batch, relayed,
-                               publish)  # fmt: skip
+            runs[tensor] = Run(prepared, src=src, dst=dst, groups=groups, staging=staging, deadline=deadline,
+                               peers=peers, tmp=tmp, before_op=before_op, batch=batch, relayed=relayed,
+                               publish=publish)  # fmt: skip
         if bound.pulls:
             ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
         return runs

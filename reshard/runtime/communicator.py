@@ -110,6 +110,12 @@ class Backend(abc.ABC):
         where ``batches``; elsewhere each runs as it is issued)."""
         return contextlib.nullcontext()
 
+    @property
+    def batcher(self):
+        """What a run issues each window of operations through: ``grouped`` where the backend
+        ``batches``, else None (each operation runs as it is issued)."""
+        return self.grouped if self.batches else None
+
     @abc.abstractmethod
     def rendezvous(self, groups: list[Group], actors: dict[int, object]) -> list[Rendezvous]:
         """Driver side: rendezvous information for ``groups`` (``actors`` maps device id -> actor handle)."""

@@ -266,11 +266,11 @@ class DeviceContext:
         try:
             if groups is None:
                 state.groups.connect(keys, timeout_s)
-                groups = Channel(state.groups, "")
+                groups = state.groups.channel("")
             state.staging.reserve(program.staging_bytes)
             tmp = self.store.allocate(program.src_shape, prepared.dtype) if program.tmp else None
-            run = Run(prepared, src, dst, peers or {}, groups, state.staging, deadline, self.before_op, tmp,
-                      self.backend.grouped if self.backend.batches else None)  # fmt: skip
+            run = Run(prepared, src=src, dst=dst, groups=groups, staging=state.staging, deadline=deadline,
+                      peers=peers, tmp=tmp, before_op=self.before_op, batch=self.backend.batcher)  # fmt: skip
             stats = execute(run)
             run = None  # the scratch buffer's other reference
             self.store.recycle(tmp)
@@ -280,16 +280,6 @@ class DeviceContext:
             raise
         finally:
             state.staging.trim()
-
-
-class Channel:
-    """The communicators of one channel of a ``GroupCache``, by device tuple (what a run uses)."""
-
-    def __init__(self, groups: GroupCache, channel: str):
-        self.groups, self.channel = groups, channel
-
-    def get(self, devices) -> Communicator:
-        return self.groups.get((self.channel, devices))
 
 
 def _torch_placement(p):

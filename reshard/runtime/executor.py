@@ -125,14 +125,14 @@ class Run:
     ``relayed(holder, after)``: the holder's destination shard once it published ``after`` slices,
     ``publish(count)``: tell pullers this device published ``count`` (relays, ``reshard.pulls``)."""
 
-    def __init__(self, prepared, src, dst, peers, groups, staging, deadline, before_op=None, tmp=None, batch=None,
-                 relayed=None, publish=None):  # fmt: skip
+    def __init__(self, prepared, *, src, dst, groups, staging, deadline, peers=None, tmp=None, before_op=None,
+                 batch=None, relayed=None, publish=None):  # fmt: skip
         self.prepared = prepared
         self.device = prepared.device
         self.src = src
         self.dst = dst
         self.tmp = tmp  # scratch of the source shard's shape, where contributions combine (Partial)
-        self.peers = peers
+        self.peers = peers or {}
         self.groups = groups
         self.staging = staging
         self.dtype = prepared.dtype  # the dtype name

@@ -116,6 +116,16 @@ class _Entry:
     comm: Communicator | None = None
 
 
+class Channel:
+    """The communicators of one channel of a ``GroupCache``, by device tuple: what a run uses."""
+
+    def __init__(self, groups: GroupCache, channel: str):
+        self.groups, self.channel = groups, channel
+
+    def get(self, devices) -> Communicator:
+        return self.groups.get((self.channel, group_of(devices)))
+
+
 class GroupCache:
     """Actor side, one per controller: this device's communicators by group key, created when a
     program connects them. Thread-safe: the controller's ordered calls use it one at a time, and an
@@ -180,6 +190,10 @@ class GroupCache:
                 else:  # dropped or aborted meanwhile
                     c.abort()
             self.stats["created"] += len(todo)
+
+    def channel(self, name: str) -> Channel:
+        """The communicators of channel ``name``, by device tuple (``Channel``)."""
+        return Channel(self, name)
 
     def get(self, key: GroupKey) -> Communicator:
         """This device's communicator for ``key`` (connected earlier by ``connect``)."""

@@ -50,16 +50,6 @@ LANE_STAGING_KEEP_BYTES = 1 << 20
 # what a lane hands the runtime's executor
 
 
-class _LaneGroups:
-    """A lane's communicators, by device tuple, from the controller's cache on this device."""
-
-    def __init__(self, worker: StageWorker, channel: str):
-        self.worker, self.channel = worker, channel
-
-    def get(self, devices):
-        return self.worker.communicator(self.channel, devices)
-
-
 # ----------------------------------------------------------------------------------------------
 # one iteration's shared state
 
@@ -410,15 +400,24 @@ class StageWorker:
         prepared = self.prepared[(lane, role)]
         program = prepared.program
         staging = self.staging[(lane, role)]
-        groups = _LaneGroups(self, self.spec.lane_channels[lane])
+        groups = self.groups.channel(self.spec.lane_channels[lane])
 
         def run(src, dst) -> None:
             staging.reserve(program.staging_bytes)
             try:
                 deadline = time.monotonic() + max(it.remaining_s(), 1e-3)
-                backend = self.device_ctx.backend
-                batch = backend.grouped if backend.batches else None
-                execute(Run(prepared, src, dst, {}, groups, staging, deadline, self.device_ctx.before_op, None, batch))
+                execute(
+                    Run(
+                        prepared,
+                        src=src,
+                        dst=dst,
+                        groups=groups,
+                        staging=staging,
+                        deadline=deadline,
+                        before_op=self.device_ctx.before_op,
+                        batch=self.device_ctx.backend.batcher,
+                    )
+                )
             finally:
                 staging.trim()
 

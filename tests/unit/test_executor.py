@@ -180,8 +180,22 @@ def run_all(compiled, dtype: str, sources: dict, *, deadline_s=30.0, before_op=N
         if break_buffers is not None:
             src, out = break_buffers(d, src, out)
         try:
-            execute(Run(p, src, out, peers, groups, staging, deadline, before_op, tmp, batch and batch(d, fabric),
-                        relayed, publish))  # fmt: skip
+            execute(
+                Run(
+                    p,
+                    src=src,
+                    dst=out,
+                    groups=groups,
+                    staging=staging,
+                    deadline=deadline,
+                    peers=peers,
+                    tmp=tmp,
+                    before_op=before_op,
+                    batch=batch and batch(d, fabric),
+                    relayed=relayed,
+                    publish=publish,
+                )
+            )
             dst[d] = out
         except BaseException as e:
             errors[d] = e
@@ -450,7 +464,7 @@ def run_batch(compiled, sources: dict, *, as_torch: bool = False, deadline_s: fl
             if as_torch:
                 src = None if src is None else arrays.as_torch(src, pp.dtype)
                 out = None if out is None else arrays.as_torch(out, pp.dtype)
-            runs[part.tensor] = Run(pp, src, out, {}, groups, staging, deadline)
+            runs[part.tensor] = Run(pp, src=src, dst=out, groups=groups, staging=staging, deadline=deadline)
         try:
             stats = execute_batch(BatchRun(p, runs, groups, staging, deadline), verify=True)
             dst.update({(t, d): r.dst for t, r in runs.items() if r.dst is not None})
