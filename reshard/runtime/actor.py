@@ -61,9 +61,9 @@ class DeviceRole:
 
     def reshard_attach(self, device: int, backend: Backend, options: dict) -> dict:
         """Become device ``device`` (once): set up the device context; returns ``reshard_ready()``."""
-        if getattr(self, "_reshard_ctx", None) is not None:
+        if (ctx := _attached_or_none(self)) is not None:
             raise RuntimeError(
-                f"this actor is device {self._reshard_ctx.device} of a mesh already; "
+                f"this actor is device {ctx.device} of a mesh already; "
                 "detach it (DeviceMesh.shutdown) before attaching it again"
             )
         threads = int(options.get("torch_threads", 0))
@@ -76,20 +76,19 @@ class DeviceRole:
     @property
     def reshard_device(self) -> DeviceContext:
         """This actor's device context (shards, ``share``/``local``/``empty``/DTensor helpers)."""
-        if getattr(self, "_reshard_ctx", None) is None:
-            raise RuntimeError("this actor is not a device of any mesh yet (DeviceMesh.from_actors attaches it)")
-        return self._reshard_ctx
+        return _attached(self)
 
     def reshard_ready(self) -> dict:
+        ctx = _attached(self)
         rc = ray.get_runtime_context()
         return {
-            "device": self._reshard_ctx.device,
+            "device": ctx.device,
             "pid": os.getpid(),
             "node_id": rc.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
-            "torch_device": self._reshard_ctx.device_type,
-            "shared_memory": self._reshard_ctx.shared is not None,
-            "board": None if self._reshard_ctx.board is None else self._reshard_ctx.board.descriptor,
+            "torch_device": ctx.device_type,
+            "shared_memory": ctx.shared is not None,
+            "board": None if ctx.board is None else ctx.board.descriptor,
         }
 
     def reshard_ping(self) -> None:
@@ -102,7 +101,7 @@ class DeviceRole:
         only, from the object store; index None: zeros of the box's shape) as shard ``name``. All
         or none: a failure, or an abort of the load (named by its first shard), keeps nothing.
         Returns each shard's shared-memory descriptor (None: private) by name."""
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached(self)
         run = entries[0][0]
         with ctx.inbox.turn(ticket, deadline, f"loading {run}"):
             _check_deadline(ctx.device, deadline, f"loading {run}")
@@ -131,22 +130,23 @@ class DeviceRole:
 
     def reshard_fetch(self, name: str) -> np.ndarray:
         """Shard ``name`` as a numpy array (bfloat16 as its int16 bit pattern)."""
-        t = self._reshard_ctx.store.get(name)
+        ctx = _attached(self)
+        t = ctx.store.get(name)
         if t is None:
-            raise KeyError(f"device {self._reshard_ctx.device} holds no shard {name!r} (it was freed)")
+            raise KeyError(f"device {ctx.device} holds no shard {name!r} (it was freed)")
         return t if arrays.is_numpy(t) else arrays.as_numpy(t.detach().cpu())
 
     # A hold or free still in flight when the mesh closed finds no shards left: nothing to do.
 
     def reshard_acquire(self, ticket: Ticket, name: str, holder: str) -> bool:
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached_or_none(self)
         if ctx is None:
             return False
         with ctx.inbox.turn(ticket, NO_DEADLINE):
             return ctx.store.acquire(name, holder)
 
     def reshard_release(self, ticket: Ticket, name: str, holder: str) -> None:
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached_or_none(self)
         if ctx is None:
             return
         with ctx.inbox.turn(ticket, NO_DEADLINE):
@@ -154,7 +154,7 @@ class DeviceRole:
 
     def reshard_holds(self, ticket: Ticket, changes) -> None:
         """Holds taken and let go, in order: ``(acquire, name, holder)`` each."""
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached_or_none(self)
         if ctx is None:
             return
         with ctx.inbox.turn(ticket, NO_DEADLINE):
@@ -162,7 +162,7 @@ class DeviceRole:
                 (ctx.store.acquire if acquire else ctx.store.release)(name, holder)
 
     def reshard_free(self, ticket: Ticket, *names: str) -> int:
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached_or_none(self)
         if ctx is None:
             return 0
         with ctx.inbox.turn(ticket, NO_DEADLINE):
@@ -172,7 +172,7 @@ class DeviceRole:
 
     def reshard_update(self, ticket: Ticket, updates: Updates, connect=(), deadline: float = NO_DEADLINE) -> None:
         """Apply controller updates; then connect ``connect`` (group keys, in that order)."""
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached(self)
         with ctx.inbox.turn(ticket, deadline, "a group update"):
             state = ctx.controller(ticket.controller)
             state.apply(updates)
@@ -185,14 +185,14 @@ class DeviceRole:
 
     def reshard_run(self, req: RunRequest) -> RunResult:
         t0 = time.monotonic()
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached(self)
         state = ctx.controller(req.ticket.controller)
         with ctx.inbox.turn(req.ticket, req.deadline, f"the reshard {req.run}"):
             state.apply(req.updates)  # bookkeeping is never lost, even when the run is dropped
             return DeviceRole._reshard_run(self, req, state, t0)
 
     def _reshard_run(self, req: RunRequest, state: ControllerState, t0: float) -> RunResult:
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached(self)
         deadline = monotonic_of(req.deadline)
         keys: list = []
         binding = None
@@ -253,7 +253,7 @@ class DeviceRole:
         """What this device holds under each of ``names``: its local shape, dtype name,
         shared-memory descriptor, and what its owner said of it (``DeviceContext.share``: global
         ``shape``, ...)."""
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached(self)
         with ctx.inbox.turn(ticket, deadline, f"describing {len(names)} shard(s)"):
             out = []
             for name in names:
@@ -274,7 +274,7 @@ class DeviceRole:
         or none do; a device that cannot read them (cut off from the controller, which owns them)
         waits for them, up to ``COMMIT_WAIT_S`` after the deadline, and only then keeps its old
         values without them."""
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached(self)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
             failed = _failed_vote(votes, monotonic_of(deadline) + COMMIT_WAIT_S, verify)
             try:
@@ -295,7 +295,7 @@ class DeviceRole:
         """The controller gave up on run ``run``: a part of it still to come keeps nothing, shards
         it made (``drop``) go now, and if it is still running here its groups are aborted (peers
         blocked on them fail at once); then the given group generations are dropped."""
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached(self)
         if run is not None:
             ctx.store.tombstone(run, drop)
         state = ctx.controllers.get(controller)
@@ -311,7 +311,7 @@ class DeviceRole:
 
     def reshard_call(self, ticket: Ticket, fn, args, kwargs, deadline: float):
         """Run ``fn(ctx, *args, **kwargs)`` on this device in the controller's order."""
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached(self)
         with ctx.inbox.turn(ticket, deadline, f"call({getattr(fn, '__name__', fn)})"):
             ctx._local.controller = ticket.controller
             try:
@@ -320,7 +320,7 @@ class DeviceRole:
                 ctx._local.controller = None
 
     def reshard_stats(self) -> dict:
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached(self)
         groups = {}
         programs = []
         for cid, state in list(ctx.controllers.items()):
@@ -343,7 +343,7 @@ class DeviceRole:
     def reshard_close(self) -> None:
         """Leave the mesh: close the communicators and drop the shards (a user's own tensors it
         shared stay theirs); the actor may be attached again."""
-        ctx = getattr(self, "_reshard_ctx", None)
+        ctx = _attached_or_none(self)
         if ctx is None:
             return
         for state in ctx.controllers.values():
@@ -386,6 +386,19 @@ class DeviceActor(DeviceRole):
     @ray.method(concurrency_group=CONTROL)
     def reshard_close(self) -> None:
         DeviceRole.reshard_close(self)
+
+
+def _attached_or_none(actor) -> DeviceContext | None:
+    """The device context of ``actor`` (any actor the ``DeviceRole`` calls run on), None before it
+    was attached."""
+    return getattr(actor, "_reshard_ctx", None)
+
+
+def _attached(actor) -> DeviceContext:
+    ctx = _attached_or_none(actor)
+    if ctx is None:
+        raise RuntimeError("this actor is not a device of any mesh yet (DeviceMesh.from_actors attaches it)")
+    return ctx
 
 
 def _failed_vote(votes, until: float, verify: bool) -> str | None:
