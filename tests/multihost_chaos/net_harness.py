@@ -16,7 +16,10 @@ step carries a fault, cycling through every (fault, phase) combination in a seed
 - ``DRIVER_CUT``: the driver's own host (the head: GCS, the gloo store) cut for ``CUT_S``;
 - ``NODE_LOSS``: every process of one host other than the head SIGKILLed (raylet, workers, the
   devices); the host stays gone for the rest of the run (the test builds a fresh cluster for the
-  next segment of a long run).
+  next segment of a long run);
+- ``LONG_CUT``: a host other than the head cut until Ray declares its node dead (its default
+  health checks: tens of seconds), then its link up again: the host comes back to a cluster that
+  has given it up (its raylet ends itself and its workers); gone for the rest of the run too.
 
 Phases: ``BEFORE`` (in place when the step is submitted) and ``DURING`` (a device of the victim
 host tells the driver, through a file, that it is at its first op of the run and holds there; the
@@ -36,7 +39,7 @@ Invariants after every step (each breach is a violation in the result):
 5. a whole-model sync leaves the destination shards of every tensor, on every surviving device,
    all old or all new, never a mix (checksums before and after, per tensor and device); all old
    when it raised, all new when it returned;
-6. after a node loss, a mesh over a lost device raises ``WorkerDied``/``MeshClosed`` at once
+6. after a node loss or a long cut, a mesh over a lost device raises ``WorkerDied``/``MeshClosed`` at once
    (within its timeout + 2 s), and the meshes over the other hosts keep working (4 and the
    following steps);
 7. none of our sockets (the driver's, the device actors') listens on a wildcard address.
@@ -62,11 +65,13 @@ import numpy as np
 
 from bench.emulate import _netns_ids, _pids_in, host_addresses, namespace_listeners, scenario_main
 
-FAULTS = ("link cut", "slow link", "partition", "driver cut", "node loss")
+FAULTS = ("link cut", "slow link", "partition", "driver cut", "node loss", "long cut")
+LOSSES = ("node loss", "long cut")  # the host is gone afterwards: once per run each, at a chosen step
 PHASES = ("before", "during")
 TIMEOUT_S = {"none": 30.0, "link cut": 2.0, "partition": 2.0, "driver cut": 2.0, "slow link": 60.0,
-             "node loss": 20.0}  # fmt: skip
+             "node loss": 20.0, "long cut": 2.0}  # fmt: skip
 CUT_S = (1.0, 4.0)  # a cut lasts one of these (chosen per step): ends before or after the step's deadline
+LONG_CUT_MAX_S = 120.0  # a long cut waits this long at most for Ray to declare the host's node dead
 SLOW_FACTOR = 10
 TARGET_S = 2.0  # a failed call raises within timeout_s + this
 #: What a failed ``out=`` sync says became of the outputs (``Runtime.finish_batch``), and what the
@@ -199,6 +204,7 @@ class Injection:
         self.lifted = threading.Event()
         self.at: float | None = None
         self.error: str | None = None
+        self.dead_after_s: float | None = None  # a long cut: when Ray declared the node dead
         self._timer: threading.Timer | None = None
 
     def apply(self) -> None:
@@ -207,6 +213,9 @@ class Injection:
         if f in ("link cut", "driver cut"):
             net.link(self.host, False)
             self._later(lambda: net.link(self.host, True))
+        elif f == "long cut":
+            net.link(self.host, False)
+            self._after_node_death(lambda: net.link(self.host, True))
         elif f == "partition":
             net.route(self.host, self.peer, True)
             self._later(lambda: net.route(self.host, self.peer, False))
@@ -228,6 +237,33 @@ class Injection:
 
         self._timer = threading.Timer(self.cut_s, run)
         self._timer.start()
+
+    def _after_node_death(self, undo) -> None:
+        """``undo`` once Ray has declared the host's node dead (``dead_after_s``: how long after
+        the cut), or after ``LONG_CUT_MAX_S`` (an error: the cut was never taken for a death)."""
+        import ray
+
+        address = self.net.addresses[self.host]
+
+        def dead() -> bool:
+            return any(n["NodeManagerAddress"] == address and not n["Alive"] for n in ray.nodes())
+
+        def run():
+            try:
+                while not dead():
+                    if time.monotonic() - self.at > LONG_CUT_MAX_S:
+                        self.error = f"Ray did not declare host {self.host} dead within {LONG_CUT_MAX_S:g} s"
+                        break
+                    time.sleep(0.2)
+                else:
+                    self.dead_after_s = round(time.monotonic() - self.at, 2)
+                undo()
+            except Exception as e:  # reported as a harness failure
+                self.error = str(e)
+            self.lifted.set()
+
+        self.cut_s = LONG_CUT_MAX_S
+        threading.Thread(target=run, daemon=True).start()
 
     def lift(self) -> None:
         """After the call: put the rate back; wait for a timed fault to end (an event)."""
@@ -332,13 +368,13 @@ class NetChaos:
 
     # ------------------------------------------------------------------ schedule
 
-    def schedule(self, steps: int, node_loss_at: int | None):
-        combos = [(f, p) for f in FAULTS if f != "node loss" for p in PHASES]
+    def schedule(self, steps: int, losses: dict[int, str]):
+        combos = [(f, p) for f in FAULTS if f not in LOSSES for p in PHASES]
         bag: list = []
         out = []
         for i in range(steps):
-            if i == node_loss_at:
-                out.append(("node loss", self.rng.choice(PHASES)))
+            if i in losses:
+                out.append((losses[i], self.rng.choice(PHASES)))
             elif i % 2 == 0:
                 out.append(("none", None))
             else:
@@ -348,8 +384,8 @@ class NetChaos:
                 out.append(bag.pop())
         return out
 
-    def run(self, steps: int, node_loss_at: int | None, progress: bool = False) -> None:
-        for i, (fault, phase) in enumerate(self.schedule(steps, node_loss_at)):
+    def run(self, steps: int, losses: dict[int, str], progress: bool = False) -> None:
+        for i, (fault, phase) in enumerate(self.schedule(steps, losses)):
             began = time.monotonic()
             try:
                 self.step(i, fault, phase)
@@ -373,7 +409,7 @@ class NetChaos:
         rng = self.rng
         alive = sorted(self.alive_hosts)
         victim_host = peer = None
-        if fault == "node loss":
+        if fault in LOSSES:
             candidates = [h for h in alive if h != 0]
             victim_host = rng.choice(candidates) if candidates else None
         elif fault == "driver cut":
@@ -464,7 +500,7 @@ class NetChaos:
             injection.lift()
             if injection.error:
                 self.violate(i, "harness", f"{fault}: {injection.error}")
-        if fault == "node loss" and injection is not None and injection.at is not None:
+        if fault in LOSSES and injection is not None and injection.at is not None:
             self.bury(victim_host)
         if hook is not None and victim_host in self.alive_hosts:
             with contextlib.suppress(Exception):
@@ -482,7 +518,7 @@ class NetChaos:
         retry_s = None
         dead_s = None
         if landed:
-            if fault == "node loss":
+            if fault in LOSSES:
                 dead_s = self.check_dead_mesh(i, victim_host)
             retry_s = self.retry(i, src, src_mesh, dst_layouts, arrays, step_hosts, tree, shared)
         if tree:
@@ -499,6 +535,7 @@ class NetChaos:
             "shared_memory": shared, "hosts": step_hosts, "outcome": outcome, "message": message,
             "seconds": round(seconds, 4), "timeout_s": timeout_s, "retry_s": retry_s, "dead_mesh_s": dead_s,
             "first_retry_failed": any(f["step"] == i for f in self.first_retry_failures),
+            "node_dead_after_s": injection.dead_after_s if injection else None,
             "nbytes": int(nbytes),
         })  # fmt: skip
 
@@ -784,7 +821,7 @@ def _same(got, want) -> bool:
 
 
 def chaos(steps: int, seed: int, namespaces: list, veths: list, root_pid: int, rate_kbit: int,
-          node_loss_at: int | None = None, progress: bool = False) -> dict:  # fmt: skip
+          losses: dict | None = None, progress: bool = False) -> dict:  # fmt: skip
     from ray import cloudpickle
 
     import tests.multihost.runtime_scenarios as rs
@@ -795,7 +832,7 @@ def chaos(steps: int, seed: int, namespaces: list, veths: list, root_pid: int, r
     run = NetChaos(seed, net)
     started_s = time.monotonic() - t0
     try:
-        run.run(steps, node_loss_at, progress)
+        run.run(steps, {int(i): f for i, f in (losses or {}).items()}, progress)
         run.final_checks()
     except Exception:
         pass  # recorded as a violation

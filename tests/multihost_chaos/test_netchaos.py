@@ -55,7 +55,7 @@ def _run_segment(steps: int, seed: int, verbose: bool) -> dict:
             "veths": [f"{emulate.PREFIX}{c.token}v{k}" for k in range(HOSTS)],
             "root_pid": os.getpid(),
             "rate_kbit": round(NIC_GBIT * 1e6),
-            "node_loss_at": steps * 3 // 4 if steps >= 8 else None,
+            "losses": {steps // 2: "long cut", steps * 3 // 4: "node loss"} if steps >= 8 else {},
             "progress": verbose,
         }
         done = c.run([sys.executable, str(SCRIPT), "chaos", json.dumps(kwargs)], timeout_s=120 + 60 * steps)
@@ -79,7 +79,7 @@ def _pct(values, q):
 
 def summarize(records: list[dict]) -> dict:
     by_kind = {}
-    for kind in ("none", "link cut", "slow link", "partition", "driver cut", "node loss"):
+    for kind in ("none", "link cut", "slow link", "partition", "driver cut", "node loss", "long cut"):
         recs = [r for r in records if r["fault"] == kind]
         if not recs:
             continue
@@ -153,4 +153,4 @@ def test_faults_between_hosts():
     assert summary["steps"] == STEPS
     landed = {r["fault"] for r in records if r["landed"]}
     if STEPS >= 24:
-        assert landed >= {"link cut", "slow link", "partition", "driver cut", "node loss"}, landed
+        assert landed >= {"link cut", "slow link", "partition", "driver cut", "node loss", "long cut"}, landed
