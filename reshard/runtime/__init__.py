@@ -17,7 +17,7 @@ from reshard.runtime.communicator import Backend, Communicator, Rendezvous
 from reshard.runtime.driver import runtime
 from reshard.runtime.loading import adopt, distribute
 from reshard.runtime.mesh import DeviceMesh
-from reshard.runtime.resharding import lowered_batch, lowered_reshard, reshard
+from reshard.runtime.resharding import compile_options, lowered_batch, lowered_reshard, reshard
 from reshard.runtime.tensor import ShardedTensor
 from reshard.runtime.work import Work
 
@@ -57,7 +57,7 @@ def runtime_stats() -> dict:
 
 __all__ = [
     "BACKENDS", "Backend", "Communicator", "DeviceContext", "DeviceMesh", "DeviceRole", "Rendezvous", "ShardedTensor",
-    "Work", "adopt", "device_of", "distribute", "ensure_groups", "lowered_batch", "lowered_reshard",
+    "Work", "adopt", "compile_options", "device_of", "distribute", "ensure_groups", "lowered_batch", "lowered_reshard",
     "register_backend", "reshard", "runtime", "runtime_stats", "settle",
 ]  # fmt: skip
 

@@ -259,7 +259,6 @@ class DeviceContext:
             if t is None:
                 raise ValueError("run_program needs dtype= when neither src nor dst is given")
             dtype = arrays.dtype_of(t)
-        prepared = prepare(program, dtype)
         state = self.controller(self.caller)
         keys = [group_key(g) for g in program.connect]
         deadline = time.monotonic() + timeout_s
@@ -267,19 +266,44 @@ class DeviceContext:
             if groups is None:
                 state.groups.connect(keys, timeout_s)
                 groups = state.groups.channel("")
-            state.staging.reserve(program.staging_bytes)
-            tmp = self.store.allocate(program.src_shape, prepared.dtype) if program.tmp else None
-            run = Run(prepared, src=src, dst=dst, groups=groups, staging=state.staging, deadline=deadline,
-                      peers=peers, tmp=tmp, before_op=self.before_op, batch=self.backend.batcher)  # fmt: skip
-            stats = execute(run)
-            run = None  # the scratch buffer's other reference
-            self.store.recycle(tmp)
-            return stats
+            return ProgramRunner(self, program, dtype, groups, state.staging)(src, dst, deadline, peers)
         except BaseException:
             state.groups.abort(keys, "its program failed")
             raise
+
+    def runner(self, program: DeviceProgram, dtype: str, *, channel: str, staging_keep_bytes: int) -> ProgramRunner:
+        """``program`` prepared once, to run many times on the calling controller's communicators
+        of ``channel`` with a staging buffer of its own (a pipeline lane: one thread each)."""
+        groups = self.controller(self.caller).groups.channel(channel)
+        return ProgramRunner(self, program, dtype, groups, StagingBuffer(self.device_type, staging_keep_bytes))
+
+
+class ProgramRunner:
+    """One ``DeviceProgram`` of this device, prepared once: ``runner(src, dst, deadline)`` runs it
+    (monotonic ``deadline``) over ``src``/``dst`` tensors and returns its stats. Its buffers,
+    communicators and hooks are this device's; the staging buffer is trimmed after each run."""
+
+    def __init__(self, ctx: DeviceContext, program: DeviceProgram, dtype: str, groups, staging: StagingBuffer):
+        self.ctx, self.groups, self.staging = ctx, groups, staging
+        self.prepared = prepare(program, dtype)
+
+    @property
+    def program(self) -> DeviceProgram:
+        return self.prepared.program
+
+    def __call__(self, src, dst, deadline: float, peers=None) -> dict:
+        ctx, program = self.ctx, self.prepared.program
+        try:
+            self.staging.reserve(program.staging_bytes)
+            tmp = ctx.store.allocate(program.src_shape, self.prepared.dtype) if program.tmp else None
+            run = Run(self.prepared, src=src, dst=dst, groups=self.groups, staging=self.staging, deadline=deadline,
+                      peers=peers, tmp=tmp, before_op=ctx.before_op, batch=ctx.backend.batcher)  # fmt: skip
+            stats = execute(run)
+            run = None  # the scratch buffer's other reference
+            ctx.store.recycle(tmp)
+            return stats
         finally:
-            state.staging.trim()
+            self.staging.trim()
 
 
 def _torch_placement(p):

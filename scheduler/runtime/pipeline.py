@@ -52,12 +52,9 @@ from typing import Any
 import numpy as np
 
 from reshard.compile import compile_reshard
-from reshard.errors import ReshardError, ReshardTimeout
+from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.regions import layout_regions
-from reshard.runtime.dispatch import failure_error
-from reshard.runtime.driver import runtime
-from reshard.runtime.messages import FailureKind
-from reshard.runtime.resharding import compile_options
+from reshard.runtime import compile_options, runtime
 from scheduler.ir import Schedule
 from scheduler.pipeline_plan import Lane, PipelinePlan, plan_pipeline
 from scheduler.runtime.results import IterationResult, TimelineEvent
@@ -168,7 +165,6 @@ class Pipeline:
         self.stage_of = seen
         self.devices = [d for m in self.meshes for d in m.device_ids]
         self._lane_programs = self._lower_lanes()
-        self._records = {r.id: r for s in self.stages for r in s.mesh.records}
         self._keys: list = []  # the pipeline's communicator keys, pinned while it lives
         self._installed = False
         self._connected = False
@@ -281,32 +277,23 @@ class Pipeline:
                        "setting up the stage workers (setup callables)")  # fmt: skip
             self._installed = True
 
-    def _call(self, devices, fn, args_of, timeout_s: float, what: str, *, wait: bool = True):
-        """Ordered ``call(fn, *args_of(device))`` on ``devices``; their results in that order."""
-        rt = runtime()
-        deadline = time.monotonic() + timeout_s
-        wall = time.time() + timeout_s
-        refs = {}
-        with rt.lock:
-            for d in devices:
-                rec = self._records[d]
-                args = args_of(d)
-                refs[d] = rt.submit(
-                    rec, lambda t, rec=rec, args=args: rec.actor.reshard_call.remote(t, fn, args, {}, wall)
-                )
-        outcome = rt.wait(refs, deadline, what)
-        if outcome.ok:
-            return [outcome.results[d] for d in devices]
-        if outcome.died or outcome.pending:
+    def _call(self, devices, fn, args_of, timeout_s: float, what: str):
+        """Ordered ``call(fn, *args_of(device))`` on ``devices``; their results in that order. A
+        device that died or did not answer leaves the workers' state unknown: they are set up again
+        before the next use."""
+        try:
+            out = runtime().call({d: (fn, args_of(d), {}) for d in devices}, timeout_s, what)
+        except (WorkerDied, ReshardTimeout) as e:
             self._installed = self._connected = False
             self._forget_groups()
-        errors = [f for f in outcome.failures.values() if f.kind is FailureKind.ERROR]
-        if errors and not outcome.died:
-            err = errors[0].error
-            raise PipelineError(f"{what} failed: {type(err).__name__}: {err}") from err
-        if outcome.pending and not outcome.failures:
-            raise PipelineTimeout(f"{what}: no answer within {timeout_s:g} s", kind=ErrorKind.TIMEOUT)
-        raise failure_error(outcome, what, timeout_s)
+            if isinstance(e, WorkerDied):
+                raise
+            raise PipelineTimeout(f"{what}: {e}", kind=ErrorKind.TIMEOUT) from e
+        except ReshardError:
+            raise
+        except Exception as e:  # a device's own error (Runtime.call raises it as is)
+            raise PipelineError(f"{what} failed: {type(e).__name__}: {e}") from e
+        return [out[d] for d in devices]
 
     def _forget_groups(self) -> None:
         """Drop this pipeline's communicators everywhere (new ones are set up before the next run)."""

@@ -36,8 +36,6 @@ from typing import Any
 import torch
 
 from reshard.errors import ReshardTimeout
-from reshard.runtime.arrays import torch_dtype
-from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
 from scheduler.ir import Payload, Phase
 from scheduler.pipeline_plan import Lane, payload_name
 from scheduler.runtime.specs import ErrorKind, IterationSpec, Role, StageFailure, WorkerSpec, error_info
@@ -150,15 +148,15 @@ class StageWorker:
         self.spec = spec
         self.device_ctx = device_ctx
         self.groups = groups  # the controller's GroupCache on this device
-        self.torch_device = getattr(device_ctx, "torch_device", torch.device("cpu"))
-        self.dtype = torch_dtype(spec.dtype)
+        self.torch_device = device_ctx.torch_device
+        self.dtype = getattr(torch, spec.dtype)
         self.ctx = StageContext(self)
-        self.prepared = {
-            (lane, role): prepare(program, spec.dtype)
+        self.runners = {
+            (lane, role): device_ctx.runner(program, spec.dtype, channel=spec.lane_channels[lane],
+                                            staging_keep_bytes=LANE_STAGING_KEEP_BYTES)
             for role, programs in ((Role.SEND, spec.send_programs), (Role.RECV, spec.recv_programs))
             for lane, program in programs.items()
-        }
-        self.staging = {key: StagingBuffer(str(self.torch_device), LANE_STAGING_KEEP_BYTES) for key in self.prepared}
+        }  # fmt: skip
         self.lanes: dict[tuple[Lane, str], _LaneThread] = {}
         for lane in spec.send_programs:
             self.lanes[(lane, Role.SEND)] = _LaneThread(self, lane, Role.SEND)
@@ -397,29 +395,11 @@ class StageWorker:
         if lane in it.broken_lanes:
             self._fill_broken(it, role, p)
             return
-        prepared = self.prepared[(lane, role)]
-        program = prepared.program
-        staging = self.staging[(lane, role)]
-        groups = self.groups.channel(self.spec.lane_channels[lane])
+        runner = self.runners[(lane, role)]
+        program = runner.program
 
         def run(src, dst) -> None:
-            staging.reserve(program.staging_bytes)
-            try:
-                deadline = time.monotonic() + max(it.remaining_s(), 1e-3)
-                execute(
-                    Run(
-                        prepared,
-                        src=src,
-                        dst=dst,
-                        groups=groups,
-                        staging=staging,
-                        deadline=deadline,
-                        before_op=self.device_ctx.before_op,
-                        batch=self.device_ctx.backend.batcher,
-                    )
-                )
-            finally:
-                staging.trim()
+            runner(src, dst, time.monotonic() + max(it.remaining_s(), 1e-3))
 
         if role is Role.SEND:
             it.wait(slot.ready, f"the output {payload_name(p)} to send")
