@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import itertools
 import threading
+from typing import TYPE_CHECKING
 
 import ray
 
+if TYPE_CHECKING:
+    from topology.cluster import LinkFigures
+
 KV_NAMESPACE = "reshard"
 _LINKS_LOCK = threading.Lock()
-_LINKS: dict[frozenset, object] = {}  # node set -> topology.cluster.LinkFigures, latest last
+_LINKS: dict[frozenset, LinkFigures] = {}  # node set -> its latest measurement, latest last
 _LINKS_GENERATION = [0]
 
 

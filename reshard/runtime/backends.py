@@ -40,7 +40,7 @@ def check_gpus_per_device(gpus) -> float:
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    target: object  # a Backend subclass or "module:Class"
+    target: type[Backend] | str  # a Backend subclass or "module:Class"
     device_type: str = "cpu"
     gpus_per_device: float = 0.0
 
@@ -58,7 +58,9 @@ BACKENDS: dict[str, BackendSpec] = {
 }
 
 
-def register_backend(name: str, target, *, device_type: str = "cpu", gpus_per_device: float = 0.0) -> None:
+def register_backend(
+    name: str, target: type[Backend] | str, *, device_type: str = "cpu", gpus_per_device: float = 0.0
+) -> None:
     """Register a ``Backend`` subclass (or ``"module:Class"``) under ``name``."""
     BACKENDS[name] = BackendSpec(target, device_type, gpus_per_device)
 

@@ -64,7 +64,7 @@ def place(n_hosts: int, per_host: int, nodes, per_device: dict[str, float], time
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-    base = {"num_cpus": per_device.get("CPU", 0.0), "num_gpus": per_device.get("GPU", 0.0)}
+    base: dict[str, object] = {"num_cpus": per_device.get("CPU", 0.0), "num_gpus": per_device.get("GPU", 0.0)}
     custom = {k: v for k, v in per_device.items() if k not in ("CPU", "GPU")}
     if custom:
         base["resources"] = custom

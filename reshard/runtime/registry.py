@@ -95,10 +95,11 @@ class DeviceRegistry:
         with self.lock:
             out = []
             for _ in range(n):
-                if not self._left_in_block:
-                    self._ids = itertools.count(claim("devices", uuid.uuid4().hex) * ID_BLOCK)
+                ids = self._ids
+                if ids is None or not self._left_in_block:
+                    ids = self._ids = itertools.count(claim("devices", uuid.uuid4().hex) * ID_BLOCK)
                     self._left_in_block = ID_BLOCK
-                out.append(next(self._ids))
+                out.append(next(ids))
                 self._left_in_block -= 1
             return out
 

@@ -52,7 +52,7 @@ class IterationResult:
         def med(xs: Sequence[float]) -> float:
             return statistics.fmean(xs) if xs else 0.0
 
-        kwargs = {
+        kwargs: dict[str, list[float] | dict[Lane, float]] = {
             "forward_s": [med(self.forward_s[s]) for s in range(n)],
             "backward_s": [med(self.backward_s[s]) for s in range(n)],
             "transfer_s": [med(self.transfer_s.get((b, b + 1), [])) for b in range(n - 1)],

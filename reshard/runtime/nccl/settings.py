@@ -96,12 +96,12 @@ def agreed_settings(group: Group, reports: Mapping[int, tuple[Mapping[str, str],
     keys = set(SHARED_SETTINGS)
     for _, applied in reports.values():
         keys.update(k for k in applied if k not in PER_PROCESS_SETTINGS)
-    keys = sorted(keys)
+    ordered = sorted(keys)
     first = group[0]
-    want = {k: reports[first][0].get(k) for k in keys}
+    want = {k: reports[first][0].get(k) for k in ordered}
     for d in group[1:]:
-        got = {k: reports[d][0].get(k) for k in keys}
-        diff = {k: (want[k], got[k]) for k in keys if want[k] != got[k]}
+        got = {k: reports[d][0].get(k) for k in ordered}
+        diff = {k: (want[k], got[k]) for k in ordered if want[k] != got[k]}
         if diff:
             a = ", ".join(f"{k}={v[0]}" for k, v in diff.items())
             b = ", ".join(f"{k}={v[1]}" for k, v in diff.items())
