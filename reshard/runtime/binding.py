@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime import arrays
@@ -20,6 +21,10 @@ from reshard.runtime.batches import PreparedBatch
 from reshard.runtime.communicator import PeerFailed
 from reshard.runtime.executor import Run
 from reshard.runtime.messages import Bound, RunRequest, shard_name
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 class Binding:
@@ -30,9 +35,9 @@ class Binding:
         self.req = req
         self.bound = bound
         self.prepared = prepared
-        self.dsts: dict[int, object] = {}  # tensor -> destination (a new shard, or the user's tensor)
+        self.dsts: dict[int, np.ndarray | torch.Tensor] = {}  # tensor -> destination (new shard, or the user's tensor)
         self.slots: dict[int, int] = {}  # tensor -> relay board slot
-        self.tmps: dict[int, object] = {}
+        self.tmps: dict[int, np.ndarray | torch.Tensor] = {}
         self.pulled: dict[int, dict] = {}  # tensor -> {holder: descriptor of the shard pulled from}
         self.relayed: dict[int, dict] = {}  # tensor -> {holder: descriptor of the destination shard relayed from}
 

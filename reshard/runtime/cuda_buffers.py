@@ -24,6 +24,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 # ncclDataType_t values (nccl.h; stable since NCCL 2.0, bfloat16 since 2.10).
 NCCL_INT8 = 0
@@ -192,7 +193,7 @@ def gpu_stack_problems(
     cupy_dists: list[tuple[str, str]],
     nccl_libraries: list[str],
     cupy_nccl: tuple[int, int, int] | None,
-    torch_nccl: tuple[int, int, int] | None,
+    torch_nccl: tuple[int, ...] | None,
 ) -> list[str]:
     """What is wrong with this process's GPU libraries (empty: nothing found). Arguments: installed
     cupy distributions ``(name, version)``, paths of the libnccl files mapped into the process, and
@@ -237,7 +238,8 @@ def installed_cupy_distributions() -> list[tuple[str, str]]:
 
     out = []
     for dist in metadata.distributions():
-        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        # typeshed gives PackageMetadata get() from 3.12 on; on 3.10 the object is an email Message, which has it
+        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")  # type: ignore[attr-defined]
         if _CUPY_DIST.match(name):
             out.append((name, dist.version))
     return out
@@ -404,7 +406,7 @@ class StagingBuffer:
     def __init__(self, cuda_device: int):
         self.cuda_device = cuda_device
         self.alloc = SegmentAllocator()
-        self._buffers: dict[int, object] = {}  # generation -> cupy uint8 array; old ones kept until reset
+        self._buffers: dict[int, Any] = {}  # generation -> cupy uint8 array (untyped); old ones kept until reset
 
     @property
     def capacity_bytes(self) -> int:

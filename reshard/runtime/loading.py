@@ -121,7 +121,8 @@ def distribute(array, layout, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
         _one_layout,
         "distribute: the tree of layouts does not match the tree of tensors",
     )
-    arrays, specs = [], []
+    arrays: list[np.ndarray] = []
+    specs: list[tuple] = []
     for path, a, lay in zip(paths, leaves, given, strict=True):
         if _is_dtensor(a):
             a, lay = _from_dtensor(a, lay, path)

@@ -128,11 +128,12 @@ class AssemblyBuffer:
         """``nbytes`` of the buffer (grown if needed), or None: in use, or the size is out of bounds."""
         if self.busy or not ASSEMBLY_MIN_BYTES <= nbytes <= self.keep_bytes:
             return None
-        if self.nbytes < nbytes:
-            self.buf = None  # free first: never hold two
-            self.buf = np.empty(nbytes, dtype=np.uint8)
+        buf = self.buf
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.buf = None  # free first: never hold two
+            buf = self.buf = np.empty(nbytes, dtype=np.uint8)
         self.busy = True
-        return self.buf[:nbytes]
+        return buf[:nbytes]
 
     def give(self) -> None:
         self.busy = False

@@ -116,7 +116,7 @@ class SharedShards:
         try:
             os.ftruncate(fd, HEADER + nbytes)
             if data is not None:
-                view = memoryview(data)
+                view = data.data
                 done = 0
                 while done < nbytes:
                     done += os.pwrite(fd, view[done:], HEADER + done)
@@ -141,7 +141,9 @@ class SharedShards:
         if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
             return None
         block = self.blocks.get(base_address(a))
-        mapping = None if block is None else block[3]()
+        if block is None:
+            return None
+        mapping = block[3]()
         if mapping is None or block[2] != a.nbytes:
             return None
         return block, np.frombuffer(mapping, dtype=np.uint64, count=1)
@@ -193,7 +195,7 @@ class RelayBoard:
             raise
         self._fd = fd
         self.descriptor = (os.getpid(), fd, inode)
-        self.slots = np.frombuffer(self._mapping, dtype=np.uint64).reshape(BOARD_SLOTS, 8)
+        self.slots: np.ndarray | None = np.frombuffer(self._mapping, dtype=np.uint64).reshape(BOARD_SLOTS, 8)
         self._next = itertools.count()
         self._lock = threading.Lock()
 
@@ -203,7 +205,7 @@ class RelayBoard:
         after the slices: x86 makes a process's stores visible to others in order (``available``)."""
         with self._lock:
             slot = next(self._next) % BOARD_SLOTS
-        row = self.slots[slot]
+        row = self._rows()[slot]
         row[_KEY] = 0
         row[_COUNT] = 0
         row[_FD], row[_INODE], row[_TENURE] = block[1], block[2], block[4]
@@ -211,10 +213,15 @@ class RelayBoard:
         return slot
 
     def post(self, slot: int, count: int) -> None:
-        self.slots[slot, _COUNT] = count
+        self._rows()[slot, _COUNT] = count
 
     def fail(self, slot: int) -> None:
-        self.slots[slot, _COUNT] = FAILED
+        self._rows()[slot, _COUNT] = FAILED
+
+    def _rows(self) -> np.ndarray:
+        if self.slots is None:
+            raise RuntimeError("relay board used after close()")
+        return self.slots
 
     def close(self) -> None:
         self.slots = None
