@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from reshard.errors import ReshardError
 from reshard.program import Group
@@ -23,10 +25,10 @@ class PeerFailed(ReshardError):
 
 @dataclass(frozen=True, slots=True)
 class Rendezvous:
-    """What every member of ``group`` needs to join it; ``info`` is backend-specific msgpack-able data."""
+    """What every member of ``group`` needs to join it; ``info`` is a msgpack-able map with backend-defined keys."""
 
     group: Group
-    info: object
+    info: Mapping[str, Any]
 
 
 class Done:
@@ -124,7 +126,7 @@ class Backend(abc.ABC):
     def connect(self, rendezvous: Rendezvous, device: int, timeout_s: float) -> Communicator:
         """Actor side: this device's communicator for the group."""
 
-    def connect_many(self, rendezvous: list[Rendezvous], device: int, timeout_s: float) -> list[Communicator]:
+    def connect_many(self, rendezvous: list[Rendezvous], device: int, timeout_s: float) -> Sequence[Communicator]:
         """Actor side: this device's communicators for several groups, in order (a backend may
         set them up together; by default one after the other)."""
         return [self.connect(r, device, timeout_s) for r in rendezvous]

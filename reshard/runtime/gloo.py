@@ -34,9 +34,13 @@ import socket
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime.communicator import Backend, Communicator, Group, PeerFailed, Rendezvous
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 _MIN_WAIT_S = 1e-3
 JOIN_POLL_S = 0.05  # how often a member waiting for its group's peers looks for an abort
@@ -127,9 +131,10 @@ class GlooCommunicator(Communicator):
     def _issue(self, what: str, issue, tensor, peer: int) -> GlooWork:
         pg = self.pg
         if pg is None or self.failed:
+            state = "closed" if pg is None else f"broken ({self.failed})"
             raise ReshardError(
-                f"device {self.device}: {what} on group {self.group} whose communicator is "
-                f"{'closed' if pg is None else 'broken (' + self.failed + ')'}; it must be re-created"
+                f"device {self.device}: {what} on group {self.group} whose communicator is {state}; "
+                "it must be re-created"
             )
         if not tensor.is_contiguous():
             raise ValueError(
@@ -190,18 +195,18 @@ class GlooBackend(Backend):
 
     def __init__(self, *, host: str | None = None):
         self.host = host  # the store's address; None: this process's node IP (loopback outside Ray)
-        self._master = None
-        self._master_host: str | None = None
+        self._master: TCPStore | None = None
+        self._master_host = ""  # the store's address, once it is open
         self._token = uuid.uuid4().hex[:8]
         self._counter = itertools.count(1)
-        self._clients: dict[tuple[str, int], object] = {}
+        self._clients: dict[tuple[str, int], TCPStore] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self):
         return {"host": self.host}
 
     def __setstate__(self, state):
-        self.__init__(host=state["host"])
+        type(self).__init__(self, host=state["host"])
 
     # ---------------------------------------------------------------- controller side
 
@@ -312,7 +317,7 @@ class GlooBackend(Backend):
             left = deadline - time.monotonic()
             client.set_timeout(_td(left))
             store = dist.PrefixStore(prefix, client)
-            opts = ProcessGroupGloo._Options()
+            opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs know only Options
             hostname = os.environ.get("RESHARD_GLOO_HOSTNAME") or node_ip()
             opts._devices = [ProcessGroupGloo.create_device(hostname=hostname, lazy_init=False)]
             opts._timeout = _td(left)
