@@ -9,6 +9,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.runtime import cuda_buffers as cb
@@ -18,6 +19,7 @@ from reshard.runtime.nccl.aborts import peer_aborts
 from reshard.runtime.nccl.communicator import NcclCommunicator
 from reshard.runtime.nccl.ids import (
     RENDEZVOUS_INFO_VERSION,
+    RendezvousInfo,
     _member_info_on_actor,
     _uid_arg,
     _uid_bytes,
@@ -120,7 +122,8 @@ class NcclBackend(Operations, Backend):
         }  # fmt: skip
 
     def __setstate__(self, state):
-        self.__init__(
+        type(self).__init__(
+            self,
             env=state["env"], timeout_s=state["timeout_s"], cuda_device=state["cuda_device"],
             gpus_per_device=state.get("gpus_per_device", 1.0), gpu_sharing=state.get("gpu_sharing", "auto"),
         )  # fmt: skip
@@ -159,8 +162,9 @@ class NcclBackend(Operations, Backend):
         for g in dict.fromkeys(groups):
             per_host.setdefault(hosts[g], []).append(g)
         members = sorted({d for g in groups for d in g})
-        reports = {d: self._cached_member(d, actors[d]) for d in members}
-        ask = [d for d in members if d in per_host or reports[d] is None]
+        cached = {d: self._cached_member(d, actors[d]) for d in members}
+        ask = [d for d in members if d in per_host or cached[d] is None]
+        reports = {d: report for d, report in cached.items() if report is not None}
 
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -212,7 +216,7 @@ class NcclBackend(Operations, Backend):
         return hit[1]
 
     @staticmethod
-    def _group_info(group: Group, uid: bytes, host: int, reports: Mapping[int, dict]) -> dict:
+    def _group_info(group: Group, uid: bytes, host: int, reports: Mapping[int, dict]) -> RendezvousInfo:
         settings = agreed_settings(group, {d: (reports[d]["settings"], reports[d]["applied"]) for d in group})
         versions = {d: reports[d]["nccl"] for d in group}
         if len(set(versions.values())) > 1:
@@ -339,7 +343,7 @@ class NcclBackend(Operations, Backend):
             for c in [c for c in self._comms.values() if c.abort_requested]:
                 if batch is None or id(c) not in batch.comms:
                     c.abort()
-            if asked_in_batch:
+            if batch is not None and asked_in_batch:
                 self._fail(batch, None, timeout=False, aborted=True)
 
     def _after_release(self) -> None:
@@ -350,7 +354,7 @@ class NcclBackend(Operations, Backend):
             finally:
                 self._lock.release()
 
-    def _abort_raws(self, raws: list, infos: list[dict], rank_of: list[int]) -> None:
+    def _abort_raws(self, raws: list, infos: list[Mapping[str, Any]], rank_of: list[int]) -> None:
         """Abort half-made communicators (creation failed) and tell the other members."""
         for raw, info, rank in zip(raws, infos, rank_of, strict=False):
             if getattr(raw, "comm", 0):

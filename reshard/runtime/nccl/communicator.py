@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from reshard.errors import ReshardError
 from reshard.runtime import cuda_buffers as cb
 from reshard.runtime.communicator import Communicator, Group
@@ -13,7 +16,7 @@ class NcclCommunicator(Communicator):
     """This device's NCCL communicator for one group. Operations block until the data has arrived
     (or raise); inside ``backend.grouped()`` they are queued and the block's end waits for all."""
 
-    def __init__(self, backend, group: Group, rank: int, timeout_s: float, raw, info: dict):
+    def __init__(self, backend, group: Group, rank: int, timeout_s: float, raw, info: Mapping[str, Any]):
         super().__init__(group, rank, timeout_s)
         self._backend = backend  # the NcclBackend that created it: operations go through it
         self.raw = raw  # cupy.cuda.nccl.NcclCommunicator

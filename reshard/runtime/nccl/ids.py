@@ -3,10 +3,12 @@ that unique ids leave behind."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 from collections.abc import Iterable, Mapping
+from typing import TypedDict
 
 from reshard.runtime import cuda_buffers as cb
 from reshard.runtime.communicator import Group
@@ -17,6 +19,17 @@ log = logging.getLogger(__name__)
 
 
 RENDEZVOUS_INFO_VERSION = 2
+
+
+class RendezvousInfo(TypedDict):
+    """A ``Rendezvous.info`` of the NCCL backend: what every member of a group is told."""
+
+    v: int  # RENDEZVOUS_INFO_VERSION
+    uid: bytes
+    host: int  # the device whose process made the unique id (-1: this process)
+    settings: dict[str, str]  # the NCCL settings the members agreed on
+    abort_to: list[list]  # per rank: where its abort notices go
+    nccl: int  # the NCCL version code every member loads
 
 
 BOOTSTRAP_ROOT_THREAD = "NCCL BootstrapR"
@@ -89,14 +102,16 @@ def visible_gpu_count() -> int:
         return 0
 
 
+@functools.cache
+def _cupy_takes_bytes() -> bool:
+    import cupy
+
+    return int(cupy.__version__.split(".")[0]) >= 14
+
+
 def _uid_arg(uid: bytes):
     """cupy >= 14 takes the 128-byte id as bytes; older cupy as a tuple of signed chars."""
-    probe = getattr(_uid_arg, "_bytes", None)
-    if probe is None:
-        import cupy
-
-        probe = _uid_arg._bytes = int(cupy.__version__.split(".")[0]) >= 14
-    if probe:
+    if _cupy_takes_bytes():
         return bytes(uid)
     return tuple(b - 256 if b > 127 else b for b in bytes(uid))
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime import cuda_buffers as cb
@@ -28,11 +30,11 @@ STREAM_DRAIN_S = 5.0
 class _Batch:
     grouped: bool
     deadline: float | None
-    comms: dict = field(default_factory=dict)  # id -> NcclCommunicator
-    unpack: list = field(default_factory=list)  # (dst, staged, framework)
-    consumers: dict = field(default_factory=dict)  # stream ptr -> cupy stream
-    keep: list = field(default_factory=list)  # buffers referenced until completion
-    ops: list = field(default_factory=list)  # descriptions for error messages
+    comms: dict[int, NcclCommunicator] = field(default_factory=dict)  # id -> communicator
+    unpack: list[tuple[Any, Any, str]] = field(default_factory=list)  # (dst, staged, framework)
+    consumers: dict[int, Any] = field(default_factory=dict)  # stream ptr -> cupy stream
+    keep: list[Any] = field(default_factory=list)  # buffers referenced until completion
+    ops: list[str] = field(default_factory=list)  # descriptions for error messages
     staged: bool = False
     open: bool = False  # inside nccl.groupStart() and not yet ended
 
@@ -40,6 +42,23 @@ class _Batch:
 class Operations:
     """Issuing, polling and failing batches of NCCL operations; ``NcclBackend`` inherits these (they
     use its lock, staging, stream and communicators)."""
+
+    timeout_s: float
+    cuda_device: int | None
+    stats: dict[str, float]
+    _device: int | None
+    _stream: Any  # a cupy stream (cupy has no type information)
+    _staging: cb.StagingBuffer | None
+    _abandoned_staging: list[cb.StagingBuffer]
+    _tls: threading.local
+    _lock: threading.RLock
+
+    if TYPE_CHECKING:
+
+        def _call(self, fn: Callable[[], object], deadline: float, what: str) -> bool: ...
+        def _async_state(self, raw: Any, deadline: float) -> bool: ...
+        def _serve_abort_requests(self, batch: _Batch | None) -> None: ...
+        def _after_release(self) -> None: ...
 
     @contextlib.contextmanager
     def grouped(self, timeout_s: float | None = None) -> Iterator[None]:
@@ -107,9 +126,9 @@ class Operations:
             )
         if kind == "all_reduce":
             cb.nccl_reduce_args(view.dtype_name, view.numel, view.itemsize, arg)  # refuse before queuing
-        batch = getattr(self._tls, "batch", None)
+        batch: _Batch | None = getattr(self._tls, "batch", None)
         single = batch is None
-        if single:
+        if batch is None:
             batch = _Batch(grouped=False, deadline=None)
         if batch.deadline is None:
             batch.deadline = time.monotonic() + comm.timeout_s
@@ -134,7 +153,7 @@ class Operations:
         writes = kind in ("recv", "broadcast", "all_reduce")
         buf, bview = x, view
         if not view.contiguous:
-            buf = self._staging.segment_like(view, x)
+            buf = self._staging_buffer().segment_like(view, x)
             bview = cb.describe(buf)
             batch.staged = True
             if reads:
@@ -182,13 +201,16 @@ class Operations:
             s.wait_event(done)
         self._poll(batch, done)
         if batch.staged:
-            self._staging.reset()
+            self._staging_buffer().reset()
 
     def _poll(self, batch: _Batch, done) -> None:
         """Until the batch's calls left ``ncclInProgress`` (``done`` None) or ``done`` fired. Each
         round checks, in order: abort requests of other threads, peers' abort notices (before
         NCCL's own error: a peer's abort surfaces there as a remote error), asynchronous errors,
         the event, the deadline."""
+        deadline = batch.deadline
+        if deadline is None:
+            raise RuntimeError("an NCCL batch polled before its deadline was set")
         comms = list(batch.comms.values())
         aborts = peer_aborts()
         pause = 0.0
@@ -198,7 +220,7 @@ class Operations:
             busy = False
             for c in comms:
                 try:
-                    busy |= self._async_state(c.raw, batch.deadline)
+                    busy |= self._async_state(c.raw, deadline)
                 except Exception as e:
                     self._check_notices(batch, comms, aborts)
                     self._fail(batch, e, timeout=False)
@@ -210,7 +232,7 @@ class Operations:
                     self._fail(batch, e, timeout=False)
             if finished:
                 return
-            if time.monotonic() >= batch.deadline:
+            if time.monotonic() >= deadline:
                 self._fail(batch, None, timeout=True)
             time.sleep(pause)
             pause = min(max(2 * pause, 2e-5), 1e-3)
@@ -219,6 +241,11 @@ class Operations:
         if any(aborts.aborted(c.digest) for c in comms):
             self.stats["peer_aborts"] += 1
             self._fail(batch, None, timeout=False, peer=True)
+
+    def _staging_buffer(self) -> cb.StagingBuffer:
+        if self._staging is None:
+            raise RuntimeError(f"device {self._device}: the NCCL backend has no staging buffer before it connects")
+        return self._staging
 
     def _reset_staging_after_failure(self) -> None:
         """Staging is free again once the copies a failed batch queued on the stream have run; if
@@ -240,10 +267,10 @@ class Operations:
             log.error("device %s: copies queued on the NCCL stream did not finish within %.0fs after a failure; "
                       "its staging buffer is set aside", self._device, STREAM_DRAIN_S)  # fmt: skip
             self._abandoned_staging.append(self._staging)
-            self._staging = cb.StagingBuffer(self.cuda_device)
+            self._staging = cb.StagingBuffer(self._staging.cuda_device)
 
     def _fail(self, batch: _Batch, error: BaseException | None, *, timeout: bool, peer: bool = False,
-              aborted: bool = False):  # fmt: skip
+              aborted: bool = False) -> NoReturn:  # fmt: skip
         if batch.open:
             # never abort a communicator that an unfinished NCCL group still refers to: end it first
             _, nccl = cb.import_nccl()
