@@ -170,7 +170,7 @@ def _unpack(run: BatchRun, pb: PreparedBucket) -> None:
 def _crc(a) -> int:
     if not arrays.is_numpy(a):
         a = arrays.as_numpy(a.detach().cpu())
-    return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
 
 
 def checksums(run: BatchRun) -> list[tuple[int, int, str, int]]:
@@ -189,7 +189,7 @@ def checksums(run: BatchRun) -> list[tuple[int, int, str, int]]:
         for step in (*(s for w in r.prepared.windows for s in w), *r.prepared.background):
             op = step.op
             if isinstance(op, Send) or (isinstance(op, Broadcast) and op.read is not None):
-                out.append((tensor, op.step, "read", _crc(r.buffer(op.buffer)[step.read])))
+                out.append((tensor, op.step, "read", _crc(r.read_buffer(op)[step.read])))
             elif isinstance(op, Pull):
                 shard = r.peers[op.holder] if op.buffer is Buffer.SRC else r.relayed(op.holder, op.after)
                 out.append((tensor, op.step, "read", _crc(shard[step.read])))

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from reshard.program import (
     Buffer,
     Copy,
     DeviceProgram,
+    Op,
     Publish,
     Pull,
     Recv,
@@ -35,6 +37,9 @@ from reshard.program import (
     op_shape,
 )
 from reshard.runtime import arrays
+
+if TYPE_CHECKING:
+    import torch
 
 
 class StagingBuffer:
@@ -48,7 +53,7 @@ class StagingBuffer:
     def __init__(self, device: str, keep_bytes: int):
         self.device = str(device)  # "cpu" or a torch device string
         self.keep_bytes = keep_bytes
-        self.buf = None
+        self.buf: np.ndarray | torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -83,12 +88,15 @@ class StagingBuffer:
             self.buf = None
 
 
+OpT = TypeVar("OpT", bound=Op, covariant=True)
+
+
 @dataclass(frozen=True, slots=True)
-class Step:
+class Step(Generic[OpT]):
     """One op with everything precomputed: its handler, slices, communicator key and ranks."""
 
     handler: Callable
-    op: object
+    op: OpT
     read: tuple | None
     write: tuple | None
     key: tuple[int, ...] | None
@@ -105,8 +113,8 @@ class PreparedProgram:
 
     program: DeviceProgram
     dtype: str
-    windows: tuple[tuple[Step, ...], ...]
-    background: tuple[Step, ...]
+    windows: tuple[tuple[Step[Op], ...], ...]
+    background: tuple[Step[Op], ...]
     holders: tuple[int, ...] = ()
     publishes: bool = False
     messages: tuple[bool, ...] = ()
@@ -143,7 +151,7 @@ class Run:
         self.publish = publish
         self.comm_s = 0.0
 
-    def left(self, step: Step) -> float:
+    def left(self, step: Step[Op]) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise ReshardTimeout(f"device {self.device}: its deadline passed before step {step.op.step} ({step.op})")
@@ -152,29 +160,35 @@ class Run:
     def buffer(self, which: Buffer):
         return self.src if which is Buffer.SRC else self.dst if which is Buffer.DST else self.tmp
 
-    def comm(self, step: Step):
+    def comm(self, step: Step[Op]):
         comm = self.groups.get(step.key)
         comm.timeout_s = self.left(step)
         return comm
 
-    def outgoing(self, step: Step):
-        view = self.buffer(step.op.buffer)[step.read]
+    def read_buffer(self, op: Send | Broadcast):
+        """The buffer a send, or a broadcast's root, reads."""
+        if op.buffer is None:
+            raise ReshardError(f"device {self.device}: step {op.step} ({op}) reads no buffer (program bug)")
+        return self.buffer(op.buffer)
+
+    def outgoing(self, step: Step[Send | Broadcast]):
+        view = self.read_buffer(step.op)[step.read]
         if step.op.staging is None:
             return arrays.wire(_contiguous(view, step, self.device))
         t = self.staging.view(step.op.staging, self.dtype, step.shape)
         arrays.copy(t, view)
         return arrays.wire(t)
 
-    def incoming(self, step: Step):
+    def incoming(self, step: Step[Recv | Broadcast]):
         """Where a message lands: the target box itself, or its staging slot (strided, combined)."""
         if step.op.staging is None:
             return _contiguous(self.target(step)[step.write], step, self.device)
         return self.staging.view(step.op.staging, self.dtype, step.shape)
 
-    def target(self, step: Step):
+    def target(self, step: Step[Op]):
         return self.buffer(getattr(step.op, "target", Buffer.DST))
 
-    def land(self, step: Step, data) -> None:
+    def land(self, step: Step[Op], data) -> None:
         """Write (or combine, by the op's ``reduce``) ``data`` into the op's target box."""
         view = self.target(step)[step.write]
         reduce = getattr(step.op, "reduce", None)
@@ -183,8 +197,8 @@ class Run:
         else:
             arrays.combine(reduce, view, data, self.dtype)
 
-    def landed(self, step: Step, t) -> None:
-        if step.op.staging is not None:
+    def landed(self, step: Step[Op], t) -> None:
+        if getattr(step.op, "staging", None) is not None:
             self.land(step, t)
 
 
@@ -192,34 +206,34 @@ class Run:
 # A handler runs a local op, or issues a message and returns what to wait for: (work, landing)
 
 
-def _copy(run: Run, step: Step):
+def _copy(run: Run, step: Step[Copy]):
     run.land(step, run.buffer(step.op.buffer)[step.read])
 
 
-def _pull(run: Run, step: Step):
+def _pull(run: Run, step: Step[Pull]):
     op = step.op
     shard = run.peers[op.holder] if op.buffer is Buffer.SRC else run.relayed(op.holder, op.after)
     run.land(step, shard[step.read])
 
 
-def _publish(run: Run, step: Step):
+def _publish(run: Run, step: Step[Publish]):
     run.publish(step.op.count)
 
 
-def _scale(run: Run, step: Step):
+def _scale(run: Run, step: Step[Scale]):
     arrays.scale(run.dst[step.write], step.op.divisor, run.dtype)
 
 
-def _send(run: Run, step: Step):
+def _send(run: Run, step: Step[Send]):
     return run.comm(step).isend(run.outgoing(step), step.peer), None
 
 
-def _recv(run: Run, step: Step):
+def _recv(run: Run, step: Step[Recv]):
     t = run.incoming(step)
     return run.comm(step).irecv(arrays.wire(t), step.peer), t
 
 
-def _broadcast(run: Run, step: Step):
+def _broadcast(run: Run, step: Step[Broadcast]):
     if step.op.read is not None:
         return run.comm(step).ibroadcast(run.outgoing(step), step.root), None
     t = run.incoming(step)
@@ -236,7 +250,7 @@ def box_index(box):
     return None if box is None else (*(slice(lo, hi) for lo, hi in box), Ellipsis)
 
 
-def _step(op, device: int) -> Step:
+def _step(op: Op, device: int) -> Step[Op]:
     key = root = peer = None
     group = getattr(op, "group", None)
     if group is not None:
@@ -314,7 +328,7 @@ def _run_local(run: Run, steps) -> None:
         s.handler(run, s)
 
 
-def _run_window(run: Run, window: tuple[Step, ...]) -> None:
+def _run_window(run: Run, window: tuple[Step[Op], ...]) -> None:
     """Issue the window's ops in order (inside one backend batch when the backend batches and the
     window holds several), then wait for each and land what was staged. A publication runs in
     that second pass, once the ops before it have landed, while the window's later ops are in
@@ -345,7 +359,7 @@ def _run_window(run: Run, window: tuple[Step, ...]) -> None:
         run.comm_s += time.monotonic() - c0
 
 
-def _contiguous(view, step: Step, device: int):
+def _contiguous(view, step: Step[Op], device: int):
     if not arrays.contiguous(view):
         raise ReshardError(f"device {device}: step {step.op.step} slice is strided but not staged (program bug)")
     return view
