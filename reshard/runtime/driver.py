@@ -30,6 +30,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError
 from reshard.runtime.deadlines import wall_of
@@ -49,6 +50,10 @@ from reshard.runtime.program_cache import ProgramCache
 from reshard.runtime.registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.work import WorkQueue
 from topology.cluster import Cluster
+
+if TYPE_CHECKING:
+    from reshard.compile import CompiledBatch
+    from reshard.runtime.communicator import Backend, Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +79,7 @@ class Pending:
     """A submitted batch: its run calls and commit calls by device, and what finishing or
     abandoning it needs (``outs``: its results are for users' shards)."""
 
-    compiled: object
+    compiled: CompiledBatch
     run: str
     refs: dict
     commits: dict
@@ -94,13 +99,13 @@ class Runtime:
         self.programs = ProgramCache()
         self.bindings = ProgramCache()  # what each device's runs were bound to (``Bound``), by id
         self.groups = GroupTable()
-        self.backends: dict[str, object] = {}
+        self.backends: dict[str, Backend] = {}
         self.stats: Counter = Counter()
         self.last_run: dict = {}  # device -> RunResult of the last successful reshard
         self.works = WorkQueue()
         self._names = itertools.count(1)
         self._group_drops: dict[int, list] = {}
-        self._rendezvous: dict[GroupKey, object] = {}  # live group -> its rendezvous (to abort it)
+        self._rendezvous: dict[GroupKey, Rendezvous] = {}  # live group -> its rendezvous (to abort it)
         self._clusters: dict = {}
         self._live_cluster: Cluster | None = None
         self._submitting = False
@@ -229,8 +234,9 @@ class Runtime:
 
     # ---------------------------------------------------------------- reshards
 
-    def submit_batch(self, compiled, sources, run: str, deadline: float, what: str, timeout_s: float | None, *,
-                     outs=None, direct: bool = False, verify: bool = False) -> Pending:  # fmt: skip
+    def submit_batch(self, compiled: CompiledBatch, sources, run: str, deadline: float, what: str,
+                     timeout_s: float | None, *, outs=None, direct: bool = False,
+                     verify: bool = False) -> Pending:  # fmt: skip
         """Submit a compiled batch (``reshard.compile.compile_batch``): one ordered ``run`` call per
         participant. ``sources[t]``: tensor ``t``'s source shard name and ``{device: shared-memory
         descriptor}`` (for pulls); ``outs[t]``: the user's shard its result is for (None: a new
@@ -504,8 +510,8 @@ class Runtime:
         for acquire, devices, name, holder in changes:
             for d in devices:
                 per_device.setdefault(d, []).append((acquire, name, holder))
-        for d, mine in per_device.items():
-            mine = tuple(mine)
+        for d, calls in per_device.items():
+            mine = tuple(calls)
             self._fire([d], lambda rec, mine=mine: lambda t: rec.actor.reshard_holds.remote(t, mine))
 
     def acquire(self, devices, name: str, holder: str) -> None:

@@ -54,7 +54,8 @@ def _actor_class():
     if _ACTOR_CLASS is None:
         from reshard.runtime.actor import CONTROL, DeviceActor
 
-        _ACTOR_CLASS = ray.remote(concurrency_groups={CONTROL: 4})(DeviceActor)
+        # Ray's typed overloads of ray.remote omit the actor option concurrency_groups
+        _ACTOR_CLASS = ray.remote(concurrency_groups={CONTROL: 4})(DeviceActor)  # type: ignore[call-overload]
     return _ACTOR_CLASS
 
 
@@ -280,8 +281,8 @@ class DeviceMesh:
 
     @classmethod
     def _register(
-        cls, shape, axis_names, dph: int, ids, actors, infos: dict, name: str, instance, session, limits: tuple,
-        what: str, **flags,
+        cls, shape, axis_names, dph: int, ids, actors, infos: dict, name: str, instance, session,
+        limits: tuple[int, int], what: str, **flags,
     ) -> DeviceMesh:  # fmt: skip
         """The mesh over started devices (``infos``: what each said when ready): hosts are the
         devices' Ray nodes when they sit on several, else fresh logical hosts of ``dph`` devices;
@@ -436,7 +437,7 @@ class DeviceMesh:
                 raise KeyError(f"{n!r} is not an axis of {self!r}; its axes are {list(known)}")
         picked = [known.index(n) for n in names]
         shape = tuple(self.shape[a] for a in picked)
-        groups: dict[tuple[int, ...], list[int]] = {}
+        groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # other axes' coordinates -> (flat index, device)
         for flat, d in enumerate(self.device_ids):
             coords = self.mesh.coords(flat)
             groups.setdefault(tuple(c for a, c in enumerate(coords) if a not in picked), []).append((flat, d))

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from typing import TypeVar
+
+T = TypeVar("T")
 
 MAX_IDS = 1024  # compiled reshards this controller remembers ids for
 
@@ -32,7 +35,7 @@ class ProgramCache:
             self._ids.move_to_end(compiled)
         return pid
 
-    def to_ship(self, device: int, pid: int, blob: bytes, max_programs: int) -> bytes | None:
+    def to_ship(self, device: int, pid: int, blob: T, max_programs: int) -> T | None:
         """``blob`` when the device must receive program ``pid`` with this call, else None."""
         cache = self._cached.setdefault(device, OrderedDict())
         ship = not cache.get(pid, False)

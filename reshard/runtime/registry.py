@@ -19,6 +19,7 @@ import itertools
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from reshard.errors import MeshClosed, WorkerDied
 from reshard.runtime.messages import DeviceState
@@ -52,7 +53,7 @@ class DeviceRecord:
     """What a controller knows about one device actor."""
 
     id: int
-    actor: object
+    actor: Any  # a Ray ActorHandle of a DeviceActor: its remote methods resolve at run time
     host: int
     backend: str
     node_id: str
