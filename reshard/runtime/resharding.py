@@ -10,6 +10,7 @@ tensors, one commit call behind it), whatever the number of tensors. ``async_op=
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from reshard.compile import BatchItem, CompiledBatch, CompiledReshard, CompileOptions, compile_batch, planning_hosts
 from reshard.errors import ReshardError
@@ -108,7 +109,7 @@ class _Call:
 
     def items(self, shared_memory: bool) -> tuple[BatchItem, ...]:
         out = []
-        outs = self.outs or [None] * len(self.leaves)
+        outs: Sequence[ShardedTensor | None] = self.outs or [None] * len(self.leaves)
         for t, layout, dmesh, o in zip(self.leaves, self.layouts, self.dst_meshes, outs, strict=True):
             domains = tuple(sorted(memory_domains(t, dmesh).items())) if shared_memory else ()
             publishers = relay_publishers(dmesh, domains, o if self.direct else None)
@@ -197,7 +198,9 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
     the link figures' generation (a replay of a tree costs a lookup)."""
     from topology.runtime import links_generation
 
-    outs = call.outs if call.direct else [None] * len(call.leaves)
+    outs: Sequence[ShardedTensor | None] = (
+        call.outs if call.direct and call.outs is not None else [None] * len(call.leaves)
+    )
     key = (
         strategy, cluster, shared_memory, bucket_bytes, links_generation(), call.src_mesh.backend,
         tuple((t.layout, t.shape, t.dtype_name, frozenset(t._shared)) for t in call.leaves), tuple(call.layouts),
