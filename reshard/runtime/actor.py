@@ -115,7 +115,7 @@ class DeviceRole:
                         t[...] = 0
                     else:
                         t = ctx.store.allocate_destination(shape, dtype)
-                        arrays.copy(t, data[index][(*(slice(lo, hi) for lo, hi in box), Ellipsis)])
+                        arrays.copy(t, data[index][tuple(slice(lo, hi) for lo, hi in box) + (Ellipsis,)])
                         t = ctx.store.settle(t)
                     made.append(t)
                     t = None
@@ -229,7 +229,7 @@ class DeviceRole:
             ctx.counters["runs"] += 1
             run = BatchRun(prepared, runs, channel, state.staging, deadline, ctx.before_op, batch, ctx.after_run)
             stats = execute_batch(run, verify=req.verify)
-            run = runs = None  # the scratch buffers' other references
+            del run, runs  # the scratch buffers' other references
             binding.recycle()
             binding.settle(deadline, late_fails=req.commit)
             descriptors = binding.keep(prepared.metas)
@@ -364,15 +364,15 @@ class DeviceActor(DeviceRole):
         self.reshard_attach(device, backend, {"torch_threads": 1, **options})
 
     @ray.method(concurrency_group=CONTROL)
-    def reshard_ready(self) -> dict:
+    def reshard_ready(self) -> dict:  # type: ignore[override]  # ray.method makes it a remote method
         return DeviceRole.reshard_ready(self)
 
     @ray.method(concurrency_group=CONTROL)
-    def reshard_ping(self) -> None:
+    def reshard_ping(self) -> None:  # type: ignore[override]  # ray.method makes it a remote method
         """The empty call (a floor for latency measurements)."""
 
     @ray.method(concurrency_group=CONTROL)
-    def reshard_fetch(self, name: str) -> np.ndarray:
+    def reshard_fetch(self, name: str) -> np.ndarray:  # type: ignore[override]  # ray.method makes it a remote method
         return DeviceRole.reshard_fetch(self, name)
 
     @ray.method(concurrency_group=CONTROL)
@@ -380,11 +380,11 @@ class DeviceActor(DeviceRole):
         DeviceRole.reshard_abort_run(self, controller, run, drop, group_drops)
 
     @ray.method(concurrency_group=CONTROL)
-    def reshard_stats(self) -> dict:
+    def reshard_stats(self) -> dict:  # type: ignore[override]  # ray.method makes it a remote method
         return DeviceRole.reshard_stats(self)
 
     @ray.method(concurrency_group=CONTROL)
-    def reshard_close(self) -> None:
+    def reshard_close(self) -> None:  # type: ignore[override]  # ray.method makes it a remote method
         DeviceRole.reshard_close(self)
 
 

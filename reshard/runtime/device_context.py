@@ -118,6 +118,16 @@ class DeviceContext:
                 state = self.controllers[cid] = ControllerState(self)
             return state
 
+    def _calling(self, what: str) -> ControllerState:
+        """The state of the controller whose ``call`` runs on this thread (outside one: an error naming ``what``)."""
+        cid = self.caller
+        if cid is None:
+            raise RuntimeError(
+                f"device {self.device}: {what} uses the calling controller's state, and no controller is calling "
+                "on this thread: use it inside a function run through DeviceMesh.call"
+            )
+        return self.controller(cid)
+
     # ---------------------------------------------------------------- for functions run by ``call``
 
     @property
@@ -128,7 +138,7 @@ class DeviceContext:
     def communicator(self, group, channel: str = "") -> Communicator:
         """This device's communicator for ``group`` of the calling controller (set up by
         ``reshard.runtime.ensure_groups``), connected now if needed."""
-        state = self.controller(self.caller)
+        state = self._calling("communicator()")
         key = group_key(group, channel)
         state.groups.connect([key])
         return state.groups.get(key)
@@ -139,7 +149,8 @@ class DeviceContext:
         this call, never during it), mappings of peers' shards their owners let go of, and on a GPU
         torch's cached blocks. Returns the bytes freed of the first three (torch's are its own)."""
         freed = self.store.empty_cache()
-        state = self.controllers.get(self.caller)
+        caller = self.caller
+        state = None if caller is None else self.controllers.get(caller)
         if state is not None:
             freed += state.staging.nbytes
             state.staging.reserve(0)
@@ -259,7 +270,7 @@ class DeviceContext:
             if t is None:
                 raise ValueError("run_program needs dtype= when neither src nor dst is given")
             dtype = arrays.dtype_of(t)
-        state = self.controller(self.caller)
+        state = self._calling("run_program()")
         keys = [group_key(g) for g in program.connect]
         deadline = time.monotonic() + timeout_s
         try:
@@ -274,7 +285,7 @@ class DeviceContext:
     def runner(self, program: DeviceProgram, dtype: str, *, channel: str, staging_keep_bytes: int) -> ProgramRunner:
         """``program`` prepared once, to run many times on the calling controller's communicators
         of ``channel`` with a staging buffer of its own (a pipeline lane: one thread each)."""
-        groups = self.controller(self.caller).groups.channel(channel)
+        groups = self._calling("runner()").groups.channel(channel)
         return ProgramRunner(self, program, dtype, groups, StagingBuffer(self.device_type, staging_keep_bytes))
 
 
@@ -299,7 +310,7 @@ class ProgramRunner:
             run = Run(self.prepared, src=src, dst=dst, groups=self.groups, staging=self.staging, deadline=deadline,
                       peers=peers, tmp=tmp, before_op=ctx.before_op, batch=ctx.backend.batcher)  # fmt: skip
             stats = execute(run)
-            run = None  # the scratch buffer's other reference
+            del run  # the scratch buffer's other reference
             ctx.store.recycle(tmp)
             return stats
         finally:
