@@ -179,12 +179,15 @@ class Pipeline:
         for a in range(self.n_stages - 1):
             b = a + 1
             src, dst = self.stages[a], self.stages[b]
+            out_layout, in_layout = src.out_layout, dst.in_layout
+            if out_layout is None or in_layout is None:
+                raise ValueError(f"stages {a} and {b} need stage {a}'s out_layout and stage {b}'s in_layout")
             hosts = device_hosts(src.mesh.mesh, dst.mesh.mesh)
             cluster = runtime().planning_cluster(dst.mesh.backend, hosts)
             options = compile_options(dst.mesh.backend)
             for lane, (shape, s_layout, d_layout) in (
-                ((a, b), (src.out_shape, src.out_layout, dst.in_layout)),
-                ((b, a), (dst.in_shape, dst.in_layout, src.out_layout)),
+                ((a, b), (src.out_shape, out_layout, in_layout)),
+                ((b, a), (dst.in_shape, in_layout, out_layout)),
             ):
                 compiled = compile_reshard(
                     shape, src.dtype, s_layout, d_layout, strategy=self.strategy, cluster=cluster, options=options
@@ -356,7 +359,7 @@ class Pipeline:
         inputs = list(inputs)
         if len(inputs) != m:
             raise ValueError(f"inputs: expected one array per microbatch ({m}), got {len(inputs)}")
-        if stage0.in_layout is None:
+        if stage0.in_layout is None or stage0.in_shape is None:
             raise ValueError("inputs given but stage 0 declares no in_shape/in_layout to shard them with")
         regions = layout_regions(stage0.in_layout, stage0.in_shape)
         out: dict[int, list] = {d: [] for d in self.meshes[0].device_ids}

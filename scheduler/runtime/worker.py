@@ -197,8 +197,10 @@ class StageWorker:
             return tensor
         comm = self.communicator(self.spec.stage_channel, group)
         it = self.iteration
-        running = it is not None and not it.finished.is_set()
-        comm.timeout_s = max(it.remaining_s(), 1e-3) if running else self.spec.timeout_s
+        if it is not None and not it.finished.is_set():
+            comm.timeout_s = max(it.remaining_s(), 1e-3)
+        else:
+            comm.timeout_s = self.spec.timeout_s
         total = tensor.contiguous().clone()
         comm.all_reduce(total, "sum")
         return total
@@ -231,7 +233,7 @@ class StageWorker:
         if it is None:
             return {"state": "idle"}
         it.finished.wait(max(0.0, wait_s))
-        status = {
+        status: dict[str, object] = {
             "state": "done" if it.finished.is_set() else "running",
             "stage": self.spec.stage,
             "device": self.spec.device,
