@@ -27,7 +27,8 @@ bench: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
-# Formatting, lint, types of the pure layer ([tool.mypy]), import layers ([tool.importlinter]).
+# Formatting, lint, types (topology/, reshard/, scheduler/, runtime included: [tool.mypy]), import layers
+# ([tool.importlinter]).
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
