@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 #: How long after a run's deadline a destination device waits to read every participant's result
 #: before it commits (all succeeded) or keeps its old values (one failed). Past it, the device keeps
-#: its old values and says so: longer than Ray takes to declare a silent node dead, so a device
-#: cut off that long is lost with its node anyway.
-COMMIT_WAIT_S = 60.0
+#: its old values and says so. Longer than Ray takes to declare a silent node dead with its default
+#: health checks (5 failed checks of 10 s, 3 s apart: 65 s measured between emulated hosts), so a
+#: device cut off that long is lost with its node anyway.
+COMMIT_WAIT_S = 120.0
 
 
 class DeviceState(enum.Enum):
