@@ -664,8 +664,9 @@ class NetChaos:
 
     def retry(self, i, src, src_mesh, dst_layouts, arrays, step_hosts, tree, shared):
         """Invariant 4: the first reshard after the fault is lifted succeeds. A failed first retry
-        is recorded (``first_retry_failures``: an open finding, see RELIABILITY.md) and a second
-        one made; that one failing too is a violation (a livelock)."""
+        is recorded (``first_retry_failures``, reported on every run; none since aborts name their
+        generation, see RELIABILITY.md) and a second one made; that one failing too is a violation
+        (a livelock)."""
         seconds, error = self._retry_once(i, src, src_mesh, dst_layouts, arrays, step_hosts, tree, shared)
         if error is None:
             return seconds
