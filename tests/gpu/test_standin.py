@@ -465,9 +465,10 @@ def test_work_issued_on_a_stream_before_its_nccl_launch_finished_is_reported(sta
     s = cupy.cuda.Stream(non_blocking=True)
     x = cupy.ones(16, dtype=cupy.float32)
     seen = len(standin_control.diagnostics())
-    assert _call(c.bcast, x.data.ptr, 16, nccl.NCCL_FLOAT32, 0, s.ptr) == 7
-    with s:
-        y = x * 2  # the backend never does this: it polls until the launch left ncclInProgress
+    with standin_control.launches_held():  # the launch stays ncclInProgress until the block ends
+        assert _call(c.bcast, x.data.ptr, 16, nccl.NCCL_FLOAT32, 0, s.ptr) == 7
+        with s:
+            y = x * 2  # the backend never does this: it polls until the launch left ncclInProgress
     assert any(EARLY_WORK in d for d in standin_control.diagnostics()[seen:])
     assert _settle(c) == 0
     s.synchronize()

@@ -16,6 +16,9 @@ once they have struck ``count`` times:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from cupy.cuda import _gpu, nccl
 
 FAULTS = ("never_join", "async_error", "hang")
@@ -48,6 +51,17 @@ def clear_faults() -> None:
 def armed_faults() -> list[dict]:
     with nccl._faults_lock:
         return [dict(f) for f in nccl._faults if f["count"] > 0]
+
+
+@contextlib.contextmanager
+def launches_held() -> Iterator[None]:
+    """Inside the block, non-blocking group launches do not enqueue their kernels (their
+    communicators stay ``ncclInProgress``) until it ends, or ``nccl.LAUNCH_HOLD_S`` passed."""
+    nccl._launch_gate.clear()
+    try:
+        yield
+    finally:
+        nccl._launch_gate.set()
 
 
 def diagnostics() -> list[str]:

@@ -102,6 +102,10 @@ available = True
 
 #: How long a non-blocking group's launch thread takes before it enqueues (keeps ncclInProgress visible).
 LAUNCH_DELAY_S = float(os.environ.get("CUPY_STANDIN_LAUNCH_DELAY_S", "0.002"))
+#: Cleared while a test holds non-blocking launches (``_control.launches_held``); they wait for it.
+_launch_gate = threading.Event()
+_launch_gate.set()
+LAUNCH_HOLD_S = 60.0  # a held launch goes on after this even if the test never lets it go
 
 _ERROR2 = {
     0: "NCCL_ERROR_SUCCESS",
@@ -541,6 +545,7 @@ def _finish_group(job: _GroupJob, jobs: list) -> None:
         if ops and status == ncclSuccess:
             if not all(c.blocking for c in job.comms):
                 time.sleep(LAUNCH_DELAY_S)
+                _launch_gate.wait(LAUNCH_HOLD_S)
             status = _enqueue(job, ops)
         if job.aborted.is_set() and status == ncclSuccess:
             status = ncclInternalError
