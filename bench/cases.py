@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 
 from reshard.dtypes import itemsize
-from reshard.layout import Layout
-from reshard.placement import Placement, Replicate, Shard
+from reshard.ir.layout import Layout
+from reshard.ir.placement import Placement, Replicate, Shard
 from topology.mesh import Mesh
 
 R = Replicate()

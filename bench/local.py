@@ -226,7 +226,7 @@ def compare(shards: dict, boxes: dict, source) -> tuple[bool, str]:
 
 def verify(tensor, source) -> tuple[bool, str]:
     """Every device's shard of ``tensor`` (a ShardedTensor) equals its region of ``source``."""
-    from reshard.regions import layout_regions
+    from reshard.ir.regions import layout_regions
 
     regions = layout_regions(tensor.layout, tuple(source.shape))
     ids = tensor.mesh.device_ids
@@ -236,7 +236,7 @@ def verify(tensor, source) -> tuple[bool, str]:
 
 def pair_bytes(plan) -> dict[tuple[int, int], int]:
     """(sender, receiver) -> bytes that cross between the two actors in ``plan``."""
-    from reshard.plan import TransferKind
+    from reshard.ir.plan import TransferKind
 
     out: dict[tuple[int, int], int] = {}
     for t in plan.transfers:
@@ -252,7 +252,7 @@ def program_bytes(program, itemsize: int) -> dict:
     """CPU-side byte traffic of a lowered program, summed over devices: local copies, bytes pulled
     from peers' shards through shared memory, bytes that pass through staging (send and receive
     side), bytes received over communicators."""
-    from reshard.program import MESSAGE_OPS, Copy, Pull, op_numel, writes
+    from reshard.ir.program import MESSAGE_OPS, Copy, Pull, op_numel, writes
 
     out = {"copy_bytes": 0, "pull_bytes": 0, "staged_bytes": 0, "recv_bytes": 0, "ops": 0}
     for dp in program.devices:
@@ -491,7 +491,7 @@ class Suite:
 
         from bench import ceiling, peers
         from reshard import Layout, distribute
-        from reshard.regions import box_volume, layout_regions
+        from reshard.ir.regions import box_volume, layout_regions
         from reshard.runtime import lowered_reshard
         from reshard.runtime.driver import runtime
 

@@ -124,7 +124,7 @@ def drive(config: dict) -> dict:
     ray = connect()
     from bench.local import make_array, stats_of
     from reshard import DeviceMesh, Layout, distribute
-    from reshard.regions import layout_regions
+    from reshard.ir.regions import layout_regions
     from reshard.runtime import lowered_reshard
     from reshard.runtime.driver import runtime
     from reshard.runtime.probe import probe_links

@@ -44,7 +44,7 @@ from datetime import timedelta
 
 import ray
 
-from reshard.regions import Box, box_shape, box_volume, intersect, relative
+from reshard.ir.regions import Box, box_shape, box_volume, intersect, relative
 
 _KEPT: dict[str, list] = {}  # in an actor: key -> outputs kept alive, oldest first
 _STATE: dict[str, object] = {}  # in an actor: per-key state (DTensor sources, memcpy buffers)
@@ -352,7 +352,7 @@ def _dt_exit(ctx) -> None:
 def _torch_placements(placements) -> list:
     from torch.distributed.tensor import Replicate, Shard
 
-    from reshard.placement import Shard as OurShard
+    from reshard.ir.placement import Shard as OurShard
 
     return [Shard(p.dim) if isinstance(p, OurShard) else Replicate() for p in placements]
 

@@ -5,7 +5,7 @@ Reproduces the single-sender suite of "On Optimizing the Communication of Model 
 meshes) and its eight multi-sender cases (the paper's table) on a simulated cluster
 (``topology.Cluster`` presets, ``topology.simulator``). For every case and strategy it reports
 the simulated latency, the effective bandwidth (tensor bytes / latency) and the ratio to the fluid
-lower bound (``reshard.cost``), as rich tables, a JSON file and a PNG bar chart in ``--out``.
+lower bound (``reshard.ir.cost``), as rich tables, a JSON file and a PNG bar chart in ``--out``.
 ``--planning-time`` measures planning times (paper cases cold, cached, and 1024 -> 1024 device
 reshards); ``--random N`` adds statistics over N random cases.
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard import STRATEGIES, Layout, Replicate, Shard, plan_reshard
+from reshard.ir.target import window_ops_for
+from reshard.ir.tasks import plan_unit_tasks
 from reshard.planner import clear_plan_cache
-from reshard.target import window_ops_for
-from reshard.tasks import plan_unit_tasks
 from topology import PRESETS, Cluster
 
 R = Replicate()

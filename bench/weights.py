@@ -63,7 +63,7 @@ from bench.weights_report import (  # noqa: E402
     targets,
 )
 from reshard import Layout, Replicate, Shard  # noqa: E402
-from reshard.regions import device_regions  # noqa: E402
+from reshard.ir.regions import device_regions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 ONE_COLS = 1024  # the one tensor's columns (its rows make up the bytes)

@@ -5,17 +5,17 @@ reshard, adopt, ShardedTensor, Work) load the runtime on first use. ``reshard``,
 and ``adopt`` take one tensor or a whole tree of them (a model's state dict).
 """
 
-from reshard.compile import CompiledReshard, CompileOptions, compile_reshard
 from reshard.dtypes import dtype_name
 from reshard.errors import MeshClosed, PlanError, ReshardError, ReshardTimeout, WorkerDied
-from reshard.layout import Layout
-from reshard.lowering import lower_plan
-from reshard.placement import Partial, Placement, ReduceOp, Replicate, Shard
-from reshard.plan import ReshardPlan, Transfer, TransferKind
+from reshard.ir.layout import Layout
+from reshard.ir.placement import Partial, Placement, ReduceOp, Replicate, Shard
+from reshard.ir.plan import ReshardPlan, Transfer, TransferKind
+from reshard.ir.program import Broadcast, Copy, DeviceProgram, Op, Program, Pull, Recv, Send
+from reshard.ir.tasks import UnitTask, plan_unit_tasks
+from reshard.passes.compile import CompiledReshard, CompileOptions, compile_reshard
+from reshard.passes.lowering import lower_plan
+from reshard.passes.validate import validate_plan, validate_program
 from reshard.planner import STRATEGIES, plan_reshard
-from reshard.program import Broadcast, Copy, DeviceProgram, Op, Program, Pull, Recv, Send
-from reshard.tasks import UnitTask, plan_unit_tasks
-from reshard.validate import validate_plan, validate_program
 
 _RUNTIME = {"DeviceMesh", "ShardedTensor", "Work", "adopt", "distribute", "reshard"}
 

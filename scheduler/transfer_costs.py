@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from reshard.dtypes import dtype_name
-from reshard.layout import Layout
-from reshard.plan import ReshardPlan
+from reshard.ir.layout import Layout
+from reshard.ir.plan import ReshardPlan
 from reshard.planner import plan_reshard
 from topology.cluster import Cluster
 

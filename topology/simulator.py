@@ -48,7 +48,7 @@ never oversubscribed and no flow is slowed without a bottleneck. A flow first wa
 
 Order. Every device executes its transfers in the global list order, one at a time, blocking (the
 lowering's rule, which also makes the program deadlock free); with ``window`` > 1 it issues them in
-windows, as the runtime's executor does (``reshard.sequencing``): up to ``window`` consecutive
+windows, as the runtime's executor does (``reshard.passes.sequencing``): up to ``window`` consecutive
 messages (P2P, BROADCAST), with the local transfers (COPY, PULL of a source shard) among them, and
 waits for all of them before the next window. A window holds small messages of at most
 ``window_bytes`` together or one bigger message, per direction of the device's link, where only a

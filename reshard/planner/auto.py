@@ -2,7 +2,7 @@
 
 ``auto`` builds several candidate plans and keeps the one ``topology.simulator`` finds fastest on
 the problem's cluster, simulated as the runtime issues them (in windows of
-``reshard.target.window_ops_for(backend)`` small messages per device, so many small messages
+``reshard.ir.target.window_ops_for(backend)`` small messages per device, so many small messages
 cost a latency per window), so it is never slower there than any candidate, and the baselines of
 ``reshard.planner.baselines`` are candidates. Its own candidates go past the baselines'
 weaknesses: ``reshard.planner.hier`` balances the hosts' NICs (by time, so a slow NIC gets less
@@ -25,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from reshard.plan import Transfer, TransferKind, sim_transfers
+from reshard.ir.plan import Transfer, TransferKind, sim_transfers
+from reshard.ir.regions import box_volume, device_regions
+from reshard.ir.target import WINDOW_BYTES, window_ops_for
 from reshard.planner.baselines import (
     plan_allgather,
     plan_broadcast_first,
@@ -37,8 +39,6 @@ from reshard.planner.hier import Context, plan_items
 from reshard.planner.order import order_items
 from reshard.planner.problem import Problem
 from reshard.planner.registry import register
-from reshard.regions import box_volume, device_regions
-from reshard.target import WINDOW_BYTES, window_ops_for
 from topology.simulator import simulate_transfers
 
 MAX_SIMULATED_TRANSFERS = 4000  # beyond it the serial/color plan is returned unsimulated

@@ -27,10 +27,10 @@ import random
 from collections import defaultdict
 from collections.abc import Mapping
 
-from reshard.plan import Transfer, TransferKind
+from reshard.ir.plan import Transfer, TransferKind
+from reshard.ir.tasks import UnitTask
 from reshard.planner.problem import Problem
 from reshard.planner.registry import register
-from reshard.tasks import UnitTask
 
 ORDER_SAMPLES = 100
 ORDER_SEED = 0

@@ -28,10 +28,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from reshard.plan import TransferKind
+from reshard.ir.plan import TransferKind
+from reshard.ir.regions import Box, box_volume
 from reshard.planner.order import Item
 from reshard.planner.problem import Problem
-from reshard.regions import Box, box_volume
 from topology.simulator import NCCL_BROADCAST_OVERHEAD_US, NCCL_CHUNK_BYTES
 
 SPLIT_MIN_BYTES = 1 << 20  # a task is split among holder hosts only into pieces at least this big

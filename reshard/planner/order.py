@@ -2,7 +2,7 @@
 
 Every device issues its transfers in round order: one global order, hence deadlock free. Where
 devices forward a slice while the next comes in (``duplex``: gloo's issue windows,
-``reshard.sequencing``), a relay's forward and a receive of its device share a round.
+``reshard.passes.sequencing``), a relay's forward and a receive of its device share a round.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from reshard.plan import Transfer, TransferKind
-from reshard.regions import Box
+from reshard.ir.plan import Transfer, TransferKind
+from reshard.ir.regions import Box
 
 ORDERS = ("color", "nic", "lpt", "task")
 
@@ -98,7 +98,7 @@ def _link_keys(it: Item) -> tuple[tuple[int, int], ...]:
     """The directions of the devices' links an item takes up: (device, 0) out, (device, 1) in. A
     relay's root forwards (out) and a send's receiver receives (in); a root sending its own bytes,
     a broadcast receiver (it may forward) and a local item take their device whole, as the
-    runtime's windows do (``reshard.sequencing``)."""
+    runtime's windows do (``reshard.passes.sequencing``)."""
     whole = ((it.src, 0), (it.src, 1))
     if it.kind in (TransferKind.COPY, TransferKind.SCALE):
         return whole

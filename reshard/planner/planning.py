@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from functools import lru_cache
 
 from reshard.dtypes import dtype_name, itemsize
-from reshard.layout import Layout
-from reshard.plan import ReshardPlan
+from reshard.ir.layout import Layout
+from reshard.ir.plan import ReshardPlan
 from reshard.planner.problem import Problem
 from reshard.planner.reduction import check_reducible, derived_problem, from_roots, plan_reductions
 from reshard.planner.registry import STRATEGIES

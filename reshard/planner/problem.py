@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from reshard.cost import resolve_cluster
-from reshard.layout import Layout
-from reshard.tasks import UnitTask, plan_unit_tasks
+from reshard.ir.cost import resolve_cluster
+from reshard.ir.layout import Layout
+from reshard.ir.tasks import UnitTask, plan_unit_tasks
 from topology.cluster import Cluster
 from topology.mesh import device_hosts
 
@@ -37,7 +37,7 @@ class Problem:
         hosts: Mapping[int, int] | None = None,
     ) -> Problem:
         """The problem of moving a tensor of ``shape`` from ``src`` to ``dst``: unit tasks, host map
-        (``topology.mesh.device_hosts``) and cluster (``reshard.cost.resolve_cluster``)."""
+        (``topology.mesh.device_hosts``) and cluster (``reshard.ir.cost.resolve_cluster``)."""
         host_map = device_hosts(src.mesh, dst.mesh, hosts=hosts)
         tasks = plan_unit_tasks(shape, itemsize, src, dst)
         return cls(shape, itemsize, src, dst, tasks, host_map, resolve_cluster(cluster, host_map))

@@ -28,11 +28,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from reshard.placement import ReduceOp
-from reshard.plan import Transfer, TransferKind
+from reshard.ir.placement import ReduceOp
+from reshard.ir.plan import Transfer, TransferKind
+from reshard.ir.program import Buffer
+from reshard.ir.tasks import UnitTask
 from reshard.planner.problem import Problem
-from reshard.program import Buffer
-from reshard.tasks import UnitTask
 
 NON_REDUCIBLE = ("bool",)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from reshard.plan import Transfer
+from reshard.ir.plan import Transfer
 from reshard.planner.problem import Problem
 
 Strategy = Callable[[Problem], tuple[Transfer, ...]]

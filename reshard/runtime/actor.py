@@ -28,6 +28,7 @@ import numpy as np
 import ray
 
 from reshard.errors import ReshardError, ReshardTimeout
+from reshard.ir.serialize import decode_batch_device_program
 from reshard.runtime import arrays
 from reshard.runtime.batches import BatchRun, execute_batch, first_mismatch, prepare_batch
 from reshard.runtime.binding import Binding, checked_out
@@ -36,7 +37,6 @@ from reshard.runtime.deadlines import monotonic_of
 from reshard.runtime.device_context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
 from reshard.runtime.groups import group_key
 from reshard.runtime.messages import COMMIT_WAIT_S, RunRequest, RunResult, Ticket, Updates
-from reshard.serialize import decode_batch_device_program
 
 log = logging.getLogger(__name__)
 

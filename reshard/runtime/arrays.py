@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from reshard.dtypes import dtype_name
-from reshard.placement import ReduceOp
+from reshard.ir.placement import ReduceOp
 
 #: dtype name -> the numpy dtype that stores it (bfloat16: its bit pattern)
 STORAGE = {

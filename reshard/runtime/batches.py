@@ -1,4 +1,4 @@
-"""Running a batch program (``reshard.batch``): its buckets, then its parts, exactly as written.
+"""Running a batch program (``reshard.ir.batch``): its buckets, then its parts, exactly as written.
 
 A sender copies each piece of a bucket out of its source shard into the bucket's bytes in the
 staging buffer and sends them; a receiver receives the bytes there and copies each piece into its
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reshard.batch import BatchDeviceProgram, Bucket
 from reshard.errors import ReshardTimeout
-from reshard.program import Broadcast, Buffer, Copy, Pull, Recv, Scale, Send, group_of
-from reshard.regions import box_shape
+from reshard.ir.batch import BatchDeviceProgram, Bucket
+from reshard.ir.program import Broadcast, Buffer, Copy, Pull, Recv, Scale, Send, group_of
+from reshard.ir.regions import box_shape
 from reshard.runtime import arrays
 from reshard.runtime.executor import PreparedProgram, Run, begin_run, box_index, prepare, run_windows
 

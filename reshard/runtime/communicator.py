@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import ReshardError
-from reshard.program import Group
+from reshard.ir.program import Group
 
 
 class PeerFailed(ReshardError):

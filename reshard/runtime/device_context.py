@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from reshard.dtypes import dtype_name
-from reshard.program import DeviceProgram
+from reshard.ir.program import DeviceProgram
 from reshard.runtime import arrays
 from reshard.runtime.batches import PreparedBatch
 from reshard.runtime.communicator import Backend, Communicator
@@ -209,7 +209,7 @@ class DeviceContext:
     def from_dtensor(self, name: str, dt) -> None:
         """``share`` a torch DTensor's local shard (no copy) with its placements and global shape;
         the driver's ``adopt`` checks its device mesh against the mesh it adopts it on."""
-        from reshard.placement import as_placement
+        from reshard.ir.placement import as_placement
 
         mesh = dt.device_mesh
         self.share(
@@ -320,8 +320,8 @@ class ProgramRunner:
 def _torch_placement(p):
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    from reshard.placement import Partial as OurPartial
-    from reshard.placement import Shard as OurShard
+    from reshard.ir.placement import Partial as OurPartial
+    from reshard.ir.placement import Shard as OurShard
 
     if isinstance(p, OurShard):
         return Shard(p.dim)

@@ -52,7 +52,7 @@ from reshard.runtime.work import WorkQueue
 from topology.cluster import Cluster
 
 if TYPE_CHECKING:
-    from reshard.compile import CompiledBatch
+    from reshard.passes.compile import CompiledBatch
     from reshard.runtime.communicator import Backend, Rendezvous
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class Runtime:
     def submit_batch(self, compiled: CompiledBatch, sources, run: str, deadline: float, what: str,
                      timeout_s: float | None, *, outs=None, direct: bool = False,
                      verify: bool = False) -> Pending:  # fmt: skip
-        """Submit a compiled batch (``reshard.compile.compile_batch``): one ordered ``run`` call per
+        """Submit a compiled batch (``reshard.passes.compile.compile_batch``): one ordered ``run`` call per
         participant. ``sources[t]``: tensor ``t``'s source shard name and ``{device: shared-memory
         descriptor}`` (for pulls); ``outs[t]``: the user's shard its result is for (None: a new
         shard ``shard_name(run, t)``), written into ``direct``ly, else staged and committed by an

@@ -1,4 +1,4 @@
-"""Executor: runs one ``DeviceProgram`` exactly as written (``reshard.program``), over numpy arrays
+"""Executor: runs one ``DeviceProgram`` exactly as written (``reshard.ir.program``), over numpy arrays
 (CPU devices) or torch tensors (GPU devices, and wherever the caller hands torch), ``arrays``.
 
 It connects the program's groups in the listed order (those not connected yet), starts the
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import numpy as np
 
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.program import (
+from reshard.ir.program import (
     Broadcast,
     Buffer,
     Copy,
@@ -131,7 +131,7 @@ class PreparedProgram:
 class Run:
     """The state of one program run: buffers, peers' shards, communicators, staging, deadline;
     ``relayed(holder, after)``: the holder's destination shard once it published ``after`` slices,
-    ``publish(count)``: tell pullers this device published ``count`` (relays, ``reshard.pulls``)."""
+    ``publish(count)``: tell pullers this device published ``count`` (relays, ``reshard.passes.pulls``)."""
 
     def __init__(self, prepared, *, src, dst, groups, staging, deadline, peers=None, tmp=None, before_op=None,
                  batch=None, relayed=None, publish=None):  # fmt: skip

@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from reshard.program import Group, group_of
+from reshard.ir.program import Group, group_of
 from reshard.runtime.communicator import Backend, Communicator, Rendezvous
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ GroupKey = tuple[str, Group]
 
 
 def group_key(devices, channel: str = RESHARD_CHANNEL) -> GroupKey:
-    """The key of the communicator of ``devices`` (``reshard.program.group_of``) on ``channel``."""
+    """The key of the communicator of ``devices`` (``reshard.ir.program.group_of``) on ``channel``."""
     return channel, group_of(devices)
 
 

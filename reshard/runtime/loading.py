@@ -15,9 +15,9 @@ import numpy as np
 import ray
 
 from reshard.dtypes import dtype_name
-from reshard.layout import Layout
+from reshard.ir.layout import Layout
+from reshard.ir.regions import layout_regions
 from reshard.pytree import flatten, per_leaf, unflatten
-from reshard.regions import layout_regions
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of, wall_of
 from reshard.runtime.dispatch import Outcome, failure_error
 from reshard.runtime.driver import runtime
@@ -71,7 +71,7 @@ def _from_dtensor(dt, layout, path: str):
     """A DTensor's data and the layout to put it in: its whole value when this process holds it all
     (a mesh of one rank, or every placement Replicate), laid out as ``layout`` or, given a
     DeviceMesh, with the DTensor's own placements; else TypeError naming the route."""
-    from reshard.placement import Replicate, as_placement
+    from reshard.ir.placement import Replicate, as_placement
 
     placements = tuple(as_placement(p) for p in dt.placements)
     where = f" at {path!r}" if path else ""

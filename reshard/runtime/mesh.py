@@ -19,7 +19,7 @@ Shared memory (CPU devices, default on): the actors allocate their shards in sha
 reshard moves every slice whose sender and receivers run on one machine as a pull: the receiver
 copies it straight out of the sender's source shard, mapped read-only, or, for a slice the sender
 relays (it received it from another machine), out of its destination shard once the sender
-published it (``reshard.pulls``). Only the rest goes through the backend. ``shared_memory=False``
+published it (``reshard.passes.pulls``). Only the rest goes through the backend. ``shared_memory=False``
 keeps shards private (everything through the backend, as between machines). Trust model: any
 process of the same user on the machine may read or write those shards through ``/proc``, as it
 may attach a debugger; the actors themselves map their peers' shards read-only.

@@ -1,6 +1,6 @@
 """reshard: move one tensor, or a whole tree of them (a model's state dict), to new layouts.
 
-Every call is one compiled reshard (``reshard.compile.compile_batch``): the tree's tensors are
+Every call is one compiled reshard (``reshard.passes.compile.compile_batch``): the tree's tensors are
 compiled together, their small messages packed into buckets, planned once per tree signature and
 replayed; the controller makes one ordered call per participating device (and, writing into users'
 tensors, one commit call behind it), whatever the number of tensors. ``async_op=True`` returns a
@@ -12,10 +12,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from reshard.compile import BatchItem, CompiledBatch, CompiledReshard, CompileOptions, compile_batch, planning_hosts
 from reshard.errors import ReshardError
-from reshard.layout import Layout
-from reshard.packing import BUCKET_BYTES
+from reshard.ir.layout import Layout
+from reshard.ir.target import CompileTarget
+from reshard.passes.compile import (
+    BatchItem,
+    CompiledBatch,
+    CompiledReshard,
+    CompileOptions,
+    compile_batch,
+    planning_hosts,
+)
+from reshard.passes.packing import BUCKET_BYTES
 from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.backends import backend_spec
 from reshard.runtime.batches import first_mismatch
@@ -24,12 +32,11 @@ from reshard.runtime.driver import runtime
 from reshard.runtime.mesh import DeviceMesh
 from reshard.runtime.messages import shard_name
 from reshard.runtime.tensor import ShardedTensor
-from reshard.target import CompileTarget
 from topology.mesh import device_hosts
 
 
 def compile_target(backend: str) -> CompileTarget:
-    """What a backend's devices are compiled for (``reshard.target``)."""
+    """What a backend's devices are compiled for (``reshard.ir.target``)."""
     return CompileTarget(backend, backend_spec(backend).device_type)
 
 
@@ -232,7 +239,7 @@ def lowered_reshard(
     Plans are made for ``cluster`` (a ``topology.Cluster``); by default for the meshes' hosts with
     the live Ray cluster's figures and the meshes' backend (``Runtime.planning_cluster``), where
     the devices of one machine count as one host when they share memory (their transfers become
-    pulls, ``reshard.pulls``). ``shared_memory=False``: no pulls, everything through the backend."""
+    pulls, ``reshard.passes.pulls``). ``shared_memory=False``: no pulls, everything through the backend."""
     call = _Call(tensor, tensor.mesh, dst_layout, None, False)
     return _compile(call, strategy, cluster, shared_memory, BUCKET_BYTES).tensors[0]
 

@@ -5,7 +5,7 @@ An actor of a mesh created with ``shared_memory=True`` allocates its shards in `
 ``SharedShards.descriptor(t)`` names a shard to other processes as ``(pid, fd, inode, shape,
 tenure)``; a peer on the same machine maps it READ-ONLY through ``/proc/<pid>/fd/<fd>``
 (``PeerShards``; the inode guards against a reused descriptor number) and copies slices straight
-out of it: the pulls of ``reshard.pulls``.
+out of it: the pulls of ``reshard.passes.pulls``.
 
 Tenure. A block's memory outlives the shard in it (it is pooled, then holds the next shard of its
 size; a peer's cached mapping keeps it too), so a descriptor alone cannot tell a puller that the
@@ -18,7 +18,7 @@ process of the same user may still open ``/proc/<pid>/fd`` itself, as it may att
 (the trust model of shared memory on one machine).
 
 Relays. A device that relays slices it received (from another machine) to devices of its own
-machine publishes them instead of sending them (``reshard.pulls``). Its ``RelayBoard``, a small
+machine publishes them instead of sending them (``reshard.passes.pulls``). Its ``RelayBoard``, a small
 memfd its peers map read-only, has a slot per run: the run's key, its destination shard's block
 (fd, inode, tenure) and how many slices it has published so far (or ``FAILED``). A puller finds the
 slot by key, waits until the count reaches the publication it needs (``PeerShards.relay``), maps

@@ -18,8 +18,8 @@ import numpy as np
 import ray
 
 from reshard.dtypes import itemsize
-from reshard.layout import Layout
-from reshard.regions import box_volume, layout_regions
+from reshard.ir.layout import Layout
+from reshard.ir.regions import box_volume, layout_regions
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of
 from reshard.runtime.dispatch import failure_error
 from reshard.runtime.driver import runtime

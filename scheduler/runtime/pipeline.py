@@ -51,9 +51,9 @@ from typing import Any
 
 import numpy as np
 
-from reshard.compile import compile_reshard
 from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
-from reshard.regions import layout_regions
+from reshard.ir.regions import layout_regions
+from reshard.passes.compile import compile_reshard
 from reshard.runtime import compile_options, runtime
 from scheduler.ir import Schedule
 from scheduler.pipeline_plan import Lane, PipelinePlan, plan_pipeline

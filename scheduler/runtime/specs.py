@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reshard.program import DeviceProgram
+from reshard.ir.program import DeviceProgram
 from scheduler.pipeline_plan import Lane, StagePlan
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.dtypes import dtype_name
-from reshard.layout import Layout
-from reshard.regions import box_shape, layout_regions
+from reshard.ir.layout import Layout
+from reshard.ir.regions import box_shape, layout_regions
 
 
 @dataclass(frozen=True)

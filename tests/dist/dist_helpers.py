@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from reshard import Replicate, Shard
-from reshard.regions import layout_regions
+from reshard.ir.regions import layout_regions
 
 
 def pl(spec: str):

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.dist
 def test_assign_pieces_tiles_every_destination_from_holders():
     from bench.cases import CASES
     from bench.peers import assign_pieces
-    from reshard.regions import box_volume, contains, intersect, layout_regions
+    from reshard.ir.regions import box_volume, contains, intersect, layout_regions
 
     for case in CASES:
         shape = case.shape_for(1 << 20)

@@ -192,7 +192,7 @@ def _hold_at_first_op(ctx, gate):
 
 
 def _exit_at_first_communication(ctx):
-    from reshard.program import Copy
+    from reshard.ir.program import Copy
 
     def hook(run, op):
         if not isinstance(op, Copy):

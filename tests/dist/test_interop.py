@@ -11,7 +11,7 @@ import ray
 from dist_helpers import assert_bit_exact
 
 from reshard import DeviceMesh, Layout, ReshardError, Shard, reshard
-from reshard.placement import Replicate
+from reshard.ir.placement import Replicate
 from reshard.runtime import DeviceRole, adopt
 
 pytestmark = pytest.mark.dist
@@ -125,7 +125,7 @@ def test_dtensor_weights_resharded_in_place_into_inference_actors(worlds):
 
 
 def _fail_next_run(ctx):
-    from reshard.program import Copy, Pull
+    from reshard.ir.program import Copy, Pull
 
     def hook(run, op):
         if not isinstance(op, Copy | Pull):

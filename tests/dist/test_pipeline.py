@@ -322,7 +322,7 @@ def _fail_first_pipeline_send(ctx):
     state = {"armed": True}
 
     def hook(run, op):
-        from reshard.program import Send
+        from reshard.ir.program import Send
 
         if state["armed"] and run.groups.channel.startswith("pipeline:") and isinstance(op, Send):
             state["armed"] = False

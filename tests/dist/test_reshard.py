@@ -183,7 +183,7 @@ def test_torch_input_and_output(view):
 def test_pulls_replace_messages_between_actors_of_one_machine(view):
     """On one machine every slice read from a source shard is pulled: no communicator, and the
     senders run nothing; shared_memory=False sends everything through gloo."""
-    from reshard.program import MESSAGE_OPS, Pull
+    from reshard.ir.program import MESSAGE_OPS, Pull
     from reshard.runtime import lowered_reshard
 
     src = view([0, 1, 2, 3], (2, 2))
@@ -237,7 +237,7 @@ def test_private_memory_mesh(view, ray_cluster):
     """A mesh created with shared_memory=False keeps private shards: reshards to and from it go
     through gloo."""
     from reshard import DeviceMesh
-    from reshard.program import Pull
+    from reshard.ir.program import Pull
     from reshard.runtime import lowered_reshard
 
     own = DeviceMesh.create((1,), backend="gloo", shared_memory=False, startup_timeout_s=180)
@@ -262,8 +262,8 @@ def test_relays_inside_a_machine_are_pulled_from_the_relaying_device(view, ray_c
     destination shard, with no relay message. Bit-exact, again with the cached program, and the
     relaying device's shard stays its own."""
     from reshard import DeviceMesh
-    from reshard.compile import planning_hosts
-    from reshard.program import Publish, Pull
+    from reshard.passes.compile import planning_hosts
+    from reshard.ir.program import Publish, Pull
     from reshard.runtime import lowered_reshard
     from reshard.runtime.resharding import memory_domains
     from topology import Cluster
@@ -307,7 +307,7 @@ def test_relays_inside_a_machine_are_pulled_from_the_relaying_device(view, ray_c
 def test_partial_sources_arrive_reduced(view, shared_memory, op):
     """Every device's contribution (``distribute`` of local shards) reduced on the way: exact for
     integers, and for avg of float64 values whose sum is exact."""
-    from reshard.placement import Partial
+    from reshard.ir.placement import Partial
 
     src = view([0, 1, 4, 5], (2, 2))  # contributions along axis 1, rows sharded along axis 0
     dst = view([2, 3, 6], (3,))

@@ -10,8 +10,8 @@ import pytest
 from dist_helpers import assert_bit_exact, assert_shards, groups_of, pl, random_array
 
 from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, plan_reshard, reshard
-from reshard.lowering import lower_plan
-from reshard.regions import box_shape, box_volume, layout_regions
+from reshard.passes.lowering import lower_plan
+from reshard.ir.regions import box_shape, box_volume, layout_regions
 from reshard.runtime import ensure_groups, lowered_reshard, runtime, runtime_stats, settle
 from reshard.runtime.device_context import STAGING_KEEP_BYTES
 from reshard.runtime.shards import ASSEMBLY_MIN_BYTES
@@ -118,7 +118,7 @@ def test_a_partial_reshards_scratch_buffer_is_reused_by_the_next(view, pool):
     """Devices that combine contributions in a scratch buffer give it back to their pool after the
     run, so a repeated reduction (gradients every step) combines in warm memory. (Pulls combine
     straight into the destination: the gloo path is the one with scratch buffers.)"""
-    from reshard.placement import Partial
+    from reshard.ir.placement import Partial
 
     src = view([0, 1], (2,))  # both contributions on one host: one device combines them, sends one
     dst = view([4, 5, 6], (3,))

@@ -106,7 +106,7 @@ def tour(rows: int = 512, cols: int = 256, seed: int = 5) -> dict:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, reshard
-    from reshard.program import Pull
+    from reshard.ir.program import Pull
     from reshard.runtime import lowered_reshard, settle
     from reshard.runtime.driver import runtime
     from reshard.runtime.probe import probe_links

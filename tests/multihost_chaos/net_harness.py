@@ -610,7 +610,7 @@ class NetChaos:
 
     @staticmethod
     def expected_digests(arrays: dict, layouts: dict) -> dict:
-        from reshard.regions import device_regions
+        from reshard.ir.regions import device_regions
 
         out = {}
         for k, a in arrays.items():

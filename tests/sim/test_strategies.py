@@ -331,8 +331,8 @@ def test_1024_device_planning_works():
 def test_windowed_transfers_say_where_they_read_what_landed():
     """A relay's root, a root that reads its destination or scratch buffer, and receivers that
     combine read what earlier transfers wrote: each closes its device's issue window."""
-    from reshard.plan import Transfer, TransferKind, sim_transfers
-    from reshard.program import Buffer
+    from reshard.ir.plan import Transfer, TransferKind, sim_transfers
+    from reshard.ir.program import Buffer
 
     box, half = ((0, 8),), ((0, 4),)
     transfers = [
@@ -352,7 +352,7 @@ def test_windowed_transfers_say_where_they_read_what_landed():
 def test_gloo_plans_are_costed_with_the_runtimes_issue_windows():
     """On gloo a device issues up to ``window_ops_for("gloo")`` messages together, so receiving from
     many hosts costs a latency per window, not per message; auto plans and predicts for that."""
-    from reshard.target import window_ops_for
+    from reshard.ir.target import window_ops_for
 
     cluster = Cluster.homogeneous(8, 4, 1.25, 50.0, latency_us=25.0, backend="gloo")
     src = Layout(cluster.mesh((7, 4), hosts=range(7)), (Shard(1), Shard(0)))

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from reshard import STRATEGIES, Layout, Replicate, Shard
 from reshard.dtypes import ITEMSIZE
-from reshard.placement import Partial, ReduceOp
-from reshard.program import Buffer, DeviceProgram, Program, Publish, Pull, Recv, Send
-from reshard.regions import layout_regions
+from reshard.ir.placement import Partial, ReduceOp
+from reshard.ir.program import Buffer, DeviceProgram, Program, Publish, Pull, Recv, Send
+from reshard.ir.regions import layout_regions
 from topology import Mesh
 
 HOST_SPAN = 3  # global device d lives on host d // HOST_SPAN in every mesh

@@ -17,15 +17,15 @@ from problems import SETTINGS, mesh_pairs, placements, regions_by_device
 from test_program import expected, interpret, sl
 
 from reshard import STRATEGIES, Layout, compile_reshard
-from reshard.batch import PIECE_ALIGN
-from reshard.compile import BatchItem, compile_batch
 from reshard.dtypes import ITEMSIZE
 from reshard.errors import PlanError
-from reshard.packing import pack_batch, packable
-from reshard.program import Program
+from reshard.ir.batch import PIECE_ALIGN
+from reshard.ir.program import Program
+from reshard.ir.serialize import decode_batch_device_program
+from reshard.passes.compile import BatchItem, compile_batch
+from reshard.passes.packing import pack_batch, packable
+from reshard.passes.validate import validate_batch
 from reshard.pytree import flatten, leaves_in_order_of, same_structure, unflatten
-from reshard.serialize import decode_batch_device_program
-from reshard.validate import validate_batch
 
 pytestmark = pytest.mark.unit
 
@@ -102,7 +102,7 @@ def interpret_batch(compiled, items, fulls) -> dict[tuple[int, int], np.ndarray]
 @given(batches(), st.sampled_from([1, 4]))
 def test_packed_batches_are_valid_and_exact(case, window_ops):
     items, strategy, bucket_bytes = case
-    from reshard.compile import CompileOptions
+    from reshard.passes.compile import CompileOptions
 
     compiled = compile_batch(
         items, strategy=strategy, options=CompileOptions(window_ops=window_ops), bucket_bytes=bucket_bytes
@@ -191,7 +191,7 @@ def test_relays_of_packed_tensors_are_published_after_the_buckets_and_pulled():
     import dataclasses
 
     from reshard import Replicate
-    from reshard.program import Publish, Pull
+    from reshard.ir.program import Publish, Pull
     from topology import Cluster, Mesh
 
     src_mesh, dst_mesh = Mesh((1,), (0,), (0,)), Mesh((2,), (1, 2), (1, 1))
@@ -219,7 +219,7 @@ def test_buckets_go_in_host_disjoint_rounds():
     once, so the buckets a device issues together cross different links."""
     from collections import deque
 
-    from reshard.packing import _rounds
+    from reshard.passes.packing import _rounds
 
     hosts = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2, 6: 3, 7: 3}
     groups = [(s, r) for s in (0, 2) for r in (4, 6)] + [(s, r) for s in (1, 3) for r in (5, 7)]

@@ -123,7 +123,7 @@ def test_from_ray_needs_a_connection():
 
 def test_topology_and_planning_stay_pure():
     code = (
-        "import sys, topology, topology.simulator, reshard, reshard.planner, reshard.cost\n"
+        "import sys, topology, topology.simulator, reshard, reshard.planner, reshard.ir.cost\n"
         "bad = sorted(m for m in ('ray', 'torch', 'cupy') if m in sys.modules)\n"
         "assert not bad, bad\n"
     )

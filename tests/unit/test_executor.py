@@ -31,15 +31,15 @@ from problems import (
 )
 
 from reshard import Layout, Replicate, Shard, validate_program
-from reshard.compile import CompileOptions, compile_reshard
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.placement import Partial
-from reshard.program import Broadcast, Publish, Recv, Send, group_of
+from reshard.ir.placement import Partial
+from reshard.ir.program import Broadcast, Publish, Recv, Send, group_of
+from reshard.ir.serialize import decode_device_program, encode_device_program
+from reshard.passes.compile import CompileOptions, compile_reshard
 from reshard.runtime import arrays
 from reshard.runtime.communicator import Communicator, PeerFailed
 from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
 from reshard.runtime.shared_memory import PeerShards, RelayBoard, SharedShards
-from reshard.serialize import decode_device_program, encode_device_program
 from topology import Cluster, Mesh
 
 pytestmark = pytest.mark.unit
@@ -437,8 +437,8 @@ def run_batch(compiled, sources: dict, *, as_torch: bool = False, deadline_s: fl
     in-process communicators (as ``run_all``; no pulls: compiled without domains). ``sources[t][d]``:
     device ``d``'s source shard of tensor ``t``; ``as_torch``: buffers as torch tensors (what a GPU
     device hands the executor). Returns (destinations by (tensor, device), errors, fabric)."""
+    from reshard.ir.serialize import decode_batch_device_program
     from reshard.runtime.batches import BatchRun, execute_batch, prepare_batch
-    from reshard.serialize import decode_batch_device_program
 
     fabric = Fabric()
     dst, errors = {}, {}
@@ -489,7 +489,7 @@ def test_a_batch_runs_its_buckets_then_its_parts_exactly(as_torch, window_ops):
     the small ones' slices in one bucket per pair (one message each way; one group call per bucket
     on a backend that batches), the big one streamed; every destination bit-exact, every device's
     messages in its program's order, and the checksums of what was read and received agree."""
-    from reshard.compile import BatchItem, compile_batch
+    from reshard.passes.compile import BatchItem, compile_batch
     from reshard.runtime.batches import first_mismatch
 
     src_mesh, dst_mesh = Mesh((2,), (0, 1), (0, 1)), Mesh((2,), (2, 3), (2, 3))

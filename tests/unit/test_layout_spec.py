@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from problems import SETTINGS
 
 from reshard import Layout, Shard
-from reshard.regions import layout_regions
+from reshard.ir.regions import layout_regions
 from topology import Mesh
 
 pytestmark = pytest.mark.unit

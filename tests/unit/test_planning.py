@@ -2,7 +2,7 @@
 
 For random meshes (1-D to 3-D, disjoint / overlapping / identical), layouts, uneven shapes,
 dtypes and every registered strategy, checked with numpy masks independently of
-``reshard.validate``: every destination element arrives exactly once, from a device that holds it
+``reshard.passes.validate``: every destination element arrives exactly once, from a device that holds it
 at that point; unit tasks tile every destination region once and name only holders; plans survive
 a msgpack round trip. Plus known tables of torch.chunk semantics. (Lowered programs:
 ``test_program.py``.)
@@ -19,9 +19,9 @@ from problems import SETTINGS, expected_region, mask, problems, regions_by_devic
 
 from reshard import Layout, Replicate, Shard, plan_reshard, validate_plan
 from reshard.dtypes import ITEMSIZE
-from reshard.regions import chunk, layout_regions
-from reshard.serialize import decode_plan, encode_plan
-from reshard.tasks import plan_unit_tasks
+from reshard.ir.regions import chunk, layout_regions
+from reshard.ir.serialize import decode_plan, encode_plan
+from reshard.ir.tasks import plan_unit_tasks
 from topology import Mesh
 
 pytestmark = pytest.mark.unit

@@ -25,11 +25,11 @@ from problems import (
 
 from reshard import lower_plan, plan_reshard, validate_program
 from reshard.errors import PlanError
-from reshard.placement import ReduceOp
-from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Program, Publish, Pull, Recv, Scale, Send
-from reshard.pulls import pulled_steps, to_pulls
-from reshard.sequencing import sequence_program
-from reshard.serialize import decode_device_program, decode_program, encode_device_program, encode_program
+from reshard.ir.placement import ReduceOp
+from reshard.ir.program import Broadcast, Buffer, Copy, DeviceProgram, Program, Publish, Pull, Recv, Scale, Send
+from reshard.ir.serialize import decode_device_program, decode_program, encode_device_program, encode_program
+from reshard.passes.pulls import pulled_steps, to_pulls
+from reshard.passes.sequencing import sequence_program
 
 pytestmark = pytest.mark.unit
 MESSAGES = (Send, Recv, Broadcast)
@@ -438,8 +438,8 @@ def test_partial_combines_inside_a_host_before_crossing():
     """Four contributions on two hosts (two each) reduced onto a third host: each source host sends
     the box once (a partial sum), not once per contribution."""
     from reshard import Layout, Replicate
-    from reshard.placement import Partial
-    from reshard.plan import TransferKind
+    from reshard.ir.placement import Partial
+    from reshard.ir.plan import TransferKind
     from topology import Mesh
 
     src = Layout(Mesh((2, 2), [0, 1, 2, 3], [0, 0, 1, 1]), (Partial(), Partial()))
@@ -462,7 +462,7 @@ def test_partial_combines_inside_a_host_before_crossing():
 )
 def test_partial_refuses_what_it_cannot_reduce(dtype, op, message):
     from reshard import Layout, Replicate
-    from reshard.placement import Partial
+    from reshard.ir.placement import Partial
     from topology import Mesh
 
     src = Layout(Mesh((2,), [0, 1]), (Partial(op),))

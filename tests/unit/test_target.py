@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.compile import CompileOptions
-from reshard.sequencing import OVERLAP_COPY_BYTES
-from reshard.target import WINDOW_BYTES, CompileTarget
+from reshard.ir.target import WINDOW_BYTES, CompileTarget
+from reshard.passes.compile import CompileOptions
+from reshard.passes.sequencing import OVERLAP_COPY_BYTES
 
 pytestmark = pytest.mark.unit
 

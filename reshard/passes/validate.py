@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from reshard.batch import BatchProgram, Bucket
 from reshard.dtypes import itemsize
 from reshard.errors import PlanError
-from reshard.plan import ReshardPlan, TransferKind
-from reshard.program import (
+from reshard.ir.batch import BatchProgram, Bucket
+from reshard.ir.plan import ReshardPlan, TransferKind
+from reshard.ir.program import (
     LOCAL_OPS,
     MESSAGE_OPS,
     Broadcast,
@@ -29,8 +29,8 @@ from reshard.program import (
     reads_output,
     writes,
 )
-from reshard.regions import Box, box_volume, contains, device_regions, intersect, is_contiguous
-from reshard.tasks import zero_devices
+from reshard.ir.regions import Box, box_volume, contains, device_regions, intersect, is_contiguous
+from reshard.ir.tasks import zero_devices
 
 
 def validate_plan(plan: ReshardPlan) -> None:

@@ -1,8 +1,8 @@
 """Batch programs: what every device runs to move many tensors in one reshard (a model's state dict).
 
 A batch holds one ``Part`` per tensor a device takes part in: that tensor's ``DeviceProgram``
-(``reshard.program``), whose buffers are the tensor's source and destination shards. The messages
-of small tensors do not stay in their parts: ``reshard.packing`` packs every slice one device sends
+(``reshard.ir.program``), whose buffers are the tensor's source and destination shards. The messages
+of small tensors do not stay in their parts: ``reshard.passes.packing`` packs every slice one device sends
 another (or one broadcast group shares) into ``Bucket`` messages, each a run of ``Piece``s laid out
 side by side in one byte buffer. A device runs its buckets first, in the batch's global bucket
 order, issued in ``windows``; then its parts, one after the other in tensor order, each as a single
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reshard.program import DeviceProgram, Group
-from reshard.regions import Box, box_volume
+from reshard.ir.program import DeviceProgram, Group
+from reshard.ir.regions import Box, box_volume
 
 #: Bucket offsets are multiples of this, so that every piece can be viewed with its own dtype.
 PIECE_ALIGN = 16

@@ -22,7 +22,7 @@ from collections.abc import Collection, Hashable, Mapping
 from dataclasses import replace
 
 from reshard.dtypes import itemsize
-from reshard.program import (
+from reshard.ir.program import (
     MESSAGE_OPS,
     Broadcast,
     Buffer,
@@ -37,7 +37,7 @@ from reshard.program import (
     op_numel,
     writes,
 )
-from reshard.regions import intersect
+from reshard.ir.regions import intersect
 
 
 def pulled_steps(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from reshard.layout import Layout
+from reshard.ir.layout import Layout
 
 Box = tuple[tuple[int, int], ...]
 

@@ -17,8 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from itertools import product
 
-from reshard.layout import Layout
-from reshard.regions import Box, box_volume, layout_regions
+from reshard.ir.layout import Layout
+from reshard.ir.regions import Box, box_volume, layout_regions
 
 
 @dataclass(frozen=True, slots=True)

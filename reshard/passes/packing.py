@@ -1,4 +1,4 @@
-"""Packing: the messages of a batch's small tensors become bucket messages (``reshard.batch``).
+"""Packing: the messages of a batch's small tensors become bucket messages (``reshard.ir.batch``).
 
 A tensor is packed when none of its messages moves more than ``bucket_bytes`` and its program only
 moves plain slices: every message reads the sender's source shard and lands in the receivers' destination
@@ -16,7 +16,7 @@ Other tensors keep their programs as compiled: big ones stream as single reshard
 small ones whose slices depend on each other.
 
 A device issues its buckets in windows (``window_ops`` buckets at most, and per direction of its
-link at most ``window_bytes`` together, or one bigger bucket alone), as ``reshard.sequencing``
+link at most ``window_bytes`` together, or one bigger bucket alone), as ``reshard.passes.sequencing``
 windows a single program's messages; a window's buckets sit side by side in its staging buffer.
 """
 
@@ -26,9 +26,9 @@ from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from reshard.batch import BatchDeviceProgram, BatchProgram, Bucket, Part, Piece, aligned, piece_bytes
 from reshard.dtypes import itemsize
-from reshard.program import (
+from reshard.ir.batch import BatchDeviceProgram, BatchProgram, Bucket, Part, Piece, aligned, piece_bytes
+from reshard.ir.program import (
     LOCAL_OPS,
     MESSAGE_OPS,
     Buffer,
@@ -41,8 +41,8 @@ from reshard.program import (
     op_numel,
     reads_output,
 )
-from reshard.regions import Box
-from reshard.sequencing import IN, OUT, WINDOW_BYTES, WINDOW_STAGING_BYTES
+from reshard.ir.regions import Box
+from reshard.passes.sequencing import IN, OUT, WINDOW_BYTES, WINDOW_STAGING_BYTES
 
 BUCKET_BYTES = 1 << 20
 
@@ -188,7 +188,7 @@ def _chunks(items, bucket_bytes: int) -> list[tuple[list, int]]:
 def _directions(bucket: Bucket, device: int) -> tuple[int, ...]:
     """The directions of the device's link a bucket takes up: a receiver of a send takes in; the
     sender, and every member of a broadcast (gloo forwards along a tree), both (as a single
-    program's sends of their own source do, ``reshard.sequencing``)."""
+    program's sends of their own source do, ``reshard.passes.sequencing``)."""
     if len(bucket.group) == 2 and bucket.group[1] == device:
         return (IN,)
     return (OUT, IN)

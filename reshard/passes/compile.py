@@ -8,7 +8,7 @@ blob per participating device. The runtime ships the blobs; its executor runs ea
 the order given and decides nothing. Results are cached by their inputs.
 
 ``compile_batch``: many tensors in one reshard (a model's state dict): each compiled as above, then
-the small ones' messages packed into buckets (``reshard.packing``), ``validate_batch``, one blob
+the small ones' messages packed into buckets (``reshard.passes.packing``), ``validate_batch``, one blob
 per device holding its part of every tensor.
 """
 
@@ -18,24 +18,24 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from reshard.batch import BatchProgram
-from reshard.cost import lower_bound_s, resolve_cluster
-from reshard.layout import Layout
-from reshard.lowering import lower_plan
-from reshard.packing import BUCKET_BYTES, pack_batch
-from reshard.plan import ReshardPlan
+from reshard.ir.batch import BatchProgram
+from reshard.ir.cost import lower_bound_s, resolve_cluster
+from reshard.ir.layout import Layout
+from reshard.ir.plan import ReshardPlan
+from reshard.ir.program import Buffer, Group, Program, Publish, Pull
+from reshard.ir.serialize import encode_batch_device_program, encode_device_program
+from reshard.ir.target import CompileTarget
+from reshard.passes.lowering import lower_plan
+from reshard.passes.packing import BUCKET_BYTES, pack_batch
+from reshard.passes.pulls import last_write, to_pulls
+from reshard.passes.sequencing import OVERLAP_COPY_BYTES, WINDOW_BYTES, WINDOW_STAGING_BYTES, sequence_program
+from reshard.passes.validate import validate_batch, validate_plan, validate_program
 from reshard.planner import plan_reshard
-from reshard.program import Buffer, Group, Program, Publish, Pull
-from reshard.pulls import last_write, to_pulls
-from reshard.sequencing import OVERLAP_COPY_BYTES, WINDOW_BYTES, WINDOW_STAGING_BYTES, sequence_program
-from reshard.serialize import encode_batch_device_program, encode_device_program
-from reshard.target import CompileTarget
-from reshard.validate import validate_batch, validate_plan, validate_program
 
 
 @dataclass(frozen=True, slots=True)
 class CompileOptions:
-    """How programs are sequenced (``reshard.sequencing``): ``overlap_copy_bytes`` (None: local ops
+    """How programs are sequenced (``reshard.passes.sequencing``): ``overlap_copy_bytes`` (None: local ops
     never run on the helper thread, e.g. GPU devices), ``window_ops``, ``window_staging_bytes`` and
     ``window_bytes``."""
 
@@ -176,7 +176,7 @@ class CompiledBatch:
     bucket_bytes: int
 
     def lower_bound_s(self, cluster=None) -> float:
-        """The fluid lower bound (``reshard.cost``) of moving every tensor of the batch: all their
+        """The fluid lower bound (``reshard.ir.cost``) of moving every tensor of the batch: all their
         unit tasks served at once, each host's bytes summed over the tensors."""
         hosts: dict[int, int] = {}
         tasks: list = []
@@ -210,7 +210,7 @@ def compile_batch(
 ) -> CompiledBatch:
     """Compile moving every tensor of ``items`` in one reshard: each compiled as
     ``compile_reshard`` does (cached per problem), then the small ones' messages packed into
-    buckets of at most ``bucket_bytes`` (``reshard.packing``), validated and encoded per device.
+    buckets of at most ``bucket_bytes`` (``reshard.passes.packing``), validated and encoded per device.
     Cached by its inputs."""
     return _compile_batch(tuple(items), strategy, cluster, options, int(bucket_bytes))
 

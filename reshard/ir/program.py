@@ -17,8 +17,8 @@ group, named root first. Receiving ops may combine (``reduce``) what arrives wit
 holds: contributions of a Partial source, combined in the destination shard or in a scratch buffer
 (``Buffer.TMP``, the shape of the source shard). Every op carries the plan step it serves (the
 global issue order), devices by global id and buffers by local boxes. Lowering
-(``reshard.lowering``), pulls (``reshard.pulls``) and sequencing (``reshard.sequencing``) build
-programs, ``reshard.validate`` checks them, and the runtime's executor only interprets them.
+(``reshard.passes.lowering``), pulls (``reshard.passes.pulls``) and sequencing (``reshard.passes.sequencing``) build
+programs, ``reshard.passes.validate`` checks them, and the runtime's executor only interprets them.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import enum
 from dataclasses import dataclass
 from typing import cast
 
-from reshard.placement import ReduceOp
-from reshard.regions import Box, box_shape, box_volume
+from reshard.ir.placement import ReduceOp
+from reshard.ir.regions import Box, box_shape, box_volume
 
 Group = tuple[int, ...]
 

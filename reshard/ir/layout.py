@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from reshard.placement import Partial, Placement, ReduceOp, Replicate, Shard, as_placement
+from reshard.ir.placement import Partial, Placement, ReduceOp, Replicate, Shard, as_placement
 from topology.mesh import Mesh
 
 

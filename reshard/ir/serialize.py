@@ -10,12 +10,12 @@ from dataclasses import fields
 
 import msgpack
 
-from reshard.batch import BatchDeviceProgram, Bucket, Part, Piece
-from reshard.layout import Layout
-from reshard.placement import Partial, ReduceOp, Replicate, Shard
-from reshard.plan import ReshardPlan, Transfer, TransferKind
-from reshard.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Program, Publish, Pull, Recv, Scale, Send
-from reshard.tasks import UnitTask
+from reshard.ir.batch import BatchDeviceProgram, Bucket, Part, Piece
+from reshard.ir.layout import Layout
+from reshard.ir.placement import Partial, ReduceOp, Replicate, Shard
+from reshard.ir.plan import ReshardPlan, Transfer, TransferKind
+from reshard.ir.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Program, Publish, Pull, Recv, Scale, Send
+from reshard.ir.tasks import UnitTask
 from topology.mesh import Mesh
 
 SCHEMA_VERSION = 6  # 2: pulls; 3: ops as a tagged union, connect order, windows, background ops, plan hosts;

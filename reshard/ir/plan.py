@@ -6,14 +6,14 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from reshard.cost import lower_bound_s, resolve_cluster
 from reshard.dtypes import itemsize
-from reshard.layout import Layout
-from reshard.placement import ReduceOp
-from reshard.program import Buffer
-from reshard.regions import Box, box_volume, contains, device_regions
-from reshard.target import WINDOW_BYTES, window_ops_for
-from reshard.tasks import UnitTask
+from reshard.ir.cost import lower_bound_s, resolve_cluster
+from reshard.ir.layout import Layout
+from reshard.ir.placement import ReduceOp
+from reshard.ir.program import Buffer
+from reshard.ir.regions import Box, box_volume, contains, device_regions
+from reshard.ir.target import WINDOW_BYTES, window_ops_for
+from reshard.ir.tasks import UnitTask
 from topology.cluster import Cluster
 from topology.mesh import device_hosts
 from topology.simulator import SimKind, SimResult, SimTransfer, simulate_transfers
@@ -88,7 +88,7 @@ def sim_transfers(
     src_regions: Mapping[int, Box] | None = None,
 ) -> list[SimTransfer]:
     """``transfers`` in the simulator's neutral form (``topology.simulator``), in the same order;
-    those whose index is in ``pulled`` run as pulls out of the sender's memory (``reshard.pulls``),
+    those whose index is in ``pulled`` run as pulls out of the sender's memory (``reshard.passes.pulls``),
     after the transfer ``pulled`` names (a relay's) or at once (None). With ``src_regions`` (each
     source device's box), also say on which devices each reads what earlier transfers wrote
     (``SimTransfer.reads_landed``, which closes an issue window)."""
@@ -180,7 +180,7 @@ class ReshardPlan:
         """Simulated execution (``topology.simulator``) on ``cluster`` with the plan's hosts; default
         cluster: ``Cluster.for_hosts`` of them. ``pulled``: the transfers that run as pulls
         (``CompiledReshard.pulled``); ``window``: messages a device issues together, moving at most
-        ``window_bytes`` (default: the backend's, ``reshard.target``);
+        ``window_bytes`` (default: the backend's, ``reshard.ir.target``);
         ``local_beside``: local transfers run beside the messages where nothing reads what they
         write (default: on gloo's CPU devices). A ``SimResult`` with ``.makespan_s``."""
         hosts = self.host_map
@@ -195,7 +195,7 @@ class ReshardPlan:
         )  # fmt: skip
 
     def lower_bound_s(self, cluster: Cluster | None = None) -> float:
-        """The fluid lower bound of any plan of this reshard on ``cluster`` (see ``reshard.cost``)."""
+        """The fluid lower bound of any plan of this reshard on ``cluster`` (see ``reshard.ir.cost``)."""
         hosts = self.host_map
         return lower_bound_s(self.tasks, hosts, resolve_cluster(cluster, hosts))
 

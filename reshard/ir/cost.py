@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 
-from reshard.tasks import UnitTask
+from reshard.ir.tasks import UnitTask
 from topology.cluster import Cluster
 
 _CUT_WORK = 2_000_000  # (cut, task group) pairs the bound evaluates at most

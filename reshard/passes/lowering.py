@@ -1,20 +1,20 @@
-"""Lowering: a plan becomes one program per device (``reshard.program``).
+"""Lowering: a plan becomes one program per device (``reshard.ir.program``).
 
 Every device gets the ops of the plan's transfers it takes part in, in the plan's global transfer
 order, so two groups never wait on each other in opposite orders; its groups are connected in
 order of first use. A slice that is strided in its buffer passes through the device's staging
 buffer (one op at a time here, so every staged op uses offset 0), and so does every received
 contribution that is combined into a box. Order and overlap beyond that are decided later
-(``reshard.sequencing``). Contributions combine by the source's reduce op (``avg`` by summing, then
+(``reshard.passes.sequencing``). Contributions combine by the source's reduce op (``avg`` by summing, then
 ``Scale``).
 """
 
 from __future__ import annotations
 
 from reshard.dtypes import itemsize
-from reshard.placement import ReduceOp
-from reshard.plan import ReshardPlan, TransferKind
-from reshard.program import (
+from reshard.ir.placement import ReduceOp
+from reshard.ir.plan import ReshardPlan, TransferKind
+from reshard.ir.program import (
     Broadcast,
     Buffer,
     Copy,
@@ -26,8 +26,8 @@ from reshard.program import (
     Send,
     first_use_groups,
 )
-from reshard.regions import Box, box_shape, box_volume, contains, device_regions, is_contiguous, relative
-from reshard.tasks import zero_devices
+from reshard.ir.regions import Box, box_shape, box_volume, contains, device_regions, is_contiguous, relative
+from reshard.ir.tasks import zero_devices
 
 
 def lower_plan(plan: ReshardPlan) -> Program:

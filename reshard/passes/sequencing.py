@@ -17,7 +17,7 @@ big receive than modelled, takes both). A device that relays (publishes, or forw
 most one message per direction per window: each slice lands, and is forwarded or published, as
 early as it can. A publication stays in its window: the executor runs it once the window's ops
 before it have landed. A pull of a relay (it waits) gets a window of its own.
-``reshard.validate.validate_program`` replays the result.
+``reshard.passes.validate.validate_program`` replays the result.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from reshard.dtypes import itemsize
-from reshard.program import (
+from reshard.ir.program import (
     LOCAL_OPS,
     MESSAGE_OPS,
     Broadcast,
@@ -40,7 +40,7 @@ from reshard.program import (
     op_numel,
     reads_output,
 )
-from reshard.target import WINDOW_BYTES
+from reshard.ir.target import WINDOW_BYTES
 
 OVERLAP_COPY_BYTES = 1 << 20  # below it the hand-off to the helper thread costs more than it saves
 WINDOW_STAGING_BYTES = 64 << 20
