@@ -261,6 +261,8 @@ def test_collectives_match_by_sequence_and_a_mismatch_hangs_until_abort(standin_
     for c in comms:
         assert _settle(c) == 0
     bufs = [cupy.full(64, r + 1, dtype=cupy.int64) for r in range(2)]
+    for b in bufs:
+        b.get()  # filled on the null stream, which the non-blocking streams below do not wait for
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
 
     def run(roots):
@@ -305,12 +307,15 @@ def test_send_and_recv_match_by_peer_and_order_within_one_group():
         nccl.groupStart()
         if r == 1:
             got = [cupy.zeros(n, dtype=cupy.int32) for n in (30, 10, 20)]
+            for g in got:
+                g.get()  # zeroed (null stream) before the receives on the non-blocking stream land
             for (peer, _), g in zip(((2, 0), (0, 0), (0, 1)), got, strict=True):
                 c.recv(g.data.ptr, g.size, nccl.NCCL_INT32, peer, s.ptr)
         else:
             sizes = (10, 20) if r == 0 else (30,)
             got = [cupy.arange(n, dtype=cupy.int32) + 100 * r + n for n in sizes]
             for g in got:
+                g.get()  # computed (null stream) before the non-blocking stream sends it
                 c.send(g.data.ptr, g.size, nccl.NCCL_INT32, 1, s.ptr)
         assert _call(nccl.groupEnd) == 7
         assert _settle(c) == 0
@@ -464,6 +469,7 @@ def test_work_issued_on_a_stream_before_its_nccl_launch_finished_is_reported(sta
     assert _settle(c) == 0
     s = cupy.cuda.Stream(non_blocking=True)
     x = cupy.ones(16, dtype=cupy.float32)
+    x.get()  # filled (on the null stream, which a non-blocking stream does not wait for) before s reads it
     seen = len(standin_control.diagnostics())
     with standin_control.launches_held():  # the launch stays ncclInProgress until the block ends
         assert _call(c.bcast, x.data.ptr, 16, nccl.NCCL_FLOAT32, 0, s.ptr) == 7
