@@ -117,13 +117,14 @@ class _Entry:
 
 
 class Channel:
-    """The communicators of one channel of a ``GroupCache``, by device tuple: what a run uses."""
+    """The communicators of one channel of a ``GroupCache``, by group (``group_of``, as a
+    prepared program's steps carry it: looked up as is, once per message op)."""
 
     def __init__(self, groups: GroupCache, channel: str):
         self.groups, self.channel = groups, channel
 
-    def get(self, devices) -> Communicator:
-        return self.groups.get((self.channel, group_of(devices)))
+    def get(self, group: Group) -> Communicator:
+        return self.groups.get((self.channel, group))
 
 
 class GroupCache:
