@@ -7,7 +7,7 @@ way) and ``anon_huge`` (the same with ``MADV_HUGEPAGE``: transparent huge pages 
 gives them). The kernel's transparent huge page settings for anonymous and shared memory are
 printed: shared memory gets huge pages only where ``shmem_enabled`` allows them.
 
-Beside them, what a device does instead for a new destination shard (``reshard.runtime.shards``,
+Beside them, what a device does instead for a new destination shard (``reshard.runtime.device.shards``,
 assembly): the bytes copied into a warm private buffer, then written into a fresh memfd block
 through the file (``SharedShards.adopt``), against making a memfd block's pages and copying into
 it, as before.
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.cases import fmt_size, parse_size
-from reshard.runtime.shared_memory import SharedShards
+from reshard.runtime.device.shared_memory import SharedShards
 
 POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 THP = Path("/sys/kernel/mm/transparent_hugepage")

@@ -312,7 +312,7 @@ class Ours:
 
     def run(self, keep: bool) -> float:
         from reshard import reshard
-        from reshard.runtime.driver import runtime
+        from reshard.runtime import runtime
 
         runtime().last_run = {}
         t0 = time.perf_counter()
@@ -462,7 +462,7 @@ class Suite:
 
     def call_each(self, calls: dict, timeout_s: float) -> dict:
         """Run ``fn(ctx, *args, **kwargs)`` per device (the runtime's ordered calls)."""
-        from reshard.runtime.driver import runtime
+        from reshard.runtime import runtime
 
         return runtime().call(calls, timeout_s, "bench")
 
@@ -492,8 +492,7 @@ class Suite:
         from bench import ceiling, peers
         from reshard import Layout, distribute
         from reshard.ir.regions import box_volume, layout_regions
-        from reshard.runtime import lowered_reshard
-        from reshard.runtime.driver import runtime
+        from reshard.runtime import lowered_reshard, runtime
 
         args = self.args
         shape = case.shape_for(size_bytes, args.dtype)
@@ -843,7 +842,7 @@ def mesh_options(args) -> dict:
     if share is not None and getattr(args, "backend", None) == "nccl":
         import ray
 
-        from reshard.runtime.nccl import NcclBackend
+        from reshard.runtime.backends.nccl import NcclBackend
 
         per = min(1.0, ray.cluster_resources().get("GPU", 0.0) / POOL_SIZE) if share == "auto" else float(share)
         options["backend"] = NcclBackend(gpus_per_device=per, gpu_sharing="hostid" if per < 1 else "auto")

@@ -10,7 +10,7 @@ then runs a driver inside the head namespace that
   0 and 1, ``B`` = 2 x 2 on hosts 2 and 3, and ``C``, a 3 x 2 view over A's host-1 devices and B
   (a mesh size change onto partly the same devices: slices between actors of host 1 are pulled
   through shared memory);
-* probes the links between the meshes' nodes (``reshard.runtime.probe.probe_links``); every
+* probes the links between the meshes' nodes (``reshard.runtime.probe_links``); every
   reshard is planned for, simulated on and bounded with that probed cluster;
 * per case and size distributes one random tensor and runs every strategy once untimed (groups
   and programs set up) with its result checked bit-exact on every destination device (a SHA-256 of
@@ -125,9 +125,7 @@ def drive(config: dict) -> dict:
     from bench.local import make_array, stats_of
     from reshard import DeviceMesh, Layout, distribute
     from reshard.ir.regions import layout_regions
-    from reshard.runtime import lowered_reshard
-    from reshard.runtime.driver import runtime
-    from reshard.runtime.probe import probe_links
+    from reshard.runtime import lowered_reshard, probe_links, runtime
     from topology.cluster import GUESSED_GLOO, Cluster
 
     addrs = host_addresses()

@@ -60,8 +60,7 @@ def drive(config: dict) -> dict:
     from bench.local import make_array, stats_of
     from bench.weights import gpt2
     from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, reshard
-    from reshard.runtime import lowered_batch
-    from reshard.runtime.probe import probe_links
+    from reshard.runtime import lowered_batch, probe_links
 
     ray = connect()
     addrs = host_addresses()
@@ -81,7 +80,7 @@ def drive(config: dict) -> dict:
     small_src = make_array((128, 128), "float32", 2)
     small = distribute(small_src, Layout(a, (Shard(0), Shard(1))), timeout_s=timeout)
     small_layout = Layout(b, (Replicate(), Replicate()))
-    from reshard.runtime.driver import runtime
+    from reshard.runtime import runtime
 
     cluster = runtime().planning_cluster("gloo", {**dict(zip(a.device_ids, a.host_ids, strict=True)),
                                                   **dict(zip(b.device_ids, b.host_ids, strict=True))})  # fmt: skip

@@ -34,7 +34,7 @@ from bench.cases import CASES_BY_NAME, POOL_SHAPE, fmt_size, parse_size  # noqa:
 def install(ctx, cprofile: bool = False) -> int:
     """Timestamp this actor's run calls (their turn in its inbox), programs and ops (idempotent).
     Returns the pid."""
-    from reshard.runtime import actor
+    from reshard.runtime.device import actor
 
     if getattr(ctx, "_tl_installed", False):
         ctx._tl_cprofile = cprofile
@@ -89,7 +89,7 @@ def take(ctx) -> tuple[list, str | None]:
 
 
 def uninstall(ctx) -> None:
-    from reshard.runtime import actor
+    from reshard.runtime.device import actor
 
     if getattr(ctx, "_tl_installed", False):
         del ctx.inbox.turn  # the class's method again

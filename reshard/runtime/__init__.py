@@ -1,25 +1,22 @@
-"""Runtime layer: device actors on Ray, communicators, and the program interpreter.
+"""The runtime: device actors on Ray, communicators, and the program interpreter, in three parts.
 
-Modules: ``mesh`` (DeviceMesh, placement on nodes: ``placement``), ``tensor`` (ShardedTensor),
-``loading`` (distribute, adopt), ``resharding`` (reshard of one tensor or a tree), ``work``
-(reshards in flight), ``driver`` (this process's controller) with ``registry`` (devices, meshes,
-ids, session), ``programs`` (the mirror of the devices' program caches), ``groups``
-(communicator groups) and ``dispatch`` (waiting and failure classification); ``messages`` (what
-controllers and actors say to each other), ``actor`` (the device actor) with ``inbox`` (ordered
-calls), ``shards`` (a device's memory), ``binding`` (a run's buffers), ``batches`` and
-``executor`` (run a device's batch program), ``communicator`` (interfaces), ``backends``
-(registry), ``gloo`` (CPU backend), ``shared_memory`` (shards in shared memory, peers' shards
-mapped for pulls); ``nccl`` (GPU backend) loads when a mesh asks for it.
+- ``reshard.runtime.driver``: the driver side (meshes, tensors, reshard, the controller);
+- ``reshard.runtime.device``: the device side (the actor, its context, shards, the executor);
+- ``reshard.runtime.backends``: how bytes move (gloo, NCCL);
+
+and what both sides share: ``messages`` (what controllers and devices say to each other),
+``deadlines``, ``arrays`` (numpy and torch buffers alike), ``device_options``.
 """
 
-from reshard.runtime.backends import BACKENDS, register_backend
-from reshard.runtime.communicator import Backend, Communicator, Rendezvous
-from reshard.runtime.driver import runtime
-from reshard.runtime.loading import adopt, distribute
-from reshard.runtime.mesh import DeviceMesh
-from reshard.runtime.resharding import compile_options, lowered_batch, lowered_reshard, reshard
-from reshard.runtime.tensor import ShardedTensor
-from reshard.runtime.work import Work
+from reshard.runtime.backends.communicator import Backend, Communicator, Rendezvous
+from reshard.runtime.backends.registry import BACKENDS, register_backend
+from reshard.runtime.driver.controller import runtime
+from reshard.runtime.driver.loading import adopt, distribute
+from reshard.runtime.driver.mesh import DeviceMesh
+from reshard.runtime.driver.probe import probe_links
+from reshard.runtime.driver.resharding import compile_options, lowered_batch, lowered_reshard, reshard
+from reshard.runtime.driver.tensor import ShardedTensor
+from reshard.runtime.driver.work import Work
 
 
 def ensure_groups(groups, *, channel: str = "", timeout_s: float = 60.0) -> list:
@@ -58,7 +55,7 @@ def runtime_stats() -> dict:
 __all__ = [
     "BACKENDS", "Backend", "Communicator", "DeviceContext", "DeviceMesh", "DeviceRole", "Rendezvous", "ShardedTensor",
     "Work", "adopt", "compile_options", "device_of", "distribute", "ensure_groups", "lowered_batch", "lowered_reshard",
-    "register_backend", "reshard", "runtime", "runtime_stats", "settle",
+    "probe_links", "register_backend", "reshard", "runtime", "runtime_stats", "settle",
 ]  # fmt: skip
 
 
@@ -66,7 +63,7 @@ def __getattr__(name):
     """``DeviceRole`` and ``DeviceContext`` (the device side: executor, shards, backends) load on
     first use; a driver that only creates meshes and reshards never loads them."""
     if name in ("DeviceRole", "DeviceContext"):
-        from reshard.runtime import actor
+        from reshard.runtime.device import actor
 
         return getattr(actor, name)
     raise AttributeError(f"module 'reshard.runtime' has no attribute {name!r}")

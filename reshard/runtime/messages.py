@@ -2,7 +2,7 @@
 
 Every call that changes a device's state is ORDERED: it carries a ``Ticket`` (the calling
 process's controller id and a per-device sequence number) and the actor runs a controller's
-ordered calls in sequence order (``reshard.runtime.inbox``), whatever order Ray delivers them in.
+ordered calls in sequence order (``reshard.runtime.device.inbox``), whatever order Ray delivers them in.
 Deadlines are absolute wall-clock times (``time.time()``), so a call that waited in a queue has
 less time left, and one whose deadline passed is answered at once without doing any work.
 """
@@ -12,12 +12,24 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from reshard.ir.program import Group, group_of
+
 #: How long after a run's deadline a destination device waits to read every participant's result
 #: before it commits (all succeeded) or keeps its old values (one failed). Past it, the device keeps
 #: its old values and says so. Longer than Ray takes to declare a silent node dead with its default
 #: health checks (5 failed checks of 10 s, 3 s apart: 65 s measured between emulated hosts), so a
 #: device cut off that long is lost with its node anyway.
 COMMIT_WAIT_S = 120.0
+
+#: The channel of reshards' communicators; the pipeline's lanes and stages use channels of their own,
+#: so that users of the same devices who run concurrently get communicators of their own.
+RESHARD_CHANNEL = ""
+GroupKey = tuple[str, Group]
+
+
+def group_key(devices, channel: str = RESHARD_CHANNEL) -> GroupKey:
+    """The key of the communicator of ``devices`` (``reshard.ir.program.group_of``) on ``channel``."""
+    return channel, group_of(devices)
 
 
 class DeviceState(enum.Enum):
@@ -85,7 +97,7 @@ class RunRequest:
     bound as binding ``binding`` says (``bound``: shipped with this call when the device may not
     have it). Results for users' shards are written into them ``direct``ly, else kept under their
     own names until ``reshard_commit``. ``commit``: results wait for a commit, and a run that ends
-    after its deadline fails. ``verify``: return checksums (``reshard.runtime.batches``)."""
+    after its deadline fails. ``verify``: return checksums (``reshard.runtime.device.batches``)."""
 
     ticket: Ticket
     program_id: int

@@ -60,8 +60,7 @@ from reshard import (
     distribute,
     reshard,
 )
-from reshard.runtime import lowered_reshard, settle
-from reshard.runtime.driver import runtime
+from reshard.runtime import lowered_reshard, runtime, settle
 from reshard.runtime.messages import DeviceState
 
 

@@ -23,7 +23,7 @@ from reshard import (
     reshard,
 )
 from reshard.runtime import lowered_reshard
-from reshard.runtime.device_context import STAGING_KEEP_BYTES
+from reshard.runtime.device.context import STAGING_KEEP_BYTES
 from topology import Mesh
 
 pytestmark = pytest.mark.dist
@@ -397,7 +397,7 @@ def test_gloo_backend_close_stops_its_store():
 
     import torch.distributed as dist
 
-    from reshard.runtime.gloo import GlooBackend
+    from reshard.runtime.backends.gloo import GlooBackend
 
     backend = GlooBackend(host="127.0.0.1")
     info = backend.rendezvous([(0, 1)], {})[0].info
@@ -413,7 +413,7 @@ def test_join_barrier_never_lets_a_store_wait_time_out(capfd):
     torch logs each timed-out TCPStore wait, and formatting that warning looks the store's address
     up in reverse DNS, which stalls for seconds when the resolver throttles (a waiting peer would
     overrun its deadline and hold the store connection that aborts need)."""
-    from reshard.runtime.gloo import GlooBackend
+    from reshard.runtime.backends.gloo import GlooBackend
 
     backend = GlooBackend(host="127.0.0.1")
     try:

@@ -265,7 +265,7 @@ def test_relays_inside_a_machine_are_pulled_from_the_relaying_device(view, ray_c
     from reshard.passes.compile import planning_hosts
     from reshard.ir.program import Publish, Pull
     from reshard.runtime import lowered_reshard
-    from reshard.runtime.resharding import memory_domains
+    from reshard.runtime.driver.resharding import memory_domains
     from topology import Cluster
 
     own = DeviceMesh.create((2,), backend="gloo", shared_memory=False, startup_timeout_s=180)

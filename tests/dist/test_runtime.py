@@ -13,8 +13,8 @@ from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, plan_resha
 from reshard.passes.lowering import lower_plan
 from reshard.ir.regions import box_shape, box_volume, layout_regions
 from reshard.runtime import ensure_groups, lowered_reshard, runtime, runtime_stats, settle
-from reshard.runtime.device_context import STAGING_KEEP_BYTES
-from reshard.runtime.shards import ASSEMBLY_MIN_BYTES
+from reshard.runtime.device.context import STAGING_KEEP_BYTES
+from reshard.runtime.device.shards import ASSEMBLY_MIN_BYTES
 
 pytestmark = pytest.mark.dist
 

@@ -1,4 +1,4 @@
-"""Shards in memfd shared memory and peer mappings (``reshard.runtime.shared_memory``), in one
+"""Shards in memfd shared memory and peer mappings (``reshard.runtime.device.shared_memory``), in one
 process: a process maps its own shards through /proc/<pid>/fd exactly as a peer actor does."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from reshard.errors import ReshardError
-from reshard.runtime.shards import BufferPool, ShardStore
-from reshard.runtime.shared_memory import PeerShards, SharedShards
+from reshard.runtime.device.shards import BufferPool, ShardStore
+from reshard.runtime.device.shared_memory import PeerShards, SharedShards
 
 pytestmark = pytest.mark.dist
 

@@ -120,7 +120,7 @@ def test_a_replay_plans_nothing_and_ships_nothing(view):
 
 def test_small_tensors_travel_in_buckets_and_big_ones_stream(view):
     from reshard.runtime import lowered_reshard  # noqa: F401 - the single-tensor view stays available
-    from reshard.runtime.resharding import _Call, _compile
+    from reshard.runtime.driver.resharding import _Call, _compile
 
     a, b = view([0, 1], (2,)), view([2, 3], (2,))
     small = {f"b{i}": np.full((8,), i, np.float32) for i in range(20)}

@@ -31,7 +31,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda)
 STACK = r"""
 import torch, cupy
 from cupy.cuda import nccl
-from reshard.runtime import cuda_buffers
+from reshard.runtime.backends import cuda_buffers
 print("torch", torch.__version__, "NCCL", torch.cuda.nccl.version())
 print("cupy", cupy.__version__, "NCCL", nccl.get_version(), "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())
 print("cupy distributions", cuda_buffers.installed_cupy_distributions())
@@ -76,7 +76,12 @@ def steps(bench: bool) -> list[Step]:
             30,
         ),
         Step("torch", [PY, "-c", IDENTITY], "torch's CUDA build against the driver's CUDA version", 60),
-        Step("stack", [PY, "-c", STACK], "reshard/runtime/NCCL.md, 'Versions': cupy's NCCL must be torch's", 60),
+        Step(
+            "stack",
+            [PY, "-c", STACK],
+            "reshard/runtime/backends/nccl/NCCL.md, 'Versions': cupy's NCCL must be torch's",
+            60,
+        ),
         Step("uuids", [PY, "-c", UUIDS], "GPU UUIDs as torch and cupy read them (cupy cuts at a 0x00 byte)", 60),
         pytest_step("backend", "tests/gpu/test_nccl.py", "the NcclBackend API on one rank", 300),
         pytest_step(

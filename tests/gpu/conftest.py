@@ -42,14 +42,14 @@ def _probe() -> tuple[str | None, int]:
     if not _PROBE:
         reason, count, standin = None, 0, False
         try:
-            from reshard.runtime import cuda_buffers
+            from reshard.runtime.backends import cuda_buffers
 
             cupy, _ = cuda_buffers.import_nccl()
             standin = getattr(cupy, "_standin", False) is True
         except ImportError as e:
             reason = str(e)
         if reason is None:
-            from reshard.runtime.nccl import visible_gpu_count
+            from reshard.runtime.backends.nccl import visible_gpu_count
 
             count = visible_gpu_count()
         _PROBE.update(reason=reason, count=count, standin=standin)
@@ -236,7 +236,7 @@ def nccl_ranks(ray_cluster, gpus):
     made: list[RankSet] = []
 
     def make(n: int, gpus_per_rank: float = 1.0, **options) -> RankSet:
-        from reshard.runtime.nccl import NcclBackend
+        from reshard.runtime.backends.nccl import NcclBackend
 
         need = n * gpus_per_rank
         pool_shortfall(-int(-need // 1), gpus.total)

@@ -41,7 +41,7 @@ def told_of_abort(actor, group, timeout_s: float):
     """Wait for another member's abort notice, then show that the next operation fails at once."""
     import cupy
 
-    from reshard.runtime.nccl import peer_aborts
+    from reshard.runtime.backends.nccl import peer_aborts
 
     comm = actor.backend.communicator(group)
     heard = peer_aborts().wait(comm.digest, timeout_s)
@@ -116,7 +116,7 @@ def two_channels(actor, rdvs, timeout_s: float):
 
 def try_connect(actor, rdvs, timeout_s: float):
     """Create this device's communicators of ``rdvs``; the error's class name if that fails."""
-    from reshard.runtime.nccl import bootstrap_root_threads
+    from reshard.runtime.backends.nccl import bootstrap_root_threads
 
     mine = [r for r in rdvs if actor.device in r.group]
     try:

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.runtime import cuda_buffers as cb
-from reshard.runtime.nccl import (
+from reshard.runtime.backends import cuda_buffers as cb
+from reshard.runtime.backends.nccl import (
     NCCL_IN_PROGRESS,
     NcclBackend,
     assign_id_hosts,
@@ -85,7 +85,7 @@ def test_each_unique_id_leaves_a_bootstrap_root_until_its_group_forms():
     listening socket that waits for all ranks; nobody joins these, so all of them stay."""
     out = _run_isolated(
         """
-        from reshard.runtime.nccl import NcclBackend, bootstrap_root_threads, generate_unique_ids
+        from reshard.runtime.backends.nccl import NcclBackend, bootstrap_root_threads, generate_unique_ids
         NcclBackend().arrive()  # as in an actor: NCCL_SET_THREAD_NAME=1 before the first NCCL call
         before = bootstrap_root_threads()
         generate_unique_ids(5)
@@ -437,7 +437,7 @@ def test_creating_a_group_whose_peer_never_joins_times_out_and_the_backend_stays
         import os, sys
         import cupy
         from reshard.errors import ReshardTimeout
-        from reshard.runtime.nccl import NcclBackend
+        from reshard.runtime.backends.nccl import NcclBackend
         b = NcclBackend()
         (rdv,) = b.local_rendezvous([(0, 1)])   # device 1 never connects
         try:

@@ -18,7 +18,7 @@ import sys
 import pytest
 from gpu_bodies import reserved_gpu_bytes
 
-from reshard.runtime.nccl import NcclBackend
+from reshard.runtime.backends.nccl import NcclBackend
 
 pytestmark = pytest.mark.gpu(1, torch_cuda=True)  # device actors allocate torch CUDA tensors
 SHARED_GPU_POOL = 8  # device actors on a single GPU

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.gpu(1, torch_cuda=True)
 def test_multi_rank_gpu_mode_on_nccl_2_30(nccl_ranks, connect_ranks):
     from cupy.cuda import nccl
 
-    from reshard.runtime.cuda_buffers import nccl_version_tuple
-    from reshard.runtime.nccl import MULTI_RANK_GPU_MIN_VERSION
+    from reshard.runtime.backends.cuda_buffers import nccl_version_tuple
+    from reshard.runtime.backends.nccl import MULTI_RANK_GPU_MIN_VERSION
 
     if nccl_version_tuple(nccl.get_version()) < MULTI_RANK_GPU_MIN_VERSION:
         pytest.skip("NCCL_MULTI_RANK_GPU_ENABLE needs NCCL >= 2.30")

@@ -52,7 +52,7 @@ def _python(code: str, env: dict | None = None, timeout_s: float = 120) -> subpr
 
 
 def _status(error: BaseException) -> int | None:
-    from reshard.runtime.nccl import nccl_status
+    from reshard.runtime.backends.nccl import nccl_status
 
     return nccl_status(error)
 
@@ -120,7 +120,7 @@ def test_the_standin_reports_itself_and_passes_the_unweakened_gpu_stack_check():
     import cupy
     from cupy.cuda import nccl
 
-    from reshard.runtime import cuda_buffers as cb
+    from reshard.runtime.backends import cuda_buffers as cb
 
     assert cupy._standin is True and cupy.__version__.endswith("+standin")
     # no distribution of its own (a real cupy it shadows on a machine without a GPU is listed)
@@ -159,8 +159,8 @@ def test_activation_needs_no_gpu_no_promise_and_no_opt_out(env, active, tmp_path
 
 def test_importing_the_backend_imports_no_cupy():
     out = _python(
-        "import sys, reshard, reshard.runtime.nccl, reshard.runtime.cuda_buffers, "
-        "reshard.runtime.backends; print('cupy' in sys.modules)"
+        "import sys, reshard, reshard.runtime.backends.nccl, reshard.runtime.backends.cuda_buffers, "
+        "reshard.runtime.backends.registry; print('cupy' in sys.modules)"
     )
     assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr
 
@@ -450,7 +450,7 @@ def test_a_wedged_call_returns_only_when_another_thread_aborts(standin_control):
 
 @pytest.fixture
 def one_rank():
-    from reshard.runtime.nccl import NcclBackend
+    from reshard.runtime.backends.nccl import NcclBackend
 
     backend = NcclBackend(timeout_s=10)
     (rdv,) = backend.local_rendezvous([(0,)])

@@ -107,9 +107,7 @@ def tour(rows: int = 512, cols: int = 256, seed: int = 5) -> dict:
 
     from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, reshard
     from reshard.ir.program import Pull
-    from reshard.runtime import lowered_reshard, settle
-    from reshard.runtime.driver import runtime
-    from reshard.runtime.probe import probe_links
+    from reshard.runtime import lowered_reshard, probe_links, runtime, settle
     from topology import Cluster
     from topology.runtime import node_host_ids
 
@@ -273,7 +271,7 @@ def bad_input() -> dict:
 
 def elsewhere(pickled_tensor: str | None = None, rows: int = 256, cols: int = 128, seed: int = 9) -> dict:
     from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, reshard
-    from reshard.runtime.driver import runtime
+    from reshard.runtime import runtime
 
     addrs = host_addresses()
     out: dict = {"driver": where()}

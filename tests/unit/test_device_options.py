@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 from reshard.runtime.device_options import DeviceOptions
-from reshard.runtime.mesh import DeviceMesh
+from reshard.runtime.driver.mesh import DeviceMesh
 
 pytestmark = pytest.mark.unit
 SHARED = ("op_timeout_s", "staging_keep_bytes", "buffer_pool_bytes", "assembly_bytes", "shared_memory")

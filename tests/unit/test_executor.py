@@ -37,9 +37,9 @@ from reshard.ir.program import Broadcast, Publish, Recv, Send, group_of
 from reshard.ir.serialize import decode_device_program, encode_device_program
 from reshard.passes.compile import CompileOptions, compile_reshard
 from reshard.runtime import arrays
-from reshard.runtime.communicator import Communicator, PeerFailed
-from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
-from reshard.runtime.shared_memory import PeerShards, RelayBoard, SharedShards
+from reshard.runtime.backends.communicator import Communicator, PeerFailed
+from reshard.runtime.device.executor import Run, StagingBuffer, execute, prepare
+from reshard.runtime.device.shared_memory import PeerShards, RelayBoard, SharedShards
 from topology import Cluster, Mesh
 
 pytestmark = pytest.mark.unit
@@ -438,7 +438,7 @@ def run_batch(compiled, sources: dict, *, as_torch: bool = False, deadline_s: fl
     device ``d``'s source shard of tensor ``t``; ``as_torch``: buffers as torch tensors (what a GPU
     device hands the executor). Returns (destinations by (tensor, device), errors, fabric)."""
     from reshard.ir.serialize import decode_batch_device_program
-    from reshard.runtime.batches import BatchRun, execute_batch, prepare_batch
+    from reshard.runtime.device.batches import BatchRun, execute_batch, prepare_batch
 
     fabric = Fabric()
     dst, errors = {}, {}
@@ -490,7 +490,7 @@ def test_a_batch_runs_its_buckets_then_its_parts_exactly(as_torch, window_ops):
     on a backend that batches), the big one streamed; every destination bit-exact, every device's
     messages in its program's order, and the checksums of what was read and received agree."""
     from reshard.passes.compile import BatchItem, compile_batch
-    from reshard.runtime.batches import first_mismatch
+    from reshard.runtime.device.batches import first_mismatch
 
     src_mesh, dst_mesh = Mesh((2,), (0, 1), (0, 1)), Mesh((2,), (2, 3), (2, 3))
     items, fulls = [], []

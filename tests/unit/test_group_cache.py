@@ -3,8 +3,9 @@ only, so a late abort of a failed run never undoes the groups its retry has set 
 
 from __future__ import annotations
 
-from reshard.runtime.gloo import GlooBackend
-from reshard.runtime.groups import GroupCache, group_key
+from reshard.runtime.backends.gloo import GlooBackend
+from reshard.runtime.device.group_cache import GroupCache
+from reshard.runtime.messages import group_key
 
 
 def test_an_abort_of_an_older_generation_leaves_the_newer_one():

@@ -1,4 +1,4 @@
-"""The ordered inbox of a device actor (``reshard.runtime.inbox``), with plain threads: a
+"""The ordered inbox of a device actor (``reshard.runtime.device.inbox``), with plain threads: a
 controller's calls run in sequence order whatever order they arrive in; a call that gives up its
 turn (its deadline passed, or anything else stopped it) is skipped by the calls after it; calls
 of different controllers do not wait on each other; an infinite deadline is allowed."""
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from reshard.errors import ReshardTimeout
-from reshard.runtime.inbox import OrderedInbox
+from reshard.runtime.device.inbox import OrderedInbox
 from reshard.runtime.messages import Ticket
 
 pytestmark = pytest.mark.unit

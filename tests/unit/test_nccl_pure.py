@@ -19,10 +19,10 @@ import pytest
 
 from reshard.dtypes import ITEMSIZE
 from reshard.errors import ReshardTimeout
-from reshard.runtime import backends
-from reshard.runtime import cuda_buffers as cb
-from reshard.runtime.communicator import Backend, PeerFailed
-from reshard.runtime.nccl import (
+from reshard.runtime.backends import cuda_buffers as cb
+from reshard.runtime.backends import registry as backends
+from reshard.runtime.backends.communicator import Backend, PeerFailed
+from reshard.runtime.backends.nccl import (
     BOOTSTRAP_ROOT_THREAD,
     NCCL_IN_PROGRESS,
     PAPER_BROADCAST_ENV,
@@ -44,7 +44,7 @@ from reshard.runtime.nccl import (
     sharing_env,
     uid_digest,
 )
-from reshard.runtime.nccl.status import _Deadline, _PeerAbort
+from reshard.runtime.backends.nccl.status import _Deadline, _PeerAbort
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +59,9 @@ def _run(code: str) -> str:
 
 
 def test_importing_the_gpu_modules_does_not_import_cupy_or_torch():
-    code = "import sys, reshard.runtime.nccl, reshard.runtime.cuda_buffers; print('cupy' in sys.modules)"
+    code = (
+        "import sys, reshard.runtime.backends.nccl, reshard.runtime.backends.cuda_buffers; print('cupy' in sys.modules)"
+    )
     assert _run(code) == "False"
 
 
@@ -199,7 +201,7 @@ def test_backend_ships_its_configuration_and_applies_env_on_arrival():
         """
         import os, pickle
         os.environ.pop("NCCL_ALGO", None); os.environ["NCCL_PROTO"] = "LL"; os.environ["NCCL_COMM_BLOCKING"] = "1"
-        from reshard.runtime.nccl import NcclBackend
+        from reshard.runtime.backends.nccl import NcclBackend
         b = NcclBackend(env={"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}, timeout_s=5, gpus_per_device=0.5,
                         gpu_sharing="hostid")
         before = (os.environ["NCCL_PROTO"], os.environ["NCCL_COMM_BLOCKING"], "NCCL_HOSTID" in os.environ)
@@ -311,8 +313,8 @@ def test_missing_cupy_is_a_clear_error_naming_the_gpu_extras():
         if importlib.util.find_spec("cupy") is not None:
             print("installed")
             raise SystemExit
-        from reshard.runtime.communicator import Rendezvous
-        from reshard.runtime.nccl import NcclBackend, nccl_available, visible_gpu_count
+        from reshard.runtime.backends.communicator import Rendezvous
+        from reshard.runtime.backends.nccl import NcclBackend, nccl_available, visible_gpu_count
         assert not nccl_available() and visible_gpu_count() == 0
         b = NcclBackend()
         errors = []
@@ -423,7 +425,7 @@ def test_wedge_guard_reports_only_calls_still_inside_past_deadline_plus_grace():
 def test_the_real_wedge_guard_ends_the_process_with_its_exit_code():
     code = """
         import threading, time
-        from reshard.runtime import nccl
+        from reshard.runtime.backends import nccl
         guard = nccl.WedgeGuard(grace_s=0.05)
         with guard.inside(time.monotonic(), "ncclGroupEnd"):
             threading.Event().wait(60)
@@ -472,7 +474,7 @@ def _comm(b: NcclBackend, group, rank: int, raw, uid: bytes, abort_to=()) -> Ncc
 
 
 def _batch(*comms, deadline_s: float = 60.0):
-    from reshard.runtime.nccl.operations import _Batch
+    from reshard.runtime.backends.nccl.operations import _Batch
 
     batch = _Batch(grouped=True, deadline=time.monotonic() + deadline_s)
     for c in comms:
@@ -526,7 +528,7 @@ def test_abort_is_local_once_and_tells_the_other_members():
 
 
 def test_a_failed_batch_aborts_its_communicators_and_names_the_cause():
-    from reshard.runtime.nccl.operations import _Batch
+    from reshard.runtime.backends.nccl.operations import _Batch
 
     b = NcclBackend()
     raw = ScriptedComm(0)
@@ -618,7 +620,7 @@ def test_an_abort_asked_for_an_idle_communicator_happens_when_the_holder_lets_go
 
 
 def test_an_aborted_rendezvous_tells_every_member():
-    from reshard.runtime.communicator import Rendezvous
+    from reshard.runtime.backends.communicator import Rendezvous
 
     members = [PeerAborts(), PeerAborts()]
     try:

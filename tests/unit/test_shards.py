@@ -1,5 +1,5 @@
 """A device's shard memory without Ray: the tenure that retires a dropped shard's shared-memory
-descriptors before its memory is reused (``reshard.runtime.shared_memory``)."""
+descriptors before its memory is reused (``reshard.runtime.device.shared_memory``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from reshard.errors import ReshardError
-from reshard.runtime.shards import ShardStore
-from reshard.runtime.shared_memory import PeerShards, SharedShards
+from reshard.runtime.device.shards import ShardStore
+from reshard.runtime.device.shared_memory import PeerShards, SharedShards
 
 pytestmark = [
     pytest.mark.unit,

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.runtime import cuda_buffers as cb
-from reshard.runtime.communicator import PeerFailed
-from reshard.runtime.nccl.aborts import PeerAborts, peer_aborts
-from reshard.runtime.nccl.communicator import NcclCommunicator
-from reshard.runtime.nccl.status import NCCL_TIMEOUT, event_fired, nccl_status
-from reshard.runtime.nccl.wedge import WEDGE_GRACE_S
+from reshard.runtime.backends import cuda_buffers as cb
+from reshard.runtime.backends.communicator import PeerFailed
+from reshard.runtime.backends.nccl.aborts import PeerAborts, peer_aborts
+from reshard.runtime.backends.nccl.communicator import NcclCommunicator
+from reshard.runtime.backends.nccl.status import NCCL_TIMEOUT, event_fired, nccl_status
+from reshard.runtime.backends.nccl.wedge import WEDGE_GRACE_S
 
 log = logging.getLogger(__name__)
 

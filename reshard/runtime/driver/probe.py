@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from reshard.runtime.driver import runtime
+from reshard.runtime.driver.controller import runtime
 from topology.cluster import LinkFigures
 from topology.runtime import record_links
 
@@ -48,7 +48,7 @@ def probe_links(
 ) -> LinkFigures:
     """Measure the links between the nodes of ``meshes`` (module docstring); record the result for
     planning unless ``cache=False``. Returns the ``LinkFigures``."""
-    from reshard.runtime.mesh import DeviceMesh
+    from reshard.runtime.driver.mesh import DeviceMesh
 
     if not meshes or not all(isinstance(m, DeviceMesh) for m in meshes):
         raise TypeError(f"probe_links needs one or more DeviceMesh, got {meshes!r}")

@@ -1,7 +1,7 @@
 """DeviceMesh: an n-D grid of device actors, bound to an abstract ``topology.Mesh``.
 
 ``DeviceMesh.create(shape)`` starts one Ray actor per device, placed on nodes
-(``reshard.runtime.node_placement``): axis 0 enumerates hosts (unless ``devices_per_host`` says
+(``reshard.runtime.driver.node_placement``): axis 0 enumerates hosts (unless ``devices_per_host`` says
 otherwise), each host's devices on one Ray node (``nodes=[...]`` names them). When the devices
 sit on several nodes, their hosts ARE those nodes (job-wide host ids, as ``Cluster.from_ray``
 numbers them); when they all share one node, the mesh keeps its logical hosts (the planner then
@@ -33,13 +33,13 @@ import time
 import ray
 
 from reshard.errors import MeshClosed, ReshardTimeout
-from reshard.runtime import node_placement
-from reshard.runtime.backends import backend_spec, make_backend
+from reshard.runtime.backends.registry import backend_spec, make_backend
 from reshard.runtime.device_options import DeviceOptions, positive_int, positive_seconds
-from reshard.runtime.dispatch import failure_error, gather
-from reshard.runtime.driver import runtime
+from reshard.runtime.driver import node_placement
+from reshard.runtime.driver.controller import runtime
+from reshard.runtime.driver.device_registry import DeviceRecord, Session
+from reshard.runtime.driver.dispatch import failure_error, gather
 from reshard.runtime.messages import DeviceState
-from reshard.runtime.registry import DeviceRecord, Session
 from topology.mesh import Mesh, default_devices_per_host
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ MAX_CONCURRENCY = 32  # calls a device actor serves at once (most wait their tur
 def _actor_class():
     global _ACTOR_CLASS
     if _ACTOR_CLASS is None:
-        from reshard.runtime.actor import CONTROL, DeviceActor
+        from reshard.runtime.device.actor import CONTROL, DeviceActor
 
         # Ray's typed overloads of ray.remote omit the actor option concurrency_groups
         _ACTOR_CLASS = ray.remote(concurrency_groups={CONTROL: 4})(DeviceActor)  # type: ignore[call-overload]
@@ -267,10 +267,10 @@ class DeviceMesh:
     def attach(cls, actors, shape, **options) -> DeviceMesh:
         """A mesh over ANY existing Ray actors (flat order), as they are: Ray Train, vLLM or verl
         workers, whose classes a user cannot change. The runtime's calls reach them through Ray's
-        ``actor.__ray_call__`` (``reshard.runtime.attach``) and queue behind the actors' own work.
+        ``actor.__ray_call__`` (``reshard.runtime.device.attach``) and queue behind the actors' own work.
         Inside, code reaches its device as ``reshard.runtime.device_of(self)`` (``share``,
         ``share_state_dict``, ``local``, ...). Options as ``from_actors``; ``shutdown()`` detaches."""
-        from reshard.runtime.attach import CallProxy
+        from reshard.runtime.device.attach import CallProxy
 
         proxies = []
         for a in actors:
@@ -493,7 +493,7 @@ class DeviceMesh:
         buffers (``staging_keep_bytes``), peers' freed shards still mapped, and torch's cached GPU
         blocks. Live tensors are untouched; the next reshards allocate again. Returns the bytes
         freed (GPU caches not counted), as ``stats()`` reported them."""
-        from reshard.runtime.device_context import DeviceContext
+        from reshard.runtime.device.context import DeviceContext
 
         return sum(self.call(DeviceContext.empty_cache, timeout_s=timeout_s))
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from reshard.dtypes import dtype_name
 from reshard.ir.program import DeviceProgram
 from reshard.runtime import arrays
-from reshard.runtime.batches import PreparedBatch
-from reshard.runtime.communicator import Backend, Communicator
+from reshard.runtime.backends.communicator import Backend, Communicator
+from reshard.runtime.device.batches import PreparedBatch
+from reshard.runtime.device.executor import Run, StagingBuffer, execute, prepare
+from reshard.runtime.device.group_cache import GroupCache
+from reshard.runtime.device.inbox import OrderedInbox
+from reshard.runtime.device.shards import ShardStore
+from reshard.runtime.device.shared_memory import PeerShards, RelayBoard, SharedShards
 from reshard.runtime.device_options import DeviceOptions
-from reshard.runtime.executor import Run, StagingBuffer, execute, prepare
-from reshard.runtime.groups import GroupCache, group_key
-from reshard.runtime.inbox import OrderedInbox
-from reshard.runtime.messages import Bound, Updates
-from reshard.runtime.shards import ShardStore
-from reshard.runtime.shared_memory import PeerShards, RelayBoard, SharedShards
+from reshard.runtime.messages import Bound, Updates, group_key
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """The device actor: one Ray actor per device, holding shards and running programs.
 
 Threads. The actor serves several calls at once (a threaded actor). Calls that change state carry
-a ``Ticket`` and run in their controller's order (``reshard.runtime.inbox``), one at a time per
+a ``Ticket`` and run in their controller's order (``reshard.runtime.device.inbox``), one at a time per
 controller; ``reshard_ready``, ``reshard_fetch``, ``reshard_stats`` and ``reshard_abort_run`` run on
 threads of their own (concurrency group ``control``), so they never wait behind a stuck run. The
 calls live on ``DeviceRole``, which a user's own actor may mix in (``DeviceMesh.from_actors``). Each controller (a
 process that uses this device) has communicators, programs and a staging buffer of its own
 (``ControllerState``): two processes resharding over the same devices never wait on each other.
 
-State: ``DeviceContext`` (``reshard.runtime.device_context``), also what ``call(fn, ...)`` hands
+State: ``DeviceContext`` (``reshard.runtime.device.context``), also what ``call(fn, ...)`` hands
 to ``fn``.
 
 A run applies its controller's updates, decodes its program when shipped (then caches it by id),
@@ -30,13 +30,12 @@ import ray
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.ir.serialize import decode_batch_device_program
 from reshard.runtime import arrays
-from reshard.runtime.batches import BatchRun, execute_batch, first_mismatch, prepare_batch
-from reshard.runtime.binding import Binding, checked_out
-from reshard.runtime.communicator import Backend, PeerFailed
+from reshard.runtime.backends.communicator import Backend, PeerFailed
 from reshard.runtime.deadlines import monotonic_of
-from reshard.runtime.device_context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
-from reshard.runtime.groups import group_key
-from reshard.runtime.messages import COMMIT_WAIT_S, RunRequest, RunResult, Ticket, Updates
+from reshard.runtime.device.batches import BatchRun, execute_batch, first_mismatch, prepare_batch
+from reshard.runtime.device.binding import Binding, checked_out
+from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
+from reshard.runtime.messages import COMMIT_WAIT_S, RunRequest, RunResult, Ticket, Updates, group_key
 
 log = logging.getLogger(__name__)
 

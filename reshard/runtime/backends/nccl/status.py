@@ -3,7 +3,7 @@ read without losing their errors."""
 
 from __future__ import annotations
 
-from reshard.runtime import cuda_buffers as cb
+from reshard.runtime.backends import cuda_buffers as cb
 
 NCCL_IN_PROGRESS = 7  # ncclInProgress
 

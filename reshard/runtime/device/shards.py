@@ -6,7 +6,7 @@ actor, ``copy.deepcopy``) — each copy holds it under an id of its own and rele
 garbage-collected, so a copy never frees what another handle still uses. A pickled handle holds the
 shard under a token until it is unpickled somewhere (the first copy to unpickle it takes over).
 ``free()`` on any handle drops the shard for all of them. Holder updates travel as ordered calls
-(``reshard.runtime.inbox``); a release that arrives before its acquire is remembered so the late
+(``reshard.runtime.device.inbox``); a release that arrives before its acquire is remembered so the late
 acquire is ignored.
 
 Reuse. A dropped shard's memory goes to a pool keyed by byte size (bounded by ``limit_bytes``,

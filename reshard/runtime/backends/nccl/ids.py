@@ -10,10 +10,10 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import TypedDict
 
-from reshard.runtime import cuda_buffers as cb
-from reshard.runtime.communicator import Group
-from reshard.runtime.nccl.aborts import peer_aborts
-from reshard.runtime.nccl.settings import _APPLIED_KEYS, apply_env, local_settings
+from reshard.runtime.backends import cuda_buffers as cb
+from reshard.runtime.backends.communicator import Group
+from reshard.runtime.backends.nccl.aborts import peer_aborts
+from reshard.runtime.backends.nccl.settings import _APPLIED_KEYS, apply_env, local_settings
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
-from reshard.runtime.communicator import PeerFailed
+from reshard.runtime.backends.communicator import PeerFailed
 from reshard.runtime.messages import Failure, FailureKind
 
 #: After the first failure, how long the controller still collects the other participants' outcomes.

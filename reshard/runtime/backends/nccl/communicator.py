@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from reshard.errors import ReshardError
-from reshard.runtime import cuda_buffers as cb
-from reshard.runtime.communicator import Communicator, Group
-from reshard.runtime.nccl.aborts import peer_aborts
-from reshard.runtime.nccl.ids import _uid_bytes, uid_digest
+from reshard.runtime.backends import cuda_buffers as cb
+from reshard.runtime.backends.communicator import Communicator, Group
+from reshard.runtime.backends.nccl.aborts import peer_aborts
+from reshard.runtime.backends.nccl.ids import _uid_bytes, uid_digest
 
 
 class NcclCommunicator(Communicator):

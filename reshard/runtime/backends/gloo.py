@@ -37,7 +37,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.runtime.communicator import Backend, Communicator, Group, PeerFailed, Rendezvous
+from reshard.runtime.backends.communicator import Backend, Communicator, Group, PeerFailed, Rendezvous
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore

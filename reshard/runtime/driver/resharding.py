@@ -4,7 +4,7 @@ Every call is one compiled reshard (``reshard.passes.compile.compile_batch``): t
 compiled together, their small messages packed into buckets, planned once per tree signature and
 replayed; the controller makes one ordered call per participating device (and, writing into users'
 tensors, one commit call behind it), whatever the number of tensors. ``async_op=True`` returns a
-``Work`` at once (``reshard.runtime.work``).
+``Work`` at once (``reshard.runtime.driver.work``).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from reshard.passes.compile import (
 )
 from reshard.passes.packing import BUCKET_BYTES
 from reshard.pytree import flatten, per_leaf, unflatten
-from reshard.runtime.backends import backend_spec
-from reshard.runtime.batches import first_mismatch
+from reshard.runtime.backends.registry import backend_spec
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of
-from reshard.runtime.driver import runtime
-from reshard.runtime.mesh import DeviceMesh
+from reshard.runtime.device.batches import first_mismatch
+from reshard.runtime.driver.controller import runtime
+from reshard.runtime.driver.mesh import DeviceMesh
+from reshard.runtime.driver.tensor import ShardedTensor
 from reshard.runtime.messages import shard_name
-from reshard.runtime.tensor import ShardedTensor
 from topology.mesh import device_hosts
 
 

@@ -34,26 +34,28 @@ from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError
 from reshard.runtime.deadlines import wall_of
-from reshard.runtime.dispatch import Outcome, failure_error, gather
-from reshard.runtime.groups import GroupKey, GroupTable, group_key
+from reshard.runtime.driver.device_registry import DeviceRecord, DeviceRegistry
+from reshard.runtime.driver.dispatch import Outcome, failure_error, gather
+from reshard.runtime.driver.group_table import GroupTable
+from reshard.runtime.driver.program_cache import ProgramCache
+from reshard.runtime.driver.work import WorkQueue
 from reshard.runtime.messages import (
     COMMIT_WAIT_S,
     Bound,
     DeviceState,
     FailureKind,
+    GroupKey,
     RunRequest,
     Ticket,
     Updates,
+    group_key,
     shard_name,
 )
-from reshard.runtime.program_cache import ProgramCache
-from reshard.runtime.registry import DeviceRecord, DeviceRegistry
-from reshard.runtime.work import WorkQueue
 from topology.cluster import Cluster
 
 if TYPE_CHECKING:
     from reshard.passes.compile import CompiledBatch
-    from reshard.runtime.communicator import Backend, Rendezvous
+    from reshard.runtime.backends.communicator import Backend, Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -534,7 +536,7 @@ class Runtime:
 
     def planning_cluster(self, backend: str, hosts: dict[int, int]) -> Cluster:
         """The cost model "auto" plans for: the hosts of ``hosts`` (device -> host) with the link
-        figures measured for their nodes (``reshard.runtime.probe``; ``Cluster.from_links``), else
+        figures measured for their nodes (``reshard.runtime.driver.probe``; ``Cluster.from_links``), else
         the live Ray cluster's guessed ones (``Cluster.from_ray``), and the backend that will run
         the plan."""
         from topology.runtime import cached_links, links_generation

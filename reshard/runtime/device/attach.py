@@ -42,6 +42,6 @@ class _Method:
 
 def _invoke(instance, name: str, *args, **kwargs):
     """Run on the actor: ``DeviceRole.<name>`` with the actor's instance as ``self``."""
-    from reshard.runtime.actor import DeviceRole
+    from reshard.runtime.device.actor import DeviceRole
 
     return getattr(DeviceRole, name)(instance, *args, **kwargs)

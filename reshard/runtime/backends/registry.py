@@ -19,7 +19,7 @@ import importlib
 import math
 from dataclasses import dataclass
 
-from reshard.runtime.communicator import Backend
+from reshard.runtime.backends.communicator import Backend
 
 
 def check_gpus_per_device(gpus) -> float:
@@ -53,8 +53,8 @@ class BackendSpec:
 
 
 BACKENDS: dict[str, BackendSpec] = {
-    "gloo": BackendSpec("reshard.runtime.gloo:GlooBackend", "cpu", 0.0),
-    "nccl": BackendSpec("reshard.runtime.nccl:NcclBackend", "cuda", 1.0),
+    "gloo": BackendSpec("reshard.runtime.backends.gloo:GlooBackend", "cpu", 0.0),
+    "nccl": BackendSpec("reshard.runtime.backends.nccl:NcclBackend", "cuda", 1.0),
 }
 
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime import arrays
-from reshard.runtime.batches import PreparedBatch
-from reshard.runtime.communicator import PeerFailed
-from reshard.runtime.executor import Run
+from reshard.runtime.backends.communicator import PeerFailed
+from reshard.runtime.device.batches import PreparedBatch
+from reshard.runtime.device.executor import Run
 from reshard.runtime.messages import Bound, RunRequest, shard_name
 
 if TYPE_CHECKING:

@@ -44,7 +44,7 @@ from collections import OrderedDict
 import numpy as np
 
 from reshard.errors import ReshardError, ReshardTimeout
-from reshard.runtime.communicator import PeerFailed
+from reshard.runtime.backends.communicator import PeerFailed
 
 #: Bound on the peer mappings a device keeps: enough for every shard of a large model's state dict
 #: from a few holders. A mapping of a shard its owner still holds costs no memory (the pages are the

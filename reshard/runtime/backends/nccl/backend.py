@@ -12,12 +12,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
-from reshard.runtime import cuda_buffers as cb
-from reshard.runtime.communicator import Backend, Group, PeerFailed, Rendezvous
-from reshard.runtime.cuda_buffers import nccl_version_tuple
-from reshard.runtime.nccl.aborts import peer_aborts
-from reshard.runtime.nccl.communicator import NcclCommunicator
-from reshard.runtime.nccl.ids import (
+from reshard.runtime.backends import cuda_buffers as cb
+from reshard.runtime.backends.communicator import Backend, Group, PeerFailed, Rendezvous
+from reshard.runtime.backends.cuda_buffers import nccl_version_tuple
+from reshard.runtime.backends.nccl.aborts import peer_aborts
+from reshard.runtime.backends.nccl.communicator import NcclCommunicator
+from reshard.runtime.backends.nccl.ids import (
     RENDEZVOUS_INFO_VERSION,
     RendezvousInfo,
     _member_info_on_actor,
@@ -30,8 +30,8 @@ from reshard.runtime.nccl.ids import (
     uid_digest,
     visible_gpu_count,
 )
-from reshard.runtime.nccl.operations import Operations, _Batch
-from reshard.runtime.nccl.settings import (
+from reshard.runtime.backends.nccl.operations import Operations, _Batch
+from reshard.runtime.backends.nccl.settings import (
     NONBLOCKING_ENV,
     PER_PROCESS_SETTINGS,
     GpuSharing,
@@ -41,8 +41,8 @@ from reshard.runtime.nccl.settings import (
     settings_mismatch,
     sharing_env,
 )
-from reshard.runtime.nccl.status import NCCL_IN_PROGRESS, _Deadline, _PeerAbort, nccl_status
-from reshard.runtime.nccl.wedge import WedgeGuard
+from reshard.runtime.backends.nccl.status import NCCL_IN_PROGRESS, _Deadline, _PeerAbort, nccl_status
+from reshard.runtime.backends.nccl.wedge import WedgeGuard
 
 DEFAULT_TIMEOUT_S = 60.0
 

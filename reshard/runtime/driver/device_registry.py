@@ -66,7 +66,7 @@ class DeviceRecord:
     board: tuple | None = None  # its relay board's descriptor (peers on its node pull relays from it)
     state: DeviceState = DeviceState.ALIVE
     reason: str = ""
-    seq: int = 1  # the next ordered call's sequence number (``reshard.runtime.inbox``)
+    seq: int = 1  # the next ordered call's sequence number (``reshard.runtime.device.inbox``)
 
     def describe(self) -> dict:
         """What travels in a pickled mesh handle."""

@@ -1,6 +1,6 @@
 """NCCL backend: broadcast groups over cupy's NCCL bindings (``cupy.cuda.nccl``).
 
-Loaded lazily by the runtime's backend registry as ``reshard.runtime.nccl:NcclBackend``; this
+Loaded lazily by the runtime's backend registry as ``reshard.runtime.backends.nccl:NcclBackend``; this
 module imports neither cupy nor torch at import time, so it can be imported (and its pure parts
 tested) on a machine without GPUs.
 
@@ -37,7 +37,8 @@ Driver side
     key a member's backend ``env`` sets) or NCCL versions differ are refused at once with an error
     naming both; the agreed settings travel in the rendezvous and every member checks its own
     against them before creating the communicator. Which groups are live, and the LRU bound on
-    live communicators per device, are the runtime's (``reshard.runtime.groups``).
+    live communicators per device, are the runtime's (``reshard.runtime.driver.group_table``,
+    ``reshard.runtime.device.group_cache``).
 
 Actor side
     ``connect_many`` creates every new communicator of this actor inside ONE
@@ -59,10 +60,10 @@ Unique ids and bootstrap threads
     lazily; it is not used.
 """
 
-from reshard.runtime.nccl.aborts import PeerAborts, peer_aborts
-from reshard.runtime.nccl.backend import DEFAULT_TIMEOUT_S, NcclBackend
-from reshard.runtime.nccl.communicator import NcclCommunicator
-from reshard.runtime.nccl.ids import (
+from reshard.runtime.backends.nccl.aborts import PeerAborts, peer_aborts
+from reshard.runtime.backends.nccl.backend import DEFAULT_TIMEOUT_S, NcclBackend
+from reshard.runtime.backends.nccl.communicator import NcclCommunicator
+from reshard.runtime.backends.nccl.ids import (
     BOOTSTRAP_ROOT_THREAD,
     RENDEZVOUS_INFO_VERSION,
     assign_id_hosts,
@@ -74,8 +75,8 @@ from reshard.runtime.nccl.ids import (
     uid_digest,
     visible_gpu_count,
 )
-from reshard.runtime.nccl.operations import STREAM_DRAIN_S
-from reshard.runtime.nccl.settings import (
+from reshard.runtime.backends.nccl.operations import STREAM_DRAIN_S
+from reshard.runtime.backends.nccl.settings import (
     MULTI_RANK_GPU_MIN_VERSION,
     MULTI_RANK_MIN_SHARE,
     NONBLOCKING_ENV,
@@ -90,8 +91,14 @@ from reshard.runtime.nccl.settings import (
     settings_mismatch,
     sharing_env,
 )
-from reshard.runtime.nccl.status import CUDA_NOT_READY, NCCL_IN_PROGRESS, NCCL_TIMEOUT, event_fired, nccl_status
-from reshard.runtime.nccl.wedge import WEDGE_GRACE_S, WEDGED_EXIT_CODE, WedgeGuard
+from reshard.runtime.backends.nccl.status import (
+    CUDA_NOT_READY,
+    NCCL_IN_PROGRESS,
+    NCCL_TIMEOUT,
+    event_fired,
+    nccl_status,
+)
+from reshard.runtime.backends.nccl.wedge import WEDGE_GRACE_S, WEDGED_EXIT_CODE, WedgeGuard
 
 __all__ = [
     "BOOTSTRAP_ROOT_THREAD", "CUDA_NOT_READY", "DEFAULT_TIMEOUT_S", "MULTI_RANK_GPU_MIN_VERSION",

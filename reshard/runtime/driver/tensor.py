@@ -1,6 +1,6 @@
 """ShardedTensor: the handle on a tensor laid out over a DeviceMesh.
 
-Ownership: a shard lives while some handle holds it (``reshard.runtime.shards``). The handle
+Ownership: a shard lives while some handle holds it (``reshard.runtime.device.shards``). The handle
 ``distribute``/``reshard`` return holds it, and so does every copy of it (pickled into a Ray task
 or actor of the job, ``copy.deepcopy``); each lets go when garbage-collected. ``free()`` drops the
 shards at once for every handle.
@@ -21,9 +21,9 @@ from reshard.dtypes import itemsize
 from reshard.ir.layout import Layout
 from reshard.ir.regions import box_volume, layout_regions
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of
-from reshard.runtime.dispatch import failure_error
-from reshard.runtime.driver import runtime
-from reshard.runtime.mesh import DeviceMesh
+from reshard.runtime.driver.controller import runtime
+from reshard.runtime.driver.dispatch import failure_error
+from reshard.runtime.driver.mesh import DeviceMesh
 
 
 class ShardedTensor:

@@ -19,10 +19,10 @@ from reshard.ir.layout import Layout
 from reshard.ir.regions import layout_regions
 from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of, wall_of
-from reshard.runtime.dispatch import Outcome, failure_error
-from reshard.runtime.driver import runtime
-from reshard.runtime.mesh import DeviceMesh
-from reshard.runtime.tensor import ShardedTensor
+from reshard.runtime.driver.controller import runtime
+from reshard.runtime.driver.dispatch import Outcome, failure_error
+from reshard.runtime.driver.mesh import DeviceMesh
+from reshard.runtime.driver.tensor import ShardedTensor
 
 
 def _is_dtensor(x) -> bool:

@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 
-from reshard.runtime.communicator import Group
+from reshard.runtime.backends.communicator import Group
 
 log = logging.getLogger(__name__)
 

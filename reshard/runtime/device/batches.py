@@ -4,7 +4,7 @@ A sender copies each piece of a bucket out of its source shard into the bucket's
 staging buffer and sends them; a receiver receives the bytes there and copies each piece into its
 destination shard. Buckets are issued window by window (inside one backend batch when the backend
 batches), then waited for in order. Then each part runs as a single program does
-(``reshard.runtime.executor``), one after the other in tensor order.
+(``reshard.runtime.device.executor``), one after the other in tensor order.
 
 ``verify``: after the run, a checksum (CRC-32) of every slice the device read to send or pull, and
 of every slice it received, as it lies in its destination shard, keyed by tensor and plan step; the
@@ -27,7 +27,7 @@ from reshard.ir.batch import BatchDeviceProgram, Bucket
 from reshard.ir.program import Broadcast, Buffer, Copy, Pull, Recv, Scale, Send, group_of
 from reshard.ir.regions import box_shape
 from reshard.runtime import arrays
-from reshard.runtime.executor import PreparedProgram, Run, begin_run, box_index, prepare, run_windows
+from reshard.runtime.device.executor import PreparedProgram, Run, begin_run, box_index, prepare, run_windows
 
 
 @dataclass(frozen=True, slots=True)
