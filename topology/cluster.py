@@ -22,7 +22,7 @@ below ``num_hosts`` (``check_meshes``, ``check_hosts``).
 
 A Ray cluster (``Cluster.from_ray`` / ``from_nodes``) has one host per node, numbered with the
 job-wide host ids the runtime gives its meshes. Its link figures are MEASURED when a
-``LinkFigures`` (``reshard.runtime.probe.probe_links``) is given, and otherwise GUESSES: Ray does
+``LinkFigures`` (``reshard.runtime.probe_links``) is given, and otherwise GUESSES: Ray does
 not know link speeds (``GUESSED_GLOO``, ``DEFAULT_*``).
 """
 
@@ -67,7 +67,7 @@ GUESSED_GLOO = {"nic_GBps": 1.25, "intra_host_GBps": 5.0, "latency_us": 50.0, "i
 
 @dataclass(frozen=True, slots=True)
 class LinkFigures:
-    """Link figures measured between device actors on some Ray nodes (``reshard.runtime.probe``).
+    """Link figures measured between device actors on some Ray nodes (``reshard.runtime.driver.probe``).
 
     ``node_ids``: the probed nodes (sorted); ``nic_GBps[i]``: node ``i``'s NIC rate per direction
     (None when it had no partner node to measure against); ``intra_host_GBps``: one device to
@@ -317,7 +317,7 @@ class Cluster:
         the runtime gives its meshes' nodes (claimed in Ray's key-value store; on a single node,
         whose meshes have logical hosts, the node is host 0). See ``from_nodes`` for devices and
         figures: measured ones from ``links``, by default the latest this process measured for
-        these nodes (``reshard.runtime.probe.probe_links``), else guesses. ``host_names`` holds the
+        these nodes (``reshard.runtime.probe_links``), else guesses. ``host_names`` holds the
         Ray node ids. Requires ``ray.init()`` to have been called.
         """
         from topology.runtime import alive_ray_nodes, cached_links, node_host_ids  # runtime layer, loaded here

@@ -4,7 +4,7 @@ job-wide host id of each node, and the link figures measured between nodes in th
 Host ids. Every process of a job must number hosts alike, so a node's host id is claimed once per
 Ray session in Ray's internal key-value store (namespace ``reshard``): the lowest free number
 under ``hosts/<n>``, recorded under ``hosts-by-name/node:<node id>``. This is the protocol of the
-device runtime's registry (``reshard.runtime.registry``: ``host_of_node``, which also claims
+device runtime's registry (``reshard.runtime.driver.device_registry``: ``host_of_node``, which also claims
 numbers for logical hosts from the same counter), so ``Cluster.from_ray`` and the meshes agree.
 """
 
@@ -26,7 +26,7 @@ _LINKS_GENERATION = [0]
 
 
 def record_links(links) -> None:
-    """Remember measured ``LinkFigures`` (``reshard.runtime.probe.probe_links`` records its result)."""
+    """Remember measured ``LinkFigures`` (``reshard.runtime.probe_links`` records its result)."""
     with _LINKS_LOCK:
         key = frozenset(links.node_ids)
         _LINKS.pop(key, None)
