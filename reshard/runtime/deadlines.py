@@ -1,36 +1,69 @@
-"""Timeouts and deadlines, and the one conversion between clocks.
+"""Timeouts and deadlines: ``Deadline``, one value with both clocks.
 
-A deadline inside a process is a ``time.monotonic()`` value (immune to clock steps); one that
+A deadline inside a process is an instant of ``time.monotonic()`` (immune to clock steps); one that
 travels to another process is a ``time.time()`` value, since monotonic clocks of two processes (or
-machines) share no origin. Every conversion goes through ``wall_of`` and ``monotonic_of``."""
+machines) share no origin. A ``Deadline`` holds the instant and the timeout it was made from (what an
+error quotes) and gives the wall-clock value for messages; a device turns the wall-clock value it
+receives back into a ``Deadline`` (``Deadline.from_wall``). Below the entry points, the executor and
+the backends are handed the instant alone (``deadline.at``): they only compare it with the clock."""
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 DEFAULT_TIMEOUT_S = 60.0
 
 
-def check_timeout(timeout_s) -> float | None:
+def check_timeout(timeout_s, name: str = "timeout_s") -> float | None:
     """``timeout_s`` validated: a positive finite number, or None (no limit)."""
     if timeout_s is None:
         return None
     if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or not 0 < timeout_s < math.inf:
-        raise ValueError(f"timeout_s must be a positive finite number of seconds or None (no limit), got {timeout_s!r}")
+        raise ValueError(f"{name} must be a positive finite number of seconds or None (no limit), got {timeout_s!r}")
     return float(timeout_s)
 
 
-def deadline_of(timeout_s: float | None) -> float:
-    """The monotonic deadline ``timeout_s`` from now (infinite for None)."""
-    return math.inf if timeout_s is None else time.monotonic() + timeout_s
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """When something must be done: ``at``, an instant of this process's monotonic clock
+    (``inf``: no limit), and the ``timeout_s`` it was made from (None where it came from another
+    process, or without a limit)."""
 
+    at: float
+    timeout_s: float | None = None
 
-def wall_of(deadline: float) -> float:
-    """A monotonic deadline of this process as a wall-clock one (what travels to other processes)."""
-    return time.time() + (deadline - time.monotonic())
+    @classmethod
+    def after(cls, timeout_s: float | None) -> Deadline:
+        """The deadline ``timeout_s`` from now (no limit for None)."""
+        return cls(math.inf if timeout_s is None else time.monotonic() + timeout_s, timeout_s)
 
+    @classmethod
+    def from_wall(cls, wall: float) -> Deadline:
+        """A wall-clock deadline from another process, on this process's monotonic clock."""
+        return cls(math.inf if wall == math.inf else time.monotonic() + (wall - time.time()))
 
-def monotonic_of(wall_deadline: float) -> float:
-    """A wall-clock deadline from another process as a monotonic one of this process."""
-    return time.monotonic() + (wall_deadline - time.time())
+    @property
+    def wall(self) -> float:
+        """This deadline on the wall clock: what travels to other processes."""
+        return math.inf if self.at == math.inf else time.time() + (self.at - time.monotonic())
+
+    def left(self) -> float:
+        """Seconds left, at least 0 (``inf`` without a limit)."""
+        return max(0.0, self.at - time.monotonic())
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def later(self, seconds: float) -> Deadline:
+        """``seconds`` after this deadline (a grace period past it), quoting the same timeout."""
+        return Deadline(self.at + seconds, self.timeout_s)
+
+    def or_in(self, seconds: float) -> Deadline:
+        """Whichever comes last: this deadline, or ``seconds`` from now."""
+        return Deadline(max(self.at, time.monotonic()) + seconds, self.timeout_s)
+
+    def sooner(self, seconds: float) -> Deadline:
+        """Whichever comes first: this deadline, or ``seconds`` from now."""
+        return Deadline(min(self.at, time.monotonic() + seconds), self.timeout_s)

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import pytest
 
 from reshard.errors import ReshardTimeout
+from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device.inbox import OrderedInbox
 from reshard.runtime.messages import Ticket
 
 pytestmark = pytest.mark.unit
+
+NONE = Deadline(math.inf)
 
 
 def _enter(inbox, ticket, deadline, order, started=None, release=None, what="call"):
@@ -29,7 +31,7 @@ def _enter(inbox, ticket, deadline, order, started=None, release=None, what="cal
 
 def test_calls_run_in_sequence_order_whatever_order_they_arrive_in():
     inbox, order = OrderedInbox(), []
-    threads = [threading.Thread(target=_enter, args=(inbox, Ticket("c", n), math.inf, order)) for n in (3, 1, 2)]
+    threads = [threading.Thread(target=_enter, args=(inbox, Ticket("c", n), NONE, order)) for n in (3, 1, 2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -41,12 +43,14 @@ def test_calls_run_in_sequence_order_whatever_order_they_arrive_in():
 def test_a_call_that_gives_up_its_turn_is_skipped():
     inbox, order = OrderedInbox(), []
     started, release = threading.Event(), threading.Event()
-    first = threading.Thread(target=_enter, args=(inbox, Ticket("c", 1), math.inf, order, started, release))
+    first = threading.Thread(target=_enter, args=(inbox, Ticket("c", 1), NONE, order, started, release))
     first.start()
     assert started.wait(30)
     with pytest.raises(ReshardTimeout, match="still busy with call"):
-        _enter(inbox, Ticket("c", 2), time.time() - 1, order, what="late call")  # deadline already passed
-    third = threading.Thread(target=_enter, args=(inbox, Ticket("c", 3), math.inf, order))
+        _enter(
+            inbox, Ticket("c", 2), Deadline.after(1e-9).later(-1), order, what="late call"
+        )  # deadline already passed
+    third = threading.Thread(target=_enter, args=(inbox, Ticket("c", 3), NONE, order))
     third.start()
     assert inbox.state()["running"]["c"][0] == "call"
     release.set()
@@ -59,10 +63,10 @@ def test_a_call_that_gives_up_its_turn_is_skipped():
 def test_controllers_do_not_wait_on_each_other():
     inbox, order = OrderedInbox(), []
     started, release = threading.Event(), threading.Event()
-    blocked = threading.Thread(target=_enter, args=(inbox, Ticket("a", 1), math.inf, order, started, release))
+    blocked = threading.Thread(target=_enter, args=(inbox, Ticket("a", 1), NONE, order, started, release))
     blocked.start()
     assert started.wait(30)
-    _enter(inbox, Ticket("b", 1), math.inf, order)  # runs while controller a's call is blocked
+    _enter(inbox, Ticket("b", 1), NONE, order)  # runs while controller a's call is blocked
     assert order == [1]
     release.set()
     blocked.join(30)
@@ -71,6 +75,6 @@ def test_controllers_do_not_wait_on_each_other():
 
 def test_a_call_arriving_after_its_turn_is_refused():
     inbox, order = OrderedInbox(), []
-    _enter(inbox, Ticket("c", 1), math.inf, order)
+    _enter(inbox, Ticket("c", 1), NONE, order)
     with pytest.raises(RuntimeError, match="arrived after its turn"):
-        _enter(inbox, Ticket("c", 1), math.inf, order)
+        _enter(inbox, Ticket("c", 1), NONE, order)

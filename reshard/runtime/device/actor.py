@@ -21,6 +21,7 @@ what it allocated and raises a ``ReshardError``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
@@ -31,7 +32,7 @@ from reshard.errors import ReshardError, ReshardTimeout
 from reshard.ir.serialize import decode_batch_device_program
 from reshard.runtime import arrays
 from reshard.runtime.backends.communicator import Backend, PeerFailed
-from reshard.runtime.deadlines import monotonic_of
+from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device.batches import BatchRun, execute_batch, first_mismatch, prepare_batch
 from reshard.runtime.device.binding import Binding, checked_out
 from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
@@ -40,7 +41,7 @@ from reshard.runtime.messages import COMMIT_WAIT_S, RunRequest, RunResult, Ticke
 log = logging.getLogger(__name__)
 
 CONTROL = "control"  # the concurrency group of calls that must never wait behind a run
-NO_DEADLINE = float("inf")
+NO_DEADLINE = Deadline(math.inf)
 
 
 class DeviceRole:
@@ -102,8 +103,9 @@ class DeviceRole:
         Returns each shard's shared-memory descriptor (None: private) by name."""
         ctx = _attached(self)
         run = entries[0][0]
-        with ctx.inbox.turn(ticket, deadline, f"loading {run}"):
-            _check_deadline(ctx.device, deadline, f"loading {run}")
+        until = Deadline.from_wall(deadline)
+        with ctx.inbox.turn(ticket, until, f"loading {run}"):
+            _check_deadline(ctx.device, until, f"loading {run}")
             made = []
             t = None
             try:
@@ -169,15 +171,16 @@ class DeviceRole:
 
     # ---------------------------------------------------------------- programs
 
-    def reshard_update(self, ticket: Ticket, updates: Updates, connect=(), deadline: float = NO_DEADLINE) -> None:
+    def reshard_update(self, ticket: Ticket, updates: Updates, connect=(), deadline: float = math.inf) -> None:
         """Apply controller updates; then connect ``connect`` (group keys, in that order)."""
         ctx = _attached(self)
-        with ctx.inbox.turn(ticket, deadline, "a group update"):
+        until = Deadline.from_wall(deadline)
+        with ctx.inbox.turn(ticket, until, "a group update"):
             state = ctx.controller(ticket.controller)
             state.apply(updates)
             if connect:
                 try:
-                    state.groups.connect(list(connect), monotonic_of(deadline) - time.monotonic())
+                    state.groups.connect(list(connect), until.left())
                 except BaseException:
                     state.groups.abort(list(connect), "it could not connect")
                     raise
@@ -186,13 +189,13 @@ class DeviceRole:
         t0 = time.monotonic()
         ctx = _attached(self)
         state = ctx.controller(req.ticket.controller)
-        with ctx.inbox.turn(req.ticket, req.deadline, f"the reshard {req.run}"):
+        with ctx.inbox.turn(req.ticket, Deadline.from_wall(req.deadline), f"the reshard {req.run}"):
             state.apply(req.updates)  # bookkeeping is never lost, even when the run is dropped
             return DeviceRole._reshard_run(self, req, state, t0)
 
     def _reshard_run(self, req: RunRequest, state: ControllerState, t0: float) -> RunResult:
         ctx = _attached(self)
-        deadline = monotonic_of(req.deadline)
+        deadline = Deadline.from_wall(req.deadline).at  # the executor and the backends take the instant
         keys: list = []
         binding = None
         try:
@@ -253,7 +256,7 @@ class DeviceRole:
         shared-memory descriptor, and what its owner said of it (``DeviceContext.share``: global
         ``shape``, ...)."""
         ctx = _attached(self)
-        with ctx.inbox.turn(ticket, deadline, f"describing {len(names)} shard(s)"):
+        with ctx.inbox.turn(ticket, Deadline.from_wall(deadline), f"describing {len(names)} shard(s)"):
             out = []
             for name in names:
                 t = ctx.store.get(name)
@@ -275,7 +278,7 @@ class DeviceRole:
         values without them."""
         ctx = _attached(self)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
-            failed = _failed_vote(votes, monotonic_of(deadline) + COMMIT_WAIT_S, verify)
+            failed = _failed_vote(votes, Deadline.from_wall(deadline).later(COMMIT_WAIT_S), verify)
             try:
                 if failed is None:
                     for staged, out in pairs:
@@ -311,7 +314,7 @@ class DeviceRole:
     def reshard_call(self, ticket: Ticket, fn, args, kwargs, deadline: float):
         """Run ``fn(ctx, *args, **kwargs)`` on this device in the controller's order."""
         ctx = _attached(self)
-        with ctx.inbox.turn(ticket, deadline, f"call({getattr(fn, '__name__', fn)})"):
+        with ctx.inbox.turn(ticket, Deadline.from_wall(deadline), f"call({getattr(fn, '__name__', fn)})"):
             ctx._local.controller = ticket.controller
             try:
                 return fn(ctx, *args, **kwargs)
@@ -400,23 +403,23 @@ def _attached(actor) -> DeviceContext:
     return ctx
 
 
-def _failed_vote(votes, until: float, verify: bool) -> str | None:
+def _failed_vote(votes, until: Deadline, verify: bool) -> str | None:
     """None once every vote (a run's result ref) succeeded (with ``verify``: and every received
     slice matches what its sender read); else why not: the first that failed, or the ones that
-    could not be read before ``until`` (monotonic). A vote that cannot be read yet is asked again:
+    could not be read before ``until``. A vote that cannot be read yet is asked again:
     only a failed run counts against the commit."""
     from ray.exceptions import GetTimeoutError
 
     waiting = list(votes)
     results = []
     while waiting:
-        left = until - time.monotonic()
+        left = until.left()
         if left <= 0:
             return f"{len(waiting)} run result(s) could not be read within {COMMIT_WAIT_S:g} s of the deadline"
         ready, waiting = ray.wait(waiting, num_returns=1, timeout=left)
         for ref in ready:
             try:
-                results.append(ray.get(ref, timeout=max(0.0, until - time.monotonic())))
+                results.append(ray.get(ref, timeout=until.left()))
             except GetTimeoutError:
                 waiting.append(ref)
             except Exception as e:
@@ -429,6 +432,6 @@ def _failed_vote(votes, until: float, verify: bool) -> str | None:
     return None
 
 
-def _check_deadline(device: int, deadline: float, what: str) -> None:
-    if time.time() >= deadline:
+def _check_deadline(device: int, deadline: Deadline, what: str) -> None:
+    if deadline.passed():
         raise ReshardTimeout(f"device {device}: the deadline of {what} passed before it started")

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from reshard.errors import ReshardTimeout
+from reshard.runtime.deadlines import Deadline
 from reshard.runtime.messages import Ticket
 
 WAIT_SLICE_S = 60.0  # a waiting call looks at its deadline at least this often (deadlines may be infinite)
@@ -45,8 +46,8 @@ class OrderedInbox:
             }
 
     @contextmanager
-    def turn(self, ticket: Ticket, deadline: float, what: str = "call") -> Iterator[None]:
-        """Wait for ``ticket``'s turn (until ``deadline``, wall clock), run the body, pass the turn on."""
+    def turn(self, ticket: Ticket, deadline: Deadline, what: str = "call") -> Iterator[None]:
+        """Wait for ``ticket``'s turn (until ``deadline``), run the body, pass the turn on."""
         c, seq = ticket.controller, ticket.seq
         with self._cv:
             self._waiting[(c, seq)] = what
@@ -54,7 +55,7 @@ class OrderedInbox:
                 while self._next.setdefault(c, 1) != seq:
                     if self._next[c] > seq:
                         raise RuntimeError(f"ordered call {seq} of controller {c} ({what}) arrived after its turn")
-                    left = deadline - time.time()
+                    left = deadline.left()
                     if left <= 0:
                         ahead = self._running.get(c, f"call {self._next[c]}, which has not arrived yet")
                         raise ReshardTimeout(

@@ -3,12 +3,15 @@ run reshards on device actors. It never touches tensor bytes during a reshard; i
 small messages and waits with deadlines.
 
 Parts: ``DeviceRegistry`` (devices, meshes, ids, session), ``ProgramCache`` (which programs each
-device holds), ``GroupTable`` (live communicator groups and generations), the backends, and the
-dispatch helpers (``gather``, ``failure_error``). Every state-changing call to a device is ORDERED:
-``submit`` gives it the device's next ``Ticket`` under the controller's lock, so each device runs
-this controller's calls in the order they were made, and the calls of one reshard are submitted to
-all its participants at once: no two reshards of this controller interleave differently on two
-devices.
+device holds), ``GroupTable`` (live communicator groups and generations), ``HoldQueue`` (holds and
+releases that garbage collection asks for), ``PlanningClusters`` (the cost model), the backends,
+and the dispatch helpers (``gather``, ``failure_error``).
+
+Every state-changing call to a device is ORDERED: ``submit`` gives it the device's next ``Ticket``
+under the controller's lock, so each device runs this controller's calls in the order they were
+made, and the calls of one reshard are submitted to all its participants at once: no two reshards
+of this controller interleave differently on two devices. ``broadcast_call`` makes one such call on
+each of some devices, waits for them and raises their failure as one error, root cause first.
 
 Failure. Whatever happens after a reshard was submitted (a device's error, a dead actor, the
 deadline, an exception or KeyboardInterrupt in this process), ``abandon`` forgets the run's groups,
@@ -20,23 +23,23 @@ never written, so the source tensor stays intact.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError
-from reshard.runtime.deadlines import wall_of
+from reshard.runtime.deadlines import Deadline
 from reshard.runtime.driver.device_registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.driver.dispatch import Outcome, failure_error, gather
 from reshard.runtime.driver.group_table import GroupTable
+from reshard.runtime.driver.holds import HoldQueue
+from reshard.runtime.driver.planning_clusters import PlanningClusters
 from reshard.runtime.driver.program_cache import ProgramCache
 from reshard.runtime.driver.work import WorkQueue
 from reshard.runtime.messages import (
@@ -61,7 +64,6 @@ log = logging.getLogger(__name__)
 
 CLEANUP_S = 1.5  # how long a failed call waits for the survivors to drop its partial results (timeout + 2 s in all)
 DESCRIBE_S = 1.0  # how long a failure message waits for the devices to say what they are doing
-JANITOR_IDLE_S = 5.0  # an idle janitor thread ends after this (the next release starts one)
 INTACT = "The source tensor is intact; the partial destination shards were freed."
 _NOT_KNOWN = (
     "Whether the outputs changed is not known yet: some runs' results did not reach this process in time. Each "
@@ -86,9 +88,8 @@ class Pending:
     refs: dict
     commits: dict
     pid: int
-    deadline: float
+    deadline: Deadline
     what: str
-    timeout_s: float | None
     outs: bool
     results: dict | None = None  # every run's result, once all succeeded
 
@@ -108,13 +109,9 @@ class Runtime:
         self._names = itertools.count(1)
         self._group_drops: dict[int, list] = {}
         self._rendezvous: dict[GroupKey, Rendezvous] = {}  # live group -> its rendezvous (to abort it)
-        self._clusters: dict = {}
-        self._live_cluster: Cluster | None = None
+        self.clusters = PlanningClusters()
+        self.holds = HoldQueue(self._submit_holds)
         self._submitting = False
-        self._queued: collections.deque = collections.deque()  # (acquire, devices, name, holder), see hold_later
-        self._held: queue.SimpleQueue = queue.SimpleQueue()  # a token per queued hold: wakes the janitor
-        self._janitor: threading.Thread | None = None
-        self._holding = threading.Lock()  # held while queued holds are drained and submitted
 
     def new_name(self) -> str:
         """A shard name unique in the job."""
@@ -196,8 +193,21 @@ class Runtime:
         in the order given (one order for all members: no two groups wait on each other)."""
         keys = list(dict.fromkeys((ch, tuple(sorted(g))) for ch, g in keys))
         members = sorted({d for _, g in keys for d in g})
-        deadline = time.monotonic() + timeout_s
-        with self.lock:
+        deadline = Deadline.after(timeout_s)
+        what = f"ensure_groups({[list(g) for _, g in keys]})"
+
+        def make(rec):
+            mine = [k for k in keys if rec.id in k[1]]
+            upd = self.updates_for(rec.id, sets.get(rec.id, ()))
+            return lambda t: rec.actor.reshard_update.remote(t, upd, mine, deadline.wall)
+
+        def forget(outcome: Outcome) -> None:
+            with self.lock:
+                self._queue_drops(self.groups.forget(keys))
+                if pin:
+                    self.groups.unpin(keys)
+
+        with self.lock:  # admitted and submitted at once: no other call sees the groups half set up
             recs = self.registry.check(members, "ensure_groups")
             names = {r.backend for r in recs}
             if len(names) > 1:
@@ -205,23 +215,8 @@ class Runtime:
             sets = self.admit_groups(keys, names.pop()) if recs else {}
             if pin:
                 self.groups.pin(keys)
-            refs = {}
-            for rec in recs:
-                mine = [k for k in keys if rec.id in k[1]]
-                upd = self.updates_for(rec.id, sets.get(rec.id, ()))
-                refs[rec.id] = self.submit(
-                    rec,
-                    lambda t, rec=rec, upd=upd, mine=mine: rec.actor.reshard_update.remote(
-                        t, upd, mine, wall_of(deadline)
-                    ),
-                )
-        outcome = self.wait(refs, deadline, "ensure_groups")
-        if not outcome.ok:
-            with self.lock:
-                self._queue_drops(self.groups.forget(keys))
-                if pin:
-                    self.groups.unpin(keys)
-            raise failure_error(outcome, f"ensure_groups({[list(g) for _, g in keys]})", timeout_s)
+            refs = self.submit_each(members, make, what)
+        self.results_of(refs, deadline, what, on_failure=forget)
         return keys
 
     def unpin_groups(self, keys) -> None:
@@ -236,9 +231,8 @@ class Runtime:
 
     # ---------------------------------------------------------------- reshards
 
-    def submit_batch(self, compiled: CompiledBatch, sources, run: str, deadline: float, what: str,
-                     timeout_s: float | None, *, outs=None, direct: bool = False,
-                     verify: bool = False) -> Pending:  # fmt: skip
+    def submit_batch(self, compiled: CompiledBatch, sources, run: str, deadline: Deadline, what: str, *,
+                     outs=None, direct: bool = False, verify: bool = False) -> Pending:  # fmt: skip
         """Submit a compiled batch (``reshard.passes.compile.compile_batch``): one ordered ``run`` call per
         participant. ``sources[t]``: tensor ``t``'s source shard name and ``{device: shared-memory
         descriptor}`` (for pulls); ``outs[t]``: the user's shard its result is for (None: a new
@@ -253,7 +247,7 @@ class Runtime:
             sets = self.admit_groups([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
             bid = self.bindings.program_id((pid, tuple(n for n, _ in sources), None if outs is None else tuple(outs)))
-            wall = wall_of(deadline)
+            wall = deadline.wall
             refs = {}
             for rec in recs:
                 blob = self.programs.to_ship(rec.id, pid, compiled.blobs[rec.id], rec.max_programs)
@@ -279,7 +273,7 @@ class Runtime:
                         )  # fmt: skip
             self.stats["runs"] += 1
             self.stats["run_calls"] += len(refs) + len(commits)
-        return Pending(compiled, run, refs, commits, pid, deadline, what, timeout_s, outs is not None)
+        return Pending(compiled, run, refs, commits, pid, deadline, what, outs is not None)
 
     def finish_batch(self, pending: Pending) -> dict:
         """Wait for a submitted batch (and its commits): ``{device: RunResult}``; on failure,
@@ -294,7 +288,7 @@ class Runtime:
         except BaseException:  # KeyboardInterrupt, or Ray failing under us
             self.abandon_batch(pending, Outcome(pending=sorted(refs)))
             raise
-        until = max(pending.deadline, time.monotonic()) + CLEANUP_S
+        until = pending.deadline.or_in(CLEANUP_S)
         if not outcome.ok:
             asked = self.ask(outcome.pending)  # before the cleanup: a stuck device costs one wait, not two
             late = {d: refs[d] for d in outcome.pending} if pending.commits and not outcome.failures else {}
@@ -302,7 +296,7 @@ class Runtime:
             if not outcome.ok:
                 tail = "" if not pending.commits else _NOT_KNOWN if not outcome.failures else _LEFT
                 tail = f"{self.describe(outcome.pending, asked)}{tail}{INTACT}"
-                raise failure_error(outcome, pending.what, pending.timeout_s, tail=tail)
+                raise failure_error(outcome, pending.what, pending.deadline, tail=tail)
         pending.results = outcome.results
         if pending.commits:
             done = gather(pending.commits, until)
@@ -310,14 +304,15 @@ class Runtime:
                 for d in done.died:
                     self.mark_dead(d, f"actor died while committing: {_first(done.failures[d].error)}")
                 tail = _COMMITTING if not done.failures else _COMMIT_FAILED
-                raise failure_error(done, f"{pending.what}: committing", pending.timeout_s, tail=tail)
+                raise failure_error(done, f"{pending.what}: committing", pending.deadline, tail=tail)
         self.last_run = outcome.results
         return outcome.results
 
-    def abandon_batch(self, pending: Pending, outcome: Outcome, late: dict | None = None, until: float = 0.0) -> None:
+    def abandon_batch(self, pending: Pending, outcome: Outcome, late: dict | None = None,
+                      until: Deadline | None = None) -> None:  # fmt: skip
         """``abandon`` a batch: the new shards it made are dropped (outputs staged for a commit
         are the commit's to drop). ``late``: runs still pending, collected into ``outcome`` if
-        they end by ``until`` (monotonic) too: they decide whether the commits go on."""
+        they end by ``until`` too: they decide whether the commits go on."""
         program = pending.compiled.program
         made = {} if pending.outs else {
             d: tuple(shard_name(pending.run, p.tensor) for p in program.for_device(d).parts
@@ -326,25 +321,27 @@ class Runtime:
         }  # fmt: skip
         groups = pending.compiled.groups
         acks = self.abandon(pending.refs, pending.run, made, groups, pending.pid, outcome, wait=not late)
-        if late:
+        if late and until is not None:
             ended = gather(late, until, settle_s=None)
             outcome.results.update(ended.results)
             outcome.failures.update(ended.failures)
             outcome.pending = ended.pending
             self._wait_acks(acks, until)
 
-    def abandon(self, refs: dict, run: str | None, made: dict, groups, pid: int | None, outcome: Outcome,
+    def abandon(self, devices, run: str | None, made: dict, groups, pid: int | None, outcome: Outcome,
                 wait: bool = True) -> dict:  # fmt: skip
         """Clean up after a failed call (module docstring); bounded by ``CLEANUP_S``. ``run``: what
         the devices must keep nothing of; ``made[device]``: the shards it made there, dropped now.
-        Returns the devices' acknowledgements (``wait=False``: not waited for; ``_wait_acks``)."""
+        ``devices``: those the call went to. Returns their acknowledgements (``wait=False``: not
+        waited for; ``_wait_acks``)."""
+        devices = list(devices)
         keys = [group_key(g) for g in groups]
         with self.lock:
             self.stats["failed_runs"] += 1
             for d in outcome.died:
                 self.mark_dead(d, f"actor died: {_first(outcome.failures[d].error)}")
             if pid is not None:
-                for d in refs:
+                for d in devices:
                     if d not in outcome.results:
                         self.programs.unsure(d, pid)
                         self.bindings.unsure_all(d)
@@ -352,11 +349,11 @@ class Runtime:
             drops = self.groups.forget(keys)
             for k, _ in drops:
                 self._rendezvous.pop(k, None)
-            backend = self._backend_of(refs)
+            backend = self._backend_of(devices)
             if backend is not None and rendezvous:
                 backend.abort_rendezvous(rendezvous, "the controller gave up on the reshard")
             acks = {}
-            for d in refs:
+            for d in devices:
                 rec = self.registry.devices.get(d)
                 if rec is None or rec.state is not DeviceState.ALIVE:
                     continue
@@ -367,13 +364,13 @@ class Runtime:
                     log.warning("cleanup of device %d failed: %s", d, e)
             for k, gen in drops:  # members outside the call get the drops with their next one
                 for d in k[1]:
-                    if d not in refs:
+                    if d not in devices:
                         self._group_drops.setdefault(d, []).append((k, gen))
         if wait:
-            self._wait_acks(acks, time.monotonic() + CLEANUP_S)
+            self._wait_acks(acks, Deadline.after(CLEANUP_S))
         return acks
 
-    def _wait_acks(self, acks: dict, until: float) -> None:
+    def _wait_acks(self, acks: dict, until: Deadline) -> None:
         if not acks:
             return
         done = gather(acks, until, settle_s=None)
@@ -397,7 +394,7 @@ class Runtime:
         refs, since = self.ask(devices) if asked is None else asked
         if not refs:
             return ""
-        outcome = gather(refs, since + DESCRIBE_S, settle_s=None)
+        outcome = gather(refs, Deadline(since + DESCRIBE_S), settle_s=None)
         parts = []
         for d in sorted(refs):
             calls = outcome.results.get(d, {}).get("calls")
@@ -422,32 +419,47 @@ class Runtime:
                 return self.backends.get(rec.backend)
         return None
 
-    def wait(self, refs: dict, deadline: float, what: str) -> Outcome:
+    def wait(self, refs: dict, deadline: Deadline, what: str) -> Outcome:
         """``gather`` that marks the devices whose actors died."""
         outcome = gather(refs, deadline)
         for d in outcome.died:
             self.mark_dead(d, f"actor died in {what}: {_first(outcome.failures[d].error)}")
         return outcome
 
+    def broadcast_call(self, devices, make, deadline: Deadline, what: str, *, tail: str = "",
+                       on_failure: Callable[[Outcome], None] | None = None) -> dict:  # fmt: skip
+        """One ordered call to each of ``devices`` (``make(rec)`` is the ``call(ticket)`` for
+        ``submit``; all submitted under the lock), waited for until ``deadline``: ``{device: result}``.
+        On failure, ``on_failure(outcome)`` runs first (to clean up, or to raise a more precise
+        error), then the failure is raised as one error, root cause first (``failure_error``)."""
+        return self.results_of(self.submit_each(devices, make, what), deadline, what, tail=tail, on_failure=on_failure)
+
+    def results_of(self, refs: dict, deadline: Deadline, what: str, *, tail: str = "",
+                   on_failure: Callable[[Outcome], None] | None = None) -> dict:  # fmt: skip
+        """The second half of ``broadcast_call``, for calls submitted under a lock held longer."""
+        try:
+            outcome = self.wait(refs, deadline, what)
+        except BaseException:  # KeyboardInterrupt, or Ray failing under us
+            if on_failure is not None:
+                on_failure(Outcome(pending=sorted(refs)))
+            raise
+        if not outcome.ok:
+            if on_failure is not None:
+                on_failure(outcome)
+            raise failure_error(outcome, what, deadline, tail=tail)
+        return outcome.results
+
     def call(self, calls: dict, timeout_s: float, what: str) -> dict:
         """Ordered ``fn(ctx, *args, **kwargs)`` on each device: ``calls[device] = (fn, args, kwargs)``.
         Returns ``{device: result}``; a device's own exception is raised as is, other failures as
         a ``ReshardError``."""
-        deadline = time.monotonic() + timeout_s
-        wall = wall_of(deadline)
+        deadline = Deadline.after(timeout_s)
 
         def make(rec):
             fn, args, kwargs = calls[rec.id]
-            return lambda t: rec.actor.reshard_call.remote(t, fn, args, kwargs, wall)
+            return lambda t: rec.actor.reshard_call.remote(t, fn, args, kwargs, deadline.wall)
 
-        refs = self.submit_each(calls, make, what)
-        outcome = self.wait(refs, deadline, what)
-        if not outcome.ok:
-            own = [f.error for d, f in sorted(outcome.failures.items()) if f.kind is FailureKind.ERROR]
-            if own and not outcome.died:
-                raise own[0]
-            raise failure_error(outcome, what, timeout_s)
-        return outcome.results
+        return self.broadcast_call(calls, make, deadline, what, on_failure=_raise_own_error)
 
     # ---------------------------------------------------------------- devices
 
@@ -471,39 +483,12 @@ class Runtime:
         self._fire(devices, lambda rec: lambda t: rec.actor.reshard_release.remote(t, name, holder))
 
     def hold_later(self, acquire: bool, devices, name: str, holder: str) -> None:
-        """``acquire`` or ``release`` from a finalizer or a pickler: garbage collection and pickling
-        may run inside any submission, so the change is queued and a janitor thread submits it.
-        The queue keeps this process's order, so a pickled copy's hold is taken before the
-        original's release."""
-        self._queued.append((acquire, tuple(devices), name, holder))  # deque.append: safe in a finalizer
-        self._held.put(None)  # wakes the janitor
-        if self._janitor is None or not self._janitor.is_alive():
-            with _RUNTIME_LOCK:
-                if self._janitor is None or not self._janitor.is_alive():
-                    self._janitor = threading.Thread(target=self._sweep, name="reshard-janitor", daemon=True)
-                    self._janitor.start()
+        """``acquire`` or ``release`` from a finalizer or a pickler (``HoldQueue``)."""
+        self.holds.put(acquire, devices, name, holder)
 
     def flush_holds(self) -> None:
         """Submit the queued holds now (in this thread)."""
-        with self._holding:
-            self._submit_holds(self._drain())
-
-    def _sweep(self) -> None:
-        while True:
-            try:
-                self._held.get(timeout=JANITOR_IDLE_S)
-            except queue.Empty:
-                return  # started again by the next hold_later
-            with self._holding:
-                self._submit_holds(self._drain())
-
-    def _drain(self) -> list:
-        """The queued holds, oldest first (taken only under ``_holding``: whoever takes them
-        submits them before anyone takes later ones, so the queue's order is kept)."""
-        out = []
-        while self._queued:
-            out.append(self._queued.popleft())
-        return out
+        self.holds.flush()
 
     def _submit_holds(self, changes) -> None:
         """Queued holds and releases, one ordered call per device for all of its (in queue order:
@@ -535,34 +520,8 @@ class Runtime:
     # ---------------------------------------------------------------- planning
 
     def planning_cluster(self, backend: str, hosts: dict[int, int]) -> Cluster:
-        """The cost model "auto" plans for: the hosts of ``hosts`` (device -> host) with the link
-        figures measured for their nodes (``reshard.runtime.driver.probe``; ``Cluster.from_links``), else
-        the live Ray cluster's guessed ones (``Cluster.from_ray``), and the backend that will run
-        the plan."""
-        from topology.runtime import cached_links, links_generation
-
-        key = (backend, tuple(sorted(hosts.items())), links_generation())
-        with self.lock:
-            hit = self._clusters.get(key)
-            if hit is None:
-                node_of = {d: r.node_id for d in hosts if (r := self.registry.devices.get(d)) is not None}
-                links = cached_links(set(node_of.values())) if len(node_of) == len(hosts) else None
-                if links is not None:
-                    hit = Cluster.from_links(hosts, node_of, links, backend=backend)
-            if hit is None:
-                if self._live_cluster is None:
-                    self._live_cluster = Cluster.from_ray()
-                live = self._live_cluster
-                sized = Cluster.for_hosts(hosts, nic_GBps=live.nic_GBps, intra_host_GBps=live.intra_host_GBps)
-                hit = dataclasses.replace(
-                    sized, latency_us=live.latency_us, intra_host_latency_us=live.intra_host_latency_us,
-                    backend=backend, name="ray",
-                )  # fmt: skip
-            if key not in self._clusters:
-                if len(self._clusters) > 256:
-                    self._clusters.clear()
-                self._clusters[key] = hit
-            return hit
+        """The cost model "auto" plans for (``PlanningClusters``)."""
+        return self.clusters.get(backend, hosts, self.registry)
 
 
 def _bound(compiled, device: int, sources, outs, records) -> Bound:
@@ -575,6 +534,13 @@ def _bound(compiled, device: int, sources, outs, records) -> Bound:
     relaying = compiled.relay_sources.get(device)
     relays = {h: records[h].board for h in relaying} if relaying else None
     return Bound(names, pulls or None, mine, relays)
+
+
+def _raise_own_error(outcome: Outcome) -> None:
+    """A device's own exception (``fn`` raised it), raised as is where no actor died."""
+    own = [f.error for _, f in sorted(outcome.failures.items()) if f.kind is FailureKind.ERROR]
+    if own and not outcome.died:
+        raise own[0]
 
 
 def _first(err) -> str:

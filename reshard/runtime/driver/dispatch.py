@@ -9,11 +9,13 @@ peer's failure.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.runtime.backends.communicator import PeerFailed
+from reshard.runtime.deadlines import Deadline
 from reshard.runtime.messages import Failure, FailureKind
 
 #: After the first failure, how long the controller still collects the other participants' outcomes.
@@ -71,10 +73,11 @@ def _wait(refs: list, **kwargs):
         return ray.wait(refs, **kwargs)
 
 
-def gather(refs: dict, deadline: float, *, settle_s: float | None = SETTLE_S) -> Outcome:
-    """Wait for ``refs`` (key -> ObjectRef) until all are done or ``deadline`` (monotonic) passed."""
+def gather(refs: dict, until: Deadline, *, settle_s: float | None = SETTLE_S) -> Outcome:
+    """Wait for ``refs`` (key -> ObjectRef) until all are done or ``until`` passed."""
     import ray
 
+    deadline = until.at
     by_ref = {r: k for k, r in refs.items()}
     out = Outcome()
     # Fast path: wait for all at once (in slices, so that a failure is noticed within
@@ -132,8 +135,9 @@ def first_line(err) -> str:
     return text[0] if text else type(err).__name__
 
 
-def failure_error(outcome: Outcome, what: str, timeout_s: float | None, *, tail: str = "") -> ReshardError:
-    """One exception for a failed set of calls (keys are device ids), root cause first."""
+def failure_error(outcome: Outcome, what: str, deadline: Deadline, *, tail: str = "") -> ReshardError:
+    """One exception for a failed set of calls (keys are device ids), root cause first; a timeout
+    quotes the one ``deadline`` was made from."""
     by_kind: dict[FailureKind, list] = {k: [] for k in FailureKind}
     for key, f in sorted(outcome.failures.items()):
         by_kind[f.kind].append(key)
@@ -146,11 +150,18 @@ def failure_error(outcome: Outcome, what: str, timeout_s: float | None, *, tail:
     if by_kind[FailureKind.ERROR]:
         return ReshardError(f"{what}: {details}.{tail}")
     if outcome.pending or by_kind[FailureKind.TIMEOUT]:
-        limit = "no limit" if timeout_s is None else f"timeout_s={timeout_s:g}s"
+        limit = deadline_words(deadline)
         stuck = f" devices {outcome.pending} had not finished." if outcome.pending else ""
         more = f" {details}." if details else ""
         return ReshardTimeout(f"{what}: did not complete within {limit}.{stuck}{more}{tail}")
     return ReshardError(f"{what}: {details}.{tail}")
+
+
+def deadline_words(deadline: Deadline) -> str:
+    """What a timeout error quotes: the caller's ``timeout_s``, else "no limit" or "its deadline"."""
+    if deadline.timeout_s is not None:
+        return f"timeout_s={deadline.timeout_s:g}s"
+    return "no limit" if deadline.at == math.inf else "its deadline"
 
 
 def _detail(f: Failure) -> str:

@@ -18,7 +18,7 @@ from reshard.dtypes import dtype_name
 from reshard.ir.layout import Layout
 from reshard.ir.regions import layout_regions
 from reshard.pytree import flatten, per_leaf, unflatten
-from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of, wall_of
+from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.dispatch import Outcome, failure_error
 from reshard.runtime.driver.mesh import DeviceMesh
@@ -164,25 +164,21 @@ def _load(arrays: list[np.ndarray], specs: list[tuple], timeout_s) -> list[Shard
     for name, (lay, dtype, _, sources) in zip(names, specs, strict=True):
         for d, (index, box) in zip(meshes[lay.mesh].device_ids, sources, strict=True):
             loads.setdefault(d, []).append((name, index, box, dtype))
-    deadline = deadline_of(timeout_s)
-    wall = wall_of(deadline)
+    deadline = Deadline.after(timeout_s)
     what = f"distribute onto {specs[0][0]}" if len(specs) == 1 else f"distribute of {len(specs)} tensors"
-    refs = rt.submit_each(
-        loads, lambda rec: lambda t, mine=tuple(loads[rec.id]): rec.actor.reshard_load.remote(t, mine, ref, wall), what
-    )
     made = {d: tuple(e[0] for e in entries) for d, entries in loads.items()}
-    try:
-        outcome = rt.wait(refs, deadline, what)
-    except BaseException:
-        rt.abandon(refs, names[0], made, (), None, Outcome(pending=sorted(refs)))
-        raise
-    if not outcome.ok:
-        rt.abandon(refs, names[0], made, (), None, outcome)
-        raise failure_error(outcome, what, timeout_s, tail="Nothing was kept.")
+
+    def load(rec):
+        return lambda t, mine=tuple(loads[rec.id]): rec.actor.reshard_load.remote(t, mine, ref, deadline.wall)
+
+    def drop(outcome: Outcome) -> None:
+        rt.abandon(loads, names[0], made, (), None, outcome)
+
+    results = rt.broadcast_call(loads, load, deadline, what, tail="Nothing was kept.", on_failure=drop)
     out = []
     for name, (lay, dtype, shape, _) in zip(names, specs, strict=True):
         dmesh = meshes[lay.mesh]
-        shared = {d: desc for d in dmesh.device_ids if (desc := outcome.results[d].get(name)) is not None}
+        shared = {d: desc for d in dmesh.device_ids if (desc := results[d].get(name)) is not None}
         out.append(ShardedTensor(dmesh, lay, shape, dtype, name, shared))
     return out
 
@@ -241,19 +237,20 @@ def adopt(layout, name, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
             per_device.setdefault(d, []).append(n)
     for dmesh in {id(m): m for m in meshes.values()}.values():
         dmesh.check_open()
-    deadline = deadline_of(timeout_s)
-    wall = wall_of(deadline)
+    deadline = Deadline.after(timeout_s)
     what = f"adopt {names[0]!r}" if len(names) == 1 else f"adopt {len(names)} tensors"
 
     def describe(rec):
-        return lambda t, mine=tuple(per_device[rec.id]): rec.actor.reshard_describe.remote(t, mine, wall)
+        return lambda t, mine=tuple(per_device[rec.id]): rec.actor.reshard_describe.remote(t, mine, deadline.wall)
 
-    refs = rt.submit_each(per_device, describe, what)
-    outcome = rt.wait(refs, deadline, what)
-    if not outcome.ok:
-        own = [f.error for f in outcome.failures.values() if isinstance(getattr(f.error, "cause", f.error), KeyError)]
-        raise failure_error(outcome, what, timeout_s, tail="Nothing was adopted." if not own else "")
-    said = {d: dict(zip(per_device[d], infos, strict=True)) for d, infos in outcome.results.items()}
+    def unknown_name(outcome: Outcome) -> None:  # a name a device does not have: the error says just that
+        if any(isinstance(getattr(f.error, "cause", f.error), KeyError) for f in outcome.failures.values()):
+            raise failure_error(outcome, what, deadline)
+
+    results = rt.broadcast_call(
+        per_device, describe, deadline, what, tail="Nothing was adopted.", on_failure=unknown_name
+    )
+    said = {d: dict(zip(per_device[d], infos, strict=True)) for d, infos in results.items()}
     out = [
         _adopted(n, lay, meshes[n], [said[d][n] for d in meshes[n].device_ids])
         for n, lay in zip(names, given, strict=True)

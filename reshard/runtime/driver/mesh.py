@@ -28,12 +28,12 @@ may attach a debugger; the actors themselves map their peers' shards read-only.
 from __future__ import annotations
 
 import logging
-import time
 
 import ray
 
 from reshard.errors import MeshClosed, ReshardTimeout
 from reshard.runtime.backends.registry import backend_spec, make_backend
+from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device_options import DeviceOptions, positive_int, positive_seconds
 from reshard.runtime.driver import node_placement
 from reshard.runtime.driver.controller import runtime
@@ -163,7 +163,7 @@ class DeviceMesh:
             )
         dph = default_devices_per_host(probe.shape) if devices_per_host is None else devices_per_host
         n_hosts = size // dph
-        deadline = time.monotonic() + startup_timeout_s
+        deadline = Deadline.after(startup_timeout_s)
         where = node_placement.place(
             n_hosts, dph, nodes, node_placement.demand(num_cpus, spec.gpus_per_device, resources), startup_timeout_s
         )
@@ -189,7 +189,7 @@ class DeviceMesh:
                     f"startup_timeout_s={startup_timeout_s:g}s; Ray has {ray.available_resources()} available "
                     f"and each device asks for {node_placement.demand(num_cpus, spec.gpus_per_device, resources)}"
                 )
-            raise failure_error(outcome, f"DeviceMesh.create({probe.shape})", startup_timeout_s)
+            raise failure_error(outcome, f"DeviceMesh.create({probe.shape})", deadline)
         return cls._register(
             probe.shape, axis_names, dph, ids, actors, outcome.results, name, instance, session,
             (max_communicators, max_programs), f"DeviceMesh{probe.shape}",
@@ -239,7 +239,7 @@ class DeviceMesh:
         device_options = DeviceOptions(
             op_timeout_s, staging_keep_bytes, buffer_pool_bytes, assembly_bytes, torch_threads, shared_memory
         )
-        deadline = time.monotonic() + positive_seconds("startup_timeout_s", startup_timeout_s)
+        deadline = Deadline.after(positive_seconds("startup_timeout_s", startup_timeout_s))
         rt = runtime()
         session = Session.current()
         if isinstance(backend, str) and backend in rt.backends:
@@ -255,7 +255,7 @@ class DeviceMesh:
             for d, a in zip(ids, actors, strict=True):
                 if d in outcome.results:
                     a.reshard_close.remote()
-            raise failure_error(outcome, f"DeviceMesh.from_actors({probe.shape})", startup_timeout_s)
+            raise failure_error(outcome, f"DeviceMesh.from_actors({probe.shape})", deadline)
         dph = default_devices_per_host(probe.shape) if devices_per_host is None else devices_per_host
         return cls._register(
             probe.shape, axis_names, dph, ids, actors, outcome.results, name, instance, session,
@@ -500,11 +500,11 @@ class DeviceMesh:
     def stats(self, timeout_s: float = 30.0) -> list[dict]:
         """Each device's state: shards and bytes, holders, cached programs, live groups, counters."""
         self.check_open()
-        deadline = time.monotonic() + positive_seconds("timeout_s", timeout_s)
+        deadline = Deadline.after(positive_seconds("timeout_s", timeout_s))
         refs = {r.id: r.actor.reshard_stats.remote() for r in self._records}
         outcome = runtime().wait(refs, deadline, "stats")
         if not outcome.ok:
-            raise failure_error(outcome, f"{self!r}.stats()", timeout_s)
+            raise failure_error(outcome, f"{self!r}.stats()", deadline)
         return [outcome.results[d] for d in self.device_ids]
 
     # ---------------------------------------------------------------- lifetime

@@ -14,7 +14,6 @@ within ``timeout_s`` naming what was asked and what the cluster has.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardTimeout
@@ -93,10 +92,9 @@ def place(n_hosts: int, per_host: int, nodes, per_device: dict[str, float], time
             "which needs resources to reserve: give the devices num_cpus > 0 or resources=..."
         )
     pg = placement_group([dict(bundle) for _ in range(n_hosts)], strategy="SPREAD")
-    deadline = time.monotonic() + timeout_s
     import ray
 
-    ready, _ = ray.wait([pg.ready()], timeout=max(0.0, deadline - time.monotonic()))
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
         have = [(n.get("NodeManagerAddress"), n.get("Resources", {})) for n in alive]

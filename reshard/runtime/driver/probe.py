@@ -28,6 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from reshard.runtime.deadlines import Deadline
 from reshard.runtime.driver.controller import runtime
 from topology.cluster import LinkFigures
 from topology.runtime import record_links
@@ -67,7 +68,7 @@ def probe_links(
                 devices.append(rec.id)
     nodes = sorted(by_node)
     first = {n: by_node[n][0] for n in nodes}
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline.after(timeout_s)
     rates: dict[tuple[str, str], float] = {}
     net_rtts: list[float] = []
     for pairs in _rounds(nodes):
@@ -109,7 +110,13 @@ def _rounds(nodes: list[str]) -> list[list[tuple[str, str]]]:
 
 
 def _measure(
-    pairs: list[tuple[int, int]], size_bytes: int, repeats: int, pings: int, deadline: float, *, one_way: bool = False
+    pairs: list[tuple[int, int]],
+    size_bytes: int,
+    repeats: int,
+    pings: int,
+    deadline: Deadline,
+    *,
+    one_way: bool = False,
 ) -> dict:
     """Run ``_exchange`` on both devices of every pair at once; ``{device: its timings}``. One way:
     only the first device of a pair sends its bytes."""
@@ -127,8 +134,8 @@ def _measure(
         rt.forget_keys(keys)
 
 
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
+def _left(deadline: Deadline) -> float:
+    left = deadline.left()
     if left <= 0:
         from reshard.errors import ReshardTimeout
 
@@ -146,7 +153,7 @@ def _exchange(
     import torch
 
     comm = ctx.communicator(group, PROBE_CHANNEL)
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline.after(timeout_s)
     first = comm.rank < peer
     one = torch.ones(1, dtype=torch.uint8, device=ctx.torch_device)
     got = torch.zeros(1, dtype=torch.uint8, device=ctx.torch_device)
@@ -155,7 +162,7 @@ def _exchange(
 
     def left() -> float:
         """What is left of the probe's deadline; also the budget of the operations issued next."""
-        comm.timeout_s = max(deadline - time.monotonic(), 1e-3)
+        comm.timeout_s = max(deadline.left(), 1e-3)
         return comm.timeout_s
 
     rtts = []

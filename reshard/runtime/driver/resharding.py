@@ -26,7 +26,7 @@ from reshard.passes.compile import (
 from reshard.passes.packing import BUCKET_BYTES
 from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.backends.registry import backend_spec
-from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of
+from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.device.batches import first_mismatch
 from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.mesh import DeviceMesh
@@ -290,16 +290,15 @@ def reshard(
     rt = runtime()
     reads = frozenset(t.name for t in call.leaves)
     writes = frozenset(o.name for o in call.outs) if call.outs is not None else frozenset()
-    rt.works.after(reads, writes, timeout_s)
+    rt.works.after(reads, writes, Deadline.after(timeout_s))
     rt.flush_holds()  # releases of dropped handles first: their memory is pooled for this run's shards
-    deadline = deadline_of(timeout_s)
+    deadline = Deadline.after(timeout_s)
     compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
     run = rt.new_name()
     what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"
     sources = [(t.name, t._shared) for t in call.leaves]
     outs = None if call.outs is None else [o.name for o in call.outs]
-    pending = rt.submit_batch(compiled, sources, run, deadline, what, timeout_s, outs=outs, direct=direct,
-                              verify=verify)  # fmt: skip
+    pending = rt.submit_batch(compiled, sources, run, deadline, what, outs=outs, direct=direct, verify=verify)
 
     def finish():
         try:

@@ -20,7 +20,7 @@ import ray
 from reshard.dtypes import itemsize
 from reshard.ir.layout import Layout
 from reshard.ir.regions import box_volume, layout_regions
-from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, check_timeout, deadline_of
+from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.dispatch import failure_error
 from reshard.runtime.driver.mesh import DeviceMesh
@@ -115,14 +115,15 @@ class ShardedTensor:
 
     def _fetch(self, indices, timeout_s: float | None) -> dict[int, np.ndarray]:
         rt = runtime()
+        deadline = Deadline.after(timeout_s)
         ids = {i: self.mesh.device_ids[i] for i in indices}
         refs = {ids[i]: self.mesh.actor(i).reshard_fetch.remote(self.name) for i in indices}
-        outcome = rt.wait(refs, deadline_of(timeout_s), "reading a tensor back")
+        outcome = rt.wait(refs, deadline, "reading a tensor back")
         if not outcome.ok:
             gone = [d for d, f in outcome.failures.items() if isinstance(f.error, KeyError)]
             if gone and not outcome.died:
                 raise ValueError(f"reading {self!r}: its shards are gone on devices {gone} (freed by another handle?)")
-            raise failure_error(outcome, f"reading {self!r}", timeout_s)
+            raise failure_error(outcome, f"reading {self!r}", deadline)
         return {i: outcome.results[ids[i]] for i in indices}
 
     def _assemble(self, timeout_s: float | None) -> np.ndarray:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
 from collections.abc import Callable
 
 from reshard.errors import ReshardTimeout
+from reshard.runtime.deadlines import Deadline
 
 WORKERS = 4  # works finished at once per controller (each thread mostly waits for Ray)
 
@@ -81,13 +83,14 @@ class WorkQueue:
         self._pending: dict[Work, tuple[frozenset, frozenset]] = {}  # work -> (names it reads, names it writes)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def after(self, reads: frozenset, writes: frozenset, timeout_s: float | None) -> None:
-        """Wait for the pending works that write what this one reads or writes, or read what it
-        writes (their errors are theirs, not this one's)."""
+    def after(self, reads: frozenset, writes: frozenset, deadline: Deadline) -> None:
+        """Wait, until ``deadline``, for the pending works that write what this one reads or writes,
+        or read what it writes (their errors are theirs, not this one's)."""
         with self._lock:
             ahead = [w for w, (r, wr) in self._pending.items() if wr & (reads | writes) or r & writes]
         for w in ahead:
-            concurrent.futures.wait([w._future], timeout=timeout_s)
+            left = deadline.left()
+            concurrent.futures.wait([w._future], timeout=None if left == math.inf else left)
 
     def start(self, finish: Callable, reads: frozenset, writes: frozenset, what: str) -> Work:
         """A work that ``finish()`` completes on one of the threads."""
