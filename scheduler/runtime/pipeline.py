@@ -53,8 +53,9 @@ import numpy as np
 
 from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.ir.regions import layout_regions
+from reshard.ir.serialize import encode_device_program
 from reshard.passes.compile import compile_reshard
-from reshard.runtime import compile_options, runtime
+from reshard.runtime import Deadline, compile_options, runtime
 from scheduler.ir import Schedule
 from scheduler.pipeline_plan import Lane, PipelinePlan, plan_pipeline
 from scheduler.runtime.results import IterationResult, TimelineEvent
@@ -208,8 +209,10 @@ class Pipeline:
         flat = mesh.device_ids.index(device)
         in_local = local_shape(stage.in_layout, stage.in_shape, flat)
         out_local = local_shape(stage.out_layout, stage.out_shape, flat)
-        send = {lane: prog.for_device(device) for lane, prog in self._lane_programs.items() if lane[0] == s}
-        recv = {lane: prog.for_device(device) for lane, prog in self._lane_programs.items() if lane[1] == s}
+        mine = {lane: encode_device_program(prog.for_device(device), stage.dtype)
+                for lane, prog in self._lane_programs.items() if s in lane}  # fmt: skip
+        send = {lane: blob for lane, blob in mine.items() if lane[0] == s}
+        recv = {lane: blob for lane, blob in mine.items() if lane[1] == s}
         channels = {lane: self.channel("lane", lane) for lane in (*send, *recv)}
         return WorkerSpec(
             pipeline_id=self.pipeline_id, stage=s, n_stages=self.n_stages, device=device,
@@ -374,13 +377,13 @@ class Pipeline:
         return out
 
     def _wait_all(self, timeout_s: float) -> dict[int, dict]:
-        deadline = time.monotonic() + timeout_s + 15.0
+        deadline = Deadline.after(timeout_s).later(15.0)  # the devices' own deadline, and time to drain
         pending = list(self.devices)
         statuses: dict[int, dict] = {}
         last: dict[int, dict] = {}
         aborted = False
         while pending:
-            remaining = deadline - time.monotonic()
+            remaining = deadline.left()
             if remaining <= 0:
                 raise self._timeout_error(timeout_s, pending, last)
             wait_s = min(1.0, max(0.05, remaining))

@@ -10,7 +10,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reshard.ir.program import DeviceProgram
 from scheduler.pipeline_plan import Lane, StagePlan
 
 
@@ -48,8 +47,10 @@ class WorkerSpec:
     dtype: str
     in_local_shape: tuple[int, ...] | None  # this device's shard of the stage input
     out_local_shape: tuple[int, ...] | None  # this device's shard of the stage output
-    send_programs: dict[Lane, DeviceProgram]  # per lane leaving this stage: this device's program
-    recv_programs: dict[Lane, DeviceProgram]
+    # per lane leaving / entering this stage: this device's program, encoded as the reshard runtime
+    # ships its programs (``reshard.ir.serialize.encode_device_program``)
+    send_programs: dict[Lane, bytes]
+    recv_programs: dict[Lane, bytes]
     timeout_s: float
     name: str = ""
     lane_channels: dict[Lane, str] = field(default_factory=dict)  # lane -> its communicator channel

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from reshard.errors import ReshardTimeout
+from reshard.ir.serialize import decode_device_program
 from scheduler.ir import Payload, Phase
 from scheduler.pipeline_plan import Lane, payload_name
 from scheduler.runtime.specs import ErrorKind, IterationSpec, Role, StageFailure, WorkerSpec, error_info
@@ -151,11 +152,15 @@ class StageWorker:
         self.torch_device = device_ctx.torch_device
         self.dtype = getattr(torch, spec.dtype)
         self.ctx = StageContext(self)
+        self.programs = {
+            (lane, role): decode_device_program(blob)[1]
+            for role, blobs in ((Role.SEND, spec.send_programs), (Role.RECV, spec.recv_programs))
+            for lane, blob in blobs.items()
+        }
         self.runners = {
             (lane, role): device_ctx.runner(program, spec.dtype, channel=spec.lane_channels[lane],
                                             staging_keep_bytes=LANE_STAGING_KEEP_BYTES)
-            for role, programs in ((Role.SEND, spec.send_programs), (Role.RECV, spec.recv_programs))
-            for lane, program in programs.items()
+            for (lane, role), program in self.programs.items()
         }  # fmt: skip
         self.lanes: dict[tuple[Lane, str], _LaneThread] = {}
         for lane in spec.send_programs:
@@ -447,7 +452,7 @@ class StageWorker:
         info["transfer"] = f"{role.value} {payload_name(p)}"
         it.fail(info)
         channel = self.spec.lane_channels[lane]
-        programs = (self.spec.send_programs.get(lane), self.spec.recv_programs.get(lane))
+        programs = (self.programs.get((lane, Role.SEND)), self.programs.get((lane, Role.RECV)))
         keys = [(channel, g) for prog in programs if prog is not None for g in prog.connect]
         self.groups.abort(keys, f"the lane {lane} failed")
         self._fill_broken(it, role, p)
