@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from reshard.ir.program import Group, group_of
 
@@ -55,16 +56,55 @@ class Ticket:
     seq: int
 
 
+class GroupDrop(NamedTuple):
+    """Drop this generation of a group (a newer one of the same key stays)."""
+
+    key: GroupKey
+    generation: int
+
+
+class GroupSet(NamedTuple):
+    """Set up a new generation of a group: what its members need to connect (``Backend.rendezvous``)."""
+
+    key: GroupKey
+    generation: int
+    info: Any
+
+
+class Load(NamedTuple):
+    """Keep ``data[array][box]`` (``reshard_load``; array None: zeros of the box's shape) as
+    shard ``name`` of ``dtype``."""
+
+    name: str
+    array: int | None
+    box: tuple
+    dtype: str
+
+
+class HoldChange(NamedTuple):
+    """``holder`` takes (``acquire``) or lets go of shard ``name`` (``reshard_holds``)."""
+
+    acquire: bool
+    name: str
+    holder: str
+
+
+class Staged(NamedTuple):
+    """A staged result and the user's shard a commit copies it into (``reshard_commit``)."""
+
+    staged: str
+    out: str
+
+
 @dataclass(frozen=True, slots=True)
 class Updates:
-    """Driver bookkeeping that rides on an ordered call: communicator groups to drop
-    (``(key, generation)``), new generations to set up (``(key, generation, rendezvous info)``),
-    and cached program ids to forget."""
+    """Driver bookkeeping that rides on an ordered call: communicator groups to drop, new
+    generations to set up, and cached program and binding ids to forget."""
 
-    group_drops: tuple = ()
-    group_sets: tuple = ()
-    program_drops: tuple = ()
-    binding_drops: tuple = ()
+    group_drops: tuple[GroupDrop, ...] = ()
+    group_sets: tuple[GroupSet, ...] = ()
+    program_drops: tuple[int, ...] = ()
+    binding_drops: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.group_drops or self.group_sets or self.program_drops or self.binding_drops)

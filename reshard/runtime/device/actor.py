@@ -36,7 +36,17 @@ from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device.batches import BatchRun, execute_batch, first_mismatch, prepare_batch
 from reshard.runtime.device.binding import Binding, checked_out
 from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
-from reshard.runtime.messages import COMMIT_WAIT_S, RunRequest, RunResult, Ticket, Updates, group_key
+from reshard.runtime.messages import (
+    COMMIT_WAIT_S,
+    HoldChange,
+    Load,
+    RunRequest,
+    RunResult,
+    Staged,
+    Ticket,
+    Updates,
+    group_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +106,9 @@ class DeviceRole:
 
     # ---------------------------------------------------------------- shards
 
-    def reshard_load(self, ticket: Ticket, entries, data, deadline: float) -> dict:
-        """Keep shards: per entry ``(name, index, box, dtype)``, ``data[index][box]`` (arrays read
-        only, from the object store; index None: zeros of the box's shape) as shard ``name``. All
+    def reshard_load(self, ticket: Ticket, entries: tuple[Load, ...], data, deadline: float) -> dict:
+        """Keep shards: per ``Load``, ``data[array][box]`` (arrays read only, from the object
+        store; array None: zeros of the box's shape) as shard ``name``. All
         or none: a failure, or an abort of the load (named by its first shard), keeps nothing.
         Returns each shard's shared-memory descriptor (None: private) by name."""
         ctx = _attached(self)
@@ -153,8 +163,8 @@ class DeviceRole:
         with ctx.inbox.turn(ticket, NO_DEADLINE):
             ctx.store.release(name, holder)
 
-    def reshard_holds(self, ticket: Ticket, changes) -> None:
-        """Holds taken and let go, in order: ``(acquire, name, holder)`` each."""
+    def reshard_holds(self, ticket: Ticket, changes: tuple[HoldChange, ...]) -> None:
+        """Holds taken and let go, in order."""
         ctx = _attached_or_none(self)
         if ctx is None:
             return
@@ -268,10 +278,12 @@ class DeviceRole:
                 })  # fmt: skip
             return out
 
-    def reshard_commit(self, ticket: Ticket, run: str, pairs, votes, deadline: float, verify: bool = False) -> bool:
+    def reshard_commit(
+        self, ticket: Ticket, run: str, pairs: tuple[Staged, ...], votes, deadline: float, verify: bool = False
+    ) -> bool:
         """The second half of a reshard into users' tensors: once every participant's run
         (``votes``, their result refs) succeeded, copy each staged result into its output
-        (``pairs``: ``(staged, out)``); if one failed, leave the outputs as they are. Drops the
+        (``pairs``: ``Staged`` each); if one failed, leave the outputs as they are. Drops the
         staged results either way. Every device decides on the same votes, so all outputs change
         or none do; a device that cannot read them (cut off from the controller, which owns them)
         waits for them, up to ``COMMIT_WAIT_S`` after the deadline, and only then keeps its old

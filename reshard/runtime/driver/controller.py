@@ -48,7 +48,10 @@ from reshard.runtime.messages import (
     DeviceState,
     FailureKind,
     GroupKey,
+    GroupSet,
+    HoldChange,
     RunRequest,
+    Staged,
     Ticket,
     Updates,
     group_key,
@@ -152,7 +155,7 @@ class Runtime:
 
     def admit_groups(self, keys: list[GroupKey], backend_name: str) -> dict[int, list]:
         """Make ``keys`` live: new ones get a rendezvous (one batched call) and a generation.
-        Returns ``{device: [(key, generation, info)]}`` to set up with the device's next call."""
+        Returns ``{device: [GroupSet]}`` to set up with the device's next call."""
         if not keys:
             return {}
         recs = self.registry.devices
@@ -174,7 +177,7 @@ class Runtime:
             for k, r in zip(create, rdvs, strict=True):
                 self._rendezvous[k] = r
                 for d in k[1]:
-                    sets.setdefault(d, []).append((k, gens[k], r.info))
+                    sets.setdefault(d, []).append(GroupSet(k, gens[k], r.info))
         return sets
 
     def _queue_drops(self, drops) -> None:
@@ -264,7 +267,8 @@ class Runtime:
             if commit:
                 votes = list(refs.values())
                 for rec in recs:
-                    pairs = tuple((shard_name(run, p.tensor), outs[p.tensor]) for p in program.for_device(rec.id).parts
+                    parts = program.for_device(rec.id).parts
+                    pairs = tuple(Staged(shard_name(run, p.tensor), outs[p.tensor]) for p in parts
                                   if p.program.dst_shape is not None)  # fmt: skip
                     if pairs:
                         commits[rec.id] = self.submit(
@@ -496,7 +500,7 @@ class Runtime:
         per_device: dict[int, list] = {}
         for acquire, devices, name, holder in changes:
             for d in devices:
-                per_device.setdefault(d, []).append((acquire, name, holder))
+                per_device.setdefault(d, []).append(HoldChange(acquire, name, holder))
         for d, calls in per_device.items():
             mine = tuple(calls)
             self._fire([d], lambda rec, mine=mine: lambda t: rec.actor.reshard_holds.remote(t, mine))

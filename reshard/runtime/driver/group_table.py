@@ -15,7 +15,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from reshard.runtime.messages import GroupKey
+from reshard.runtime.messages import GroupDrop, GroupKey
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,9 @@ class GroupTable:
     pinned: dict = field(default_factory=dict)  # GroupKey -> pin count
     next_generation: int = 1
 
-    def admit(self, needed, capacity: dict[int, int]) -> tuple[list[GroupKey], list[tuple[GroupKey, int]]]:
+    def admit(self, needed, capacity: dict[int, int]) -> tuple[list[GroupKey], list[GroupDrop]]:
         """Make ``needed`` live and most recently used. Returns ``(create, drop)``: the needed groups
-        that need a new generation (rendezvous), and ``(key, generation)`` pairs to drop on every
+        that need a new generation (rendezvous), and the generations to drop on every
         member because some member exceeds its bound ``capacity[device]``."""
         needed = list(dict.fromkeys(needed))
         create = [k for k in needed if k not in self.live]
@@ -53,7 +53,7 @@ class GroupTable:
         over = {d: n for d, n in counts.items() if n > capacity.get(d, 1 << 30)}
         if over:
             log.warning("devices %s need more communicators at once than their bound; keeping them all", over)
-        return create, [(k, gen) for k, gen in drop if gen is not None]
+        return create, [GroupDrop(k, gen) for k, gen in drop if gen is not None]
 
     def commit(self, keys) -> dict[GroupKey, int]:
         """Assign a fresh generation to each of ``keys`` (after their rendezvous was made)."""
@@ -63,17 +63,17 @@ class GroupTable:
             self.next_generation += 1
         return out
 
-    def forget(self, keys) -> list[tuple[GroupKey, int]]:
-        """Groups that failed: no longer live. Returns ``(key, generation)`` to drop on members."""
+    def forget(self, keys) -> list[GroupDrop]:
+        """Groups that failed: no longer live. Returns the generations to drop on members."""
         out = []
         for k in dict.fromkeys(keys):
             if k in self.live:
                 gen = self.live.pop(k)
                 if gen is not None:
-                    out.append((k, gen))
+                    out.append(GroupDrop(k, gen))
         return out
 
-    def forget_device(self, device: int) -> list[tuple[GroupKey, int]]:
+    def forget_device(self, device: int) -> list[GroupDrop]:
         return self.forget([k for k in self.live if device in k[1]])
 
     def pin(self, keys) -> None:

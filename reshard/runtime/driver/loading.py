@@ -23,6 +23,7 @@ from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.dispatch import Outcome, failure_error
 from reshard.runtime.driver.mesh import DeviceMesh
 from reshard.runtime.driver.tensor import ShardedTensor
+from reshard.runtime.messages import Load
 
 
 def _is_dtensor(x) -> bool:
@@ -163,7 +164,7 @@ def _load(arrays: list[np.ndarray], specs: list[tuple], timeout_s) -> list[Shard
     loads: dict[int, list] = {}  # device -> [(name, index into arrays or None, box, dtype)]
     for name, (lay, dtype, _, sources) in zip(names, specs, strict=True):
         for d, (index, box) in zip(meshes[lay.mesh].device_ids, sources, strict=True):
-            loads.setdefault(d, []).append((name, index, box, dtype))
+            loads.setdefault(d, []).append(Load(name, index, box, dtype))
     deadline = Deadline.after(timeout_s)
     what = f"distribute onto {specs[0][0]}" if len(specs) == 1 else f"distribute of {len(specs)} tensors"
     made = {d: tuple(e[0] for e in entries) for d, entries in loads.items()}
