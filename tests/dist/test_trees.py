@@ -14,7 +14,7 @@ import ray
 from dist_helpers import assert_bit_exact, pl, random_array
 
 from reshard import DeviceMesh, Layout, ReshardError, ReshardTimeout, Shard, WorkerDied, distribute, reshard
-from reshard.runtime import Work, adopt, runtime_stats, settle
+from reshard.runtime import Deadline, Work, adopt, runtime_stats, settle
 
 pytestmark = pytest.mark.dist
 
@@ -169,7 +169,7 @@ def test_errors_of_a_work_surface_at_wait_and_a_dropped_one_leaks_nothing(pool, 
     reshard(src, a, Layout(b, pl("R")), async_op=True)  # dropped at once
     import gc
 
-    runtime().works.after(frozenset({src["x"].name}), frozenset({src["x"].name}), 60)  # it finished
+    runtime().works.after(frozenset({src["x"].name}), frozenset({src["x"].name}), Deadline.after(60))  # it finished
     gc.collect()
     settle(b)
     assert all(set(s["buffers"]) <= names for s, names in zip(b.stats(), before, strict=True))
