@@ -54,7 +54,7 @@ import numpy as np
 from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.ir.regions import layout_regions
 from reshard.ir.serialize import encode_device_program
-from reshard.passes.compile import compile_reshard
+from reshard.passes.compile import compile_reshard, planning_hosts
 from reshard.runtime import Deadline, compile_options, runtime
 from scheduler.ir import Schedule
 from scheduler.pipeline_plan import Lane, PipelinePlan, plan_pipeline
@@ -87,8 +87,12 @@ class PipelineTimeout(PipelineError, ReshardTimeout):
 # actor-side entry points (run as fn(ctx, ...) inside the device actor, through ordered calls)
 
 
-def _install(ctx, spec) -> None:
-    _workers().install(ctx, spec)
+def _install(ctx, spec) -> dict | None:
+    return _workers().install(ctx, spec).pull_info()
+
+
+def _connect_pulls(ctx, pipeline_id: str, infos: dict) -> None:
+    _workers().worker(ctx, pipeline_id).connect_pulls(infos)
 
 
 def _start(ctx, pipeline_id: str, spec) -> None:
@@ -130,10 +134,14 @@ class Pipeline:
     """Stages on device meshes, ready to run schedules (see the module doc).
 
     strategy: the reshard planner for every boundary (`reshard.STRATEGIES`). timeout_s: default
-    bound on one iteration (and on setup calls).
+    bound on one iteration (and on setup calls). shared_memory: a boundary between two stage meshes
+    of one machine whose devices keep shared memory is a pull lane (`scheduler.runtime.pull_lanes`:
+    receivers copy activations straight out of the senders' memory); False sends them through the
+    meshes' backend, as between machines.
     """
 
-    def __init__(self, stages: Sequence[Stage], *, strategy: str = "auto", timeout_s: float = 120.0):
+    def __init__(self, stages: Sequence[Stage], *, strategy: str = "auto", timeout_s: float = 120.0,
+                 shared_memory: bool = True):  # fmt: skip
         stages = list(stages)
         if not stages:
             raise ValueError("a pipeline needs at least one stage, got 0")
@@ -153,6 +161,7 @@ class Pipeline:
         self.n_stages = len(stages)
         self.strategy = strategy
         self.timeout_s = float(timeout_s)
+        self.shared_memory = bool(shared_memory)
         self.pipeline_id = uuid.uuid4().hex[:12]
         self.meshes = [getattr(s.mesh, "mesh", s.mesh) for s in self.stages]
         seen: dict[int, int] = {}
@@ -165,7 +174,9 @@ class Pipeline:
                 seen[d] = i
         self.stage_of = seen
         self.devices = [d for m in self.meshes for d in m.device_ids]
+        self.pull_lanes: set[Lane] = set()  # the lanes whose receivers pull (``_lower_lanes``)
         self._lane_programs = self._lower_lanes()
+        self._iterations = 0
         self._keys: list = []  # the pipeline's communicator keys, pinned while it lives
         self._installed = False
         self._connected = False
@@ -183,18 +194,39 @@ class Pipeline:
             out_layout, in_layout = src.out_layout, dst.in_layout
             if out_layout is None or in_layout is None:
                 raise ValueError(f"stages {a} and {b} need stage {a}'s out_layout and stage {b}'s in_layout")
+            domains = self._pull_domains(src.mesh, dst.mesh)
             hosts = device_hosts(src.mesh.mesh, dst.mesh.mesh)
             cluster = runtime().planning_cluster(dst.mesh.backend, hosts)
+            # a pull lane plans its machine as one host (``reshard.passes.compile.planning_hosts``)
+            pulled = domains and runtime().planning_cluster(
+                dst.mesh.backend, planning_hosts(out_layout, in_layout, domains) or hosts
+            )
             options = compile_options(dst.mesh.backend)
             for lane, (shape, s_layout, d_layout) in (
                 ((a, b), (src.out_shape, out_layout, in_layout)),
                 ((b, a), (dst.in_shape, in_layout, out_layout)),
             ):
                 compiled = compile_reshard(
-                    shape, src.dtype, s_layout, d_layout, strategy=self.strategy, cluster=cluster, options=options
-                )
+                    shape, src.dtype, s_layout, d_layout, strategy=self.strategy, cluster=pulled or cluster,
+                    domains=domains, publishers=(), options=options,
+                )  # fmt: skip
+                if domains and not compiled.program.groups:  # every transfer became a pull
+                    self.pull_lanes.add(lane)
+                elif domains:
+                    compiled = compile_reshard(shape, src.dtype, s_layout, d_layout, strategy=self.strategy,
+                                               cluster=cluster, options=options)  # fmt: skip
                 out[lane] = compiled.program
         return out
+
+    def _pull_domains(self, a, b) -> dict[int, str] | None:
+        """The devices' machine, when a boundary between meshes ``a`` and ``b`` can be a pull lane:
+        every device on one Ray node, keeping shared memory with a relay board (what pull lanes
+        need: ``scheduler.runtime.pull_lanes``); else None."""
+        records = (*a.records, *b.records)
+        nodes = {r.node_id for r in records}
+        if not self.shared_memory or len(nodes) != 1 or not all(r.shared_memory and r.board for r in records):
+            return None
+        return {r.id: r.node_id for r in records}
 
     def channel(self, what: str, index) -> str:
         """The communicator channel of a lane ``(a, b)`` or of stage ``s``'s mesh."""
@@ -214,13 +246,20 @@ class Pipeline:
         send = {lane: blob for lane, blob in mine.items() if lane[0] == s}
         recv = {lane: blob for lane, blob in mine.items() if lane[1] == s}
         channels = {lane: self.channel("lane", lane) for lane in (*send, *recv)}
+        pull_peers = {}
+        for lane in self.pull_lanes & {*send, *recv}:
+            sources = self._lane_programs[lane].pull_sources  # receiver -> the devices it pulls from
+            pull_peers[lane] = (
+                tuple(r for r, holders in sorted(sources.items()) if device in holders)
+                if lane[0] == s else tuple(sources.get(device, ()))
+            )  # fmt: skip
         return WorkerSpec(
             pipeline_id=self.pipeline_id, stage=s, n_stages=self.n_stages, device=device,
             coords=mesh.coords(flat), mesh_shape=mesh.shape, mesh_devices=mesh.device_ids,
             forward=stage.forward, backward=stage.backward, setup=stage.setup, dtype=stage.dtype,
             in_local_shape=in_local, out_local_shape=out_local, send_programs=send, recv_programs=recv,
             timeout_s=self.timeout_s, name=stage.name, lane_channels=channels,
-            stage_channel=self.channel("stage", s),
+            stage_channel=self.channel("stage", s), pull_peers=pull_peers,
         )  # fmt: skip
 
     def _connect_order(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -279,8 +318,12 @@ class Pipeline:
             self._keys = rt.ensure_keys(self._connect_order(), timeout_s=self.timeout_s, pin=True)
             self._connected = True
         if not self._installed:
-            self._call(self.devices, _install, lambda d: (self._worker_spec(d),), self.timeout_s,
-                       "setting up the stage workers (setup callables)")  # fmt: skip
+            infos = self._call(self.devices, _install, lambda d: (self._worker_spec(d),), self.timeout_s,
+                               "setting up the stage workers (setup callables)")  # fmt: skip
+            if self.pull_lanes:
+                by_device = {d: info for d, info in zip(self.devices, infos, strict=True) if info is not None}
+                self._call(self.devices, _connect_pulls, lambda d: (self.pipeline_id, by_device), self.timeout_s,
+                           "mapping the pull lanes' boards and rings")  # fmt: skip
             self._installed = True
 
     def _call(self, devices, fn, args_of, timeout_s: float, what: str):
@@ -342,9 +385,10 @@ class Pipeline:
             s = self.stage_of[d]
             last = s == self.n_stages - 1
             iteration = IterationSpec(plan.stages[s], bool(overlap), per_device_inputs.get(d),
-                                      targets if last else None, timeout_s)  # fmt: skip
+                                      targets if last else None, timeout_s, self._iterations)  # fmt: skip
             return self.pipeline_id, iteration
 
+        self._iterations += 1
         t0 = time.perf_counter()
         self._call(self.devices, _start, spec, min(timeout_s, 60.0), "starting the iteration")
         statuses = self._wait_all(timeout_s)

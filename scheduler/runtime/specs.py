@@ -55,6 +55,9 @@ class WorkerSpec:
     name: str = ""
     lane_channels: dict[Lane, str] = field(default_factory=dict)  # lane -> its communicator channel
     stage_channel: str = ""  # the channel of this stage mesh's groups (all_reduce)
+    # pull lanes (``scheduler.runtime.pull_lanes``) this device takes part in: sending, the devices
+    # that pull from it; receiving, the devices it pulls from
+    pull_peers: dict[Lane, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class IterationSpec:
     inputs: list | None  # stage 0: this device's input shard per microbatch (numpy), or None
     targets: list | None  # last stage: the target per microbatch (numpy), or None
     timeout_s: float
+    number: int = 0  # the pipeline's iteration count: what pull lanes' boards count in
 
 
 class StageFailure(Exception):

@@ -39,6 +39,7 @@ from reshard.errors import ReshardTimeout
 from reshard.ir.serialize import decode_device_program
 from scheduler.ir import Payload, Phase
 from scheduler.pipeline_plan import Lane, payload_name
+from scheduler.runtime.pull_lanes import FAILED, SLOTS, LaneBoard, PeerCell, SendRing, peer_slots
 from scheduler.runtime.specs import ErrorKind, IterationSpec, Role, StageFailure, WorkerSpec, error_info
 from scheduler.runtime.stage_context import MicrobatchContext, StageContext
 
@@ -69,10 +70,12 @@ class _Iteration:
         self.start = time.time()
         self.deadline = self.start + spec.timeout_s
         self.slots: dict[Payload, _Slot] = {}
-        for lanes in (self.plan.send_lanes, self.plan.recv_lanes):
-            for payloads in lanes.values():
-                for p in payloads:
+        self.order: dict[tuple[Lane, Role, Payload], int] = {}  # a transfer's place in its lane
+        for role, lanes in ((Role.SEND, self.plan.send_lanes), (Role.RECV, self.plan.recv_lanes)):
+            for lane, payloads in lanes.items():
+                for n, p in enumerate(payloads):
                     self.slots[p] = _Slot()
+                    self.order[(lane, role, p)] = n
         self.abort = threading.Event()
         self.finished = threading.Event()
         self.lock = threading.Lock()
@@ -162,6 +165,17 @@ class StageWorker:
                                             staging_keep_bytes=LANE_STAGING_KEEP_BYTES)
             for (lane, role), program in self.programs.items()
         }  # fmt: skip
+        pulls = [(lane, role) for lane, role in self.programs if lane in spec.pull_peers]
+        self.board = LaneBoard(device_ctx, [(lane, role.value) for lane, role in pulls]) if pulls else None
+        self.rings: dict[Lane, SendRing] = {}
+        for lane, role in pulls:
+            shape = self.programs[(lane, role)].src_shape
+            if role is Role.SEND and spec.pull_peers[lane] and shape is not None:
+                self.rings[lane] = SendRing(device_ctx, shape, spec.dtype)
+        self.ring_tensors = {lane: [torch.from_numpy(s).view(self.dtype) for s in ring.slots]
+                             for lane, ring in self.rings.items()}  # fmt: skip
+        self.peer_cells: dict[tuple[Lane, Role], list[PeerCell]] = {}
+        self.peer_rings: dict[Lane, dict[int, list]] = {}
         self.lanes: dict[tuple[Lane, str], _LaneThread] = {}
         for lane in spec.send_programs:
             self.lanes[(lane, Role.SEND)] = _LaneThread(self, lane, Role.SEND)
@@ -177,6 +191,26 @@ class StageWorker:
                 raise RuntimeError(
                     f"stage {spec.stage} (device {spec.device}): setup raised {type(exc).__name__}: {exc}"
                 ) from exc
+
+    def pull_info(self) -> dict | None:
+        """What peers need to map this worker's pull lanes: its board, its cells, its rings."""
+        if self.board is None:
+            return None
+        return {"board": self.board.handle, "cells": self.board.index,
+                "rings": {lane: ring.handles for lane, ring in self.rings.items()}}  # fmt: skip
+
+    def connect_pulls(self, infos: dict[int, dict]) -> None:
+        """Map the boards and rings of this worker's pull lane peers (``pull_info`` of each)."""
+        for lane, role in self.programs:
+            peers = self.spec.pull_peers.get(lane)
+            if peers is None:
+                continue
+            theirs = Role.RECV.value if role is Role.SEND else Role.SEND.value
+            self.peer_cells[(lane, role)] = [PeerCell(self.device_ctx, d, infos[d], lane, theirs) for d in peers]
+            if role is Role.RECV:
+                self.peer_rings[lane] = {
+                    d: peer_slots(self.device_ctx, d, infos[d]["rings"][lane], self.spec.dtype) for d in peers
+                }
 
     def communicator(self, channel: str, group: tuple[int, ...]):
         return self.groups.get((channel, tuple(sorted(group))))
@@ -404,9 +438,27 @@ class StageWorker:
             return
         runner = self.runners[(lane, role)]
         program = runner.program
+        pull = lane in self.spec.pull_peers
 
         def run(src, dst) -> None:
-            runner(src, dst, time.monotonic() + max(it.remaining_s(), 1e-3))
+            if not pull:
+                runner(src, dst, time.monotonic() + max(it.remaining_s(), 1e-3))
+                return
+            n, what = it.order[(lane, role, p)], f"{role.value} {payload_name(p)}"
+            if role is Role.SEND:
+                ring = self.ring_tensors.get(lane)
+                if ring is not None:
+                    if n >= SLOTS:  # the slot is free once every receiver consumed what it held
+                        for cell in self.peer_cells[(lane, role)]:
+                            cell.wait(it.spec.number, n - SLOTS + 1, it.remaining_s, what)
+                    ring[n % SLOTS].copy_(src)
+            else:
+                for cell in self.peer_cells[(lane, role)]:
+                    cell.wait(it.spec.number, n + 1, it.remaining_s, what)
+                peers = {d: slots[n % SLOTS] for d, slots in self.peer_rings[lane].items()}
+                runner(None, dst, time.monotonic() + max(it.remaining_s(), 1e-3), peers)
+            assert self.board is not None
+            self.board.post(lane, role.value, it.spec.number, n + 1)
 
         if role is Role.SEND:
             it.wait(slot.ready, f"the output {payload_name(p)} to send")
@@ -424,7 +476,7 @@ class StageWorker:
             end = time.time()
             slot.tensor = dst
             slot.ready.set()
-        if program.ops:
+        if program.ops or pull:
             it.transfers.append(
                 {"payload": str(p), "phase": p.phase.value, "microbatch": p.microbatch, "src": p.src,
                  "dst": p.dst, "role": role.value, "start": start, "end": end}
@@ -448,9 +500,11 @@ class StageWorker:
         receives with zeros, and let the driver re-create the communicators before the next run."""
         it.broken_lanes.add(lane)
         kind = ErrorKind.TIMEOUT if isinstance(exc, TimeoutError | ReshardTimeout) else ErrorKind.TRANSFER
-        info = error_info(kind, self.spec, p.microbatch, p.phase, exc)
+        info = error_info(kind, self.spec, p.microbatch, p.phase, exc)  # stamped before the peers hear of it
         info["transfer"] = f"{role.value} {payload_name(p)}"
         it.fail(info)
+        if self.board is not None and lane in self.spec.pull_peers:  # its peers fail at once
+            self.board.post(lane, role.value, it.spec.number, FAILED)
         channel = self.spec.lane_channels[lane]
         programs = (self.programs.get((lane, Role.SEND)), self.programs.get((lane, Role.RECV)))
         keys = [(channel, g) for prog in programs if prog is not None for g in prog.connect]
@@ -478,7 +532,7 @@ def _as_float(y) -> float:
 _KEY = "scheduler.pipelines"
 
 
-def install(device_ctx: Any, spec: WorkerSpec) -> None:
+def install(device_ctx: Any, spec: WorkerSpec) -> StageWorker:
     """(Re)create this device's worker for ``spec.pipeline_id`` (closing an older one), with the
     communicators of the calling controller (this runs inside an ordered ``call``)."""
     workers = device_ctx.extensions.setdefault(_KEY, {})
@@ -486,7 +540,8 @@ def install(device_ctx: Any, spec: WorkerSpec) -> None:
     if old is not None:
         old.close()
     groups = device_ctx.controller(device_ctx.caller).groups
-    workers[spec.pipeline_id] = StageWorker(spec, device_ctx, groups)
+    made = workers[spec.pipeline_id] = StageWorker(spec, device_ctx, groups)
+    return made
 
 
 def worker(device_ctx: Any, pipeline_id: str) -> StageWorker:

@@ -1,5 +1,6 @@
 """Pipeline runtime on the local Ray pool: gradients equal a single-process torch reference with
-tensor parallelism inside a stage; measured peak activations equal the schedule's; bad input and
+tensor parallelism inside a stage; pull lanes (stage meshes of one machine) give the same bits as
+lanes that send through gloo; measured peak activations equal the schedule's; bad input and
 failures surface on the driver, located, without hangs, and the actors stay usable."""
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def model_pipeline(pool):
               in_layout=Layout(m2, (Replicate(), Replicate())), dtype="float64"),
     ]  # fmt: skip
     pipe = Pipeline(stages, timeout_s=60)
-    yield pipe, params
+    yield pipe, params, stages
     pipe.close()
     for m in (m0, m1, m2):
         m.shutdown()
@@ -181,7 +182,8 @@ def step_pipeline(pipe) -> None:
 
 
 def test_tensor_parallel_pipeline_matches_torch_reference(model_pipeline):
-    pipe, params = model_pipeline
+    pipe, params, _ = model_pipeline
+    assert pipe.pull_lanes == {(0, 1), (1, 0), (1, 2), (2, 1)}  # one machine, shared memory: every lane pulls
     xs, ys = data(4)
     schedules = [eager_one_f_one_b(3, 4), one_f_one_b(3, 4)]
     for step, (schedule, overlap) in enumerate(zip(schedules, (True, False), strict=True)):
@@ -195,9 +197,33 @@ def test_tensor_parallel_pipeline_matches_torch_reference(model_pipeline):
         step_pipeline(pipe)  # both sides take the same SGD step, so step 1 checks trained weights
 
 
+def test_pull_lanes_give_the_bits_that_message_lanes_give(model_pipeline):
+    """The same model through lanes that send through gloo (``shared_memory=False``) and through
+    pull lanes: the same losses and gradients, bit for bit, over two schedules."""
+    from scheduler.runtime import Pipeline
+
+    _, _, stages = model_pipeline  # fresh pipelines: both start from the initial weights
+    pulled, sent = Pipeline(stages, timeout_s=60), Pipeline(stages, timeout_s=60, shared_memory=False)
+    try:
+        assert not sent.pull_lanes and pulled.pull_lanes
+        xs, ys = data(5, seed=3)
+        for schedule in (one_f_one_b(3, 5), gpipe(3, 5)):
+            results = []
+            for p in (pulled, sent):
+                results.append((p.run(schedule, inputs=xs, targets=ys).losses, pipeline_grads(p)))
+                p.apply(lambda ctx: [setattr(w, "grad", None) for w in ctx.state.values()])
+            (pulled_losses, pulled_grads), (sent_losses, sent_grads) = results
+            assert pulled_losses == sent_losses
+            for name, g in sent_grads.items():
+                np.testing.assert_array_equal(pulled_grads[name], g, err_msg=f"{schedule.name} {name}")
+    finally:
+        pulled.close()
+        sent.close()
+
+
 @pytest.mark.parametrize("make", [gpipe, one_f_one_b, eager_one_f_one_b])
 def test_measured_peak_activations_equal_the_schedule(model_pipeline, make):
-    pipe, _ = model_pipeline
+    pipe, _, _ = model_pipeline
     xs, ys = data(6, seed=2)
     schedule = make(3, 6)
     result = pipe.run(schedule, inputs=xs, targets=ys)
@@ -318,13 +344,13 @@ def test_slow_callable_times_out_located_then_pipeline_recovers(small_pipeline):
     assert pipe.run(one_f_one_b(2, 3)).losses == [0.0, 6.0, 12.0]
 
 
-def _fail_first_pipeline_send(ctx):
+def _fail_first_lane_op(ctx, kind: str):
     state = {"armed": True}
 
     def hook(run, op):
-        from reshard.ir.program import Send
+        from reshard.ir import program
 
-        if state["armed"] and run.groups.channel.startswith("pipeline:") and isinstance(op, Send):
+        if state["armed"] and run.groups.channel.startswith("pipeline:") and isinstance(op, getattr(program, kind)):
             state["armed"] = False
             raise RuntimeError("injected link failure")
 
@@ -335,22 +361,33 @@ def _clear_hook(ctx):
     ctx.before_op = None
 
 
-def test_transfer_failure_surfaces_fast_and_communicators_are_rebuilt(small_pipeline, pool):
-    from scheduler.runtime import PipelineError
+@pytest.mark.parametrize(
+    "shared_memory, kind, stage, where",
+    [(False, "Send", 0, r"stage 0 .*send F0 0->1"), (True, "Pull", 1, r"stage 1 .*recv F0 0->1")],
+    ids=["message-lane", "pull-lane"],
+)
+def test_transfer_failure_surfaces_fast_and_the_lane_recovers(small_pipeline, pool, shared_memory, kind, stage, where):
+    """A lane's first transfer fails (its sender's send, or its receiver's pull): the iteration
+    fails fast naming it, and the next one works (message lanes get fresh communicators)."""
+    from scheduler.runtime import Pipeline, PipelineError
 
-    pipe = small_pipeline
-    pipe.run(eager_one_f_one_b(2, 2))
-    sender = pool.device_ids.index(pipe.meshes[0].device_ids[0])
-    pool.call(_fail_first_pipeline_send, devices=[sender])
+    pipe = Pipeline(small_pipeline.stages, timeout_s=30, shared_memory=shared_memory)
     try:
-        t0 = time.monotonic()
-        with pytest.raises(PipelineError, match=r"stage 0 .*send F0 0->1.* transfer failed") as info:
-            pipe.run(eager_one_f_one_b(2, 4))
-        assert time.monotonic() - t0 < 15
-        assert info.value.kind == "transfer"
+        assert bool(pipe.pull_lanes) == shared_memory
+        pipe.run(eager_one_f_one_b(2, 2))
+        victim = pool.device_ids.index(pipe.meshes[stage].device_ids[0])
+        pool.call(_fail_first_lane_op, kind, devices=[victim])
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PipelineError, match=where + r".* transfer failed") as info:
+                pipe.run(eager_one_f_one_b(2, 4))
+            assert time.monotonic() - t0 < 15
+            assert info.value.kind == "transfer"
+        finally:
+            pool.call(_clear_hook, devices=[victim])
+        assert pipe.run(eager_one_f_one_b(2, 4)).losses == [0.0, 6.0, 12.0, 18.0]
     finally:
-        pool.call(_clear_hook, devices=[sender])
-    assert pipe.run(eager_one_f_one_b(2, 4)).losses == [0.0, 6.0, 12.0, 18.0]
+        pipe.close()
 
 
 def test_invalid_schedule_shows_the_grid(small_pipeline):

@@ -6,12 +6,15 @@ board, communicators per controller and channel, staging, and the user-facing sh
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from reshard.dtypes import dtype_name
 from reshard.ir.program import DeviceProgram
@@ -169,6 +172,26 @@ class DeviceContext:
         name = dtype_name(dtype)
         a = self.store.allocate(tuple(shape), name)
         return arrays.as_torch(a, name) if arrays.is_numpy(a) else a
+
+    def shared_block(self, shape, dtype: str) -> tuple[np.ndarray, tuple] | None:
+        """``(array, handle)``: a numpy array of ``shape`` and ``dtype`` (by name) in a block of this
+        device's shared memory, which peers on this machine map read-only with ``peer_block(device,
+        handle, dtype)`` and copy out of, as reshards pull shards (a pipeline lane's activations go
+        so). The block lives while the array does. None where this device keeps no shared memory
+        (GPU devices, meshes made with ``shared_memory=False``)."""
+        if self.shared is None:
+            return None
+        storage = arrays.storage(dtype)
+        nbytes = max(1, math.prod(shape) * storage.itemsize)
+        flat = self.shared.allocate(nbytes)
+        self.shared.begin(flat)
+        pid, fd, inode, _, tenure = self.shared.descriptor(flat)
+        typed = flat[: math.prod(shape) * storage.itemsize].view(storage).reshape(tuple(shape))
+        return typed, (pid, fd, inode, tuple(shape), tenure)
+
+    def peer_block(self, holder: int, handle: tuple, dtype: str) -> np.ndarray:
+        """Device ``holder``'s ``shared_block`` named by ``handle``, mapped here read-only (once)."""
+        return self.peers.get(holder, handle, arrays.storage(dtype))
 
     def share(self, name: str, tensor, *, shape=None, placements=None, mesh_shape=None, coordinate=None) -> None:
         """Offer ``tensor`` (a torch tensor or numpy array: this device's shard of a sharded
