@@ -3,15 +3,21 @@
 REAL (the local Ray cluster): ``--stages`` stages of one device each, ``--microbatches``
 microbatches, synthetic stage compute of controlled duration (``time.sleep``: it releases the GIL
 and leaves the 2 cores to the transfers), real activation / gradient transfers through the
-pipeline runtime (reshard programs on gloo). The payload is calibrated in the run so that a
-forward transfer takes about ``--transfer-ratio`` of a forward step. Configurations, interleaved
-round by round (``--repeats``) so that drifting machine load hits all alike:
+pipeline runtime (reshard programs on gloo, as between machines: ``shared_memory=False``). The
+payload is calibrated in the run so that a forward transfer takes about ``--transfer-ratio`` of a
+forward step. Configurations, interleaved round by round (``--repeats``) so that drifting machine
+load hits all alike:
 
 * GPipe, 1F1B, eager 1F1B, each with overlap (communication threads, sends right after the
   producing compute, receives posted ahead) and without (each compute waits for its sends);
 * each schedule COMPUTE-ONLY: the same pipeline with 4-byte payloads (dependencies, no data);
 * for every run, ``scheduler.simulate``'s prediction from that run's measured mean compute and
-  transfer durations.
+  transfer durations;
+* LANES: eager 1F1B with and without overlap, the same payload through gloo lanes and through pull
+  lanes (the default between stage meshes of one machine: receivers copy activations straight out
+  of the senders' shared memory, ``scheduler.runtime.pull_lanes``), paired round by round. A pull
+  lane's "send" is the sender's copy into its ring, so the simulator's prediction is not asked of
+  those runs.
 
 SIMULATED (paper scale, ``--cluster``, default p3.8xlarge): the target shape (forward transfer = half
 a forward step) in abstract units, a GPT-like and a U-Transformer-like pipeline (skip connections
@@ -43,6 +49,7 @@ from scheduler import eager_one_f_one_b, gpipe, one_f_one_b, simulate  # noqa: E
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SCHEMA = 1
 SCHEDULES = {"GPipe": gpipe, "1F1B": one_f_one_b, "eager-1F1B": eager_one_f_one_b}
+LANES = "lanes: eager-1F1B "  # the label prefix of the gloo-vs-pulls configurations
 ROW_BYTES = 1024 * 4  # payload rows of 1024 float32
 
 # targets
@@ -97,7 +104,8 @@ def _synthetic_stage_fns(forward_s: float, backward_s: float, n_stages: int, sha
     return setup, forward, backward
 
 
-def _make_pipeline(meshes, forward_s: float, backward_s: float, rows: int, timeout_s: float):
+def _make_pipeline(meshes, forward_s: float, backward_s: float, rows: int, timeout_s: float, *,
+                   shared_memory: bool = False):  # fmt: skip
     from reshard import Layout, Replicate
     from scheduler.runtime import Pipeline, Stage
 
@@ -120,7 +128,7 @@ def _make_pipeline(meshes, forward_s: float, backward_s: float, rows: int, timeo
                 name=f"stage{i}",
             )  # fmt: skip
         )
-    return Pipeline(stages, timeout_s=timeout_s)
+    return Pipeline(stages, timeout_s=timeout_s, shared_memory=shared_memory)
 
 
 def _median_forward_transfer(result) -> float:
@@ -154,6 +162,9 @@ def _record(result, label: str) -> dict:
             statistics.fmean(sim_in["backward_transfer_s"]) if sim_in["backward_transfer_s"] else 0.0
         ),
         "simulate_inputs": sim_in,
+        "mean_forward_arrival_s": statistics.fmean(
+            [d for (a, b), ds in result.arrival_s.items() if b == a + 1 for d in ds] or [0.0]
+        ),
     }
 
 
@@ -221,6 +232,9 @@ def run_real(args, console) -> dict:
         tiny = _make_pipeline(meshes, f_s, b_s, 0, args.timeout)
         pipes.append(tiny)
         tiny.run(eager_one_f_one_b(n, m))
+        pulled = _make_pipeline(meshes, f_s, b_s, comm_rows, args.timeout, shared_memory=True)
+        pipes.append(pulled)
+        pulled.run(eager_one_f_one_b(n, m))
 
         # per schedule a GROUP of three runs back to back (compute-only, overlap, no overlap), the
         # order inside a group and of the groups rotated every round: the ratios that the targets
@@ -232,6 +246,12 @@ def run_real(args, console) -> dict:
                 (f"{name} overlap", comm, make(n, m), True),
                 (f"{name} no overlap", comm, make(n, m), False),
             ])  # fmt: skip
+        groups.append([
+            (f"{LANES}gloo, overlap", comm, eager_one_f_one_b(n, m), True),
+            (f"{LANES}pulls, overlap", pulled, eager_one_f_one_b(n, m), True),
+            (f"{LANES}gloo, no overlap", comm, eager_one_f_one_b(n, m), False),
+            (f"{LANES}pulls, no overlap", pulled, eager_one_f_one_b(n, m), False),
+        ])  # fmt: skip
         configs = [c for g in groups for c in g]
         runs: dict[str, list] = {label: [] for label, *_ in configs}
         results: dict[str, list] = {label: [] for label, *_ in configs}
@@ -284,6 +304,7 @@ def run_real(args, console) -> dict:
             "mean_forward_s": statistics.fmean(x["mean_forward_s"] for x in rs),
             "mean_transfer_s": statistics.fmean(x["mean_transfer_s"] for x in rs),
             "mean_backward_transfer_s": statistics.fmean(x["mean_backward_transfer_s"] for x in rs),
+            "mean_forward_arrival_s": statistics.fmean(x["mean_forward_arrival_s"] for x in rs),
         }
         summary[label]["transfer_over_forward"] = statistics.median(
             x["mean_transfer_s"] / x["mean_forward_s"] for x in rs
@@ -298,6 +319,7 @@ def run_real(args, console) -> dict:
             "repeats": args.repeats,
             "payload_bytes": comm_rows * ROW_BYTES,
             "compute": "time.sleep",
+            "pull_lanes": sorted(pulled.pull_lanes),
         },  # fmt: skip
         "calibration": calibration,
         "runs": runs,
@@ -331,7 +353,7 @@ def real_targets(summary: dict, runs: dict, n: int, m: int) -> list[dict]:
         "value": f"{statistics.median(slower):.3f} x, slower in {wins:.0%} of rounds",
         "ok": statistics.median(slower) >= REAL_NO_OVERLAP_SLOWER and wins >= 0.8,
     })  # fmt: skip
-    comm = {k: v for k, v in summary.items() if "compute-only" not in k}
+    comm = {k: v for k, v in summary.items() if "compute-only" not in k and not k.startswith(LANES)}
     worst_label, worst = max(comm.items(), key=lambda kv: abs(kv[1]["median_prediction_error"]))
     out.append({
         "target": f"real: simulator predicts the iteration time within {REAL_PREDICTION_ERROR:.0%} (every config)",
@@ -341,9 +363,22 @@ def real_targets(summary: dict, runs: dict, n: int, m: int) -> list[dict]:
     out.append({
         "target": "real: measured peak held activations per stage == schedule's analytic counts",
         "value": "; ".join(f"{k.split()[0]} {v['peak_activations']}" for k, v in summary.items()
-                           if k.endswith(" overlap") and "no" not in k),
+                           if k.endswith(" overlap") and "no" not in k and not k.startswith(LANES)),
         "ok": all(v["peaks_match"] for v in summary.values()),
     })  # fmt: skip
+    # without overlap every transfer is on the critical path: pull lanes must be faster; with
+    # overlap both hide their transfers behind compute: the same within the bench's 3 % noise bar
+    for mode, bound in (("no overlap", 1.0), ("overlap", REAL_NO_OVERLAP_SLOWER)):
+        ratios = paired_ratios(runs, f"{LANES}pulls, {mode}", f"{LANES}gloo, {mode}")
+        pulled, sent = summary[f"{LANES}pulls, {mode}"], summary[f"{LANES}gloo, {mode}"]
+        out.append({
+            "target": f"real {n}x{m}: eager 1F1B {mode}, pull lanes vs gloo lanes on one machine: iteration "
+                      f"(median of per-round ratios) < {bound:.2f} x",
+            "value": f"{statistics.median(ratios):.3f} x (rounds {', '.join(f'{x:.3f}' for x in ratios)}); forward "
+                     f"payload on its way {_ms(pulled['mean_forward_arrival_s'])} vs "
+                     f"{_ms(sent['mean_forward_arrival_s'])} ms",
+            "ok": statistics.median(ratios) < bound,
+        })  # fmt: skip
     return out
 
 
@@ -408,7 +443,6 @@ def _sim_table(n: int, m: int, forward_s, backward_s, skips=(), **xfer) -> dict:
 
 
 def run_sim(args, console) -> dict:
-    from scheduler.transfer_costs import has_plan_simulator
     from topology import Cluster
 
     n, m = args.stages, args.microbatches
@@ -423,7 +457,6 @@ def run_sim(args, console) -> dict:
          "value": f"{eager.iteration_s / free.iteration_s:.3f} x",
          "ok": eager.iteration_s <= SIM_EAGER_VS_NO_COMM * free.iteration_s},
     ]  # fmt: skip
-    out["plan_simulator"] = has_plan_simulator()
     out["cluster"] = args.cluster
     out["models"] = {}
     out["_tables"] = {"unit": unit}
@@ -479,16 +512,22 @@ def print_real(real: dict, console) -> None:
         f"{cfg['payload_bytes'] / 2**20:.1f} MiB (eager overlap: forward transfer = {ratio:.2f} forward step, median), "
         f"median of {cfg['repeats']} rounds",
     )
-    for col in ("config", "iteration ms", "range ms", "vs compute-only (paired)", "predicted ms", "pred. error",
-                "fwd xfer ms", "bwd xfer ms", "peak act. (measured = analytic)"):  # fmt: skip
+    for col in ("config", "iteration ms", "range ms", "vs compute-only (lanes: vs gloo), paired", "predicted ms",
+                "pred. error",
+                "fwd xfer ms", "bwd xfer ms", "fwd arrival ms", "peak act. (measured = analytic)"):  # fmt: skip
         t.add_column(col, justify="left" if col.startswith(("config", "peak")) else "right")
     s = real["summary"]
     for label, v in s.items():
-        paired = statistics.median(paired_ratios(real["runs"], label, f"{label.split()[0]} compute-only"))
+        base = (
+            f"{LANES}gloo, {label.rsplit(', ', 1)[1]}"
+            if label.startswith(LANES)
+            else f"{label.split()[0]} compute-only"
+        )
+        paired = statistics.median(paired_ratios(real["runs"], label, base))
         t.add_row(
             label, _ms(v["median_s"]), f"{_ms(v['min_s'])}-{_ms(v['max_s'])}", f"{paired:.3f}",
             _ms(v["median_predicted_s"]), f"{v['median_prediction_error']:+.1%}",
-            _ms(v["mean_transfer_s"]), _ms(v["mean_backward_transfer_s"]),
+            _ms(v["mean_transfer_s"]), _ms(v["mean_backward_transfer_s"]), _ms(v["mean_forward_arrival_s"]),
             f"{v['peak_activations']} {'==' if v['peaks_match'] else '!='} {v['analytic_peak_activations']}",
         )  # fmt: skip
     console.print(t)

@@ -486,6 +486,8 @@ class Pipeline:
         bwd: list[list[float]] = [[] for _ in range(n)]
         events: list[TimelineEvent] = []
         sends: dict[tuple[Lane, str, int], float] = {}
+        departed: dict[tuple[Lane, str, int], float] = {}
+        arrived: dict[tuple[Lane, str, int], float] = {}
         losses: dict[int, float] = {}
         first_device = {s: self.meshes[s].device_ids[0] for s in range(n)}
         for d, st in statuses.items():
@@ -502,13 +504,19 @@ class Pipeline:
                 elif kind == "backward" and d == first_device[s]:
                     bwd[s].append(b - a)
             for t in st["transfers"]:
-                if t["role"] != "send":
-                    continue
                 key = ((t["src"], t["dst"]), t["phase"], t["microbatch"])
+                if t["role"] != "send":
+                    arrived[key] = max(arrived.get(key, t["end"]), t["end"])
+                    continue
                 sends[key] = max(sends.get(key, 0.0), t["end"] - t["start"])
+                departed[key] = min(departed.get(key, t["start"]), t["start"])
         transfer_s: dict[Lane, list[float]] = {}
         for (lane, _, _), dur in sorted(sends.items()):
             transfer_s.setdefault(lane, []).append(dur)
+        arrival_s: dict[Lane, list[float]] = {}
+        for key, end in sorted(arrived.items()):
+            if key in departed:
+                arrival_s.setdefault(key[0], []).append(end - departed[key])
         events.sort(key=lambda e: (e.stage, e.start_s))
         return IterationResult(
             schedule=schedule,
@@ -521,6 +529,7 @@ class Pipeline:
             backward_s=bwd,
             transfer_s=transfer_s,
             events=events,
+            arrival_s=arrival_s,
         )
 
     # -- utilities

@@ -31,7 +31,9 @@ class IterationResult:
     driver's wall time for `run` (adds Ray round trips). peak_activations[i]: the most microbatch
     contexts stage i held at once (forward run, backward not yet), max over its devices.
     forward_s / backward_s: per stage, the measured compute durations. transfer_s: {(src, dst):
-    measured send durations (the sender's side, max over its devices per transfer)}.
+    measured send durations (the sender's side, max over its devices per transfer)}; a pull lane's
+    send is its copy into the sender's ring. arrival_s: {(src, dst): per transfer, from the first
+    sender's start to the last receiver's end: how long the payload was on its way}.
     """
 
     schedule: Schedule
@@ -44,6 +46,7 @@ class IterationResult:
     backward_s: list[list[float]]
     transfer_s: dict[Lane, list[float]]
     events: list[TimelineEvent] = field(default_factory=list)
+    arrival_s: dict[Lane, list[float]] = field(default_factory=dict)
 
     def simulate_inputs(self, *, skip_lanes: bool = False) -> dict:
         """Mean measured durations as `scheduler.simulate` keyword arguments."""
@@ -83,5 +86,6 @@ class IterationResult:
             "forward_s": self.forward_s,
             "backward_s": self.backward_s,
             "transfer_s": {f"{a}->{b}": v for (a, b), v in sorted(self.transfer_s.items())},
+            "arrival_s": {f"{a}->{b}": v for (a, b), v in sorted(self.arrival_s.items())},
             "events": [[e.stage, e.kind, e.label, e.start_s, e.end_s] for e in self.events],
         }
