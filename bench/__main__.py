@@ -12,6 +12,7 @@ SUITES = """suites (each has its own --help):
   python -m bench multihost [options]    Ray nodes on emulated hosts with shaped NICs (root)
   python -m bench multihost --weights    a whole model's sync across emulated hosts (root)
   python -m bench emulate ...            bring emulated hosts up and down by hand (root)
+  python -m bench path                   the files one reshard runs through, driver to bytes
 """
 
 
@@ -32,6 +33,10 @@ def main(argv: list[str]) -> int:
         return run(argv[1:])
     if argv[:1] == ["weights"]:
         from bench.weights import main as run
+
+        return run(argv[1:])
+    if argv[:1] == ["path"]:
+        from bench.reading_path import main as run
 
         return run(argv[1:])
     if argv[:1] == ["emulate"]:
