@@ -250,14 +250,17 @@ def rdt_actor_class():
 
 class RdtPool:
     """``n`` RDT actors (one per pool position) in one torch_gloo collective group; ``actor_class``:
-    a Ray actor class of an ``RdtActor`` subclass (default ``rdt_actor_class()``)."""
+    a Ray actor class of an ``RdtActor`` subclass (default ``rdt_actor_class()``). A receiving
+    actor waits for an RDT object up to ``timeout_s`` (Ray's own bound,
+    ``RAY_rdt_fetch_fail_timeout_milliseconds``, is 60 s: a loaded 2-core machine passed it once)."""
 
     def __init__(self, n: int, timeout_s: float = 180.0, actor_class=None):
         from ray.experimental.collective import create_collective_group
 
         t0 = time.perf_counter()
         cls = actor_class or rdt_actor_class()
-        self.actors = [cls.remote() for _ in range(n)]
+        fetch = {"RAY_rdt_fetch_fail_timeout_milliseconds": str(int(timeout_s * 1000))}
+        self.actors = [cls.options(runtime_env={"env_vars": fetch}).remote() for _ in range(n)]
         try:
             ray.get([a.ping.remote() for a in self.actors], timeout=timeout_s)
             self.group = create_collective_group(self.actors, backend="torch_gloo")
