@@ -47,6 +47,7 @@ from reshard.runtime.messages import (
     Bound,
     DeviceState,
     FailureKind,
+    GroupDrop,
     GroupKey,
     GroupSet,
     HoldChange,
@@ -110,7 +111,7 @@ class Runtime:
         self.last_run: dict = {}  # device -> RunResult of the last successful reshard
         self.works = WorkQueue()
         self._names = itertools.count(1)
-        self._group_drops: dict[int, list] = {}
+        self._group_drops: dict[int, list[GroupDrop]] = {}
         self._rendezvous: dict[GroupKey, Rendezvous] = {}  # live group -> its rendezvous (to abort it)
         self.clusters = PlanningClusters()
         self.holds = HoldQueue(self._submit_holds)
@@ -184,7 +185,7 @@ class Runtime:
         for k, gen in drops:
             self._rendezvous.pop(k, None)
             for d in k[1]:
-                self._group_drops.setdefault(d, []).append((k, gen))
+                self._group_drops.setdefault(d, []).append(GroupDrop(k, gen))
 
     def ensure_groups(self, groups, *, channel: str = "", timeout_s: float = 60.0, pin: bool = False) -> list:
         """Set up communicator groups (device iterables) on their members and connect them there,
@@ -361,7 +362,7 @@ class Runtime:
                 rec = self.registry.devices.get(d)
                 if rec is None or rec.state is not DeviceState.ALIVE:
                     continue
-                mine = [(k, gen) for k, gen in drops if d in k[1]]
+                mine = [drop for drop in drops if d in drop.key[1]]
                 try:
                     acks[d] = rec.actor.reshard_abort_run.remote(self.id, run, made.get(d, ()), mine)
                 except Exception as e:  # the actor may be going away as well
@@ -369,7 +370,7 @@ class Runtime:
             for k, gen in drops:  # members outside the call get the drops with their next one
                 for d in k[1]:
                     if d not in devices:
-                        self._group_drops.setdefault(d, []).append((k, gen))
+                        self._group_drops.setdefault(d, []).append(GroupDrop(k, gen))
         if wait:
             self._wait_acks(acks, Deadline.after(CLEANUP_S))
         return acks
