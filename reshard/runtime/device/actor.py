@@ -108,9 +108,9 @@ class DeviceRole:
 
     def reshard_load(self, ticket: Ticket, entries: tuple[Load, ...], data, deadline: float) -> dict:
         """Keep shards: per ``Load``, ``data[array][box]`` (arrays read only, from the object
-        store; array None: zeros of the box's shape) as shard ``name``. All
-        or none: a failure, or an abort of the load (named by its first shard), keeps nothing.
-        Returns each shard's shared-memory descriptor (None: private) by name."""
+        store; array None: zeros of the box's shape) as shard ``name``. All or none: a failure, or
+        an abort of the load (named by its first shard), keeps nothing. Returns each shard's
+        shared-memory descriptor (None: private) by name."""
         ctx = _attached(self)
         run = entries[0][0]
         until = Deadline.from_wall(deadline)
