@@ -520,7 +520,8 @@ class Chaos:
             landed["killed"] = self._inject(fault, victim, landed)
 
     def _restore(self, i: int, victim: int, fault: Fault) -> None:
-        """Lift the cap / disarm the hook on a victim that lives on (an ALLOC victim may not)."""
+        """Lift the cap / disarm the hook on a victim that lives on (an ALLOC victim may not: it
+        may die, or be unable to take even the call that lifts its cap, which then kills it)."""
         fn = _lift_cap if fault is Fault.ALLOC else _disarm
         try:
             self._view([victim]).call(fn, timeout_s=PROBE_TIMEOUT_S)
@@ -528,6 +529,11 @@ class Chaos:
             if fault is not Fault.ALLOC:
                 self._violate(i, "no unexpected deaths", f"device {victim} died: {first_line(e)}")
             self._bury(victim, i, f"{fault.value}: {first_line(e)}")
+        except Exception as e:
+            if fault is not Fault.ALLOC or "allocate" not in str(e):
+                raise
+            os.kill(self.pids[victim], signal.SIGKILL)  # capped so tight that Ray cannot hand it the call
+            self._bury(victim, i, f"{fault.value}: could not take the call that lifts its cap: {first_line(e)}")
 
     # ------------------------------------------------------------------ invariants
 
