@@ -11,7 +11,8 @@ fault; the faulty steps cycle through every (fault, phase, transport) combinatio
 - ``SIGSTOP``: the process is stopped until the reshard has raised (beyond its timeout), then
   continued;
 - ``ALLOC``: the actor's address space is capped (``RLIMIT_AS``, set inside it through
-  ``DeviceMesh.call``) just above what it maps, so the step's allocations fail; lifted afterwards;
+  ``DeviceMesh.call``) just above what it maps, so the step's allocations fail; lifted afterwards
+  (killed, if it cannot take the call that lifts it);
 - ``INTERRUPT``: a real SIGINT to the driver's main thread while ``reshard`` waits.
 
 Phases: ``BEFORE`` (the fault is in place before the step is submitted) and ``DURING`` (the
