@@ -16,12 +16,12 @@ from dataclasses import dataclass
 DEFAULT_TIMEOUT_S = 60.0
 
 
-def check_timeout(timeout_s, name: str = "timeout_s") -> float | None:
+def check_timeout(timeout_s) -> float | None:
     """``timeout_s`` validated: a positive finite number, or None (no limit)."""
     if timeout_s is None:
         return None
     if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or not 0 < timeout_s < math.inf:
-        raise ValueError(f"{name} must be a positive finite number of seconds or None (no limit), got {timeout_s!r}")
+        raise ValueError(f"timeout_s must be a positive finite number of seconds or None (no limit), got {timeout_s!r}")
     return float(timeout_s)
 
 
@@ -63,7 +63,3 @@ class Deadline:
     def or_in(self, seconds: float) -> Deadline:
         """Whichever comes last: this deadline, or ``seconds`` from now."""
         return Deadline(max(self.at, time.monotonic()) + seconds, self.timeout_s)
-
-    def sooner(self, seconds: float) -> Deadline:
-        """Whichever comes first: this deadline, or ``seconds`` from now."""
-        return Deadline(min(self.at, time.monotonic() + seconds), self.timeout_s)

@@ -182,11 +182,11 @@ class DeviceContext:
         if self.shared is None:
             return None
         storage = arrays.storage(dtype)
-        nbytes = max(1, math.prod(shape) * storage.itemsize)
-        flat = self.shared.allocate(nbytes)
+        nbytes = math.prod(shape) * storage.itemsize
+        flat = self.shared.allocate(max(1, nbytes))  # a block is never empty
         self.shared.begin(flat)
         pid, fd, inode, _, tenure = self.shared.descriptor(flat)
-        typed = flat[: math.prod(shape) * storage.itemsize].view(storage).reshape(tuple(shape))
+        typed = flat[:nbytes].view(storage).reshape(tuple(shape))
         return typed, (pid, fd, inode, tuple(shape), tenure)
 
     def peer_block(self, holder: int, handle: tuple, dtype: str) -> np.ndarray:
