@@ -1,4 +1,8 @@
-"""Element types the runtime moves, by canonical name (no torch import needed)."""
+"""Element types the runtime moves, by canonical name (no torch import needed).
+
+Three of them have no numpy type (bfloat16 and the two float8 formats): numpy arrays hold them as
+their bit patterns (``BIT_PATTERN``), and a name travels beside every such array, since an int16
+array alone does not say whether it holds int16 or bfloat16."""
 
 from __future__ import annotations
 
@@ -7,15 +11,24 @@ ITEMSIZE = {
     "float32": 4,
     "float16": 2,
     "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
     "int64": 8,
     "int32": 4,
+    "int16": 2,
     "int8": 1,
+    "uint32": 4,
+    "uint16": 2,
     "uint8": 1,
     "bool": 1,
 }
 
+#: dtypes numpy has no type for -> the numpy type that holds their bit patterns
+BIT_PATTERN = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
 _ALIASES = {
     "double": "float64", "float": "float32", "half": "float16", "long": "int64", "int": "int32", "bool_": "bool",
+    "short": "int16",
 }  # fmt: skip
 
 
@@ -29,6 +42,11 @@ def dtype_name(dtype) -> str:
     if name not in ITEMSIZE:
         raise TypeError(f"unsupported dtype {dtype!r}; supported: {', '.join(ITEMSIZE)}")
     return name
+
+
+def storage_name(name: str) -> str:
+    """The numpy type name that holds dtype ``name`` (itself, or its bit pattern's)."""
+    return BIT_PATTERN.get(name, name)
 
 
 def itemsize(dtype) -> int:

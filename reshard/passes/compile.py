@@ -49,7 +49,8 @@ class CompileOptions:
         """How ``target``'s devices run their programs: messages in its windows, and local copies
         beside them only where its devices copy on a helper thread (CPUs)."""
         overlap = OVERLAP_COPY_BYTES if target.copies_beside_messages else None
-        return cls(overlap_copy_bytes=overlap, window_ops=target.window_ops, window_bytes=target.window_bytes)
+        return cls(overlap_copy_bytes=overlap, window_ops=target.window_ops, window_bytes=target.window_bytes,
+                   window_staging_bytes=target.window_staging_bytes)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, eq=False)

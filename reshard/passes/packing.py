@@ -42,9 +42,8 @@ from reshard.ir.program import (
     reads_output,
 )
 from reshard.ir.regions import Box
+from reshard.ir.target import BUCKET_BYTES
 from reshard.passes.sequencing import IN, OUT, WINDOW_BYTES, WINDOW_STAGING_BYTES
-
-BUCKET_BYTES = 1 << 20
 
 
 def packable(program: Program, bucket_bytes: int) -> bool:

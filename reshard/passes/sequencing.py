@@ -40,10 +40,9 @@ from reshard.ir.program import (
     op_numel,
     reads_output,
 )
-from reshard.ir.target import WINDOW_BYTES
+from reshard.ir.target import WINDOW_BYTES, WINDOW_STAGING_BYTES
 
 OVERLAP_COPY_BYTES = 1 << 20  # below it the hand-off to the helper thread costs more than it saves
-WINDOW_STAGING_BYTES = 64 << 20
 OUT, IN = 0, 1  # the directions of a device's link
 
 

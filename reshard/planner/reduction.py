@@ -34,13 +34,18 @@ from reshard.ir.program import Buffer
 from reshard.ir.tasks import UnitTask
 from reshard.planner.problem import Problem
 
-NON_REDUCIBLE = ("bool",)
+NON_REDUCIBLE = ("bool", "float8_e4m3fn", "float8_e5m2")
 
 
 def check_reducible(dtype: str, op: ReduceOp) -> None:
     if dtype in NON_REDUCIBLE:
-        raise ValueError(f"a Partial({op.value}) source of dtype {dtype} cannot be reduced; use a numeric dtype")
-    if op is ReduceOp.AVG and not (dtype.startswith("float") or dtype == "bfloat16"):
+        raise ValueError(
+            f"a Partial({op.value}) source of dtype {dtype} cannot be reduced; use a numeric dtype of at least 16 "
+            "bits (reduce float8 contributions in bfloat16 or float32, then cast)"
+        )
+    if op is ReduceOp.AVG and not (
+        (dtype.startswith("float") and not dtype.startswith("float8")) or dtype == "bfloat16"
+    ):
         raise ValueError(f"Partial(avg) needs a floating-point dtype, got {dtype}; use sum, max or min")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from reshard import Replicate, Shard
+from reshard.dtypes import BIT_PATTERN
 from reshard.ir.regions import layout_regions
 
 
@@ -14,16 +15,19 @@ def pl(spec: str):
 
 
 def random_array(shape, dtype: str, seed: int = 0):
-    """Random bit patterns of ``dtype`` (numpy array; a torch tensor for bfloat16)."""
+    """Random bit patterns of ``dtype`` (numpy array; a torch tensor for the dtypes numpy lacks:
+    bfloat16, float8)."""
     rng = np.random.default_rng(seed)
     if dtype == "bool":
         return rng.integers(0, 2, size=shape).astype(bool)
-    if dtype == "bfloat16":
+    storage = BIT_PATTERN.get(dtype, dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(storage).itemsize
+    a = np.frombuffer(rng.bytes(n), dtype=np.uint8).view(storage).reshape(shape).copy()
+    if dtype in BIT_PATTERN:
         import torch
 
-        return torch.from_numpy(rng.integers(-(2**15), 2**15, size=shape, dtype=np.int16)).view(torch.bfloat16)
-    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return np.frombuffer(rng.bytes(n), dtype=np.uint8).view(dtype).reshape(shape).copy()
+        return torch.from_numpy(a).view(getattr(torch, dtype))
+    return a
 
 
 def bits(a) -> np.ndarray:
@@ -32,7 +36,8 @@ def bits(a) -> np.ndarray:
         import torch
 
         if isinstance(a, torch.Tensor):
-            a = a.view(torch.int16).numpy() if a.dtype == torch.bfloat16 else a.numpy()
+            name = str(a.dtype).removeprefix("torch.")
+            a = a.view(getattr(torch, BIT_PATTERN[name])).numpy() if name in BIT_PATTERN else a.numpy()
     except ImportError:
         pass
     a = np.ascontiguousarray(a)
@@ -48,7 +53,7 @@ def assert_bit_exact(got, expected) -> None:
 
 def assert_shards(tensor, full) -> None:
     """Every device holds exactly its region of ``full``."""
-    shards = tensor.local_shards(as_torch=tensor.dtype_name == "bfloat16")
+    shards = tensor.local_shards(as_torch=tensor.dtype_name in BIT_PATTERN)
     regions = layout_regions(tensor.layout, tuple(full.shape))
     assert sorted(shards) == list(range(tensor.mesh.size))
     for i, box in enumerate(regions):
@@ -57,7 +62,7 @@ def assert_shards(tensor, full) -> None:
 
 
 def read(tensor):
-    return tensor.to_torch() if tensor.dtype_name == "bfloat16" else tensor.to_numpy()
+    return tensor.to_torch() if tensor.dtype_name in BIT_PATTERN else tensor.to_numpy()
 
 
 def groups_of(stats: dict, channel: str = "") -> set[tuple[int, ...]]:

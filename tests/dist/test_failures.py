@@ -94,19 +94,32 @@ def test_tensor_with_a_mesh_that_is_not_its_own(view):
     assert_bit_exact(y.to_numpy(), np.ones((4, 4), np.int32))
 
 
-@pytest.mark.parametrize("bad", ["complex64", "uint16", "torch.int16", "list"])
+@pytest.mark.parametrize("bad", ["complex64", "uint64", "torch.complex64", "list", "big-endian"])
 def test_unsupported_dtypes(view, bad):
     import torch
 
     a = view([0, 1], (2,))
     array = {
         "complex64": np.zeros(3, np.complex64),
-        "uint16": np.zeros(3, np.uint16),
-        "torch.int16": torch.zeros(3, dtype=torch.int16),
+        "uint64": np.zeros(3, np.uint64),
+        "torch.complex64": torch.zeros(3, dtype=torch.complex64),
         "list": [[1, 2], [3]],  # local shards of lists: not arrays
+        "big-endian": np.zeros(3, ">f4"),
     }[bad]
-    with pytest.raises(TypeError, match="unsupported dtype|numpy array or a torch tensor"):
+    with pytest.raises(TypeError, match="unsupported dtype|numpy array or a torch tensor|byte order '>f4'"):
         distribute(array, Layout(a, pl("S0")))
+
+
+def test_int16_stays_int16_and_bfloat16_stays_bfloat16(view):
+    """An int16 tensor and a bfloat16 one hold the same storage; each keeps its own name."""
+    import torch
+
+    a = view([0, 1], (2,))
+    ints = distribute(np.arange(6, dtype=np.int16), Layout(a, pl("S0")))
+    halves = distribute(torch.arange(6, dtype=torch.bfloat16), Layout(a, pl("S0")))
+    assert ints.dtype_name == "int16" and halves.dtype_name == "bfloat16"
+    assert ints.to_numpy().dtype == np.int16 and halves.to_torch().dtype == torch.bfloat16
+    assert_bit_exact(ints.to_numpy(), np.arange(6, dtype=np.int16))
 
 
 @pytest.mark.parametrize("shape", [(0,), (2, 0), ()])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from reshard.errors import ReshardError
+from reshard.runtime import arrays
 from reshard.runtime.device.shards import BufferPool, ShardStore
 from reshard.runtime.device.shared_memory import PeerShards, SharedShards
 
@@ -64,7 +65,7 @@ def test_a_dropped_shard_never_maps_again_whatever_its_memory_holds_next():
     store = ShardStore(0, "cpu", 1 << 20, owner)
     first = store.allocate((16,), "float32")
     first[...] = 1.0
-    store.put("first", first, "h")
+    store.put("first", first, "h", arrays.dtype_of(first))
     old = store.descriptor(first)
     view = peers.get(0, old, np.dtype(np.float32))
     np.testing.assert_array_equal(view, 1.0)
@@ -75,7 +76,7 @@ def test_a_dropped_shard_never_maps_again_whatever_its_memory_holds_next():
     second = store.allocate((16,), "float32")
     assert store.pool.hits == 1  # the same memory
     second[...] = 2.0
-    store.put("second", second, "h")
+    store.put("second", second, "h", arrays.dtype_of(second))
     assert view[0] == 2.0  # what a puller that copied during the reuse would have read ...
     with pytest.raises(ReshardError, match="source shard is gone"):
         peers.check(0, old)  # ... and why it checks after copying
@@ -86,20 +87,20 @@ def test_a_dropped_shard_never_maps_again_whatever_its_memory_holds_next():
 def test_a_freed_shard_is_reused_only_when_nothing_references_it(shared):
     store = ShardStore(0, "cpu", 1 << 20, SharedShards() if shared else None)
     a = store.allocate((4, 8), "float32")
-    store.put("a", a, "h")
+    store.put("a", a, "h", arrays.dtype_of(a))
     del a
     store.free("a")
     assert store.pool.nbytes == 128  # nothing else referenced it: idle, for the next shard of its size
     b = store.allocate((32,), "int32")
     assert store.pool.hits == 1 and store.pool.nbytes == 0
-    store.put("b", b, "h")
+    store.put("b", b, "h", arrays.dtype_of(b))
     assert shared == (store.descriptor(b) is not None)  # reused shared memory is still shared
     view = b[3:5]  # a view of it is still alive: its memory must not be handed out again
     del b
     store.free("b")
     assert store.pool.nbytes == 0
     c = store.allocate((32,), "int32")
-    store.put("c", c, "h")
+    store.put("c", c, "h", arrays.dtype_of(c))
     t = torch.from_numpy(c)  # nor while a torch tensor over it lives
     del c
     store.free("c")

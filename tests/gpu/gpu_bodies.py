@@ -17,10 +17,12 @@ def environment(actor) -> dict:
 
 
 def reserved_gpu_bytes(ctx) -> int:
-    """What torch's caching allocator holds on this device actor's GPU (``DeviceMesh.call``)."""
-    import torch
+    """What cupy's memory pool holds on this device actor's GPU (``DeviceMesh.call``): where the
+    runtime's shards live."""
+    import cupy
 
-    return int(torch.cuda.memory_reserved())
+    with cupy.cuda.Device(ctx.cuda_device):
+        return int(cupy.get_default_memory_pool().total_bytes())
 
 
 def lonely_recv(actor, group, seconds: float):

@@ -252,7 +252,7 @@ def test_non_contiguous_views_pass_through_one_reusable_staging_buffer(backend, 
 
     src = cupy.arange(64 * 48, dtype=cupy.float32).reshape(64, 48)
     backend.reserve_staging(2 * 64 * 16 * 4)  # the send's and the receive's segments, in one group
-    cap, gen = backend._staging.capacity_bytes, backend._staging.alloc.generation
+    cap, gen = backend._staging_buffer().capacity_bytes, backend._staging_buffer().alloc.generation
     for k in range(5):
         dst = cupy.zeros((64, 48), dtype=cupy.float32)
         with backend.grouped():
@@ -260,8 +260,8 @@ def test_non_contiguous_views_pass_through_one_reusable_staging_buffer(backend, 
             comm.recv(dst[:, 16:32], 0)  # strided write: unpacked from staging
         np.testing.assert_array_equal(cupy.asnumpy(dst[:, 16:32]), cupy.asnumpy(src[:, 8 + k : 24 + k]))
         assert not cupy.asnumpy(dst[:, :16]).any() and not cupy.asnumpy(dst[:, 32:]).any()
-    assert backend._staging.capacity_bytes == cap and backend._staging.alloc.generation == gen
-    assert backend._staging.alloc.used_bytes == 0
+    assert backend._staging_buffer().capacity_bytes == cap and backend._staging_buffer().alloc.generation == gen
+    assert backend._staging_buffer().alloc.used_bytes == 0
 
 
 def test_contiguous_slices_are_sent_in_place_without_staging(backend, comm):
@@ -273,7 +273,7 @@ def test_contiguous_slices_are_sent_in_place_without_staging(backend, comm):
         comm.send(buf[10:30], 0)
         comm.recv(out[50:70], 0)
     np.testing.assert_array_equal(cupy.asnumpy(out[50:70]), np.arange(10, 30))
-    assert backend._staging.alloc.high_water_bytes == 0
+    assert backend._staging_buffer().alloc.high_water_bytes == 0
 
 
 def test_many_operations_in_one_group_wait_once(backend, comm):
@@ -463,12 +463,12 @@ def test_creating_a_group_whose_peer_never_joins_times_out_and_the_backend_stays
 # test module itself is not importable in the workers).
 
 
-@pytest.mark.gpu(1, torch_cuda=True)  # the runtime's device actors allocate torch CUDA tensors
+@pytest.mark.gpu(1)
 def test_reshard_on_a_one_gpu_mesh_keeps_data_bit_exact(ray_cluster, gpus):
     from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, reshard
 
     gpus.wait_free(1)
-    mesh = DeviceMesh.create((1,), backend=NcclBackend(timeout_s=60))
+    mesh = DeviceMesh.create((1,), backend=NcclBackend(timeout_s=60, gpus_per_device=gpus.reserve(1.0)))
     try:
         x = np.arange(48 * 40, dtype=np.float32).reshape(48, 40)
         a = distribute(x, Layout(mesh, (Shard(1),)))
@@ -488,12 +488,12 @@ def gpu_mesh(ray_cluster, gpus, require_pool):
     require_pool(2, gpus.total)
     n = min(gpus.total, 4)
     gpus.wait_free(n)
-    mesh = DeviceMesh.create((n,), backend=NcclBackend(timeout_s=60))
+    mesh = DeviceMesh.create((n,), backend=NcclBackend(timeout_s=60, gpus_per_device=gpus.reserve(1.0)))
     yield mesh
     mesh.shutdown()
 
 
-@pytest.mark.gpu(2, torch_cuda=True)
+@pytest.mark.gpu(2)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int64", "int8", "uint8", "bool", "bfloat16"])
 @pytest.mark.parametrize("case", ["shard_to_replicate", "dim0_to_dim1", "one_to_other"])
 def test_reshard_between_gpus_is_bit_exact(gpu_mesh, dtype, case):

@@ -17,7 +17,7 @@ from problems import SETTINGS, mesh_pairs, placements, regions_by_device
 from test_program import expected, interpret, sl
 
 from reshard import STRATEGIES, Layout, compile_reshard
-from reshard.dtypes import ITEMSIZE
+from reshard.dtypes import ITEMSIZE, storage_name
 from reshard.errors import PlanError
 from reshard.ir.batch import PIECE_ALIGN
 from reshard.ir.program import Program
@@ -28,8 +28,6 @@ from reshard.passes.validate import validate_batch
 from reshard.pytree import flatten, leaves_in_order_of, same_structure, unflatten
 
 pytestmark = pytest.mark.unit
-
-STORAGE = {"bfloat16": "int16", "bool": "uint8"}
 
 
 @st.composite
@@ -49,7 +47,7 @@ def batches(draw):
 
 
 def full_of(item: BatchItem, seed: int) -> np.ndarray:
-    storage = np.dtype(STORAGE.get(item.dtype, item.dtype))
+    storage = np.dtype(storage_name(item.dtype))
     return (np.arange(math.prod(item.shape)) * 7 + seed).astype(storage).reshape(item.shape)
 
 

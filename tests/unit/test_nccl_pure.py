@@ -220,7 +220,8 @@ def test_backend_options_are_validated():
     with pytest.raises(ValueError, match="gpus_per_device"):
         NcclBackend(gpus_per_device=2)
     with pytest.raises(ValueError, match="gpus_per_device"):
-        NcclBackend(gpus_per_device=0)
+        NcclBackend(gpus_per_device=-0.5)
+    assert NcclBackend(gpus_per_device=0).gpus_per_device == 0  # none reserved through Ray
     with pytest.raises(ValueError, match="multi_rank"):
         NcclBackend(gpu_sharing="sometimes")
     with pytest.raises(ValueError, match="timeout_s"):
@@ -476,7 +477,7 @@ def _comm(b: NcclBackend, group, rank: int, raw, uid: bytes, abort_to=()) -> Ncc
 def _batch(*comms, deadline_s: float = 60.0):
     from reshard.runtime.backends.nccl.operations import _Batch
 
-    batch = _Batch(grouped=True, deadline=time.monotonic() + deadline_s)
+    batch = _Batch(grouped=True, wait=True, deadline=time.monotonic() + deadline_s)
     for c in comms:
         batch.comms[id(c)] = c
         batch.ops.append(f"send(group={c.group})")
@@ -533,7 +534,7 @@ def test_a_failed_batch_aborts_its_communicators_and_names_the_cause():
     b = NcclBackend()
     raw = ScriptedComm(0)
     comm = NcclCommunicator(b, (0, 1), 0, 5.0, raw, {"uid": b"v" * 128, "abort_to": []})
-    batch = _Batch(grouped=False, deadline=time.monotonic())
+    batch = _Batch(grouped=False, wait=True, deadline=time.monotonic())
     batch.comms[id(comm)] = comm
     batch.ops.append("send(group=(0, 1))")
     with pytest.raises(ReshardTimeout, match="did not complete before their deadline"):
@@ -553,7 +554,7 @@ def test_a_peers_notice_is_read_before_the_remote_error_its_abort_causes():
         with pytest.raises(_PeerAbort):
             b._await([comm.raw], [comm.digest], time.monotonic() + 60)
         with pytest.raises(PeerFailed, match="a member of the group aborted"):
-            b._poll(_batch(comm), None)
+            b._launched(_batch(comm))
     finally:
         sender.close()
 
@@ -566,8 +567,8 @@ def test_ncclTimeout_is_a_timeout():
 
 
 def test_an_abort_from_another_thread_is_served_by_the_polling_thread():
-    """A control thread's abort must not wait for the run thread to leave the backend: it is
-    recorded, and the thread polling the batch aborts, tells the other members and fails."""
+    """A control thread's abort must not wait for the run thread to let go of the communicator: it
+    is recorded, and the thread polling the batch aborts, tells the other members and fails."""
     b = NcclBackend()
     other = PeerAborts()
     raw = ScriptedComm(10**9)  # in progress until aborted
@@ -575,21 +576,24 @@ def test_an_abort_from_another_thread_is_served_by_the_polling_thread():
     polling, outcome = threading.Event(), {}
 
     def run():
-        with b._lock:  # what a run's group block holds
-            polling.set()
-            try:
-                b._poll(_batch(comm), None)
-            except Exception as e:
-                outcome["error"] = e
+        batch = _batch(comm)
+        b._lock_for(batch, comm)  # what a run's group block holds
+        polling.set()
+        try:
+            b._launched(batch)
+        except Exception as e:
+            outcome["error"] = e
+        finally:
+            b._unlock(batch)
 
     t = threading.Thread(target=run)
     t.start()
     try:
         assert polling.wait(10)
-        comm.abort()  # returns at once: the lock is the run's
+        comm.abort()  # returns at once: the communicator is the run's
         t.join(30)
         assert not t.is_alive()
-        assert isinstance(outcome.get("error"), PeerFailed) and "controller aborted" in str(outcome["error"])
+        assert isinstance(outcome.get("error"), PeerFailed) and "the controller aborted" in str(outcome["error"])
         assert raw.aborts == 1 and comm.aborted and b.live_groups() == []
         assert other.wait(comm.digest, 10)  # the other member heard of it
     finally:
@@ -597,17 +601,18 @@ def test_an_abort_from_another_thread_is_served_by_the_polling_thread():
         other.close()
 
 
-def test_an_abort_asked_for_an_idle_communicator_happens_when_the_holder_lets_go():
+def test_an_abort_asked_for_a_held_communicator_happens_when_the_holder_lets_go():
     b = NcclBackend()
     raw = ScriptedComm(0)
     comm = _comm(b, (0, 1), 0, raw, b"i" * 128)
     held, asked = threading.Event(), threading.Event()
 
     def hold():
-        with b._lock:
-            held.set()
-            assert asked.wait(10)
-        b._after_release()
+        batch = _batch(comm)
+        b._lock_for(batch, comm)
+        held.set()
+        assert asked.wait(10)
+        b._unlock(batch)
 
     t = threading.Thread(target=hold)
     t.start()
@@ -617,6 +622,35 @@ def test_an_abort_asked_for_an_idle_communicator_happens_when_the_holder_lets_go
     asked.set()
     t.join(30)
     assert raw.aborts == 1 and comm.aborted
+
+
+def test_two_threads_on_two_communicators_never_wait_on_each_other():
+    """Each communicator has its own lock: a thread polling one (a lane's long transfer) leaves
+    another free to issue on its own (two lanes, two controllers)."""
+    b = NcclBackend()
+    slow = _comm(b, (0, 1), 0, ScriptedComm(10**9), b"s" * 128)
+    fast = _comm(b, (0, 2), 0, ScriptedComm(2), b"f" * 128)
+    polling, stop = threading.Event(), threading.Event()
+
+    def run():
+        batch = _batch(slow)
+        b._lock_for(batch, slow)
+        polling.set()
+        stop.wait(30)
+        b._unlock(batch)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert polling.wait(10)
+        batch = _batch(fast, deadline_s=5.0)
+        b._lock_for(batch, fast)
+        b._launched(batch)  # does not wait for the other thread's communicator
+        b._unlock(batch)
+        assert fast.raw.left == 0
+    finally:
+        stop.set()
+        t.join(30)
 
 
 def test_an_aborted_rendezvous_tells_every_member():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from reshard.errors import ReshardError
+from reshard.runtime import arrays
 from reshard.runtime.device.shards import ShardStore
 from reshard.runtime.device.shared_memory import PeerShards, SharedShards
 
@@ -26,7 +27,7 @@ def test_a_dropped_shards_descriptor_stops_mapping_before_its_memory_is_reused()
     s = store()
     t = s.allocate((BIG,), "uint8")
     t[:] = 1
-    s.put("t", t, "h")
+    s.put("t", t, "h", arrays.dtype_of(t))
     desc = s.descriptor(t)
     peers = PeerShards(1)
     assert peers.get(0, desc, np.dtype(np.uint8)).all()
@@ -37,7 +38,7 @@ def test_a_dropped_shards_descriptor_stops_mapping_before_its_memory_is_reused()
     reused = s.allocate((BIG,), "uint8")  # the pooled block comes back: another shard's bytes
     assert s.memory()["pool_hits"] == 1
     reused[:] = 2
-    s.put("u", reused, "h")
+    s.put("u", reused, "h", arrays.dtype_of(reused))
     with pytest.raises(ReshardError, match="gone"):
         peers.get(0, desc, np.dtype(np.uint8))
 
@@ -51,7 +52,7 @@ def test_an_assembled_destination_becomes_a_shared_shard_of_its_own():
     assert not s.assembled(s.allocate_destination((BIG // 4,), "float32"))
     shard = s.settle(t)
     assert not s.assembled(shard) and shard.shape == t.shape and shard.dtype == t.dtype
-    s.put("t", shard, "h")
+    s.put("t", shard, "h", arrays.dtype_of(shard))
     desc = s.descriptor(shard)
     assert desc is not None  # now in shared memory: peers pull from it
     np.testing.assert_array_equal(PeerShards(1).get(0, desc, np.dtype(np.float32)), np.arange(t.size, dtype=np.float32))
@@ -69,7 +70,7 @@ def test_assembly_bounds_and_the_pool_come_first():
     s.abandon(t)  # the run failed: the buffer is free again, no shard was made
     assert s.memory()["buffers"] == {}
     freed = s.allocate((BIG,), "uint8")
-    s.put("f", freed, "h")
+    s.put("f", freed, "h", arrays.dtype_of(freed))
     del freed
     s.free("f")
     assert not s.assembled(s.allocate_destination((BIG,), "uint8"))  # the pool's freed block instead
@@ -81,9 +82,9 @@ def test_assembly_bounds_and_the_pool_come_first():
 def test_empty_cache_frees_the_pool_and_the_idle_assembly_buffer_only():
     s = ShardStore(0, "cpu", 64 << 20, shared=SharedShards(), assembly_bytes=BIG)
     live = s.allocate((BIG,), "uint8")
-    s.put("live", live, "h")
+    s.put("live", live, "h", arrays.dtype_of(live))
     freed = s.allocate((BIG,), "uint8")
-    s.put("f", freed, "h")
+    s.put("f", freed, "h", arrays.dtype_of(freed))
     del freed
     s.free("f")
     t = s.allocate_destination((BIG // 2,), "uint8")

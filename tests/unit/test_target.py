@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.ir.target import WINDOW_BYTES, CompileTarget
+from reshard.ir.target import WINDOW_BYTES, CompileTarget, target_for
 from reshard.passes.compile import CompileOptions
 from reshard.passes.sequencing import OVERLAP_COPY_BYTES
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_cpu_devices_window_their_gloo_messages_and_copy_beside_them():
-    options = CompileOptions.for_target(CompileTarget("gloo", "cpu"))
+    options = CompileOptions.for_target(target_for("gloo"))
     assert (options.window_ops, options.window_bytes, options.overlap_copy_bytes) == (
         4,
         WINDOW_BYTES,
@@ -20,6 +20,28 @@ def test_cpu_devices_window_their_gloo_messages_and_copy_beside_them():
     )
 
 
-def test_gpu_devices_issue_one_message_at_a_time_and_copy_on_their_streams():
-    options = CompileOptions.for_target(CompileTarget("nccl", "cuda"))
-    assert (options.window_ops, options.overlap_copy_bytes) == (1, None)
+def test_gpu_devices_issue_a_round_as_one_group_and_copy_on_their_streams():
+    target = target_for("nccl")
+    options = CompileOptions.for_target(target)
+    assert options.window_ops > 1 and options.overlap_copy_bytes is None
+    assert target.bucket_bytes >= 16 << 20 > target_for("gloo").bucket_bytes  # tens of MiB, gloo's 1 MiB
+
+
+def test_an_undeclared_backend_sends_one_message_at_a_time():
+    target = target_for("custom", "cpu")
+    assert (target.window_ops, target.device_type) == (1, "cpu")
+
+
+def test_a_registered_target_is_what_compilation_reads():
+    from reshard.ir.target import TARGETS, register_target
+
+    try:
+        register_target(CompileTarget("loop", "cpu", window_ops=3, bucket_bytes=4096))
+        assert target_for("loop").bucket_bytes == 4096 and CompileOptions.for_target(target_for("loop")).window_ops == 3
+    finally:
+        TARGETS.pop("loop", None)
+
+
+def test_targets_refuse_sizes_that_are_not_positive():
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
+        CompileTarget("x", "cpu", bucket_bytes=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,11 @@ class Communicator(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the group's resources (sockets, GPU memory)."""
 
+    def retire(self) -> None:
+        """Release a communicator whose group was dropped (every member drops it), without
+        holding up the caller. Default: ``close()``."""
+        self.close()
+
     def abort(self) -> None:
         """Failure path: tear the group down without waiting for peers, so that peers blocked on
         it fail fast instead of waiting for their timeout. Default: ``close()``."""
@@ -104,19 +110,31 @@ class Backend(abc.ABC):
     device_type: str = "cpu"
     #: whether ``grouped`` issues the operations inside it as one call (NCCL's group calls).
     batches: bool = False
+    #: whether messages complete in the order of the calling thread's stream (GPU backends): a run
+    #: queues its messages with ``grouped(wait=False)``, its copies behind them on the same stream,
+    #: and waits once at its end (``synchronize``), instead of waiting for each message.
+    stream_ordered: bool = False
     #: GPUs each device actor reserves (None: as the backend's registry entry says).
     gpus_per_device: float | None = None
 
-    def grouped(self, timeout_s: float | None = None):
+    def grouped(self, timeout_s: float | None = None, *, wait: bool = True):
         """A context inside which operations are issued as one call and waited for together (only
-        where ``batches``; elsewhere each runs as it is issued)."""
+        where ``batches``; elsewhere each runs as it is issued). ``wait=False`` (``stream_ordered``
+        backends): return once they are queued on the calling thread's stream."""
         return contextlib.nullcontext()
 
     @property
     def batcher(self):
         """What a run issues each window of operations through: ``grouped`` where the backend
-        ``batches``, else None (each operation runs as it is issued)."""
-        return self.grouped if self.batches else None
+        ``batches`` (queued without waiting where it is ``stream_ordered``), else None (each
+        operation runs as it is issued)."""
+        if not self.batches:
+            return None
+        return functools.partial(self.grouped, wait=False) if self.stream_ordered else self.grouped
+
+    def synchronize(self, deadline: float, what: str = "") -> None:  # noqa: B027 - nothing queued by default
+        """``stream_ordered`` backends: return once what the calling thread queued on its stream is
+        done (``deadline``: monotonic), or raise naming the failure. Default: nothing to wait for."""
 
     @abc.abstractmethod
     def rendezvous(self, groups: list[Group], actors: dict[int, object]) -> list[Rendezvous]:
@@ -135,5 +153,6 @@ class Backend(abc.ABC):
         """Make members still waiting to join these groups give up at once (default: nothing to do;
         they wait until their deadline)."""
 
-    def setup_actor(self) -> None:  # noqa: B027 - optional hook
-        """Actor side, once when an actor becomes a device: whatever the backend needs there."""
+    def setup_actor(self, device: int, cuda_device: int | None) -> None:  # noqa: B027 - optional hook
+        """Actor side, once when an actor becomes device ``device`` (its GPU: ``cuda_device``, the
+        CUDA ordinal in this process; None on a CPU device): whatever the backend needs there."""

@@ -19,6 +19,7 @@ import importlib
 import math
 from dataclasses import dataclass
 
+from reshard.ir.target import CompileTarget, register_target, target_for
 from reshard.runtime.backends.communicator import Backend
 
 
@@ -51,6 +52,10 @@ class BackendSpec:
                 f"device_type must be a torch device type such as 'cpu' or 'cuda', got {self.device_type!r}"
             )
 
+    def compile_target(self, name: str) -> CompileTarget:
+        """What the backend's devices are compiled for (its declaration in ``reshard.ir.target``)."""
+        return target_for(name, self.device_type)
+
 
 BACKENDS: dict[str, BackendSpec] = {
     "gloo": BackendSpec("reshard.runtime.backends.gloo:GlooBackend", "cpu", 0.0),
@@ -59,9 +64,18 @@ BACKENDS: dict[str, BackendSpec] = {
 
 
 def register_backend(
-    name: str, target: type[Backend] | str, *, device_type: str = "cpu", gpus_per_device: float = 0.0
-) -> None:
-    """Register a ``Backend`` subclass (or ``"module:Class"``) under ``name``."""
+    name: str, target: type[Backend] | str, *, device_type: str = "cpu", gpus_per_device: float = 0.0,
+    compile_target: CompileTarget | None = None,
+) -> None:  # fmt: skip
+    """Register a ``Backend`` subclass (or ``"module:Class"``) under ``name``; ``compile_target``:
+    how its devices' programs are sequenced (windows, bucket size; default: one message at a time)."""
+    if compile_target is not None:
+        if compile_target.backend != name or compile_target.device_type != device_type:
+            raise ValueError(
+                f"register_backend({name!r}): compile_target is declared for backend {compile_target.backend!r} on "
+                f"{compile_target.device_type!r}, not {name!r} on {device_type!r}"
+            )
+        register_target(compile_target)
     BACKENDS[name] = BackendSpec(target, device_type, gpus_per_device)
 
 

@@ -79,8 +79,8 @@ class DeviceRole:
         threads = int(options.get("torch_threads", 0))
         if threads > 0:
             set_torch_threads(threads)
-        self._reshard_ctx = DeviceContext(device, backend, options)
-        backend.setup_actor()
+        self._reshard_ctx = ctx = DeviceContext(device, backend, options)
+        backend.setup_actor(device, ctx.cuda_device)
         return DeviceRole.reshard_ready(self)  # ``self`` may be any actor (``DeviceMesh.attach``)
 
     @property
@@ -114,28 +114,32 @@ class DeviceRole:
         ctx = _attached(self)
         run = entries[0][0]
         until = Deadline.from_wall(deadline)
+        stream = ctx.controller(ticket.controller).stream
         with ctx.inbox.turn(ticket, until, f"loading {run}"):
             _check_deadline(ctx.device, until, f"loading {run}")
             made = []
             t = None
             try:
-                for _, index, box, dtype in entries:
-                    shape = tuple(hi - lo for lo, hi in box)
-                    if index is None:
-                        t = ctx.store.allocate(shape, dtype)
-                        t[...] = 0
-                    else:
-                        t = ctx.store.allocate_destination(shape, dtype)
-                        arrays.copy(t, data[index][tuple(slice(lo, hi) for lo, hi in box) + (Ellipsis,)])
-                        t = ctx.store.settle(t)
-                    made.append(t)
-                    t = None
+                with stream.running():
+                    for _, index, box, dtype in entries:
+                        shape = tuple(hi - lo for lo, hi in box)
+                        if index is None:
+                            t = ctx.store.allocate(shape, dtype)
+                            t[...] = 0
+                        else:
+                            t = ctx.store.allocate_destination(shape, dtype)
+                            arrays.copy(t, data[index][tuple(slice(lo, hi) for lo, hi in box) + (Ellipsis,)])
+                            t = ctx.store.settle(t)
+                        made.append(t)
+                        t = None
+                    stream.finish(until.at, f"device {ctx.device}: loading {run}")
             except BaseException as e:
                 ctx.store.abandon(t)
                 if not isinstance(e, MemoryError | RuntimeError | OSError):
                     raise
                 raise ReshardError(f"device {ctx.device}: could not allocate the shards of {run}: {e}") from e
-            if not ctx.store.put_run(run, [(e[0], a, None, False) for e, a in zip(entries, made, strict=True)]):
+            kept = [(e.name, a, e.dtype, None, False) for e, a in zip(entries, made, strict=True)]
+            if not ctx.store.put_run(run, kept):
                 raise PeerFailed(f"device {ctx.device}: the controller aborted loading {run}")
             return {e[0]: ctx.store.descriptor(a) for e, a in zip(entries, made, strict=True)}
 
@@ -145,7 +149,7 @@ class DeviceRole:
         t = ctx.store.get(name)
         if t is None:
             raise KeyError(f"device {ctx.device} holds no shard {name!r} (it was freed)")
-        return t if arrays.is_numpy(t) else arrays.as_numpy(t.detach().cpu())
+        return t if arrays.is_numpy(t) else arrays.as_numpy(t)  # a GPU shard: copied to the host
 
     # A hold or free still in flight when the mesh closed finds no shards left: nothing to do.
 
@@ -235,13 +239,14 @@ class DeviceRole:
             batch = ctx.backend.batcher
             runs = binding.runs(channel, state.staging, deadline, active.cancelled, ctx.before_op, batch)
             state.groups.connect(keys, deadline - time.monotonic())
-            state.staging.reserve(prepared.staging_bytes)
-            ctx.assembled = binding.assembled  # its shards are made at the end: twice their bytes then
-            ctx.peak_bytes = binding.dst_bytes + state.staging.nbytes
-            ctx.counters["runs"] += 1
-            run = BatchRun(prepared, runs, channel, state.staging, deadline, ctx.before_op, batch, ctx.after_run)
-            stats = execute_batch(run, verify=req.verify)
-            del run, runs  # the scratch buffers' other references
+            with state.stream.running():
+                state.staging.reserve(prepared.staging_bytes)
+                ctx.assembled = binding.assembled  # its shards are made at the end: twice their bytes then
+                ctx.peak_bytes = binding.dst_bytes + state.staging.nbytes
+                ctx.counters["runs"] += 1
+                run = BatchRun(prepared, runs, channel, state.staging, deadline, ctx.before_op, batch, ctx.after_run)
+                stats = execute_batch(run, verify=req.verify, finish=state.stream.finish)
+                del run, runs  # the scratch buffers' other references
             binding.recycle()
             binding.settle(deadline, late_fails=req.commit)
             descriptors = binding.keep(prepared.metas)
@@ -273,8 +278,8 @@ class DeviceRole:
                 if t is None:
                     ctx.local(name)  # raises, naming the shard
                 out.append({
-                    "local_shape": tuple(t.shape), "dtype": arrays.dtype_of(t), "descriptor": ctx.store.descriptor(t),
-                    **(ctx.store.meta.get(name) or {}),
+                    "local_shape": tuple(t.shape), "dtype": ctx.store.dtype(name),
+                    "descriptor": ctx.store.descriptor(t), **(ctx.store.meta.get(name) or {}),
                 })  # fmt: skip
             return out
 
@@ -293,11 +298,14 @@ class DeviceRole:
             failed = _failed_vote(votes, Deadline.from_wall(deadline).later(COMMIT_WAIT_S), verify)
             try:
                 if failed is None:
-                    for staged, out in pairs:
-                        src = ctx.store.get(staged)
-                        if src is None:
-                            raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
-                        arrays.copy(checked_out(ctx, out, src.shape, arrays.dtype_of(src)), src)
+                    stream = ctx.controller(ticket.controller).stream
+                    with stream.running():
+                        for staged, out in pairs:
+                            src = ctx.store.get(staged)
+                            if src is None:
+                                raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
+                            arrays.copy(checked_out(ctx, out, src.shape, ctx.store.dtype(staged)), src)
+                        stream.finish(time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}")
             finally:
                 for staged, _ in pairs:
                     ctx.store.free(staged)

@@ -107,9 +107,10 @@ class BatchRun:
         return left
 
 
-def execute_batch(run: BatchRun, *, verify: bool = False) -> dict:
+def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[float, str], None] | None = None) -> dict:
     """Run the batch (module docstring). Returns ``{"elapsed_s", "comm_s", "checks"}`` (``checks``:
-    ``[(tensor, step, "read" | "wrote", crc)]`` with ``verify``, else None)."""
+    ``[(tensor, step, "read" | "wrote", crc)]`` with ``verify``, else None). ``finish(deadline,
+    what)``: waits for the work a GPU device queued (``RunStream.finish``)."""
     t0 = time.monotonic()
     ordered = [run.runs[part.tensor] for part in run.prepared.program.parts]
     for r in ordered:
@@ -118,6 +119,8 @@ def execute_batch(run: BatchRun, *, verify: bool = False) -> dict:
         _run_window(run, window)
     for r in ordered:
         run_windows(r)
+    if finish is not None:
+        finish(run.deadline, f"device {run.prepared.device}: a reshard")
     comm_s = run.comm_s + sum(r.comm_s for r in ordered)
     if run.after_run is not None:
         run.after_run(run.runs)
@@ -128,8 +131,7 @@ def execute_batch(run: BatchRun, *, verify: bool = False) -> dict:
 def _run_window(run: BatchRun, window: tuple[PreparedBucket, ...]) -> None:
     pending = []
     c0 = time.monotonic()
-    batched = run.batch is not None and len(window) > 1
-    with run.batch(timeout_s=run.deadline - c0) if batched else contextlib.nullcontext():
+    with run.batch(timeout_s=run.deadline - c0) if run.batch is not None else contextlib.nullcontext():
         for pb in window:
             if run.before_op is not None:
                 run.before_op(run, pb.bucket)
@@ -168,7 +170,9 @@ def _unpack(run: BatchRun, pb: PreparedBucket) -> None:
 
 
 def _crc(a) -> int:
-    if not arrays.is_numpy(a):
+    if arrays.is_device(a):
+        a = a.get()  # on the run's stream: after the work that wrote it
+    elif not arrays.is_numpy(a):
         a = arrays.as_numpy(a.detach().cpu())
     return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
 

@@ -167,7 +167,8 @@ class Binding:
         ctx, run = self.ctx, self.req.run
         if self.req.direct:
             return {}
-        entries = [(shard_name(run, t), d, metas.get(t), t in self.slots) for t, d in self.dsts.items()]
+        dtypes = {p.tensor: p.dtype for p in self.prepared.program.parts}
+        entries = [(shard_name(run, t), d, dtypes[t], metas.get(t), t in self.slots) for t, d in self.dsts.items()]
         if not ctx.store.put_run(run, entries):
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
         if self.bound.outs is not None:  # staged for a commit: nobody maps them
@@ -195,7 +196,7 @@ def checked_out(ctx, name: str | None, shape, dtype: str):
     t = None if name is None else ctx.store.get(name)
     if t is None:
         raise ReshardError(f"device {ctx.device}: the output shard {name!r} is gone (unshared or freed)")
-    have = arrays.dtype_of(t)
+    have = ctx.store.dtype(name)
     if tuple(t.shape) != tuple(shape) or have != dtype or not arrays.contiguous(t):
         raise ReshardError(
             f"device {ctx.device}: output shard {name!r} is {have}{list(t.shape)}, the reshard writes "

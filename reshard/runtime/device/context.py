@@ -24,6 +24,7 @@ from reshard.runtime.device.batches import PreparedBatch
 from reshard.runtime.device.executor import Run, StagingBuffer, execute, prepare
 from reshard.runtime.device.group_cache import GroupCache
 from reshard.runtime.device.inbox import OrderedInbox
+from reshard.runtime.device.run_streams import RunStream
 from reshard.runtime.device.shards import ShardStore
 from reshard.runtime.device.shared_memory import PeerShards, RelayBoard, SharedShards
 from reshard.runtime.device_options import DeviceOptions
@@ -56,6 +57,7 @@ class ControllerState:
         self.programs: OrderedDict[int, PreparedBatch] = OrderedDict()
         self.bindings: dict[int, Bound] = {}  # the controller's mirror says which to drop
         self.staging = StagingBuffer(ctx.device_type, int(ctx.options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))
+        self.stream = RunStream(ctx.backend, ctx.cuda_device)  # where its runs queue GPU work
         self.active: ActiveRun | None = None  # the run in progress
 
     def apply(self, updates: Updates | None) -> None:
@@ -74,7 +76,7 @@ class DeviceContext:
     def __init__(self, device: int, backend: Backend, options: dict):
         self.device = device
         self.backend = backend
-        self.device_type = _device_type(options.get("device_type") or backend.device_type)
+        self.device_type = _device_type(options.get("device_type") or backend.device_type, options.get("cuda_device"))
         self.options = dict(options)
         want_shared = options.get("shared_memory", False) and self.device_type == "cpu"
         shared = SharedShards() if want_shared and SharedShards.available() else None
@@ -101,6 +103,12 @@ class DeviceContext:
     @property
     def shared(self):
         return self.store.shared
+
+    @property
+    def cuda_device(self) -> int | None:
+        """This device's GPU (its CUDA ordinal in this process), None on a CPU device."""
+        kind, _, index = self.device_type.partition(":")
+        return int(index or 0) if kind == "cuda" else None
 
     @property
     def torch_device(self):
@@ -150,7 +158,7 @@ class DeviceContext:
         """Free what this device keeps for reuse and nobody uses now: freed shards' memory, the
         assembly buffer, the calling controller's staging buffer (its runs come before and after
         this call, never during it), mappings of peers' shards their owners let go of, and on a GPU
-        torch's cached blocks. Returns the bytes freed of the first three (torch's are its own)."""
+        cupy's and torch's cached blocks. Returns the bytes freed of the first three (torch's are its own)."""
         freed = self.store.empty_cache()
         caller = self.caller
         state = None if caller is None else self.controllers.get(caller)
@@ -158,20 +166,24 @@ class DeviceContext:
             freed += state.staging.nbytes
             state.staging.reserve(0)
         self.peers.purge()
-        if self.device_type.startswith("cuda"):
-            import torch
+        if self.cuda_device is not None:
+            import cupy
 
-            torch.cuda.empty_cache()
+            with cupy.cuda.Device(self.cuda_device):
+                cupy.get_default_memory_pool().free_all_blocks()
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
         return freed
 
     # ---------------------------------------------------------------- for the user's code in an attached actor
 
     def empty(self, shape, dtype):
-        """A new torch tensor in this device's shard memory (shared memory on CPU devices): keep
-        the tensors you share in it, and peers on this machine pull from them without a copy."""
+        """A new torch tensor in this device's shard memory (shared memory on CPU devices, device
+        memory on GPUs): keep the tensors you share in it, and peers on this machine pull from them
+        without a copy."""
         name = dtype_name(dtype)
-        a = self.store.allocate(tuple(shape), name)
-        return arrays.as_torch(a, name) if arrays.is_numpy(a) else a
+        return arrays.as_torch(self.store.allocate(tuple(shape), name), name)
 
     def shared_block(self, shape, dtype: str) -> tuple[np.ndarray, tuple] | None:
         """``(array, handle)``: a numpy array of ``shape`` and ``dtype`` (by name) in a block of this
@@ -194,29 +206,30 @@ class DeviceContext:
         return self.peers.get(holder, handle, arrays.storage(dtype))
 
     def share(self, name: str, tensor, *, shape=None, placements=None, mesh_shape=None, coordinate=None) -> None:
-        """Offer ``tensor`` (a torch tensor or numpy array: this device's shard of a sharded
-        tensor; no copy) as shard ``name``, for ``reshard.runtime.adopt`` on the driver.
-        ``shape``/``placements`` say what it is a shard of (the driver checks them against the
-        layout it adopts it with); ``reshard`` may write into it in place (``out=``). Stays the
+        """Offer ``tensor`` (a torch tensor, numpy array or, on a GPU, cupy array: this device's
+        shard of a sharded tensor; no copy) as shard ``name``, for ``reshard.runtime.adopt`` on the
+        driver. ``shape``/``placements`` say what it is a shard of (the driver checks them against
+        the layout it adopts it with); ``reshard`` may write into it in place (``out=``). Stays the
         user's: ``unshare`` takes it back."""
-        if not arrays.is_numpy(tensor) and not hasattr(tensor, "untyped_storage"):
+        if not (arrays.is_numpy(tensor) or arrays.is_torch(tensor) or arrays.is_device(tensor)):
             raise TypeError(f"share needs a torch.Tensor or numpy array, got {type(tensor).__name__}")
-        here = arrays.is_numpy(tensor) or str(tensor.device) == self.device_type or (
-            tensor.device.type == "cuda" and self.device_type.startswith("cuda") and tensor.device.index is None
-        )  # fmt: skip
+        dtype = arrays.dtype_of(tensor)  # a dtype the runtime moves (TypeError naming them otherwise)
+        where = _location(tensor)
+        here = where == self.device_type or (where == "cuda" and self.device_type.startswith("cuda"))
         if not arrays.contiguous(tensor) or not here:
-            where = "host memory" if arrays.is_numpy(tensor) else str(tensor.device)
+            strides = tensor.stride() if arrays.is_torch(tensor) else tensor.strides
             raise ValueError(
                 f"device {self.device}: share({name!r}) needs a contiguous tensor on {self.device_type}, got one on "
-                f"{where} with strides {tensor.strides if arrays.is_numpy(tensor) else tensor.stride()}; pass a "
-                "contiguous copy or allocate it with reshard_device.empty(...)"
+                f"{where} with strides {strides}; pass a contiguous copy on {self.device_type} or allocate it with "
+                "reshard_device.empty(...)"
             )
-        arrays.dtype_of(tensor)  # a dtype the runtime moves
         meta = {"shape": None if shape is None else tuple(shape), "placements": placements,
                 "mesh_shape": mesh_shape, "coordinate": coordinate}  # fmt: skip
-        if self.device_type == "cpu" and not arrays.is_numpy(tensor):
-            tensor = arrays.as_numpy(tensor)  # the same memory
-        self.store.share(name, tensor, meta)
+        if arrays.is_torch(tensor):
+            tensor = arrays.as_numpy(tensor) if self.device_type == "cpu" else arrays.as_device(tensor)  # same memory
+        else:
+            tensor = tensor.view(arrays.storage(dtype))  # an ml_dtypes array as its bit pattern
+        self.store.share(name, tensor, dtype, meta)
 
     def unshare(self, name: str) -> None:
         self.store.unshare(name)
@@ -227,7 +240,7 @@ class DeviceContext:
         a = self.store.get(name)
         if a is None:
             raise KeyError(f"device {self.device} holds no shard {name!r} (never shared, freed, or not resharded here)")
-        return arrays.as_torch(a, arrays.dtype_of(a)) if arrays.is_numpy(a) else a
+        return arrays.as_torch(a, self.store.dtype(name))
 
     def from_dtensor(self, name: str, dt) -> None:
         """``share`` a torch DTensor's local shard (no copy) with its placements and global shape;
@@ -300,7 +313,7 @@ class DeviceContext:
             if groups is None:
                 state.groups.connect(keys, timeout_s)
                 groups = state.groups.channel("")
-            return ProgramRunner(self, program, dtype, groups, state.staging)(src, dst, deadline, peers)
+            return ProgramRunner(self, program, dtype, groups, state.staging, state.stream)(src, dst, deadline, peers)
         except BaseException:
             state.groups.abort(keys, "its program failed")
             raise
@@ -309,16 +322,19 @@ class DeviceContext:
         """``program`` prepared once, to run many times on the calling controller's communicators
         of ``channel`` with a staging buffer of its own (a pipeline lane: one thread each)."""
         groups = self._calling("runner()").groups.channel(channel)
-        return ProgramRunner(self, program, dtype, groups, StagingBuffer(self.device_type, staging_keep_bytes))
+        staging = StagingBuffer(self.device_type, staging_keep_bytes)
+        return ProgramRunner(self, program, dtype, groups, staging, RunStream(self.backend, self.cuda_device))
 
 
 class ProgramRunner:
     """One ``DeviceProgram`` of this device, prepared once: ``runner(src, dst, deadline)`` runs it
     (monotonic ``deadline``) over ``src``/``dst`` tensors and returns its stats. Its buffers,
-    communicators and hooks are this device's; the staging buffer is trimmed after each run."""
+    communicators and hooks are this device's; on a GPU its work goes on ``stream`` and is done
+    when it returns; the staging buffer is trimmed after each run."""
 
-    def __init__(self, ctx: DeviceContext, program: DeviceProgram, dtype: str, groups, staging: StagingBuffer):
-        self.ctx, self.groups, self.staging = ctx, groups, staging
+    def __init__(self, ctx: DeviceContext, program: DeviceProgram, dtype: str, groups, staging: StagingBuffer,
+                 stream: RunStream):  # fmt: skip
+        self.ctx, self.groups, self.staging, self.stream = ctx, groups, staging, stream
         self.prepared = prepare(program, dtype)
 
     @property
@@ -328,16 +344,27 @@ class ProgramRunner:
     def __call__(self, src, dst, deadline: float, peers=None) -> dict:
         ctx, program = self.ctx, self.prepared.program
         try:
-            self.staging.reserve(program.staging_bytes)
-            tmp = ctx.store.allocate(program.src_shape, self.prepared.dtype) if program.tmp else None
-            run = Run(self.prepared, src=src, dst=dst, groups=self.groups, staging=self.staging, deadline=deadline,
-                      peers=peers, tmp=tmp, before_op=ctx.before_op, batch=ctx.backend.batcher)  # fmt: skip
-            stats = execute(run)
-            del run  # the scratch buffer's other reference
-            ctx.store.recycle(tmp)
+            with self.stream.running():
+                src, dst = _on_device(ctx, src), _on_device(ctx, dst)
+                self.staging.reserve(program.staging_bytes)
+                tmp = ctx.store.allocate(program.src_shape, self.prepared.dtype) if program.tmp else None
+                run = Run(self.prepared, src=src, dst=dst, groups=self.groups, staging=self.staging,
+                          deadline=deadline, peers=peers, tmp=tmp, before_op=ctx.before_op,
+                          batch=ctx.backend.batcher)  # fmt: skip
+                stats = execute(run)
+                del run  # the scratch buffer's other reference
+                self.stream.finish(deadline, f"device {ctx.device}: a program run")
+                ctx.store.recycle(tmp)
             return stats
         finally:
             self.staging.trim()
+
+
+def _on_device(ctx: DeviceContext, t):
+    """A torch CUDA tensor the caller hands a GPU device's program, as a cupy array over its memory."""
+    if t is None or ctx.cuda_device is None or not arrays.is_torch(t):
+        return t
+    return arrays.as_device(t)
 
 
 def _torch_placement(p):
@@ -361,13 +388,30 @@ def _stride(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _device_type(kind: str) -> str:
-    """ "cpu", or "cuda:<index>" of the current GPU (the actor sees one)."""
+def _location(t) -> str:
+    """Where ``t`` lives: "cpu", "cuda" (a GPU, which one left open) or "cuda:<index>"."""
+    if arrays.is_numpy(t):
+        return "cpu"
+    if arrays.is_device(t):
+        return f"cuda:{t.device.id}"
+    return str(t.device)
+
+
+def _device_type(kind: str, cuda_device: int | None = None) -> str:
+    """ "cpu", or "cuda:<index>" of this device's GPU: ``cuda_device`` when given, else the GPU the
+    actor's torch works on where torch has started CUDA, else the current GPU of the attaching
+    thread (0 under Ray's ``CUDA_VISIBLE_DEVICES``)."""
     if kind != "cuda":
         return kind
-    import torch
+    if cuda_device is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            cuda_device = torch.cuda.current_device()
+        else:
+            import cupy
 
-    return f"cuda:{torch.cuda.current_device()}"
+            cuda_device = cupy.cuda.runtime.getDevice()
+    return f"cuda:{int(cuda_device)}"
 
 
 def set_torch_threads(threads: int) -> None:

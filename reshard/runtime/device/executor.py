@@ -1,5 +1,6 @@
 """Executor: runs one ``DeviceProgram`` exactly as written (``reshard.ir.program``), over numpy arrays
-(CPU devices) or torch tensors (GPU devices, and wherever the caller hands torch), ``arrays``.
+(CPU devices), cupy arrays (GPU devices: every copy and message queued on the run's stream) or
+torch tensors (wherever the caller hands torch), ``arrays``.
 
 It connects the program's groups in the listed order (those not connected yet), starts the
 background ops on the process's helper thread, then runs the ops window by window: local ops at
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -38,13 +39,10 @@ from reshard.ir.program import (
 )
 from reshard.runtime import arrays
 
-if TYPE_CHECKING:
-    import torch
-
 
 class StagingBuffer:
     """One byte buffer per device, reused by every staged op (ops name their offset in it): numpy
-    on a CPU device, torch on a GPU.
+    on a CPU device, cupy on a GPU.
 
     ``reserve(nbytes)`` makes it exactly ``nbytes`` for a run (kept as is when the size repeats), so
     a run never holds more staging than its program says; ``trim()`` after a run frees it when it
@@ -53,7 +51,7 @@ class StagingBuffer:
     def __init__(self, device: str, keep_bytes: int):
         self.device = str(device)  # "cpu" or a torch device string
         self.keep_bytes = keep_bytes
-        self.buf: np.ndarray | torch.Tensor | None = None
+        self.buf: Any = None  # a numpy or cupy uint8 array
 
     @property
     def nbytes(self) -> int:
@@ -67,9 +65,10 @@ class StagingBuffer:
             if self.device == "cpu":
                 self.buf = np.empty(nbytes, dtype=np.uint8)
             else:
-                import torch
+                import cupy
 
-                self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                with cupy.cuda.Device(int(self.device.partition(":")[2] or 0)):
+                    self.buf = cupy.empty(nbytes, dtype=np.uint8)
 
     def view(self, offset: int, dtype: str, shape: tuple[int, ...]):
         numel = 1
@@ -79,9 +78,10 @@ class StagingBuffer:
         end = offset + numel * item
         if self.buf is None or end > self.nbytes:
             raise ReshardError(f"staging buffer of {self.nbytes} B is too small for [{offset}, {end}) (program bug)")
-        if isinstance(self.buf, np.ndarray):
-            return self.buf[offset:end].view(arrays.storage(dtype)).reshape(shape)
-        return self.buf[offset:end].view(arrays.torch_dtype(dtype)).view(shape)
+        raw = self.buf[offset:end]
+        if arrays.is_torch(raw):
+            return raw.view(arrays.torch_dtype(dtype)).view(shape)
+        return raw.view(arrays.storage(dtype)).reshape(shape)
 
     def trim(self) -> None:
         if self.nbytes > self.keep_bytes:
@@ -329,14 +329,13 @@ def _run_local(run: Run, steps) -> None:
 
 
 def _run_window(run: Run, window: tuple[Step[Op], ...]) -> None:
-    """Issue the window's ops in order (inside one backend batch when the backend batches and the
-    window holds several), then wait for each and land what was staged. A publication runs in
+    """Issue the window's ops in order (inside one backend batch when the backend batches), then
+    wait for each and land what was staged. A publication runs in
     that second pass, once the ops before it have landed, while the window's later ops are in
     flight."""
     pending = []
     c0 = time.monotonic()
-    batched = run.batch is not None and len(window) > 1
-    with run.batch(timeout_s=run.deadline - c0) if batched else contextlib.nullcontext():
+    with run.batch(timeout_s=run.deadline - c0) if run.batch is not None else contextlib.nullcontext():
         for s in window:
             if isinstance(s.op, Publish):
                 pending.append((s, None, None))
@@ -395,5 +394,5 @@ def _check_buffer(what: str, t, shape, dtype, device: int) -> None:
 
 
 def _is(a, dtype: str) -> bool:
-    """Whether array ``a`` holds ``dtype`` (a numpy array: its storage dtype)."""
-    return a.dtype == arrays.storage(dtype) if arrays.is_numpy(a) else a.dtype == arrays.torch_dtype(dtype)
+    """Whether array ``a`` holds ``dtype`` (a numpy or cupy array: its storage dtype)."""
+    return a.dtype == arrays.torch_dtype(dtype) if arrays.is_torch(a) else a.dtype == arrays.storage(dtype)

@@ -139,9 +139,11 @@ class GroupCache:
     def close_all(self) -> None:
         with self._lock:
             for k in sorted(self.entries):
-                self._release(k, abort=False)
+                self._release(k, abort=False, now=True)
 
-    def _release(self, k: GroupKey, *, abort: bool) -> None:
+    def _release(self, k: GroupKey, *, abort: bool, now: bool = False) -> None:
+        """Drop group ``k``: aborted (failure: peers fail fast), closed (``now``: the device leaves
+        the mesh), or retired off the caller's path (a dropped group)."""
         e = self.entries.pop(k)
         if e.comm is None:
             return
@@ -150,7 +152,7 @@ class GroupCache:
                 e.comm.abort()
                 self.stats["aborted"] += 1
             else:
-                e.comm.close()
+                e.comm.close() if now else e.comm.retire()
                 self.stats["closed"] += 1
         except Exception as err:  # a broken communicator must not stop the cleanup of the others
             log.warning("device %d: releasing group %s failed: %s", self.device, k, err)

@@ -158,6 +158,7 @@ class ShardStore:
         self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.meta: dict[str, dict] = {}  # name -> what its owner said of it (global shape, placements, ...)
+        self.dtypes: dict[str, str] = {}  # name -> dtype name (an array of bit patterns does not say it)
         self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
         self._lock = threading.RLock()
 
@@ -167,15 +168,20 @@ class ShardStore:
     def get(self, name: str):
         return self.shards.get(name)
 
+    def dtype(self, name: str) -> str:
+        """The dtype name of shard ``name`` (KeyError: no such shard)."""
+        return self.dtypes[name]
+
     def allocate(self, shape, dtype: str, *, shared: bool = True):
         """A new shard's memory (dtype by name): on a CPU device a numpy array in pooled memory of
         the same byte size, else fresh (shared, unless ``shared`` is False: nobody maps it) memory;
-        on a GPU a torch tensor."""
-        if self.device_type != "cpu":
-            import torch
-
-            return torch.empty(tuple(shape), dtype=arrays.torch_dtype(dtype), device=self.device_type)
+        on a GPU a cupy array."""
         storage = arrays.storage(dtype)
+        if self.device_type != "cpu":
+            import cupy
+
+            with cupy.cuda.Device(int(self.device_type.partition(":")[2] or 0)):
+                return cupy.empty(tuple(shape), dtype=storage)
         nbytes = _nbytes(shape, storage)
         with self._lock:
             flat = self.pool.take(nbytes) if nbytes else None
@@ -255,10 +261,10 @@ class ShardStore:
         if self.shared is not None:
             self.shared.end(t)
 
-    def put(self, name: str, t, holder: str, meta: dict | None = None, *, begun: bool = False) -> bool:
-        """Keep ``t`` as shard ``name`` held by ``holder``; False (and ``t`` dropped) when the run
-        that made it was aborted meanwhile. ``meta``: what it is a shard of; ``begun``: ``t``
-        has its tenure already (``begin``)."""
+    def put(self, name: str, t, holder: str, dtype: str, meta: dict | None = None, *, begun: bool = False) -> bool:
+        """Keep ``t`` (of dtype ``dtype``, by name) as shard ``name`` held by ``holder``; False (and
+        ``t`` dropped) when the run that made it was aborted meanwhile. ``meta``: what it is a
+        shard of; ``begun``: ``t`` has its tenure already (``begin``)."""
         with self._lock:
             if name in self._tombstones:
                 self._tombstones.pop(name)
@@ -267,6 +273,7 @@ class ShardStore:
                 self.pool.put(t, 1)
                 return False
             self.shards[name] = t
+            self.dtypes[name] = dtype
             self.holders[name] = {holder}
             if self.shared is not None and not begun:
                 self.shared.begin(t)
@@ -275,26 +282,28 @@ class ShardStore:
             return True
 
     def put_run(self, run: str, entries) -> bool:
-        """Keep every ``(name, t, meta, begun)`` of run ``run`` (held by its own name), or, when
-        the run was aborted meanwhile (``tombstone``), none of them."""
+        """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), or,
+        when the run was aborted meanwhile (``tombstone``), none of them."""
         with self._lock:
             if run in self._tombstones:
                 self._tombstones.pop(run)
-                for _, t, _, begun in entries:
+                for _, t, _, _, begun in entries:
                     if begun:
                         self.end(t)
                     self.pool.put(t, 2)
                 return False
-            for name, t, meta, begun in entries:
-                self.put(name, t, name, meta, begun=begun)
+            for name, t, dtype, meta, begun in entries:
+                self.put(name, t, name, dtype, meta, begun=begun)
             return True
 
-    def share(self, name: str, t, meta: dict) -> None:
-        """Make the user's tensor ``t`` shard ``name`` (no copy; held by its user until ``unshare``)."""
+    def share(self, name: str, t, dtype: str, meta: dict) -> None:
+        """Make the user's tensor ``t`` (of dtype ``dtype``, by name) shard ``name`` (no copy; held
+        by its user until ``unshare``)."""
         with self._lock:
             if name in self.shards and name not in self.users:
                 raise ValueError(f"device {self.device} already holds a shard {name!r} of its own; pick another name")
             self.shards[name] = t
+            self.dtypes[name] = dtype
             self.holders[name] = {USER}
             self.users.add(name)
             if self.shared is not None:
@@ -352,6 +361,7 @@ class ShardStore:
         t = self.shards.pop(name, None)
         self.holders.pop(name, None)
         self.meta.pop(name, None)
+        self.dtypes.pop(name, None)
         if t is None:
             return False
         if self.shared is not None:
@@ -395,6 +405,7 @@ class ShardStore:
     def clear(self) -> None:
         with self._lock:
             self.shards.clear()
+            self.dtypes.clear()
             self.holders.clear()
             self.pool.clear()
             self.assembly.clear()

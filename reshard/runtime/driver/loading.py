@@ -3,18 +3,19 @@
 
 ``distribute`` puts the data into the object store ONCE (``ray.put``; a tree as one object); every
 actor reads it zero-copy and keeps a copy of its own regions, one call per device for the whole
-tree. bfloat16 travels as its int16 bit pattern. ``adopt`` asks every device once what it holds
+tree. bfloat16 and float8 travel as their bit patterns. ``adopt`` asks every device once what it holds
 under the given names. Both are all or nothing: a failure keeps no shard.
 """
 
 from __future__ import annotations
 
+import sys
 import uuid
 
 import numpy as np
 import ray
 
-from reshard.dtypes import dtype_name
+from reshard.dtypes import BIT_PATTERN, dtype_name, storage_name
 from reshard.ir.layout import Layout
 from reshard.ir.regions import layout_regions
 from reshard.pytree import flatten, per_leaf, unflatten
@@ -38,13 +39,13 @@ def _is_array(x) -> bool:
 
 
 def _torch():
-    import sys
-
     return sys.modules.get("torch")
 
 
 def _as_numpy(array) -> tuple[np.ndarray, str]:
-    """(C-contiguous numpy array to ship, dtype name); bfloat16 becomes its int16 bit pattern."""
+    """(C-contiguous numpy array to ship, dtype name); bfloat16 and float8 become their bit
+    patterns. Refused before anything moves: a dtype the runtime does not move, a byte order that
+    is not this machine's."""
     torch = _torch()
     if torch is not None and isinstance(array, torch.Tensor):
         name = dtype_name(array.dtype)
@@ -55,12 +56,18 @@ def _as_numpy(array) -> tuple[np.ndarray, str]:
         t = array.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        if name == "bfloat16":
-            t = t.view(torch.int16)
+        if name in BIT_PATTERN:
+            t = t.view(getattr(torch, BIT_PATTERN[name]))
         arr = t.contiguous().numpy()
     elif isinstance(array, np.ndarray | np.generic):
         arr = np.asarray(array)
-        name = dtype_name(arr.dtype)
+        if arr.dtype.byteorder == (">" if sys.byteorder == "little" else "<"):
+            raise TypeError(
+                f"distribute got an array of byte order {arr.dtype.str!r}, not this machine's: convert it first "
+                "(array.astype(array.dtype.newbyteorder('=')))"
+            )
+        name = dtype_name(arr.dtype)  # an ml_dtypes bfloat16 or float8 array by its name
+        arr = arr.view(storage_name(name))
     else:
         raise TypeError(f"distribute needs a numpy array or a torch tensor, got {type(array).__name__}")
     if not arr.flags.c_contiguous:

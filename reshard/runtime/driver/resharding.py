@@ -23,7 +23,6 @@ from reshard.passes.compile import (
     compile_batch,
     planning_hosts,
 )
-from reshard.passes.packing import BUCKET_BYTES
 from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.backends.registry import backend_spec
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
@@ -37,7 +36,7 @@ from topology.mesh import device_hosts
 
 def compile_target(backend: str) -> CompileTarget:
     """What a backend's devices are compiled for (``reshard.ir.target``)."""
-    return CompileTarget(backend, backend_spec(backend).device_type)
+    return backend_spec(backend).compile_target(backend)
 
 
 def compile_options(backend: str) -> CompileOptions:
@@ -199,7 +198,7 @@ _PLANS: OrderedDict = OrderedDict()  # a call's signature -> its CompiledBatch (
 PLANS = 64
 
 
-def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_bytes: int) -> CompiledBatch:
+def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_bytes: int | None) -> CompiledBatch:
     """The call's compiled batch, cached by its signature: the tensors' shapes, dtypes, layouts and
     which of their source shards are in shared memory, the destination layouts, the options and
     the link figures' generation (a replay of a tree costs a lookup)."""
@@ -221,6 +220,8 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
     backend = call.src_mesh.backend
     if cluster is None:
         cluster = runtime().planning_cluster(backend, call.planning_hosts(items))
+    if bucket_bytes is None:
+        bucket_bytes = compile_target(backend).bucket_bytes
     compiled = compile_batch(items, strategy=strategy, cluster=cluster, options=compile_options(backend),
                              bucket_bytes=bucket_bytes)  # fmt: skip
     _PLANS[key] = compiled
@@ -241,12 +242,12 @@ def lowered_reshard(
     the devices of one machine count as one host when they share memory (their transfers become
     pulls, ``reshard.passes.pulls``). ``shared_memory=False``: no pulls, everything through the backend."""
     call = _Call(tensor, tensor.mesh, dst_layout, None, False)
-    return _compile(call, strategy, cluster, shared_memory, BUCKET_BYTES).tensors[0]
+    return _compile(call, strategy, cluster, shared_memory, None).tensors[0]
 
 
 def lowered_batch(
     tensors, src_mesh: DeviceMesh, dst_layouts, *, strategy: str = "auto", cluster=None, shared_memory: bool = True,
-    bucket_bytes: int = BUCKET_BYTES,
+    bucket_bytes: int | None = None,
 ) -> CompiledBatch:  # fmt: skip
     """What ``reshard(tensors, src_mesh, dst_layouts, ...)`` of a tree runs: its ``CompiledBatch``
     (each tensor's compiled reshard, the packed batch program, blobs), compiled and cached as
@@ -258,7 +259,7 @@ def reshard(
     tensors, src_mesh: DeviceMesh, dst_layouts, *, strategy: str = "auto",
     timeout_s: float | None = DEFAULT_TIMEOUT_S, cluster=None, shared_memory: bool = True,
     out=None, direct: bool = False, async_op: bool = False, verify: bool = False,
-    bucket_bytes: int = BUCKET_BYTES,
+    bucket_bytes: int | None = None,
 ):  # fmt: skip
     """Move ``tensors`` (a ShardedTensor, or a tree of them: dicts, lists, tuples, nested, all on
     ``src_mesh``) to ``dst_layouts`` (a Layout; for a tree: the same tree of Layouts, one Layout
@@ -266,8 +267,9 @@ def reshard(
     ``"h.0.attn.weight"``). Returns the same tree of new ShardedTensors (or ``out``).
 
     One call is one compiled reshard whatever the number of tensors: planned once per tree
-    signature and replayed; slices of tensors of at most ``bucket_bytes`` that one device sends
-    another travel packed together. Slices between actors of one machine are pulled through
+    signature and replayed; slices of tensors of at most ``bucket_bytes`` (None: the backend's,
+    ``reshard.ir.target``: 1 MiB on gloo, 64 MiB on NCCL) that one device sends another travel
+    packed together. Slices between actors of one machine are pulled through
     shared memory (see ``DeviceMesh``); ``shared_memory=False`` sends everything through the
     backend. ``cluster`` overrides the cost model "auto" plans for (``lowered_reshard``).
 
@@ -284,8 +286,9 @@ def reshard(
     ``WorkerDied`` / ``ReshardTimeout`` / ``ReshardError`` if the run fails (within ``timeout_s``
     plus a bounded cleanup), ``MeshClosed`` for a shut-down mesh or a Ray session that is gone."""
     timeout_s = check_timeout(timeout_s)
-    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool)
+                                     or bucket_bytes < 1):  # fmt: skip
+        raise ValueError(f"bucket_bytes must be a positive int (or None: the backend's), got {bucket_bytes!r}")
     call = _Call(tensors, src_mesh, dst_layouts, out, direct)
     rt = runtime()
     reads = frozenset(t.name for t in call.leaves)

@@ -6,8 +6,8 @@ or actor of the job, ``copy.deepcopy``); each lets go when garbage-collected. ``
 shards at once for every handle.
 
 Timeouts: ``timeout_s`` is a positive finite number of seconds, or None for no limit; every wait
-ends by then. bfloat16 and numpy: numpy has no bfloat16, so ``to_numpy()`` / ``local_shards()``
-of a bfloat16 tensor raise TypeError; use ``to_torch()`` / ``local_shards(as_torch=True)``.
+ends by then. bfloat16, float8 and numpy: numpy has no such types, so ``to_numpy()`` /
+``local_shards()`` of such a tensor raise TypeError; use ``to_torch()`` / ``local_shards(as_torch=True)``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import uuid
 import numpy as np
 import ray
 
-from reshard.dtypes import itemsize
+from reshard.dtypes import BIT_PATTERN, itemsize, storage_name
 from reshard.ir.layout import Layout
 from reshard.ir.regions import box_volume, layout_regions
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
@@ -62,16 +62,16 @@ class ShardedTensor:
 
     @property
     def dtype(self) -> np.dtype:
-        """The numpy dtype (bfloat16: ``ml_dtypes.bfloat16`` when installed; ``torch_dtype`` always works)."""
-        if self.dtype_name != "bfloat16":
+        """The numpy dtype (bfloat16, float8: ``ml_dtypes``' when installed; ``torch_dtype`` always works)."""
+        if self.dtype_name not in BIT_PATTERN:
             return np.dtype(self.dtype_name)
         try:
             import ml_dtypes
         except ImportError:
             raise TypeError(
-                f"{self!r}: numpy has no bfloat16 (install ml_dtypes); use .torch_dtype or .dtype_name"
+                f"{self!r}: numpy has no {self.dtype_name} (install ml_dtypes); use .torch_dtype or .dtype_name"
             ) from None
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, self.dtype_name))
 
     @property
     def torch_dtype(self):
@@ -133,8 +133,7 @@ class ShardedTensor:
         for i, box in enumerate(regions):
             if box_volume(box) and box not in first:
                 first[box] = i
-        wire = np.int16 if self.dtype_name == "bfloat16" else np.dtype(self.dtype_name)
-        out = np.empty(self.shape, dtype=wire)
+        out = np.empty(self.shape, dtype=storage_name(self.dtype_name))
         shards = self._fetch(sorted(first.values()), check_timeout(timeout_s))
         for box, i in first.items():
             out[tuple(slice(lo, hi) for lo, hi in box)] = shards[i]
@@ -142,8 +141,10 @@ class ShardedTensor:
 
     def to_numpy(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> np.ndarray:
         """The full tensor, assembled here (one holder per distinct region)."""
-        if self.dtype_name == "bfloat16":
-            raise TypeError(f"{self!r}: numpy has no bfloat16; use .to_torch() (or .to_torch().float().numpy())")
+        if self.dtype_name in BIT_PATTERN:
+            raise TypeError(
+                f"{self!r}: numpy has no {self.dtype_name}; use .to_torch() (or .to_torch().float().numpy())"
+            )
         return self._assemble(timeout_s)
 
     def to_torch(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
@@ -151,12 +152,12 @@ class ShardedTensor:
         import torch
 
         out = torch.from_numpy(self._assemble(timeout_s))
-        return out.view(torch.bfloat16) if self.dtype_name == "bfloat16" else out
+        return out.view(self.torch_dtype) if self.dtype_name in BIT_PATTERN else out
 
     def local_shards(self, *, as_torch: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict:
         """``{flat device index in mesh: shard}`` as numpy arrays (torch tensors with ``as_torch``)."""
-        if self.dtype_name == "bfloat16" and not as_torch:
-            raise TypeError(f"{self!r}: numpy has no bfloat16; use .local_shards(as_torch=True)")
+        if self.dtype_name in BIT_PATTERN and not as_torch:
+            raise TypeError(f"{self!r}: numpy has no {self.dtype_name}; use .local_shards(as_torch=True)")
         self._check("local_shards")
         shards = self._fetch(range(self.mesh.size), check_timeout(timeout_s))
         if not as_torch:
@@ -166,7 +167,7 @@ class ShardedTensor:
         out = {}
         for i in range(self.mesh.size):
             t = torch.from_numpy(np.array(shards[i]))
-            out[i] = t.view(torch.bfloat16) if self.dtype_name == "bfloat16" else t
+            out[i] = t.view(self.torch_dtype) if self.dtype_name in BIT_PATTERN else t
         return out
 
     # ---------------------------------------------------------------- lifetime

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
@@ -30,7 +32,7 @@ from reshard.runtime.backends.nccl.ids import (
     uid_digest,
     visible_gpu_count,
 )
-from reshard.runtime.backends.nccl.operations import Operations, _Batch
+from reshard.runtime.backends.nccl.operations import Operations
 from reshard.runtime.backends.nccl.settings import (
     NONBLOCKING_ENV,
     PER_PROCESS_SETTINGS,
@@ -43,6 +45,8 @@ from reshard.runtime.backends.nccl.settings import (
 )
 from reshard.runtime.backends.nccl.status import NCCL_IN_PROGRESS, _Deadline, _PeerAbort, nccl_status
 from reshard.runtime.backends.nccl.wedge import WedgeGuard
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -58,12 +62,14 @@ class NcclBackend(Operations, Backend):
       timeout_s        deadline of the rendezvous and default deadline of creation and operations.
       cuda_device      CUDA ordinal of this actor's GPU (default: the current device, 0 under Ray's
                        CUDA_VISIBLE_DEVICES).
-      gpus_per_device  GPUs each device actor reserves: 1 (default), or a fraction (several actors
-                       share one GPU, e.g. 0.25 for four; see ``gpu_sharing``).
+      gpus_per_device  GPUs each device actor reserves: 1 (default), a fraction (several actors
+                       share one GPU, e.g. 0.25 for four; see ``gpu_sharing``), or 0 (none through
+                       Ray: each actor uses the GPU its process sees).
       gpu_sharing      ``GpuSharing`` (or its value): how ranks on one GPU are made acceptable to NCCL.
     """
 
     batches = True
+    stream_ordered = True
 
     name = "nccl"
     device_type = "cuda"  # the torch device type of the buffers this backend moves
@@ -84,10 +90,11 @@ class NcclBackend(Operations, Backend):
             raise ValueError(f"timeout_s must be positive seconds, got {timeout_s}")
         self.cuda_device = cuda_device
         gpus = float(gpus_per_device)
-        if not 0 < gpus <= 1:
+        if not 0 <= gpus <= 1:
             raise ValueError(
                 f"NcclBackend(gpus_per_device={gpus_per_device}): one device actor drives one GPU, so give 1 "
-                "(a GPU each) or a fraction in (0, 1) (several actors share a GPU)"
+                "(a GPU each), a fraction in (0, 1) (several actors share a GPU) or 0 (the actors reserve no GPU "
+                "through Ray: each finds its own)"
             )
         self.gpus_per_device = gpus
         try:
@@ -101,17 +108,17 @@ class NcclBackend(Operations, Backend):
         # actor-side state, created on first use
         # uid digest -> communicator: two channels on the same devices are two communicators
         self._comms: OrderedDict[bytes, NcclCommunicator] = OrderedDict()
-        self._abort_requests = False  # some communicator has abort_requested set
-        self._abandoned_staging: list = []  # staging a failed batch's queued copies may still use
+        self._stagings: list[cb.StagingBuffer] = []  # every thread's (``_staging_buffer``)
         self._device: int | None = None
-        self._stream = None
-        self._staging: cb.StagingBuffer | None = None
+        self._ready = False
         self._guard = WedgeGuard()
         self._tls = threading.local()
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # communicator creation, one at a time
+        self._cache_lock = threading.Lock()  # the communicator cache (held for dict updates only)
+        self._reaper: ThreadPoolExecutor | None = None  # retires dropped communicators off the runs' path
         self.stats = {
             "created": 0, "destroyed": 0, "aborted": 0, "create_s": 0.0, "ops": 0, "batches": 0,
-            "peer_aborts": 0, "bootstrap_roots": 0,
+            "peer_aborts": 0, "bootstrap_roots": 0, "retired": 0,
         }  # fmt: skip
 
     def __getstate__(self):
@@ -251,8 +258,8 @@ class NcclBackend(Operations, Backend):
     # ---------------------------------------------------------------- actor side: setup
 
     def _ensure_actor(self, device: int):
-        """Per-process setup on first use: env, CUDA device, communication stream, staging buffer."""
-        if self._stream is not None:
+        """Per-process setup on first use: env, CUDA device, the abort-notice socket."""
+        if self._ready:
             if device != self._device and self._device is not None:
                 # one backend instance serves one device (one GPU per actor)
                 raise ValueError(f"this NcclBackend serves device {self._device}, not {device}")
@@ -269,21 +276,25 @@ class NcclBackend(Operations, Backend):
         if self.cuda_device is None:
             self.cuda_device = cupy.cuda.Device().id
         self._device = device
-        with cupy.cuda.Device(self.cuda_device):
-            self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._staging = cb.StagingBuffer(self.cuda_device)
         peer_aborts()
+        self._ready = True
+
+    def setup_actor(self, device: int, cuda_device: int | None) -> None:
+        """The device's GPU is the one its context chose (not whichever the first caller's thread had current)."""
+        if self.cuda_device is None and cuda_device is not None:
+            self.cuda_device = cuda_device
 
     def reserve_staging(self, nbytes: int) -> None:
-        """Pre-allocate the actor's one staging buffer (e.g. ``program.staging_numel * itemsize``)."""
-        if self._staging is None:
+        """Pre-allocate the calling thread's staging buffer (for non-contiguous buffers)."""
+        if not self._ready:
             raise RuntimeError("reserve_staging() before connect()")
-        self._staging.reserve(nbytes)
+        self._staging_buffer().reserve(nbytes)
 
     @property
     def stream(self):
-        """The communication stream (cupy stream), for callers that want to order work after it."""
-        return self._stream
+        """The stream the calling thread's operations go to (cupy stream): its current one, or the
+        backend's stream of this thread; for callers that want to order work after it."""
+        return self._thread_stream()
 
     def live_groups(self) -> list[Group]:
         return [c.group for c in self._comms.values()]
@@ -306,53 +317,55 @@ class NcclBackend(Operations, Backend):
         return self._call(raw.check_async_error, deadline, "ncclCommGetAsyncError")
 
     def _abort(self, comm: NcclCommunicator) -> None:
+        """Abort ``comm`` now, or, while another thread queues operations on it, as soon as that
+        thread checks it or lets go of it (NCCL allows no abort under a caller)."""
         if comm.aborted or comm.closed:
             self._forget(comm)
             return
-        if not self._lock.acquire(blocking=False):
-            # A run's thread holds the backend (a group block, a poll): record the request; that
-            # thread serves it at its next poll or when it lets go of the backend.
+        if not comm.lock.acquire(blocking=False):
             comm.abort_requested = True
-            self._abort_requests = True
-            self._after_release()  # it may have let go meanwhile
-            return
+            if not comm.lock.acquire(blocking=False):
+                return  # the holder serves it: it checks the request after it let go
         try:
-            comm.aborted = True
-            if getattr(comm.raw, "comm", 0):
-                with self._guard.inside(time.monotonic() + self.timeout_s, f"ncclCommAbort(group={comm.group})"):
-                    comm.raw.abort()
-            others = [a for r, a in enumerate(comm.abort_to) if r != comm.rank]
-            if others:
-                peer_aborts().notify(others, comm.digest)
-            self._forget(comm)
+            self._abort_now(comm)
         finally:
-            self._lock.release()
+            comm.lock.release()
 
-    def _serve_abort_requests(self, batch: _Batch | None) -> None:
-        """Abort the communicators other threads asked to abort; if ``batch`` uses one, fail it.
-        Inside an open NCCL group nothing is aborted (the failure ends the group first)."""
-        if not self._abort_requests:
+    def _abort_now(self, comm: NcclCommunicator, *, notify: bool = True) -> None:
+        """Abort ``comm`` (the caller holds its lock) and tell the other members (local
+        ``ncclCommAbort``: never waits for peers)."""
+        if comm.aborted or comm.closed:
+            self._forget(comm)
             return
-        with self._lock:
-            asked_in_batch = batch is not None and any(c.abort_requested for c in batch.comms.values())
-            if batch is not None and batch.open:
-                if asked_in_batch:
-                    self._fail(batch, None, timeout=False, aborted=True)
-                return
-            self._abort_requests = False
-            for c in [c for c in self._comms.values() if c.abort_requested]:
-                if batch is None or id(c) not in batch.comms:
-                    c.abort()
-            if batch is not None and asked_in_batch:
-                self._fail(batch, None, timeout=False, aborted=True)
+        comm.aborted = True
+        if getattr(comm.raw, "comm", 0):
+            with self._guard.inside(time.monotonic() + self.timeout_s, f"ncclCommAbort(group={comm.group})"):
+                comm.raw.abort()
+        others = [a for r, a in enumerate(comm.abort_to) if r != comm.rank]
+        if notify and others:
+            peer_aborts().notify(others, comm.digest)
+        self._forget(comm)
 
-    def _after_release(self) -> None:
-        """Serve the abort requests made while another holder had the backend, if it is free now."""
-        if self._abort_requests and self._lock.acquire(blocking=False):
-            try:
-                self._serve_abort_requests(None)
-            finally:
-                self._lock.release()
+    def _retire(self, comm: NcclCommunicator) -> None:
+        """Release a communicator nobody uses any more (its group was dropped) on the backend's
+        reaper thread: a local abort, which never waits for peers, unlike ``ncclCommDestroy``
+        (collective inside a node), and never tells them (they drop it too)."""
+        if comm.aborted or comm.closed:
+            self._forget(comm)
+            return
+        if self._reaper is None:
+            with self._cache_lock:
+                if self._reaper is None:
+                    self._reaper = ThreadPoolExecutor(1, thread_name_prefix="reshard-nccl-reaper")
+        self._reaper.submit(self._retire_now, comm)
+
+    def _retire_now(self, comm: NcclCommunicator) -> None:
+        try:
+            with comm.lock:
+                self._abort_now(comm, notify=False)
+            self.stats["retired"] += 1
+        except Exception as e:  # logged: a retirement has nobody to report to
+            log.warning("device %s: retiring the communicator of group %s failed: %s", self._device, comm.group, e)
 
     def _abort_raws(self, raws: list, infos: list[Mapping[str, Any]], rank_of: list[int]) -> None:
         """Abort half-made communicators (creation failed) and tell the other members."""
@@ -373,11 +386,8 @@ class NcclBackend(Operations, Backend):
         group call, so actors that create overlapping sets of groups cannot deadlock on the order.
         Raises ReshardTimeout if peers do not join within ``timeout_s``, PeerFailed if a member
         aborted its side meanwhile."""
-        try:
-            with self._lock:
-                return self._connect_many(rendezvous, device, timeout_s)
-        finally:
-            self._after_release()
+        with self._lock:
+            return self._connect_many(rendezvous, device, timeout_s)
 
     def _connect_many(self, rendezvous: list[Rendezvous], device: int, timeout_s: float) -> list[NcclCommunicator]:
         self._ensure_actor(device)
@@ -402,10 +412,11 @@ class NcclBackend(Operations, Backend):
             # every member creates in the same order: by group, then by unique id
             self._create([todo[k] for k in sorted(todo, key=lambda k: (todo[k][0], k))], device, timeout_s)
         out = []
-        for r in rendezvous:
-            digest = uid_digest(_uid_bytes(r.info["uid"]))
-            self._comms.move_to_end(digest)
-            out.append(self._comms[digest])
+        with self._cache_lock:
+            for r in rendezvous:
+                digest = uid_digest(_uid_bytes(r.info["uid"]))
+                self._comms.move_to_end(digest)
+                out.append(self._comms[digest])
         return out
 
     def _create(self, items: list[tuple[Group, Rendezvous]], device: int, timeout_s: float) -> None:
@@ -452,9 +463,10 @@ class NcclBackend(Operations, Backend):
         self.stats["created"] += len(raws)
         self.stats["create_s"] += time.monotonic() - t0
         self.stats["bootstrap_roots"] = bootstrap_root_threads()
-        for g, info, raw, rank in zip(groups, infos, raws, ranks, strict=True):
-            comm = NcclCommunicator(self, g, rank, timeout_s, raw, info)
-            self._comms[comm.digest] = comm
+        with self._cache_lock:
+            for g, info, raw, rank in zip(groups, infos, raws, ranks, strict=True):
+                comm = NcclCommunicator(self, g, rank, timeout_s, raw, info)
+                self._comms[comm.digest] = comm
 
     def _await(self, raws: list, digests: list[bytes], deadline: float) -> None:
         """Poll non-blocking calls of ``raws`` until none is in progress: raises the first
@@ -496,33 +508,39 @@ class NcclBackend(Operations, Backend):
         self._destroy([c for c in self._comms.values() if c.group in wanted], timeout_s)
 
     def _destroy(self, comms: list[NcclCommunicator], timeout_s: float | None = None) -> None:
-        """Destroy idle communicators, in the order of their groups.
+        """Destroy idle communicators, in the order of their groups (``ncclCommDestroy``: every
+        member destroys the same ones).
 
         cupy's ``destroy()`` discards ``ncclCommDestroy``'s return code, so the communicator's
         asynchronous error is read first: a communicator with an error, or with a call still in
         progress, is aborted instead and the error raised."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        with self._lock:
-            for c in sorted(comms, key=lambda c: (c.group, c.digest)):
-                g = c.group
+        for c in sorted(comms, key=lambda c: (c.group, c.digest)):
+            g = c.group
+            deadline = time.monotonic() + timeout
+            if not c.lock.acquire(timeout=timeout):
+                raise ReshardTimeout(f"device {self._device}: communicator of group {g} stayed busy; not destroyed")
+            try:
                 if c.aborted or c.closed:
                     self._forget(c)
                     continue
-                deadline = time.monotonic() + timeout
                 try:
                     busy = self._async_state(c.raw, deadline)
                 except Exception as e:
-                    c.abort()
+                    self._abort_now(c)
                     raise ReshardError(f"NCCL communicator of group {g} had failed ({e}); aborted it") from e
                 if busy:
-                    c.abort()
+                    self._abort_now(c)
                     raise ReshardError(f"NCCL communicator of group {g} still had a call in progress; aborted it")
                 c.closed = True
-                if self._comms.get(c.digest) is c:
-                    del self._comms[c.digest]
+                with self._cache_lock:
+                    if self._comms.get(c.digest) is c:
+                        del self._comms[c.digest]
                 with self._guard.inside(deadline, f"ncclCommDestroy(group={g})"):
                     c.raw.destroy()
                 self.stats["destroyed"] += 1
+            finally:
+                c.lock.release()
 
     def abort_all(self) -> list[Group]:
         """Abort every communicator of this actor (failure cleanup; local, never blocks on peers)."""
@@ -532,9 +550,10 @@ class NcclBackend(Operations, Backend):
         return groups
 
     def _forget(self, comm: NcclCommunicator) -> None:
-        if self._comms.get(comm.digest) is comm:
-            del self._comms[comm.digest]
-            self.stats["aborted"] += 1
+        with self._cache_lock:
+            if self._comms.get(comm.digest) is comm:
+                del self._comms[comm.digest]
+                self.stats["aborted"] += 1
 
     def close(self) -> None:
         """Destroy every communicator and free the staging buffer."""
@@ -542,8 +561,9 @@ class NcclBackend(Operations, Backend):
             if self._comms:
                 self._destroy(list(self._comms.values()))
         finally:
-            if self._staging is not None:
-                self._staging.release()
+            with self._lock:
+                for staging in self._stagings:
+                    staging.release()
 
 
 def _actor_key(handle) -> str | None:

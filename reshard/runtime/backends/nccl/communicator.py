@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,8 @@ from reshard.runtime.backends.nccl.ids import _uid_bytes, uid_digest
 
 class NcclCommunicator(Communicator):
     """This device's NCCL communicator for one group. Operations block until the data has arrived
-    (or raise); inside ``backend.grouped()`` they are queued and the block's end waits for all."""
+    (or raise); inside ``backend.grouped()`` they are queued and the block's end waits for all (or,
+    ``wait=False``, for their launch). ``lock``: held by the thread queuing operations on it."""
 
     def __init__(self, backend, group: Group, rank: int, timeout_s: float, raw, info: Mapping[str, Any]):
         super().__init__(group, rank, timeout_s)
@@ -26,7 +28,9 @@ class NcclCommunicator(Communicator):
         self.abort_to = [tuple(a) for a in info.get("abort_to", ())]
         self.aborted = False
         self.closed = False
-        self.abort_requested = False  # another thread asked for an abort while a run held the backend
+        self.abort_requested = False  # another thread asked for an abort while a run held the communicator
+        self.lock = threading.RLock()
+        self.stream = None  # its operations' cupy stream (the backend makes it on first use)
 
     def __repr__(self) -> str:
         state = "aborted" if self.aborted else "closed" if self.closed else "live"
@@ -72,3 +76,8 @@ class NcclCommunicator(Communicator):
 
     def close(self) -> None:
         self._backend._destroy([self])
+
+    def retire(self) -> None:
+        """Release it off the callers' path (the backend's reaper thread aborts it locally; never
+        waits for peers, who drop it too)."""
+        self._backend._retire(self)

@@ -125,7 +125,7 @@ def sharing_env(mode: GpuSharing, gpus_per_device: float, nccl_version: tuple[in
                 pid: int, hostname: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:  # fmt: skip
     """Per-process environment that lets several ranks share one GPU (empty when they do not)."""
     if mode is GpuSharing.AUTO:
-        if gpus_per_device >= 1:
+        if gpus_per_device >= 1 or gpus_per_device == 0:  # a GPU each, or none reserved through Ray
             return {}
         multi = nccl_version is not None and nccl_version >= MULTI_RANK_GPU_MIN_VERSION
         multi = multi and gpus_per_device >= MULTI_RANK_MIN_SHARE

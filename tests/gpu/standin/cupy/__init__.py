@@ -39,12 +39,14 @@ from numpy import (
 )
 
 from cupy import cuda
-from cupy._array import asarray, asnumpy, empty, full, ndarray
+from cupy._array import _ufunc, asarray, asnumpy, empty, from_dlpack, full, ndarray, where
 
 __version__ = "14.2.0+standin"
 _standin = True
 
 __all__ = [
+    "add", "bitwise_and", "bitwise_or", "divide", "from_dlpack", "get_default_memory_pool", "maximum", "minimum",
+    "multiply", "subtract", "where",
     "arange", "array", "asarray", "asnumpy", "bool_", "complex64", "complex128", "cuda", "dtype", "empty", "empty_like",
     "float16", "float32", "float64", "full", "full_like", "get_array_module", "int8", "int16", "int32", "int64",
     "ndarray", "ones", "ones_like", "uint8", "uint16", "uint32", "uint64", "zeros", "zeros_like",
@@ -93,3 +95,41 @@ def get_array_module(*args):
     import cupy
 
     return cupy if any(isinstance(a, ndarray) for a in args) else numpy
+
+
+add = _ufunc(__import__("numpy").add)
+subtract = _ufunc(__import__("numpy").subtract)
+multiply = _ufunc(__import__("numpy").multiply)
+divide = _ufunc(__import__("numpy").true_divide)
+maximum = _ufunc(__import__("numpy").maximum)
+minimum = _ufunc(__import__("numpy").minimum)
+bitwise_and = _ufunc(__import__("numpy").bitwise_and)
+bitwise_or = _ufunc(__import__("numpy").bitwise_or)
+
+
+class _MemoryPool:
+    """``cupy.get_default_memory_pool()`` (cupy/cuda/memory.pyx ``MemoryPool``): ``used_bytes``
+    the live allocations, ``total_bytes`` those and the freed blocks the pool keeps for reuse,
+    which ``free_all_blocks`` gives back."""
+
+    def free_all_blocks(self) -> None:
+        from cupy.cuda import _gpu
+
+        _gpu.release_cached()
+
+    def used_bytes(self) -> int:
+        from cupy.cuda import _gpu
+
+        return _gpu.allocated_bytes()
+
+    def total_bytes(self) -> int:
+        from cupy.cuda import _gpu
+
+        return _gpu.allocated_bytes() + _gpu.pool_cached_bytes()
+
+
+_POOL = _MemoryPool()
+
+
+def get_default_memory_pool() -> _MemoryPool:
+    return _POOL

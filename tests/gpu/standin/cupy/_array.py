@@ -148,6 +148,21 @@ class ndarray:
         memptr = memory.MemoryPointer(self._data.mem, ptr_offset) if self._data.mem.ptr else self._data
         return ndarray(host_view.shape, host_view.dtype, memptr=memptr, strides=host_view.strides)
 
+    # -- DLPack (the DLPack Python specification; cupy/_core/dlpack.pyx)
+    def __dlpack_device__(self):
+        """``(kDLCPU, 0)``: the stand-in's device memory is host memory (a GPU array says kDLCUDA)."""
+        return (1, 0)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        """The array's memory to a consumer (``torch.from_dlpack``). On a GPU the ``stream``
+        argument makes the consumer's stream wait for this array's producer; the stand-in's
+        consumer is the host, so it waits for every stream of the device first."""
+        _gpu.synchronize_device(self._data.device_id)
+        host = self._host()
+        if max_version is None:
+            return host.__dlpack__()
+        return host.__dlpack__(max_version=max_version)
+
     def __array__(self, *args, **kwargs):
         raise TypeError(
             "Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a NumPy array "
@@ -401,3 +416,40 @@ def asnumpy(a, stream=None, order="C", out=None, blocking=True):
     if isinstance(a, ndarray):
         return a.get(stream=stream, out=out)
     return np.asarray(a, order=order)
+
+
+def _ufunc(fn):
+    """A cupy ufunc: ``fn(*operands, out=None)`` as one kernel on the current stream."""
+
+    def ufunc(*operands, out=None, **kwargs):
+        if out is None:
+            return _map(lambda *a: fn(*a, **kwargs), operands)
+        inputs = tuple(np.array(x, copy=True) if isinstance(x, np.ndarray | list | tuple) else x for x in operands)
+
+        def kernel():
+            fn(*(x._host() if isinstance(x, ndarray) else x for x in inputs), out=out._host(), **kwargs)
+
+        if out.size:
+            _gpu.launch(kernel, fn.__name__)
+        return out
+
+    ufunc.__name__ = fn.__name__
+    return ufunc
+
+
+def where(condition, x, y) -> ndarray:
+    return _map(np.where, (condition, x, y))
+
+
+def from_dlpack(obj) -> ndarray:
+    """An array over the memory of a DLPack producer, no copy. The stand-in takes host tensors
+    (a CPU torch tensor stands for a CUDA one: its memory becomes stand-in device memory, registered
+    for the producer's lifetime); cupy takes device memory only."""
+    kind, _ = obj.__dlpack_device__()
+    if kind != 1:
+        raise RuntimeError(f"the cupy stand-in takes host memory through DLPack (device type {kind} given)")
+    host = np.from_dlpack(obj)
+    if host.size == 0:
+        return ndarray(host.shape, host.dtype, memptr=memory.MemoryPointer(memory.UnownedMemory(0, 0, obj), 0))
+    mem = memory.HostMemory(host, obj)
+    return ndarray(host.shape, host.dtype, memptr=memory.MemoryPointer(mem, mem.start), strides=host.strides)

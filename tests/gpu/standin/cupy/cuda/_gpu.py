@@ -90,13 +90,14 @@ def reset_device() -> None:
 
 
 class Allocation:
-    __slots__ = ("ptr", "size", "device", "buf", "__weakref__")
+    __slots__ = ("ptr", "size", "device", "buf", "owned", "__weakref__")
 
     def __init__(self, ptr: int, size: int, device: int):
         self.ptr = ptr
         self.size = size
         self.device = device
         self.buf = np.full(size, POISON, dtype=np.uint8)
+        self.owned = True  # memory of this process's pool (not host memory lent through DLPack)
 
 
 _mem_lock = threading.Lock()
@@ -120,10 +121,43 @@ def malloc(nbytes: int, device: int) -> Allocation | None:
     return alloc
 
 
-def free(ptr: int) -> None:
+def register_host(buf: np.ndarray, device: int) -> Allocation:
+    """Host bytes ``buf`` (uint8, contiguous) as an allocation of ``device`` (``cupy.from_dlpack``
+    of a CPU tensor): a fake pointer range over them, no copy."""
+    check_sticky()
+    size = max(1, buf.size)
     with _mem_lock:
-        if _allocs.pop(ptr, None) is not None:
+        ptr = _next_ptr.get(device, _BASE + device * _DEVICE_SPAN)
+        _next_ptr[device] = ptr + -(-size // ALLOCATION_UNIT) * ALLOCATION_UNIT + ALLOCATION_UNIT
+        alloc = Allocation.__new__(Allocation)
+        alloc.ptr, alloc.size, alloc.device, alloc.buf, alloc.owned = ptr, buf.size, device, buf, False
+        bisect.insort(_bases, ptr)
+        _allocs[ptr] = alloc
+    return alloc
+
+
+_cached = [0]  # bytes of freed allocations cupy's memory pool would keep (``pool_cached_bytes``)
+
+
+def free(ptr: int) -> None:
+    """The last reference to an allocation went: its range becomes invalid (a later use faults),
+    and its bytes count as cached until ``release_cached`` (cupy's pool keeps freed blocks for
+    reuse until ``free_all_blocks``)."""
+    with _mem_lock:
+        alloc = _allocs.pop(ptr, None)
+        if alloc is not None:
             del _bases[bisect.bisect_left(_bases, ptr)]
+            if alloc.owned:
+                _cached[0] += alloc.size
+
+
+def pool_cached_bytes() -> int:
+    return _cached[0]
+
+
+def release_cached() -> None:
+    with _mem_lock:
+        _cached[0] = 0
 
 
 def allocated_bytes() -> int:

@@ -85,3 +85,29 @@ class MemoryPointer:
 
 def alloc(size: int) -> MemoryPointer:
     return MemoryPointer(Memory(size), 0)
+
+
+class HostMemory(BaseMemory):
+    """Host memory that a DLPack producer (a CPU torch tensor) lends as stand-in device memory,
+    registered as an allocation for as long as this object lives (``cupy.from_dlpack``)."""
+
+    def __init__(self, host, owner):
+        import numpy as np
+
+        flat = host.reshape(-1).view(np.uint8) if host.flags.c_contiguous else None
+        if flat is None:  # a strided view: register the span it covers
+            lo = sum(s * (n - 1) for s, n in zip(host.strides, host.shape, strict=True) if s < 0)
+            hi = host.itemsize + sum(s * (n - 1) for s, n in zip(host.strides, host.shape, strict=True) if s > 0)
+            address = host.ctypes.data + lo
+            flat = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * (hi - lo)).from_address(address))
+        self.start = 0
+        self._owner = (host, owner)
+        self.device_id = runtime.getDevice()
+        self._alloc = _gpu.register_host(flat, self.device_id)
+        self.ptr = self._alloc.ptr
+        self.size = self._alloc.size
+        self.start = host.ctypes.data - flat.ctypes.data
+        weakref.finalize(self, _gpu.free, self.ptr)
+
+    def host_bytes(self):
+        return self._alloc.buf

@@ -136,6 +136,17 @@ def eventQuery(event: int) -> int:
     return stream.event_query(event)
 
 
+def streamQuery(stream: int) -> int:
+    """``cudaStreamQuery``: 0 once every task queued on the stream completed, ``cudaErrorNotReady``
+    before, or the sticky error; returned, not raised (as cupy 14's ``runtime.streamQuery``)."""
+    from cupy.cuda import _gpu
+
+    if _gpu.sticky() is not None:
+        return _gpu.sticky()
+    q = _gpu.queue_of(stream)
+    return 0 if q.reached(q.last()) else cudaErrorNotReady
+
+
 def _not_modelled(*args, **kwargs):
     raise CUDARuntimeError(cudaErrorNotSupported)
 

@@ -69,6 +69,13 @@ class _BaseStream:
         event.record(self)
         return event
 
+    def launch_host_func(self, callback, arg) -> None:
+        """``cudaLaunchHostFunc``: ``callback(arg)`` runs on a host thread once everything queued on
+        this stream before it completed; later work on the stream waits for it to return. Work
+        after a fault never runs, so neither does a callback queued behind it (CUDA runtime API,
+        "cudaLaunchHostFunc": it is not called when the stream is in an error state)."""
+        _gpu.queue_of(self.ptr).submit(lambda: callback(arg), "cudaLaunchHostFunc")
+
     def wait_event(self, event) -> None:
         """``cudaStreamWaitEvent``: later work on this stream waits for ``event``'s recorded work."""
         deps = event._state.dep()
