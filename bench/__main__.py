@@ -13,6 +13,7 @@ SUITES = """suites (each has its own --help):
   python -m bench multihost --weights    a whole model's sync across emulated hosts (root)
   python -m bench emulate ...            bring emulated hosts up and down by hand (root)
   python -m bench path                   the files one reshard runs through, driver to bytes
+  python -m bench gpu [options]          the GPU data plane on this machine's GPUs (one is enough)
 """
 
 
@@ -33,6 +34,10 @@ def main(argv: list[str]) -> int:
         return run(argv[1:])
     if argv[:1] == ["weights"]:
         from bench.weights import main as run
+
+        return run(argv[1:])
+    if argv[:1] == ["gpu"]:
+        from bench.gpu import main as run
 
         return run(argv[1:])
     if argv[:1] == ["path"]:

@@ -32,7 +32,8 @@ class DeviceOptions:
     memory of dropped shards kept for reuse (0 disables the pool); ``assembly_bytes`` the private
     buffer a new destination shard is assembled in before it is written into fresh shared memory
     (0 writes in place); ``torch_threads`` torch's threads in the actor (0: as they are);
-    ``shared_memory`` shards in shared memory that peers of the machine pull from (CPU devices)."""
+    ``shared_memory`` shards that peers pull from: shared memory on CPU devices (peers of the
+    machine), CUDA IPC on GPU devices (peers sharing the GPU)."""
 
     op_timeout_s: float = 300.0
     staging_keep_bytes: int = 64 << 20
@@ -50,8 +51,7 @@ class DeviceOptions:
         object.__setattr__(self, "shared_memory", bool(self.shared_memory))
 
     def for_device(self, device_type: str) -> dict:
-        """What a device actor receives (shared memory only for CPU devices)."""
+        """What a device actor receives."""
         shipped = asdict(self)
         shipped["device_type"] = device_type
-        shipped["shared_memory"] = self.shared_memory and device_type == "cpu"
         return shipped

@@ -84,6 +84,8 @@ def steps(bench: bool) -> list[Step]:
         ),
         Step("uuids", [PY, "-c", UUIDS], "GPU UUIDs as torch and cupy read them (cupy cuts at a 0x00 byte)", 60),
         pytest_step("backend", "tests/gpu/test_nccl.py", "the NcclBackend API on one rank", 300),
+        pytest_step("box-copies", "tests/gpu/test_box_copies.py", "the copy kernel (NVRTC compiles it)", 180),
+        pytest_step("cuda-ipc", "tests/gpu/test_cuda_ipc.py", "CUDA IPC pulls between actors on one GPU", 240),
         pytest_step(
             "one-gpu-hostid",
             "tests/gpu/test_one_gpu_tier.py",
@@ -102,8 +104,8 @@ def steps(bench: bool) -> list[Step]:
         pytest_step("dist", "tests/gpu/test_nccl_dist.py", "the dist bodies on NCCL device actors", 420),
     ]
     if bench:
-        argv = [PY, "-m", "bench", "--backend", "nccl", "--quick", "--gpus-per-device", "auto", "--no-startup"]
-        out.append(Step("bench", argv, "bench/local.py with the NCCL backend", 420))
+        argv = [PY, "-m", "bench", "gpu", "--out", "gpu-check/gpu.json"]
+        out.append(Step("bench", argv, "bench/gpu.py: the GPU data plane measured", 420))
     return out
 
 

@@ -276,3 +276,50 @@ def connect_all(ranks: RankSet, rdvs, timeout_s: float = 60.0, devices=None) -> 
 @pytest.fixture(scope="session")
 def connect_ranks():
     return connect_all
+
+
+SHARED_GPU_POOL = 8  # device actors on a single GPU (and on the CPU stand-in)
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster, gpus, require_pool):
+    from reshard import DeviceMesh
+    from reshard.runtime.backends.nccl import NcclBackend
+
+    total = gpus.total
+    require_pool(1, total)
+    if gpus.standin:  # every actor process has a stand-in GPU of its own: nothing to reserve or share
+        n, need, backend = SHARED_GPU_POOL, 0, NcclBackend(timeout_s=120, gpus_per_device=0)
+    elif total >= 2:
+        n, need, backend = min(total, 8), min(total, 8), NcclBackend(timeout_s=120)
+    else:
+        n, need = SHARED_GPU_POOL, 1
+        backend = NcclBackend(timeout_s=120, gpus_per_device=1 / SHARED_GPU_POOL, gpu_sharing="hostid")
+    gpus.wait_free(need)
+    mesh = DeviceMesh.create((n,), backend=backend, startup_timeout_s=180)
+    yield mesh
+    mesh.shutdown()
+
+
+@pytest.fixture
+def view(pool):
+    """``view(pool_indices, shape, devices_per_host=None)`` as in tests/dist, over the GPU pool."""
+    from reshard import DeviceMesh
+
+    slots: dict[int, int] = {}
+    made = []
+
+    def make(indices, shape, devices_per_host=None):
+        indices = [int(i) for i in indices]
+        for i in indices:
+            slots.setdefault(i, len(slots))
+        if len(slots) > pool.size:
+            pytest.skip(f"the case needs {len(slots)} distinct devices, the NCCL pool has {pool.size}")
+        devices = [pool.device_ids[slots[i]] for i in indices]
+        m = DeviceMesh.from_devices(devices, shape, devices_per_host=devices_per_host)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.shutdown()

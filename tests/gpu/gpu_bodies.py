@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 
 def environment(actor) -> dict:
     import torch
@@ -174,3 +176,68 @@ def recv_values(actor, group, peer: int, n: int):
     b = torch.full((n,), -1, device="cuda", dtype=torch.int32)
     comm.recv(b, peer)
     return sorted(set(b.cpu().tolist()))
+
+
+# -- CUDA IPC (tests/gpu/test_cuda_ipc.py): run through ``DeviceMesh.call`` on device contexts
+
+
+def ipc_allocate(ctx, name: str, n: int, value: float):
+    """A shard of ``n`` float32 ``value``s in this device's IPC memory; its descriptor."""
+    import cupy
+
+    t = ctx.store.allocate((n,), "float32")
+    t[...] = value
+    cupy.cuda.Device(ctx.cuda_device).synchronize()
+    ctx.store.put(name, t, "test", "float32")
+    return ctx.store.descriptor(t)
+
+
+def ipc_pull(ctx, holder: int, desc):
+    """Device ``holder``'s shard ``desc`` copied here through CUDA IPC, tenure-checked after."""
+    view = ctx.peers.get(holder, desc, np.dtype(np.float32))
+    out = view.copy().get()
+    ctx.peers.check(holder, desc)
+    return out
+
+
+def ipc_free(ctx, name: str) -> None:
+    ctx.store.free(name)
+
+
+def ipc_opened(ctx) -> int:
+    return len(ctx.peers.maps)
+
+
+def slow_every_op(ctx, seconds: float) -> None:
+    """Before every op of this device's runs, a kernel keeps the run's stream busy for
+    ``seconds``: whatever a run queues lands late, so a call that returned before its stream got
+    there would hand out old bytes."""
+    import cupy
+
+    def hook(run, op):
+        if getattr(cupy, "_standin", False):
+            from cupy import _control
+
+            _control.sleep(seconds)
+        else:
+            _spin(seconds)
+
+    ctx.before_op = hook
+
+
+def no_hook(ctx) -> None:
+    ctx.before_op = None
+
+
+def _spin(seconds: float) -> None:
+    """A GPU kernel that spins ``seconds`` on the current stream."""
+    import cupy
+
+    kernel = cupy.RawKernel(
+        r"""extern "C" __global__ void spin(long long ns) {
+            long long start = clock64(); (void)start;
+            for (long long t = 0; t < ns; t += 1000) __nanosleep(1000);
+        }""",
+        "spin",
+    )
+    kernel((1,), (1,), (np.int64(int(seconds * 1e9)),))

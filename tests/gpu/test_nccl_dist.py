@@ -18,10 +18,7 @@ import sys
 import pytest
 from gpu_bodies import reserved_gpu_bytes
 
-from reshard.runtime.backends.nccl import NcclBackend
-
 pytestmark = pytest.mark.gpu(1)
-SHARED_GPU_POOL = 8  # device actors on a single GPU (and on the CPU stand-in)
 
 _DIST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist")
 # The bodies that run on an NCCL pool, named one by one: the others mix in a gloo mesh (refused:
@@ -63,49 +60,6 @@ def test_every_allowed_dist_body_exists():
     assert not MISSING, f"tests/dist/test_reshard.py no longer has {MISSING}: update ALLOWED"
 
 
-@pytest.fixture(scope="module")
-def pool(ray_cluster, gpus, require_pool):
-    from reshard import DeviceMesh
-
-    total = gpus.total
-    require_pool(1, total)
-    if gpus.standin:  # every actor process has a stand-in GPU of its own: nothing to reserve or share
-        n, need, backend = SHARED_GPU_POOL, 0, NcclBackend(timeout_s=120, gpus_per_device=0)
-    elif total >= 2:
-        n, need, backend = min(total, 8), min(total, 8), NcclBackend(timeout_s=120)
-    else:
-        n, need = SHARED_GPU_POOL, 1
-        backend = NcclBackend(timeout_s=120, gpus_per_device=1 / SHARED_GPU_POOL, gpu_sharing="hostid")
-    gpus.wait_free(need)
-    mesh = DeviceMesh.create((n,), backend=backend, startup_timeout_s=180)
-    yield mesh
-    mesh.shutdown()
-
-
-@pytest.fixture
-def view(pool):
-    """``view(pool_indices, shape, devices_per_host=None)`` as in tests/dist, over the GPU pool."""
-    from reshard import DeviceMesh
-
-    slots: dict[int, int] = {}
-    made = []
-
-    def make(indices, shape, devices_per_host=None):
-        indices = [int(i) for i in indices]
-        for i in indices:
-            slots.setdefault(i, len(slots))
-        if len(slots) > pool.size:
-            pytest.skip(f"the case needs {len(slots)} distinct devices, the NCCL pool has {pool.size}")
-        devices = [pool.device_ids[slots[i]] for i in indices]
-        m = DeviceMesh.from_devices(devices, shape, devices_per_host=devices_per_host)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        m.shutdown()
-
-
 def test_empty_cache_gives_back_the_cached_gpu_blocks(view):
     import numpy as np
 
@@ -126,3 +80,31 @@ def test_empty_cache_gives_back_the_cached_gpu_blocks(view):
     assert all(a < c for a, c in zip(now, cached, strict=True))  # the replicas' blocks went back
     np.testing.assert_array_equal(t.to_numpy(), x)  # live shards untouched
     t.free()
+
+
+def test_results_are_written_when_reshard_returns(view):
+    """A slow GPU (a kernel holding the run's stream before every op) changes nothing for the
+    caller: a reshard returns once its stream finished, so reads from another stream (the reads'
+    own) and another process see the new bytes, into fresh outputs and with ``out=``."""
+    import numpy as np
+    from gpu_bodies import no_hook, slow_every_op
+
+    from reshard import Layout, Replicate, Shard, distribute, reshard
+
+    a = view([0, 1], (2,))
+    b = view([2, 3], (2,))
+    x = np.arange(96 * 32, dtype=np.float32).reshape(96, 32)
+    t = distribute(x, Layout(a, (Shard(0),)))
+    out = distribute(np.zeros_like(x), Layout(b, (Shard(1),)))
+    for mesh in (a, b):
+        mesh.call(slow_every_op, 0.05)
+    try:
+        for shared_memory in (True, False):  # CUDA IPC pulls, NCCL messages
+            y = reshard(t, a, Layout(b, (Replicate(),)), shared_memory=shared_memory)
+            np.testing.assert_array_equal(y.to_numpy(), x)
+            reshard(t, a, Layout(b, (Shard(1),)), out=out, shared_memory=shared_memory)
+            np.testing.assert_array_equal(out.to_numpy(), x)
+            out = distribute(np.zeros_like(x), Layout(b, (Shard(1),)))
+    finally:
+        for mesh in (a, b):
+            mesh.call(no_hook)

@@ -231,15 +231,14 @@ def test_backend_options_are_validated():
 # -- the backend registry -----------------------------------------------------------------------
 
 
-def test_registry_resolves_nccl_lazily_and_keeps_an_instances_gpus(monkeypatch):
+def test_registry_resolves_nccl_lazily_and_a_mesh_reserves_what_its_instance_declares(monkeypatch):
     monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
     assert backends.backend_class("nccl") is NcclBackend
-    name, inst = backends.make_backend(NcclBackend(env={}))
-    assert name == "nccl" and inst.env == {} and backends.backend_spec("nccl").gpus_per_device == 1.0
-    backends.make_backend(NcclBackend(gpus_per_device=0.25))
-    assert backends.backend_spec("nccl").gpus_per_device == 0.25  # four actors per GPU
-    backends.make_backend(NcclBackend())
-    assert backends.backend_spec("nccl").gpus_per_device == 1.0
+    name, inst, gpus = backends.make_backend(NcclBackend(env={}))
+    assert name == "nccl" and inst.env == {} and gpus == 1.0
+    assert backends.make_backend(NcclBackend(gpus_per_device=0.25))[2] == 0.25  # four actors per GPU
+    assert backends.backend_spec("nccl").gpus_per_device == 1.0  # the next mesh made by name: a GPU each
+    assert backends.make_backend("nccl")[2] == 1.0
 
 
 def test_a_registered_instance_keeps_the_gpus_its_class_declares(monkeypatch):
@@ -260,9 +259,9 @@ def test_a_registered_instance_keeps_the_gpus_its_class_declares(monkeypatch):
         name = "plain"
         gpus_per_device = None
 
-    backends.make_backend(TwoGpus())
+    assert backends.make_backend(TwoGpus())[2] == 2.0
     assert backends.backend_spec("two-gpus") == backends.BackendSpec(TwoGpus, "cuda", 2.0)
-    backends.make_backend(Plain())
+    assert backends.make_backend(Plain())[2] == 0.0
     assert backends.backend_spec("plain").gpus_per_device == 0.0
 
 

@@ -7,14 +7,12 @@ fraction below 1 (several device actors share one GPU; Ray gives each the same G
 CUDA_VISIBLE_DEVICES).
 
 A ``Backend`` instance that declares ``gpus_per_device`` (class attribute or per instance, e.g.
-``NcclBackend(gpus_per_device=0.25)``) keeps it when it is registered through ``make_backend``: a
-mesh created from that instance reserves what the instance asks for. The registry holds one entry
-per name, so the entry of a built-in name follows the instance passed last.
+``NcclBackend(gpus_per_device=0.25)``): a mesh created from that instance reserves what the
+instance asks for (``make_backend``); a mesh created by name reserves what the registry says.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import math
 from dataclasses import dataclass
@@ -97,12 +95,12 @@ def backend_class(name: str) -> type[Backend]:
     return target
 
 
-def make_backend(backend) -> tuple[str, Backend]:
-    """``(name, instance)`` for a backend name or a ``Backend`` instance.
-
-    An instance registers its class under its name if the name is new, with the instance's
-    ``device_type`` and ``gpus_per_device`` (0 if it declares none); for a known name, a declared
-    ``gpus_per_device`` that differs from the entry's replaces it."""
+def make_backend(backend) -> tuple[str, Backend, float]:
+    """``(name, instance, GPUs each device actor reserves)`` for a backend name or a ``Backend``
+    instance. A name: its registry entry's GPUs. An instance: the GPUs it declares (its
+    registry entry's when it declares none); an instance of a new name registers its class under
+    that name. The registry entry of a known name never changes here: one mesh's instance says
+    what that mesh reserves, not what the next mesh of that backend does."""
     if isinstance(backend, Backend):
         gpus = backend.gpus_per_device
         spec = BACKENDS.get(backend.name)
@@ -113,11 +111,10 @@ def make_backend(backend) -> tuple[str, Backend]:
                 device_type=backend.device_type,
                 gpus_per_device=0.0 if gpus is None else gpus,
             )
-        elif gpus is not None and check_gpus_per_device(gpus) != spec.gpus_per_device:
-            BACKENDS[backend.name] = dataclasses.replace(spec, gpus_per_device=gpus)
-        return backend.name, backend
+            spec = BACKENDS[backend.name]
+        return backend.name, backend, spec.gpus_per_device if gpus is None else check_gpus_per_device(gpus)
     if not isinstance(backend, str):
         raise TypeError(
             f"backend must be a name ({', '.join(sorted(BACKENDS))}) or a Backend instance, got {backend!r}"
         )
-    return backend, backend_class(backend)()
+    return backend, backend_class(backend)(), backend_spec(backend).gpus_per_device

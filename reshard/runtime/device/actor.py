@@ -36,6 +36,7 @@ from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device.batches import BatchRun, execute_batch, first_mismatch, prepare_batch
 from reshard.runtime.device.binding import Binding, checked_out
 from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
+from reshard.runtime.device.gpu_memory import GpuBlocks
 from reshard.runtime.messages import (
     COMMIT_WAIT_S,
     HoldChange,
@@ -98,6 +99,7 @@ class DeviceRole:
             "node_ip": ray.util.get_node_ip_address(),
             "torch_device": ctx.device_type,
             "shared_memory": ctx.shared is not None,
+            "memory_domain": ctx.memory_domain(rc.get_node_id()),
             "board": None if ctx.board is None else ctx.board.descriptor,
         }
 
@@ -375,6 +377,8 @@ class DeviceRole:
         ctx.peers.clear()
         if ctx.board is not None:
             ctx.board.close()
+        if isinstance(ctx.shared, GpuBlocks):
+            ctx.shared.close()
         self._reshard_ctx = None
 
 

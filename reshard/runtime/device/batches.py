@@ -6,6 +6,11 @@ destination shard. Buckets are issued window by window (inside one backend batch
 batches), then waited for in order. Then each part runs as a single program does
 (``reshard.runtime.device.executor``), one after the other in tensor order.
 
+On a GPU device the pieces of a window are packed, and unpacked, by one kernel (``box_copies``),
+and the parts whose programs only copy (their messages packed, nothing combined, nothing
+published or relayed: a state dict's small tensors, pulls between devices sharing the GPU) run
+together as one flat unit: one kernel for all their copies and pulls, before the other parts.
+
 ``verify``: after the run, a checksum (CRC-32) of every slice the device read to send or pull, and
 of every slice it received, as it lies in its destination shard, keyed by tensor and plan step; the
 controller compares each received slice with what its sender read. Slices that a Partial source
@@ -18,7 +23,7 @@ import contextlib
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +32,7 @@ from reshard.ir.batch import BatchDeviceProgram, Bucket
 from reshard.ir.program import Broadcast, Buffer, Copy, Pull, Recv, Scale, Send, group_of
 from reshard.ir.regions import box_shape
 from reshard.runtime import arrays
+from reshard.runtime.device import box_copies
 from reshard.runtime.device.executor import PreparedProgram, Run, begin_run, box_index, prepare, run_windows
 
 
@@ -50,6 +56,8 @@ class PreparedBatch:
     parts: tuple[PreparedProgram, ...]
     windows: tuple[tuple[PreparedBucket, ...], ...]
     metas: dict
+    flat: tuple[int, ...] = ()  # indices of the parts that only copy (one flat unit on a GPU device)
+    tables: dict = field(default_factory=dict, compare=False)  # GPU copy tables, made on first use
 
     @property
     def device(self) -> int:
@@ -69,7 +77,25 @@ def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> Pre
     d = program.device
     windows = tuple(tuple(_prepare_bucket(b, d) for b in w) for w in program.issue_windows)
     parts = tuple(prepare(p.program, p.dtype) for p in program.parts)
-    return PreparedBatch(program, parts, windows, dict(metas or {}))
+    flat = tuple(i for i, p in enumerate(parts) if _only_copies(p))
+    return PreparedBatch(program, parts, windows, dict(metas or {}), flat)
+
+
+def _only_copies(p: PreparedProgram) -> bool:
+    """Whether a part only copies boxes between its own shards and peers' source shards."""
+    prog = p.program
+    if prog.tmp or prog.zero_dst or prog.relays or p.publishes or p.background:
+        return False
+    for op in prog.ops:
+        if (
+            not isinstance(op, Copy | Pull)
+            or op.reduce is not None
+            or getattr(op, "target", Buffer.DST) is not Buffer.DST
+        ):
+            return False
+        if isinstance(op, Pull) and op.buffer is not Buffer.SRC:
+            return False
+    return True
 
 
 def _prepare_bucket(b: Bucket, device: int) -> PreparedBucket:
@@ -97,6 +123,8 @@ class BatchRun:
         self.batch = batch
         self.after_run = after_run
         self.comm_s = 0.0
+        self.gpu = arrays.is_device(staging.buf) or any(arrays.is_device(r.dst) or arrays.is_device(r.src)
+                                                        for r in runs.values())  # fmt: skip
 
     def left(self, bucket: Bucket) -> float:
         left = self.deadline - time.monotonic()
@@ -117,8 +145,12 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
         begin_run(r)
     for window in run.prepared.windows:
         _run_window(run, window)
-    for r in ordered:
-        run_windows(r)
+    flat = set(run.prepared.flat) if run.gpu else set()
+    if flat:
+        _run_flat(run, ordered)
+    for i, r in enumerate(ordered):
+        if i not in flat:
+            run_windows(r)
     if finish is not None:
         finish(run.deadline, f"device {run.prepared.device}: a reshard")
     comm_s = run.comm_s + sum(r.comm_s for r in ordered)
@@ -131,6 +163,9 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
 def _run_window(run: BatchRun, window: tuple[PreparedBucket, ...]) -> None:
     pending = []
     c0 = time.monotonic()
+    tables = _window_tables(run, window) if run.gpu else None
+    if tables is not None:
+        tables[0].launch(_bases(run, tables[2]))  # every piece this device sends in the window: one kernel
     with run.batch(timeout_s=run.deadline - c0) if run.batch is not None else contextlib.nullcontext():
         for pb in window:
             if run.before_op is not None:
@@ -138,7 +173,7 @@ def _run_window(run: BatchRun, window: tuple[PreparedBucket, ...]) -> None:
             wire = run.staging.view(pb.bucket.staging, "uint8", (pb.bucket.nbytes,))
             comm = run.groups.get(pb.key)
             comm.timeout_s = run.left(pb.bucket)
-            if pb.sends:
+            if pb.sends and tables is None:
                 _pack(run, pb)
             data = arrays.wire(wire)
             if pb.peer < 0:
@@ -150,9 +185,106 @@ def _run_window(run: BatchRun, window: tuple[PreparedBucket, ...]) -> None:
             pending.append((pb, work))
     for pb, work in pending:
         work.wait(run.left(pb.bucket))
-        if not pb.sends:
+        if not pb.sends and tables is None:
             _unpack(run, pb)
+    if tables is not None:
+        tables[1].launch(_bases(run, tables[2]))  # every piece it received: one kernel
     run.comm_s += time.monotonic() - c0
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU devices: copies as tables of one kernel each (``box_copies``). A table's rows name buffers by
+# index into a list of (tensor, "src" | "dst") or "staging" or (tensor, holder): their addresses are
+# read at each run.
+
+
+def _box_copies(shape_from, box_from, shape_to, box_to, itemsize: int, base_from: int = 0, base_to: int = 0):
+    """The copies of box ``box_from`` of a C-ordered buffer of ``shape_from`` into box ``box_to``
+    of one of ``shape_to`` (byte offsets from ``base_from`` / ``base_to``)."""
+    strides_from, strides_to = _strides(shape_from, itemsize), _strides(shape_to, itemsize)
+    offset_from = base_from + sum(lo * s for (lo, _), s in zip(box_from, strides_from, strict=True))
+    offset_to = base_to + sum(lo * s for (lo, _), s in zip(box_to, strides_to, strict=True))
+    return box_copies.describe(box_shape(box_from), itemsize, offset_from, strides_from, offset_to, strides_to)
+
+
+def _strides(shape, itemsize: int) -> tuple[int, ...]:
+    out, step = [], itemsize
+    for n in reversed(tuple(shape)):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def _window_tables(run: BatchRun, window: tuple[PreparedBucket, ...]):
+    """``(pack table, unpack table, buffers)`` of a window, made once per prepared batch."""
+    key = ("window", id(window))
+    hit = run.prepared.tables.get(key)
+    if hit is not None:
+        return hit
+    buffers: dict = {"staging": 0}
+    pack, unpack = box_copies.Table(), box_copies.Table()
+    for pb in window:
+        for (tensor, _, shape, offset), q in zip(pb.pieces, pb.bucket.pieces, strict=True):
+            r = run.runs[tensor]
+            item = arrays.storage(r.dtype).itemsize
+            whole = tuple((0, n) for n in shape)
+            if pb.sends:
+                src = buffers.setdefault((tensor, "src"), len(buffers))
+                for c in _box_copies(r.src.shape, q.box, shape, whole, item, 0, pb.bucket.staging + offset):
+                    pack.add(src, 0, c)
+            else:
+                dst = buffers.setdefault((tensor, "dst"), len(buffers))
+                for c in _box_copies(shape, whole, r.dst.shape, q.box, item, pb.bucket.staging + offset, 0):
+                    unpack.add(0, dst, c)
+    hit = run.prepared.tables[key] = (pack, unpack, tuple(buffers))
+    return hit
+
+
+def _run_flat(run: BatchRun, ordered: list[Run]) -> None:
+    """The parts that only copy, as one kernel (module docstring)."""
+    key = "flat"
+    hit = run.prepared.tables.get(key)
+    if hit is None:
+        buffers: dict = {}
+        table = box_copies.Table()
+        for i in run.prepared.flat:
+            r = ordered[i]
+            item = arrays.storage(r.dtype).itemsize
+            for op in r.prepared.program.ops:
+                if isinstance(op, Pull):
+                    src = buffers.setdefault((r.prepared.program.device, i, op.holder), len(buffers))
+                    shape_from = r.peers[op.holder].shape
+                else:
+                    src = buffers.setdefault((i, "src" if op.buffer is Buffer.SRC else "dst"), len(buffers))
+                    shape_from = r.buffer(op.buffer).shape
+                dst = buffers.setdefault((i, "dst"), len(buffers))
+                for c in _box_copies(shape_from, op.read, r.dst.shape, op.write, item):
+                    table.add(src, dst, c)
+        hit = run.prepared.tables[key] = (table, tuple(buffers))
+    table, names = hit
+    if run.before_op is not None:
+        for i in run.prepared.flat:
+            for op in ordered[i].prepared.program.ops:
+                run.before_op(ordered[i], op)
+    bases = []
+    for name in names:
+        if len(name) == 3:  # a peer's source shard
+            bases.append(ordered[name[1]].peers[name[2]].data.ptr)
+        else:
+            r = ordered[name[0]]
+            bases.append((r.src if name[1] == "src" else r.dst).data.ptr)
+    table.launch(bases)
+
+
+def _bases(run: BatchRun, names) -> list[int]:
+    out = []
+    for name in names:
+        if name == "staging":
+            out.append(run.staging.buf.data.ptr)
+        else:
+            r = run.runs[name[0]]
+            out.append((r.src if name[1] == "src" else r.dst).data.ptr)
+    return out
 
 
 def _pack(run: BatchRun, pb: PreparedBucket) -> None:

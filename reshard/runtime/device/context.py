@@ -22,6 +22,7 @@ from reshard.runtime import arrays
 from reshard.runtime.backends.communicator import Backend, Communicator
 from reshard.runtime.device.batches import PreparedBatch
 from reshard.runtime.device.executor import Run, StagingBuffer, execute, prepare
+from reshard.runtime.device.gpu_memory import GpuBlocks, GpuPeers
 from reshard.runtime.device.group_cache import GroupCache
 from reshard.runtime.device.inbox import OrderedInbox
 from reshard.runtime.device.run_streams import RunStream
@@ -78,17 +79,19 @@ class DeviceContext:
         self.backend = backend
         self.device_type = _device_type(options.get("device_type") or backend.device_type, options.get("cuda_device"))
         self.options = dict(options)
-        want_shared = options.get("shared_memory", False) and self.device_type == "cpu"
-        shared = SharedShards() if want_shared and SharedShards.available() else None
-        self.store = ShardStore(
-            device,
-            self.device_type,
-            int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES)),
-            shared,
-            int(options.get("assembly_bytes", ASSEMBLY_BYTES)),
-        )
-        self.peers = PeerShards(device)
-        self.board = RelayBoard() if shared is not None and RelayBoard.available() else None
+        pool_bytes = int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES))
+        want_shared = bool(options.get("shared_memory", False))
+        gpu = self.cuda_device
+        shared: SharedShards | GpuBlocks | None = None
+        if gpu is None and want_shared and SharedShards.available():
+            shared = SharedShards()
+        elif gpu is not None and want_shared and GpuBlocks.available():
+            shared = GpuBlocks(gpu, pool_bytes)
+        self.store = ShardStore(device, self.device_type, pool_bytes, shared,
+                                int(options.get("assembly_bytes", ASSEMBLY_BYTES)))  # fmt: skip
+        self.peers: PeerShards | GpuPeers = PeerShards(device) if gpu is None else GpuPeers(device, gpu)
+        cpu_shared = gpu is None and shared is not None
+        self.board = RelayBoard() if cpu_shared and RelayBoard.available() else None
         self.controllers: dict[str, ControllerState] = {}
         self.inbox = OrderedInbox()
         self.before_op = None
@@ -103,6 +106,20 @@ class DeviceContext:
     @property
     def shared(self):
         return self.store.shared
+
+    def memory_domain(self, node_id: str) -> str | None:
+        """Which devices may pull this device's shards out of its memory: those of the same
+        domain. CPU shared memory: the Ray node (``node_id``); GPU memory through CUDA IPC: the node
+        and the GPU's UUID (no peer-to-peer access needed). None: no pulls."""
+        if self.shared is None:
+            return None
+        gpu = self.cuda_device
+        if gpu is None:
+            return node_id
+        import cupy
+
+        uuid = cupy.cuda.runtime.getDeviceProperties(gpu)["uuid"]
+        return f"{node_id}/gpu-{bytes(uuid).hex()}"
 
     @property
     def cuda_device(self) -> int | None:
@@ -165,7 +182,10 @@ class DeviceContext:
         if state is not None:
             freed += state.staging.nbytes
             state.staging.reserve(0)
-        self.peers.purge()
+        if self.cuda_device is None:
+            self.peers.purge()
+        else:
+            self.peers.clear()  # close every peer block opened here: their holders may free them now
         if self.cuda_device is not None:
             import cupy
 
@@ -191,7 +211,7 @@ class DeviceContext:
         handle, dtype)`` and copy out of, as reshards pull shards (a pipeline lane's activations go
         so). The block lives while the array does. None where this device keeps no shared memory
         (GPU devices, meshes made with ``shared_memory=False``)."""
-        if self.shared is None:
+        if self.cuda_device is not None or self.shared is None:
             return None
         storage = arrays.storage(dtype)
         nbytes = math.prod(shape) * storage.itemsize
@@ -214,9 +234,8 @@ class DeviceContext:
         if not (arrays.is_numpy(tensor) or arrays.is_torch(tensor) or arrays.is_device(tensor)):
             raise TypeError(f"share needs a torch.Tensor or numpy array, got {type(tensor).__name__}")
         dtype = arrays.dtype_of(tensor)  # a dtype the runtime moves (TypeError naming them otherwise)
-        where = _location(tensor)
-        here = where == self.device_type or (where == "cuda" and self.device_type.startswith("cuda"))
-        if not arrays.contiguous(tensor) or not here:
+        held, where = self._held(tensor)
+        if not arrays.contiguous(tensor) or held is None:
             strides = tensor.stride() if arrays.is_torch(tensor) else tensor.strides
             raise ValueError(
                 f"device {self.device}: share({name!r}) needs a contiguous tensor on {self.device_type}, got one on "
@@ -225,11 +244,25 @@ class DeviceContext:
             )
         meta = {"shape": None if shape is None else tuple(shape), "placements": placements,
                 "mesh_shape": mesh_shape, "coordinate": coordinate}  # fmt: skip
-        if arrays.is_torch(tensor):
-            tensor = arrays.as_numpy(tensor) if self.device_type == "cpu" else arrays.as_device(tensor)  # same memory
-        else:
-            tensor = tensor.view(arrays.storage(dtype))  # an ml_dtypes array as its bit pattern
-        self.store.share(name, tensor, dtype, meta)
+        self.store.share(name, held.view(arrays.storage(dtype)), dtype, meta)
+
+    def _held(self, tensor):
+        """``(the array this device keeps for tensor, over its memory, or None; where it lives)``:
+        a CPU device keeps numpy arrays, a GPU device cupy arrays of its own GPU (a torch tensor
+        through DLPack, which cupy takes only from device memory)."""
+        if self.cuda_device is None:
+            if arrays.is_numpy(tensor):
+                return tensor, "cpu"
+            where = "cpu" if arrays.is_torch(tensor) and tensor.device.type == "cpu" else _location(tensor)
+            return (arrays.as_numpy(tensor) if where == "cpu" else None), where
+        if arrays.is_numpy(tensor):
+            return None, "host memory"
+        try:
+            held = arrays.as_device(tensor) if arrays.is_torch(tensor) else tensor
+        except Exception:  # not device memory cupy can see
+            return None, _location(tensor)
+        where = f"cuda:{held.device.id}"
+        return (held if where == self.device_type else None), where
 
     def unshare(self, name: str) -> None:
         self.store.unshare(name)

@@ -148,11 +148,12 @@ class ShardStore:
 
     def __init__(self, device: int, device_type: str, pool_bytes: int, shared=None, assembly_bytes: int = 0):
         self.device = device
-        self.device_type = device_type  # "cpu": numpy shards; else torch tensors on that device
+        self.device_type = device_type  # "cpu": numpy shards; else cupy arrays on that GPU
         self.pool = BufferPool(pool_bytes)
-        self.assembly = AssemblyBuffer(assembly_bytes if shared is not None else 0)
+        cpu_shared = shared is not None and device_type == "cpu"
+        self.assembly = AssemblyBuffer(assembly_bytes if cpu_shared else 0)
         self._assembling: np.ndarray | None = None  # the destination being assembled
-        self.shared = shared  # SharedShards, or None: private memory
+        self.shared = shared  # SharedShards (CPU), GpuBlocks (GPU), or None: private memory
         self.shards: dict = {}  # name -> numpy array (CPU) or torch tensor
         self.holders: dict[str, set[str]] = {}
         self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -178,6 +179,9 @@ class ShardStore:
         on a GPU a cupy array."""
         storage = arrays.storage(dtype)
         if self.device_type != "cpu":
+            nbytes = _nbytes(shape, storage)
+            if nbytes and shared and self.shared is not None:  # a block of its own: peers on its GPU pull it
+                return self.shared.allocate(nbytes).view(storage).reshape(tuple(shape))
             import cupy
 
             with cupy.cuda.Device(int(self.device_type.partition(":")[2] or 0)):
@@ -198,7 +202,14 @@ class ShardStore:
         if scratch is None:
             return False
         with self._lock:
-            return self.pool.put(scratch, 2)  # this call's reference and the caller's
+            return self._give_back(scratch, 2)  # this call's reference and the caller's
+
+    def _give_back(self, t, refs: int) -> bool:
+        """``t``'s memory to the pool of its kind (``refs``: the caller's references to it; this
+        call's own is added)."""
+        if self.device_type == "cpu":
+            return self.pool.put(t, refs + 1)
+        return self.shared is not None and self.shared.release(t)
 
     def _shared_or_none(self, make, arg, shape):
         """``make(arg)``, a shared block, or None when the process is out of descriptors: the shard
@@ -270,7 +281,7 @@ class ShardStore:
                 self._tombstones.pop(name)
                 if begun:
                     self.end(t)
-                self.pool.put(t, 1)
+                self._give_back(t, 1)
                 return False
             self.shards[name] = t
             self.dtypes[name] = dtype
@@ -290,7 +301,7 @@ class ShardStore:
                 for _, t, _, _, begun in entries:
                     if begun:
                         self.end(t)
-                    self.pool.put(t, 2)
+                    self._give_back(t, 2)
                 return False
             for name, t, dtype, meta, begun in entries:
                 self.put(name, t, name, dtype, meta, begun=begun)
@@ -369,7 +380,7 @@ class ShardStore:
         if name in self.users:  # the user's tensor: forget it, never recycle its memory
             self.users.discard(name)
             return True
-        self.pool.put(t, 1)
+        self._give_back(t, 1)
         return True
 
     def descriptor(self, t):
@@ -383,7 +394,10 @@ class ShardStore:
                 "buffers": sizes,
                 "buffer_bytes": sum(sizes.values()),
                 "holders": {k: sorted(v) for k, v in self.holders.items()},
-                "pool_bytes": self.pool.nbytes,  # idle freed shards kept for reuse (not live)
+                "pool_bytes": self.pool.nbytes
+                + (
+                    0 if self.device_type == "cpu" or self.shared is None else self.shared.idle_bytes
+                ),  # idle freed shards kept for reuse
                 "pool_limit_bytes": self.pool.limit_bytes,
                 "pool_hits": self.pool.hits,
                 "pool_misses": self.pool.misses,
@@ -397,6 +411,8 @@ class ShardStore:
         with self._lock:
             freed = self.pool.nbytes
             self.pool.clear()
+            if self.device_type != "cpu" and self.shared is not None:
+                freed += self.shared.empty_cache()
             if not self.assembly.busy:
                 freed += self.assembly.nbytes
                 self.assembly.clear()

@@ -270,6 +270,10 @@ class PeerShards:
         self._check(holder, desc, mapped)
         return mapped.view(dtype, tuple(shape))
 
+    def mapped_block(self, holder: int, pid: int, fd: int, inode: int) -> np.ndarray:
+        """Process ``pid``'s memfd ``fd`` (``inode``) as a read-only uint8 array, mapped once and kept."""
+        return self._mapped(holder, pid, fd, inode).block
+
     def _mapped(self, holder: int, pid: int, fd: int, inode: int) -> _Mapped:
         """Process ``pid``'s memfd ``fd`` (``inode``), mapped once and kept (least recently used out)."""
         key = (pid, inode)

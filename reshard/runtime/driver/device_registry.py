@@ -64,6 +64,7 @@ class DeviceRecord:
     max_communicators: int = 64
     max_programs: int = 256
     board: tuple | None = None  # its relay board's descriptor (peers on its node pull relays from it)
+    memory_domain: str | None = None  # devices of one domain pull each other's shards (None: none)
     state: DeviceState = DeviceState.ALIVE
     reason: str = ""
     seq: int = 1  # the next ordered call's sequence number (``reshard.runtime.device.inbox``)
@@ -74,7 +75,7 @@ class DeviceRecord:
             "id": self.id, "actor": self.actor, "host": self.host, "backend": self.backend, "node_id": self.node_id,
             "node_ip": self.node_ip, "owner": self.owner, "session": self.session,
             "shared_memory": self.shared_memory, "max_communicators": self.max_communicators,
-            "max_programs": self.max_programs, "board": self.board,
+            "max_programs": self.max_programs, "board": self.board, "memory_domain": self.memory_domain,
         }  # fmt: skip
 
 

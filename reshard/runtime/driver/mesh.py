@@ -151,10 +151,11 @@ class DeviceMesh:
                 log.warning("Ray reports %s GPU(s) for a mesh of %d devices: using gloo on CPUs", gpus, size)
         if isinstance(backend, str) and backend in rt.backends:
             name, instance = backend, rt.backends[backend]  # one instance per backend name and process
+            gpus = backend_spec(name).gpus_per_device
         else:
-            name, instance = make_backend(backend)
+            name, instance, gpus = make_backend(backend)
         spec = backend_spec(name)
-        need = size * spec.gpus_per_device
+        need = size * gpus
         have = ray.cluster_resources().get("GPU", 0)
         if need > have:
             raise ValueError(
@@ -165,7 +166,7 @@ class DeviceMesh:
         n_hosts = size // dph
         deadline = Deadline.after(startup_timeout_s)
         where = node_placement.place(
-            n_hosts, dph, nodes, node_placement.demand(num_cpus, spec.gpus_per_device, resources), startup_timeout_s
+            n_hosts, dph, nodes, node_placement.demand(num_cpus, gpus, resources), startup_timeout_s
         )
         ids = rt.registry.new_device_ids(size)
         options = device_options.for_device(spec.device_type)
@@ -187,7 +188,7 @@ class DeviceMesh:
                 raise ReshardTimeout(
                     f"DeviceMesh.create({probe.shape}): devices {outcome.pending} did not start within "
                     f"startup_timeout_s={startup_timeout_s:g}s; Ray has {ray.available_resources()} available "
-                    f"and each device asks for {node_placement.demand(num_cpus, spec.gpus_per_device, resources)}"
+                    f"and each device asks for {node_placement.demand(num_cpus, gpus, resources)}"
                 )
             raise failure_error(outcome, f"DeviceMesh.create({probe.shape})", deadline)
         return cls._register(
@@ -245,7 +246,7 @@ class DeviceMesh:
         if isinstance(backend, str) and backend in rt.backends:
             name, instance = backend, rt.backends[backend]
         else:
-            name, instance = make_backend(backend)
+            name, instance, _ = make_backend(backend)
         spec = backend_spec(name)
         ids = rt.registry.new_device_ids(probe.size)
         options = device_options.for_device(spec.device_type)
@@ -309,6 +310,7 @@ class DeviceMesh:
                 infos[d]["shared_memory"],
                 *limits,
                 board=infos[d].get("board"),
+                memory_domain=infos[d].get("memory_domain"),
             )
             for d, a, h in zip(ids, actors, hosts, strict=True)
         ]

@@ -45,13 +45,14 @@ def compile_options(backend: str) -> CompileOptions:
 
 
 def memory_domains(tensor: ShardedTensor, dst_mesh: DeviceMesh) -> dict[int, str]:
-    """``{device: Ray node}`` of the devices that may take part in pulls: devices that keep their
-    shards in shared memory, and of the source devices only those whose shard is in it."""
+    """``{device: memory domain}`` of the devices that may take part in pulls: devices that keep
+    their shards where peers read them (shared memory on a node, GPU memory through CUDA IPC on one
+    GPU), and of the source devices only those whose shard is there."""
     out = {}
     src_devices = set(tensor.mesh.device_ids)
     for rec in (*tensor.mesh.records, *dst_mesh.records):
-        if rec.shared_memory and (rec.id in tensor._shared or rec.id not in src_devices):
-            out[rec.id] = rec.node_id
+        if rec.memory_domain is not None and (rec.id in tensor._shared or rec.id not in src_devices):
+            out[rec.id] = rec.memory_domain
     return out
 
 

@@ -451,5 +451,13 @@ def from_dlpack(obj) -> ndarray:
     host = np.from_dlpack(obj)
     if host.size == 0:
         return ndarray(host.shape, host.dtype, memptr=memory.MemoryPointer(memory.UnownedMemory(0, 0, obj), 0))
+    lo = host.ctypes.data + sum(s * (n - 1) for s, n in zip(host.strides, host.shape, strict=True) if s < 0)
+    span = host.itemsize + sum(abs(s) * (n - 1) for s, n in zip(host.strides, host.shape, strict=True))
+    ptr = _gpu.device_address(lo, span)
+    if ptr is not None:  # stand-in device memory coming back (e.g. a torch view of a cupy array)
+        mem = memory.UnownedMemory(ptr, span, obj)
+        return ndarray(
+            host.shape, host.dtype, memptr=memory.MemoryPointer(mem, host.ctypes.data - lo), strides=host.strides
+        )
     mem = memory.HostMemory(host, obj)
     return ndarray(host.shape, host.dtype, memptr=memory.MemoryPointer(mem, mem.start), strides=host.strides)

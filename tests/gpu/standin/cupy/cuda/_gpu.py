@@ -1,11 +1,20 @@
 """The stand-in's device: memory behind fake pointers, streams as FIFO worker threads, events.
 
 Memory: one registry per process maps a fake device pointer range to a host ``numpy.uint8``
-buffer. Allocations are rounded to 512 bytes and 512-aligned, as cupy's memory pool does
-(cupy/cuda/memory.pyx, ``ALLOCATION_UNIT_SIZE``). Fresh memory is filled with 0xA5, not zeros:
-like a reused pool block, it holds garbage until written. Work that touches a pointer no live
+buffer. Allocations are rounded to 512 bytes, as cupy's memory pool does (cupy/cuda/memory.pyx,
+``ALLOCATION_UNIT_SIZE``), and start on a page. Fresh memory is filled with 0xA5, not zeros: like
+a reused pool block, it holds garbage until written. Work that touches a pointer no live
 allocation covers (use after free, out of bounds) is a kernel fault: the error becomes sticky
 for the whole process (``cudaErrorIllegalAddress``), as a CUDA context is after such a fault.
+
+Each device's memory is one sparse shared-memory file (memfd) that the fake pointers index, so
+that another process can map an allocation: CUDA IPC (CUDA runtime API, "Interprocess
+Communication"). ``ipc_handle`` names an allocation by its base pointer only (cudaIpcGetMemHandle
+takes "the base of an existing device memory allocation"); ``ipc_open`` maps it in another
+process, reference counted per handle ("may only be opened by one context per device per other
+process"; cuIpcCloseMemHandle "decrements the reference count"), never in the process that made
+it; ``ipc_close`` unmaps at the last close. Freed memory goes back to the system (a hole punched in
+the file).
 
 Streams (CUDA programming guide, "Streams"): every stream is a worker thread running its tasks
 in FIFO order. ``Stream.null`` is the legacy default stream: work on it waits for all earlier
@@ -18,7 +27,11 @@ recorded is done); ``wait_event`` makes a stream's later tasks wait for it.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
+import mmap
+import os
+import struct
 import sys
 import threading
 import weakref
@@ -29,6 +42,8 @@ import numpy as np
 from cupy.cuda import runtime
 
 ALLOCATION_UNIT = 512
+PAGE = 4096
+ARENA_BYTES = 1 << 38  # each device's sparse memory file: pages exist only where allocations are
 LAUNCHER = "standin-nccl-group"  # the thread that finishes a non-blocking NCCL group
 POISON = 0xA5
 _BASE = 0x7F00_0000_0000  # first fake pointer of device 0; each device gets its own range
@@ -89,6 +104,42 @@ def reset_device() -> None:
 # Memory
 
 
+class Arena:
+    """One device's memory: a sparse memfd the size of its fake pointer range, mapped whole."""
+
+    def __init__(self, device: int):
+        self.fd = os.memfd_create(f"cupy-standin-gpu{device}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, ARENA_BYTES)
+        self.inode = os.fstat(self.fd).st_ino
+        self.mapping = mmap.mmap(self.fd, ARENA_BYTES, flags=mmap.MAP_SHARED)
+        self.base = _BASE + device * _DEVICE_SPAN
+
+    def view(self, ptr: int, size: int) -> np.ndarray:
+        return np.frombuffer(self.mapping, dtype=np.uint8, count=size, offset=ptr - self.base)
+
+    def release(self, ptr: int, size: int) -> None:
+        """The pages wholly inside ``[ptr, ptr + size)`` go back to the system (read as zeros)."""
+        lo = -(-(ptr - self.base) // PAGE) * PAGE
+        hi = (ptr - self.base + size) // PAGE * PAGE
+        if hi > lo:
+            _LIBC.fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, lo, hi - lo)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+FALLOC_FL_KEEP_SIZE = 1
+FALLOC_FL_PUNCH_HOLE = 2
+_arenas: dict[int, Arena] = {}
+
+
+def arena(device: int) -> Arena:
+    with _mem_lock:
+        a = _arenas.get(device)
+        if a is None:
+            a = _arenas[device] = Arena(device)
+        return a
+
+
 class Allocation:
     __slots__ = ("ptr", "size", "device", "buf", "owned", "__weakref__")
 
@@ -96,8 +147,9 @@ class Allocation:
         self.ptr = ptr
         self.size = size
         self.device = device
-        self.buf = np.full(size, POISON, dtype=np.uint8)
-        self.owned = True  # memory of this process's pool (not host memory lent through DLPack)
+        self.buf = _arenas[device].view(ptr, size)
+        self.buf[...] = POISON
+        self.owned = True  # memory of this process's pool (not lent through DLPack or opened by IPC)
 
 
 _mem_lock = threading.Lock()
@@ -112,9 +164,12 @@ def malloc(nbytes: int, device: int) -> Allocation | None:
     if nbytes == 0:
         return None
     size = -(-nbytes // ALLOCATION_UNIT) * ALLOCATION_UNIT
+    arena(device)
     with _mem_lock:
         ptr = _next_ptr.get(device, _BASE + device * _DEVICE_SPAN)
-        _next_ptr[device] = ptr + size + ALLOCATION_UNIT  # a gap: running off the end is a fault
+        _next_ptr[device] = -(-(ptr + size + ALLOCATION_UNIT) // PAGE) * PAGE  # a gap: running off the end faults
+        if _next_ptr[device] - _BASE - device * _DEVICE_SPAN > ARENA_BYTES:
+            raise runtime.CUDARuntimeError(runtime.cudaErrorMemoryAllocation)
         alloc = Allocation(ptr, size, device)
         bisect.insort(_bases, ptr)
         _allocs[ptr] = alloc
@@ -139,6 +194,19 @@ def register_host(buf: np.ndarray, device: int) -> Allocation:
 _cached = [0]  # bytes of freed allocations cupy's memory pool would keep (``pool_cached_bytes``)
 
 
+def device_address(host_address: int, nbytes: int) -> int | None:
+    """The device pointer of host bytes that are stand-in device memory already (an array that
+    went out through DLPack and comes back: a GPU pointer survives the round trip), else None."""
+    with _mem_lock:
+        for alloc in _allocs.values():
+            if alloc.buf is None or not alloc.buf.size:
+                continue
+            start = alloc.buf.ctypes.data
+            if start <= host_address and host_address + nbytes <= start + alloc.buf.size:
+                return alloc.ptr + (host_address - start)
+    return None
+
+
 def free(ptr: int) -> None:
     """The last reference to an allocation went: its range becomes invalid (a later use faults),
     and its bytes count as cached until ``release_cached`` (cupy's pool keeps freed blocks for
@@ -149,6 +217,75 @@ def free(ptr: int) -> None:
             del _bases[bisect.bisect_left(_bases, ptr)]
             if alloc.owned:
                 _cached[0] += alloc.size
+                alloc.buf = None
+                _arenas[alloc.device].release(alloc.ptr, alloc.size)
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA IPC
+
+_IPC = struct.Struct("<4sQiQQQi")  # magic, pid, arena fd, arena inode, offset, size, device
+IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+_opened: dict[tuple[int, int, int], list] = {}  # (pid, inode, offset) -> [allocation, mapping, count]
+
+
+def ipc_handle(ptr: int) -> bytes:
+    """``cudaIpcGetMemHandle``: 64 bytes naming the allocation that starts at ``ptr``."""
+    check_sticky()
+    with _mem_lock:
+        alloc = _allocs.get(ptr)
+    if alloc is None or not alloc.owned:
+        raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidValue)
+    a = _arenas[alloc.device]
+    raw = _IPC.pack(b"SIPC", os.getpid(), a.fd, a.inode, ptr - a.base, alloc.size, alloc.device)
+    return raw.ljust(IPC_HANDLE_BYTES, b"\0")
+
+
+def ipc_open(handle: bytes, device: int) -> int:
+    """``cudaIpcOpenMemHandle``: the allocation ``handle`` names, mapped into this process (once per
+    handle, reference counted); refused for a handle of this process."""
+    check_sticky()
+    magic, pid, fd, inode, offset, size, _ = _IPC.unpack(bytes(handle)[: _IPC.size])
+    if magic != b"SIPC":
+        raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidResourceHandle)
+    if pid == os.getpid():
+        raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidDevice)  # not within the exporting process
+    key = (pid, inode, offset)
+    with _mem_lock:
+        hit = _opened.get(key)
+        if hit is not None:
+            hit[2] += 1
+            return hit[0].ptr
+    try:
+        peer = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidResourceHandle) from e
+    try:
+        if os.fstat(peer).st_ino != inode:
+            raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidResourceHandle)
+        start = offset // PAGE * PAGE
+        mapping = mmap.mmap(peer, offset - start + size, flags=mmap.MAP_SHARED, offset=start)
+    finally:
+        os.close(peer)
+    buf = np.frombuffer(mapping, dtype=np.uint8, count=size, offset=offset - start)
+    alloc = register_host(buf, device)
+    with _mem_lock:
+        _opened[key] = [alloc, mapping, 1]
+    return alloc.ptr
+
+
+def ipc_close(ptr: int) -> None:
+    """``cudaIpcCloseMemHandle``: one reference less; unmapped at the last."""
+    with _mem_lock:
+        key = next((k for k, v in _opened.items() if v[0].ptr == ptr), None)
+        if key is None:
+            raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidValue)
+        entry = _opened[key]
+        entry[2] -= 1
+        if entry[2]:
+            return
+        del _opened[key]
+    free(ptr)
 
 
 def pool_cached_bytes() -> int:

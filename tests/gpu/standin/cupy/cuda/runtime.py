@@ -1,8 +1,8 @@
 """``cupy.cuda.runtime`` of the stand-in: device count and properties, versions, the error type.
 
 Errors follow cupy_backends/cuda/api/runtime.pyx (cupy 14): ``CUDARuntimeError(status)`` carries
-``.status`` and the message ``"<cudaGetErrorName>: <cudaGetErrorString>"``. CUDA IPC is not
-modelled: its calls raise ``cudaErrorNotSupported``.
+``.status`` and the message ``"<cudaGetErrorName>: <cudaGetErrorString>"``. CUDA IPC of memory is
+modelled (``_gpu``); of events it is not (its calls raise ``cudaErrorNotSupported``).
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ def setDevice(device: int) -> None:
 
 
 def _uuid(device: int) -> bytes:
-    """16 bytes naming this process's stand-in GPU ``device`` (distinct per host, process and index)."""
-    seed = f"cupy-standin:{socket.gethostname()}:{os.getpid()}:{device}".encode()
+    """16 bytes naming stand-in GPU ``device``: every process of a machine shares it, as actors
+    sharing one GPU do (each with its own memory, which CUDA IPC maps across processes);
+    ``CUPY_STANDIN_GPU_NAME`` names another GPU (a process of a mesh on "another GPU")."""
+    seed = f"cupy-standin:{socket.gethostname()}:{os.environ.get('CUPY_STANDIN_GPU_NAME', '')}:{device}".encode()
     return hashlib.blake2b(seed, digest_size=16).digest()
 
 
@@ -147,10 +149,32 @@ def streamQuery(stream: int) -> int:
     return 0 if q.reached(q.last()) else cudaErrorNotReady
 
 
+cudaIpcMemLazyEnablePeerAccess = 1
+
+
+def ipcGetMemHandle(devPtr: int) -> bytes:
+    """``cudaIpcGetMemHandle`` (see ``_gpu``: memory in a shared file other processes map)."""
+    from cupy.cuda import _gpu
+
+    return _gpu.ipc_handle(int(devPtr))
+
+
+def ipcOpenMemHandle(handle: bytes, flags: int = cudaIpcMemLazyEnablePeerAccess) -> int:
+    from cupy.cuda import _gpu
+
+    return _gpu.ipc_open(handle, getDevice())
+
+
+def ipcCloseMemHandle(devPtr: int) -> None:
+    from cupy.cuda import _gpu
+
+    _gpu.ipc_close(int(devPtr))
+
+
 def _not_modelled(*args, **kwargs):
     raise CUDARuntimeError(cudaErrorNotSupported)
 
 
-# CUDA IPC (cudaIpc*): not modelled by the stand-in.
-ipcGetMemHandle = ipcOpenMemHandle = ipcCloseMemHandle = _not_modelled
+# Interprocess events are not modelled: the runtime orders a pull after its holder's run by the
+# run having finished, not by an event.
 ipcGetEventHandle = ipcOpenEventHandle = _not_modelled

@@ -1,0 +1,72 @@
+"""CUDA IPC pulls between device actors that share a GPU: a destination copies its slices straight
+out of the holder's device memory, tenure-checked, in stream order (one GPU; the CPU stand-in
+models IPC between processes with a shared memory file per device)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_bodies import ipc_allocate, ipc_free, ipc_opened, ipc_pull
+
+from reshard import Layout, Replicate, Shard, distribute, reshard
+from reshard.errors import ReshardError
+
+pytestmark = pytest.mark.gpu(1)
+
+
+@pytest.fixture
+def pair(view):
+    return view([0, 1], (2,)), view([2, 3], (2,))
+
+
+def test_a_pulled_shard_is_the_holders_memory_and_a_freed_one_never_maps(pair):
+    """The tenure in the holder's board: a descriptor of a shard that was dropped fails before the
+    copy (its block idle in the pool) and after the block was reused for another shard."""
+    a, b = pair
+    holder = a.device_ids[0]
+    (desc,) = a.call(ipc_allocate, "first", 1024, 1.5, devices=[0])
+    assert desc[0] == "cuda" and desc[3] == 4096
+    (got,) = b.call(ipc_pull, holder, desc, devices=[0])
+    np.testing.assert_array_equal(got, np.full(1024, 1.5, np.float32))
+    a.call(ipc_free, "first", devices=[0])
+    with pytest.raises(Exception, match="source shard is gone"):
+        b.call(ipc_pull, holder, desc, devices=[0])
+    (again,) = a.call(ipc_allocate, "second", 1024, 2.5, devices=[0])
+    assert again[2] == desc[2]  # the same block, reused: the same IPC handle
+    with pytest.raises(Exception, match="source shard is gone"):
+        b.call(ipc_pull, holder, desc, devices=[0])
+    (got,) = b.call(ipc_pull, holder, again, devices=[0])
+    np.testing.assert_array_equal(got, np.full(1024, 2.5, np.float32))
+    assert b.call(ipc_opened, devices=[0]) == [1]  # opened once, for both shards of that block
+    a.call(ipc_free, "second", devices=[0])
+
+
+def test_devices_sharing_a_gpu_pull_every_slice_and_no_bytes_go_through_nccl(pair):
+    from reshard.runtime.driver.resharding import lowered_reshard
+
+    a, b = pair
+    x = np.arange(64 * 40, dtype=np.float32).reshape(64, 40)
+    t = distribute(x, Layout(a, (Shard(0),)))
+    dst = Layout(b, (Shard(1),))
+    compiled = lowered_reshard(t, dst)
+    assert compiled.pulled and not compiled.groups  # every transfer a pull: no communicator
+    y = reshard(t, a, dst)
+    np.testing.assert_array_equal(y.to_numpy(), x)
+    assert all(s["peer_maps"] >= 1 for s in b.stats())
+    off = reshard(t, a, dst, shared_memory=False)  # through NCCL
+    np.testing.assert_array_equal(off.to_numpy(), x)
+    assert lowered_reshard(t, dst, shared_memory=False).groups
+
+
+def test_a_reshard_whose_holder_freed_its_shard_meanwhile_fails_and_says_so(pair):
+    """A source handle copied into a task frees the shards for every handle; a replay that pulls
+    from them then fails on the tenure check, naming the holder, and leaves nothing behind."""
+    a, b = pair
+    x = np.ones((32, 8), np.float32)
+    t = distribute(x, Layout(a, (Shard(0),)))
+    dst = Layout(b, (Replicate(),))
+    reshard(t, a, dst).free()
+    name = t.name
+    a.call(lambda ctx, n: ctx.store.free(n), name)  # dropped on the devices behind the handle's back
+    with pytest.raises(ReshardError, match="source shard|freed"):
+        reshard(t, a, dst)
