@@ -284,6 +284,10 @@ def _pool_state(ctx, drain: bool) -> tuple[int, int]:
 
 
 def _git_rev() -> str:
+    """The revision measured (``git rev-parse``; ``RESHARD_REVISION`` where the copy has no git, e.g. a
+    lent GPU machine)."""
+    if os.environ.get("RESHARD_REVISION"):
+        return os.environ["RESHARD_REVISION"]
     try:
         root = Path(__file__).resolve().parent.parent
         rev = subprocess.run(
