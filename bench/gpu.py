@@ -273,14 +273,27 @@ def _timed(fn, repeats: int, after=None) -> list[float]:
     return times
 
 
-def _free(result) -> None:
-    from reshard import ShardedTensor
+def _split(fn) -> dict:
+    """Where one call's time goes: its wall time here, the longest device call (the actor's whole
+    call) and the longest program run inside it (``RunResult``)."""
+    from reshard.runtime import runtime
 
-    if isinstance(result, ShardedTensor):
-        result.free()
-    elif isinstance(result, dict):
-        for v in result.values():
-            v.free()
+    t0 = time.perf_counter()
+    result = fn()
+    wall = time.perf_counter() - t0
+    last = runtime().last_run or {}
+    _free(result)
+    return {
+        "wall_s": wall,
+        "device_call_s": max((r.run_s for r in last.values()), default=0.0),
+        "program_s": max((r.elapsed_s for r in last.values()), default=0.0),
+    }
+
+
+def _free(result) -> None:
+    from reshard import free
+
+    free(result)  # a tree: one call per device
 
 
 def part_tensor(pool, sizes: list[int], repeats: int, nccl_sizes: list[int]) -> list[dict]:
@@ -301,6 +314,7 @@ def part_tensor(pool, sizes: list[int], repeats: int, nccl_sizes: list[int]) -> 
         row["bit_exact"] = b.call(checksums_of, [fresh.name]) == [sums]
         fresh.free()
         row["ipc_fresh_s"] = _timed(lambda: reshard(x, a, dst), repeats, _free)  # noqa: B023
+        row["ipc_fresh_split"] = _split(lambda: reshard(x, a, dst))  # noqa: B023
         row["ipc_direct_s"] = _timed(lambda: reshard(x, a, dst, out=out, direct=True), repeats)  # noqa: B023
         row["bit_exact"] &= b.call(checksums_of, [out.name]) == [sums]
         row["ipc_out_s"] = _timed(lambda: reshard(x, a, dst, out=out), repeats)  # noqa: B023
@@ -356,6 +370,7 @@ def part_model(pool, repeats: int, layers: int | None, peers: bool) -> list[dict
             row["bit_exact"] = dst.call(checksums_of, [y[k].name for k, _, _ in spec]) == [made]
         _free(y)
         row["ours_tree_s"] = _timed(lambda: reshard(tree, src, dst_layout), repeats, _free)  # noqa: B023
+        row["ours_tree_split"] = _split(lambda: reshard(tree, src, dst_layout))  # noqa: B023
         # one tensor of the same bytes, laid out alike (sharded on dim 0 at the source, by columns at TP)
         if n_src == 1:
             src.call(make_shards, [(f"{case}/one", one_shape)], 5)
@@ -366,6 +381,7 @@ def part_model(pool, repeats: int, layers: int | None, peers: bool) -> list[dict
             one = adopt(Layout(src, (Shard(0),)), f"{case}/one")
         one_dst = Layout(dst, (Replicate(),) if n_dst == 1 else (Shard(1),))
         row["ours_one_s"] = _timed(lambda: reshard(one, src, one_dst), repeats, _free)  # noqa: B023
+        row["ours_one_split"] = _split(lambda: reshard(one, src, one_dst))  # noqa: B023
         src.call(unshare_all)
         rows.append(row)
         print(f"model {case}: tree {statistics.median(row['ours_tree_s']) * 1e3:.2f} ms, one tensor "

@@ -17,13 +17,13 @@ from reshard.passes.lowering import lower_plan
 from reshard.passes.validate import validate_plan, validate_program
 from reshard.planner import STRATEGIES, plan_reshard
 
-_RUNTIME = {"DeviceMesh", "ShardedTensor", "Work", "adopt", "distribute", "reshard"}
+_RUNTIME = {"DeviceMesh", "ShardedTensor", "Work", "adopt", "distribute", "free", "reshard"}
 
 __all__ = [
     "STRATEGIES", "Broadcast", "CompileOptions", "CompiledReshard", "Copy", "DeviceMesh", "DeviceProgram", "Layout",
     "MeshClosed", "Op", "Partial", "Placement", "PlanError", "Program", "Pull", "Recv", "ReduceOp", "Replicate",
     "ReshardError", "ReshardPlan", "ReshardTimeout", "Send", "Shard", "ShardedTensor", "Transfer", "TransferKind",
-    "UnitTask", "Work", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "lower_plan",
+    "UnitTask", "Work", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "free", "lower_plan",
     "plan_reshard", "plan_unit_tasks", "reshard", "validate_plan", "validate_program",
 ]  # fmt: skip
 

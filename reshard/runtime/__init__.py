@@ -16,7 +16,7 @@ from reshard.runtime.driver.loading import adopt, distribute
 from reshard.runtime.driver.mesh import DeviceMesh
 from reshard.runtime.driver.probe import probe_links
 from reshard.runtime.driver.resharding import compile_options, lowered_batch, lowered_reshard, reshard
-from reshard.runtime.driver.tensor import ShardedTensor
+from reshard.runtime.driver.tensor import ShardedTensor, free
 from reshard.runtime.driver.work import Work
 
 
@@ -55,7 +55,8 @@ def runtime_stats() -> dict:
 
 __all__ = [
     "BACKENDS", "Backend", "Communicator", "Deadline", "DeviceContext", "DeviceMesh", "DeviceRole", "Rendezvous",
-    "ShardedTensor", "Work", "adopt", "compile_options", "device_of", "distribute", "ensure_groups", "lowered_batch",
+    "ShardedTensor", "Work", "adopt", "compile_options", "device_of", "distribute", "ensure_groups", "free",
+    "lowered_batch",
     "lowered_reshard", "probe_links", "register_backend", "reshard", "runtime", "runtime_stats", "settle",
 ]  # fmt: skip
 

@@ -80,7 +80,7 @@ def copy(dst, src) -> None:
         else:
             host = src if is_numpy(src) else as_numpy(src)
             if dst.flags.c_contiguous:
-                dst.set(np.ascontiguousarray(host))
+                dst.set(np.asarray(host, order="C"))  # (ascontiguousarray makes a 0-d array 1-d)
             else:
                 dst[...] = host
     elif is_numpy(dst):

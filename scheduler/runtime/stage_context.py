@@ -50,6 +50,11 @@ class StageContext:
     def mesh_shape(self) -> tuple[int, ...]:
         return self._worker.spec.mesh_shape
 
+    @property
+    def torch_device(self) -> torch.device:
+        """Where this device's tensors live: create the stage's parameters there."""
+        return self._worker.torch_device
+
     def all_reduce(self, tensor: torch.Tensor, axis: int | None = None) -> torch.Tensor:
         """Sum `tensor` over the stage mesh (or over mesh axis `axis` only); returns the sum, the
         same bits on every device. Not differentiable; see `reduce_from_tp` / `copy_to_tp`."""

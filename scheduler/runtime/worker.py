@@ -241,7 +241,7 @@ class StageWorker:
         else:
             comm.timeout_s = self.spec.timeout_s
         total = tensor.contiguous().clone()
-        comm.all_reduce(total, "sum")
+        comm.all_reduce(self.device_ctx.device_array(total), "sum")  # in place, over the tensor's memory
         return total
 
     # -- iteration control (called by the driver through the device actor)
@@ -376,10 +376,10 @@ class StageWorker:
         try:
             if forward:
                 if x is None and spec.stage == 0 and it.spec.inputs is not None:
-                    x = torch.from_numpy(it.spec.inputs[k])
+                    x = torch.from_numpy(it.spec.inputs[k]).to(self.torch_device)
                 target = None
                 if last and it.spec.targets is not None:
-                    target = torch.from_numpy(it.spec.targets[k])
+                    target = torch.from_numpy(it.spec.targets[k]).to(self.torch_device)
                 mctx = MicrobatchContext(self.ctx, k, target)
                 self.saved[k] = mctx
                 if spec.backward is None:  # autograd mode

@@ -241,3 +241,71 @@ def _spin(seconds: float) -> None:
         "spin",
     )
     kernel((1,), (1,), (np.int64(int(seconds * 1e9)),))
+
+
+# -- a tensor-parallel pipeline on NCCL device actors (tests/gpu/test_nccl_pipeline.py), the model of
+# tests/dist/test_pipeline.py with its parameters on each device's own torch device
+
+PIPE_M, PIPE_D_IN, PIPE_H, PIPE_F, PIPE_C = 4, 6, 8, 12, 3
+
+
+def pipe_params(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    d, h, f, c = PIPE_D_IN, PIPE_H, PIPE_F, PIPE_C
+    shapes = {"w0": (d, h), "b0": (h,), "w1": (h, f), "b1": (f,), "w2": (f, h), "b2": (h,), "w3": (h, c), "b3": (c,)}
+    return {k: rng.standard_normal(s) * 0.5 for k, s in shapes.items()}
+
+
+def _param(ctx, a):
+    import torch
+
+    return torch.tensor(a, dtype=torch.float64, device=ctx.torch_device, requires_grad=True)
+
+
+def pipe_setup0(ctx, p=None):
+    return {"w0": _param(ctx, p["w0"]), "b0": _param(ctx, p["b0"])}
+
+
+def pipe_forward0(ctx, x):
+    import torch
+
+    return torch.tanh(x @ ctx.state["w0"] + ctx.state["b0"])
+
+
+def pipe_setup1(ctx, p=None):
+    c, half = ctx.coords[1], PIPE_F // 2
+    return {
+        "w1": _param(ctx, p["w1"][:, c * half : (c + 1) * half]),
+        "b1": _param(ctx, p["b1"][c * half : (c + 1) * half]),
+        "w2": _param(ctx, p["w2"][c * half : (c + 1) * half, :]),
+        "b2": _param(ctx, p["b2"]),
+    }
+
+
+def pipe_forward1(ctx, x):
+    import torch
+
+    s = ctx.state
+    x = ctx.copy_to_tp(x)
+    h = torch.tanh(x @ s["w1"] + s["b1"])
+    return ctx.reduce_from_tp(h @ s["w2"]) + s["b2"]
+
+
+def pipe_setup2(ctx, p=None):
+    return {"w3": _param(ctx, p["w3"]), "b3": _param(ctx, p["b3"])}
+
+
+def pipe_forward2(ctx, x):
+    out = x @ ctx.state["w3"] + ctx.state["b3"]
+    return ((out - ctx.target) ** 2).sum()
+
+
+def pipe_grads(ctx, reduce_axis=None):
+    out = {}
+    for name, p in ctx.state.items():
+        g = p.grad.detach().clone()
+        if reduce_axis is not None:
+            g = ctx.all_reduce(g, axis=reduce_axis)
+        out[name] = g.cpu().numpy()
+        p.grad = None
+    return out

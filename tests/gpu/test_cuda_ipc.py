@@ -25,7 +25,7 @@ def test_a_pulled_shard_is_the_holders_memory_and_a_freed_one_never_maps(pair):
     a, b = pair
     holder = a.device_ids[0]
     (desc,) = a.call(ipc_allocate, "first", 1024, 1.5, devices=[0])
-    assert desc[0] == "cuda" and desc[3] == 4096
+    assert desc[0] == "cuda" and desc[3] == 4096 and desc[4] == 0  # a block of its own
     (got,) = b.call(ipc_pull, holder, desc, devices=[0])
     np.testing.assert_array_equal(got, np.full(1024, 1.5, np.float32))
     a.call(ipc_free, "first", devices=[0])

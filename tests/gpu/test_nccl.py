@@ -444,7 +444,7 @@ def test_creating_a_group_whose_peer_never_joins_times_out_and_the_backend_stays
             b.connect(rdv, 0, 3.0)
             print("CONNECTED")
         except ReshardTimeout as e:
-            print("TIMEOUT", b.live_groups(), os.environ["NCCL_COMM_BLOCKING"])
+            print("TIMEOUT", b.live_groups(), os.environ.get("NCCL_COMM_BLOCKING"))
         (one,) = b.local_rendezvous([(0,)])
         x = cupy.arange(8, dtype=cupy.float32)
         b.connect(one, 0, 30).broadcast(x, 0)
@@ -453,7 +453,40 @@ def test_creating_a_group_whose_peer_never_joins_times_out_and_the_backend_stays
         """
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.split("\n")[:2] == ["TIMEOUT [] 0", "USABLE 28.0"], out.stdout + out.stderr
+    # non-blocking by its own configuration: the process environment untouched
+    assert out.stdout.split("\n")[:2] == ["TIMEOUT [] None", "USABLE 28.0"], out.stdout + out.stderr
+
+
+@pytest.mark.gpu(1, torch_cuda=True)
+def test_our_communicators_stay_non_blocking_where_torch_made_its_nccl_first():
+    """NCCL reads NCCL_COMM_BLOCKING once per process; torch.distributed's group initialises NCCL
+    first, blocking. Ours are non-blocking by their own configuration all the same: a creation
+    whose peer never joins times out cleanly (a blocking one would be stuck inside NCCL), and
+    neither the environment nor torch's group is touched."""
+    out = _run_isolated(
+        """
+        import os, sys
+        import torch, torch.distributed as dist
+        from reshard.errors import ReshardTimeout
+        from reshard.runtime.backends.nccl import NcclBackend
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        t = torch.ones(4, device="cuda")
+        dist.all_reduce(t)
+        b = NcclBackend()
+        (rdv,) = b.local_rendezvous([(0, 1)])   # device 1 never connects
+        try:
+            b.connect(rdv, 0, 3.0)
+            print("CONNECTED")
+        except ReshardTimeout:
+            print("TIMEOUT", os.environ.get("NCCL_COMM_BLOCKING"))
+        dist.all_reduce(t)
+        print("TORCH", float(t.sum()))
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        """
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split("\n")[:2] == ["TIMEOUT None", "TORCH 4.0"], out.stdout + out.stderr
 
 
 # ============================================================================================
@@ -474,7 +507,7 @@ def test_reshard_on_a_one_gpu_mesh_keeps_data_bit_exact(ray_cluster, gpus):
         a = distribute(x, Layout(mesh, (Shard(1),)))
         b = reshard(a, mesh, Layout(mesh, (Replicate(),)))
         np.testing.assert_array_equal(b.to_numpy(), x)
-        (info,) = mesh.call(lambda ctx: (str(ctx.torch_device), type(ctx.backend).__name__))
+        (info,) = mesh.call(lambda ctx: (ctx.device_type, type(ctx.backend).__name__))
         assert info == ("cuda:0", "NcclBackend")
     finally:
         mesh.shutdown()

@@ -130,10 +130,10 @@ def test_id_hosts_are_members_and_spread_out():
     assert max(load.values()) - min(load.values()) <= 1
 
 
-def test_nccl_env_defaults_to_the_papers_broadcast_settings():
-    assert effective_env(None, {}) == PAPER_BROADCAST_ENV
-    assert effective_env(None, {"NCCL_PROTO": "LL128"}) == {"NCCL_ALGO": "Ring"}
-    assert effective_env({}, {}) == {}
+def test_nccl_env_changes_nothing_unless_given():
+    """NCCL's variables are the process's: a framework's communicators read them too."""
+    assert effective_env(None, {}) == {} and effective_env({}, {}) == {}
+    assert effective_env(PAPER_BROADCAST_ENV, {}) == {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
     assert effective_env({"NCCL_ALGO": "Tree", "NCCL_BUFFSIZE": 1 << 22}, {}) == {
         "NCCL_ALGO": "Tree",
         "NCCL_BUFFSIZE": str(1 << 22),
@@ -213,7 +213,8 @@ def test_backend_ships_its_configuration_and_applies_env_on_arrival():
     )
     first, second = out.splitlines()
     assert first == "('LL', '1', False) (True, 5.0, 0.5, 'hostid', [])"
-    assert second == "['Ring', 'Simple', '0', 'lo'] True"
+    # NCCL_COMM_BLOCKING stays the process's: each communicator is made non-blocking by its configuration
+    assert second == "['Ring', 'Simple', '1', 'lo'] True"
 
 
 def test_backend_options_are_validated():

@@ -24,6 +24,9 @@ from reshard.runtime.backends import cuda_buffers as cb
 #: How often a wait for a stream runs its health check (a peer's abort, NCCL's asynchronous
 #: error) while the stream has not got there: the first slice, doubling up to the last.
 CHECK_S = (0.002, 0.05)
+#: How long a wait first asks the stream again at once (``cudaStreamQuery``), before it hands
+#: over to a host function: short work ends sooner than a host function wakes a thread.
+SPIN_S = 150e-6
 
 
 def new_stream(cuda_device: int):
@@ -54,19 +57,43 @@ def producer_streams(cuda_device: int) -> list:
 
 def order_after(stream, producers: Iterable) -> None:
     """Later work on ``stream`` waits for everything queued so far on ``producers`` (events)."""
-    cupy = cb.import_cupy()
     for p in producers:
         if p.ptr == stream.ptr:
             continue
-        ready = cupy.cuda.Event(block=False, disable_timing=True)
+        ready = _event(p.ptr)
         ready.record(p)
-        stream.wait_event(ready)
+        stream.wait_event(ready)  # captures the record: the event may be recorded again next time
+
+
+_tls = threading.local()
+
+
+def _event(ptr: int):
+    """This thread's event for producer stream ``ptr`` (made once: ``cudaStreamWaitEvent`` waits for
+    the record that precedes it, so recording the same event again later is safe)."""
+    events = getattr(_tls, "events", None)
+    if events is None:
+        events = _tls.events = {}
+    event = events.get(ptr)
+    if event is None:
+        if len(events) > 256:
+            events.clear()
+        event = events[ptr] = cb.import_cupy().cuda.Event(block=False, disable_timing=True)
+    return event
 
 
 def wait(stream, deadline: float, what: str, check: Callable[[], object] | None = None) -> None:
     """Return once ``stream`` completed everything queued on it so far; ``check()`` runs between
     slices of the wait (it raises what makes the wait pointless: a peer's abort, an NCCL error);
     ``ReshardTimeout`` at ``deadline`` (monotonic). A CUDA error of the work raises at once."""
+    cupy = cb.import_cupy()
+    spin_until = time.monotonic() + SPIN_S
+    while time.monotonic() < spin_until:  # short work: done before a host function would wake us
+        status = cupy.cuda.runtime.streamQuery(stream.ptr)
+        if status == 0:
+            return
+        if status != CUDA_NOT_READY:
+            raise cupy.cuda.runtime.CUDARuntimeError(status)
     done = threading.Event()
     stream.launch_host_func(_set, done)
     pause = CHECK_S[0]

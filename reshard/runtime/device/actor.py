@@ -123,13 +123,19 @@ class DeviceRole:
             t = None
             try:
                 with stream.running():
-                    for _, index, box, dtype in entries:
-                        shape = tuple(hi - lo for lo, hi in box)
-                        if index is None:
+                    shapes = [tuple(hi - lo for lo, hi in box) for _, _, box, _ in entries]
+                    gpu = ctx.store.allocate_many([(s, e.dtype) for s, e in zip(shapes, entries, strict=True)]) if (
+                        ctx.cuda_device is not None) else None  # fmt: skip
+                    for i, ((_, index, box, dtype), shape) in enumerate(zip(entries, shapes, strict=True)):
+                        if gpu is not None:
+                            t = gpu[i]
+                        elif index is None:
                             t = ctx.store.allocate(shape, dtype)
-                            t[...] = 0
                         else:
                             t = ctx.store.allocate_destination(shape, dtype)
+                        if index is None:
+                            t[...] = 0
+                        else:
                             arrays.copy(t, data[index][tuple(slice(lo, hi) for lo, hi in box) + (Ellipsis,)])
                             t = ctx.store.settle(t)
                         made.append(t)

@@ -51,7 +51,8 @@ class Binding:
                 f"device {ctx.device}: the run names {len(sources)} sources for {len(self.prepared.parts)} parts"
             )
         runs = {}
-        tensors = (p.tensor for p in self.prepared.program.parts)
+        tensors = [p.tensor for p in self.prepared.program.parts]
+        fresh = self._fresh_destinations(tensors, outs)
         for prepared, tensor, source, out in zip(self.prepared.parts, tensors, sources, outs, strict=True):
             prog, dtype = prepared.program, prepared.dtype
             src = None
@@ -67,7 +68,7 @@ class Binding:
                 self.pulled[tensor] = pulls
             dst = None
             if prog.dst_shape is not None:
-                dst = self.dsts[tensor] = self._destination(prepared, dtype, out)
+                dst = self.dsts[tensor] = fresh[tensor] if tensor in fresh else self._destination(prepared, dtype, out)
             publish = relayed = None
             if prepared.publishes:
                 self.slots[tensor] = self._open_slot(tensor, dst)
@@ -83,6 +84,21 @@ class Binding:
         if bound.pulls:
             ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
         return runs
+
+    def _fresh_destinations(self, tensors, outs) -> dict:
+        """On a GPU device, every new destination of the run at once: pieces of one block (one
+        allocation, one IPC handle for all; ``ShardStore.allocate_many``). Elsewhere none here:
+        each part makes its own (``_destination``)."""
+        ctx = self.ctx
+        if ctx.cuda_device is None or self.req.direct:
+            return {}
+        wanted = [(t, p) for t, p in zip(tensors, self.prepared.parts, strict=True)
+                  if p.program.dst_shape is not None and not p.publishes]  # fmt: skip
+        try:
+            made = ctx.store.allocate_many([(p.program.dst_shape, p.dtype) for _, p in wanted])
+        except (MemoryError, RuntimeError, OSError) as e:
+            raise ReshardError(f"device {ctx.device}: could not allocate the run's destination shards: {e}") from e
+        return {t: a for (t, _), a in zip(wanted, made, strict=True)}
 
     def _destination(self, prepared, dtype: str, out: str | None):
         ctx = self.ctx

@@ -102,6 +102,7 @@ class DeviceContext:
         self.counters = {"programs_received": 0, "runs": 0, "failed_runs": 0, "dropped_late": 0}
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._torch_device = None
 
     @property
     def shared(self):
@@ -129,10 +130,22 @@ class DeviceContext:
 
     @property
     def torch_device(self):
-        """This device as a ``torch.device`` (imports torch)."""
+        """Where torch tensors over this device's memory live, as a ``torch.device`` (imports
+        torch): the CPU, or the GPU torch sees when it looks at this device's memory (DLPack)."""
         import torch
 
-        return torch.device(self.device_type)
+        if self.cuda_device is None:
+            return torch.device("cpu")
+        if self._torch_device is None:
+            self._torch_device = arrays.as_torch(self.store.allocate((1,), "uint8", shared=False), "uint8").device
+        return self._torch_device
+
+    def device_array(self, tensor):
+        """The array this device's backend moves for ``tensor`` (a torch tensor on this device):
+        the tensor itself on a CPU device, a cupy array over its memory on a GPU (DLPack)."""
+        if self.cuda_device is None or not arrays.is_torch(tensor):
+            return tensor
+        return arrays.as_device(tensor)
 
     @property
     def caller(self) -> str | None:

@@ -1,12 +1,13 @@
 """GPU device memory that peers sharing the GPU read straight out of: CUDA IPC pulls, the GPU twin
 of the CPU devices' shared memory (``reshard.runtime.device.shared_memory``).
 
-Holder. ``GpuBlocks`` allocates each shard its own block of device memory (``cudaMalloc`` through
+Holder. ``GpuBlocks`` allocates device memory in blocks (``cudaMalloc`` through
 ``cupy.cuda.Memory``, outside cupy's pool: CUDA IPC exports whole allocations, "the base of an
-existing device memory allocation"), keeps freed blocks for reuse by byte size, and gives each
-shard a tenure in a board of host shared memory (a memfd of uint64 slots) that its peers map
-read-only. A shard's descriptor names the block (its IPC handle), the board, the slot and the
-tenure. A block a peer may have opened is never given back to CUDA except by ``empty_cache`` or
+existing device memory allocation"): one block holds the shards one call makes (a run's
+destinations, a load's shards), each a piece of it; freed blocks are kept for reuse by byte size.
+Each shard has a tenure in a board of host shared memory (a memfd of uint64 slots) that its peers
+map read-only. A shard's descriptor names the block (its IPC handle), the piece, the board, the
+slot and the tenure. A block a peer may have opened is never given back to CUDA except by ``empty_cache`` or
 when the device closes (CUDA: freeing exported memory before importers close it is undefined).
 
 Puller. ``GpuPeers`` opens each holder block once (``cudaIpcOpenMemHandle``; CUDA allows one open
@@ -23,6 +24,7 @@ GPUs every byte goes through NCCL.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import sys
@@ -84,17 +86,33 @@ class TenureBoard:
         os.close(self._fd)
 
 
+#: Pieces of one block start on this boundary (cudaMalloc's alignment keeps every dtype aligned).
+ALIGN = 256
+
+
+@dataclass
+class _Piece:
+    """One shard's bytes in a block: where, how many, and its tenure (slot -1: none)."""
+
+    offset: int
+    nbytes: int
+    slot: int = -1
+    tenure: int = 0
+    released: bool = False
+
+
 @dataclass
 class _Block:
     mem: Any  # cupy.cuda.Memory: the allocation
     nbytes: int
+    pieces: dict[int, _Piece]  # offset -> piece
     handle: bytes | None = None  # its IPC handle, once asked for
-    slot: int = -1  # the tenure slot of the shard in it (-1: none)
-    tenure: int = 0
 
 
 class GpuBlocks:
-    """A GPU device's shard memory (module docstring): one block per shard, pooled by size."""
+    """A GPU device's shard memory (module docstring): blocks pooled by size, each holding the
+    shards of one call (a run's destinations, a load's shards: a state dict is one block, one IPC
+    handle, whatever its number of tensors) or one shard."""
 
     @staticmethod
     def available() -> bool:
@@ -110,97 +128,134 @@ class GpuBlocks:
         self.keep_bytes = keep_bytes
         self.board = TenureBoard()
         self.blocks: dict[int, _Block] = {}  # base pointer -> block
+        self._bases: list[int] = []  # sorted, to find the block an address is in
         self.idle: OrderedDict[tuple[int, int], _Block] = OrderedDict()  # (nbytes, base) -> a freed block
         self.idle_bytes = 0
         self._lock = threading.Lock()
 
     def allocate(self, nbytes: int):
         """A flat uint8 cupy array over a block of ``nbytes`` (> 0): a freed one of that size, else new."""
+        return self.allocate_many([nbytes])[0]
+
+    def allocate_many(self, sizes: list[int]) -> list:
+        """Flat uint8 cupy arrays of ``sizes`` bytes (each > 0), pieces of one block."""
         import cupy
 
+        offsets, end = [], 0
+        for n in sizes:
+            offsets.append(end)
+            end += -(-n // ALIGN) * ALIGN
+        block = self._take(end)
+        if block is None:
+            with cupy.cuda.Device(self.cuda_device):
+                mem = cupy.cuda.Memory(end)
+            block = _Block(mem, end, {})
+            with self._lock:
+                self.blocks[mem.ptr] = block
+                bisect.insort(self._bases, mem.ptr)
+        block.pieces = {o: _Piece(o, n) for o, n in zip(offsets, sizes, strict=True)}
+        return [cupy.ndarray((n,), np.uint8, memptr=cupy.cuda.MemoryPointer(block.mem, o))
+                for o, n in zip(offsets, sizes, strict=True)]  # fmt: skip
+
+    def _take(self, nbytes: int) -> _Block | None:
         with self._lock:
             key = next((k for k in self.idle if k[0] == nbytes), None)
             if key is None and self._reclaim():
                 key = next((k for k in self.idle if k[0] == nbytes), None)
-            block = self.idle.pop(key) if key is not None else None
-            if block is not None:
-                self.idle_bytes -= nbytes
-        if block is None:
-            with cupy.cuda.Device(self.cuda_device):
-                mem = cupy.cuda.Memory(nbytes)
-            block = _Block(mem, nbytes)
-            with self._lock:
-                self.blocks[mem.ptr] = block
-        ptr = cupy.cuda.MemoryPointer(block.mem, 0)
-        return cupy.ndarray((nbytes,), np.uint8, memptr=ptr)
+            if key is None:
+                return None
+            self.idle_bytes -= nbytes
+            return self.idle.pop(key)
 
     def _reclaim(self) -> bool:
-        """Blocks handed out (``DeviceContext.empty``), held by no shard and no array any more,
-        go to the pool; True if one did. An array over a block holds a reference to its memory."""
+        """Blocks whose pieces no shard holds and no array uses any more (``DeviceContext.empty``'s,
+        once its user let go) go to the pool; True if one did. An array over a block holds a
+        reference to its memory."""
         found = False
         idle = {id(b) for b in self.idle.values()}
-        for base, block in self.blocks.items():
-            if block.slot < 0 and id(block) not in idle and sys.getrefcount(block.mem) <= 2:
-                self.idle[(block.nbytes, base)] = block
-                self.idle_bytes += block.nbytes
+        for block in self.blocks.values():
+            if id(block) in idle or any(p.slot >= 0 for p in block.pieces.values()):
+                continue
+            if sys.getrefcount(block.mem) <= 2:
+                self._idle(block)
                 found = True
         return found
 
-    def _block(self, a) -> _Block | None:
-        """The block ``a`` fills, or None (not a whole block of ours)."""
-        if a is None or not hasattr(a, "data") or not a.flags.c_contiguous:
+    def _find(self, a) -> tuple[_Block, _Piece] | None:
+        """The block and piece ``a`` fills exactly, or None (not a piece of ours)."""
+        if a is None or not hasattr(a, "data") or not a.nbytes or not a.flags.c_contiguous:
             return None
-        block = self.blocks.get(a.data.ptr)
-        if block is None or block.nbytes != a.nbytes or not a.nbytes:
+        ptr = a.data.ptr
+        with self._lock:
+            i = bisect.bisect_right(self._bases, ptr) - 1
+            block = self.blocks.get(self._bases[i]) if i >= 0 else None
+        if block is None:
             return None
-        return block
+        piece = block.pieces.get(ptr - block.mem.ptr)
+        if piece is None or piece.nbytes != a.nbytes:
+            return None
+        return block, piece
 
     def begin(self, a) -> None:
-        """A shard takes the block ``a`` fills (if it fills one): a fresh tenure."""
-        block = self._block(a)
-        if block is not None and block.slot < 0:
-            block.slot, block.tenure = self.board.begin()
+        """A shard takes the piece ``a`` fills (if it fills one): a fresh tenure."""
+        found = self._find(a)
+        if found is not None and found[1].slot < 0:
+            found[1].slot, found[1].tenure = self.board.begin()
+            found[1].released = False
 
     def end(self, a) -> None:
-        """The shard in ``a``'s block is dropped: descriptors of it no longer map."""
-        block = self._block(a)
-        if block is not None and block.slot >= 0:
-            self.board.end(block.slot)
-            block.slot, block.tenure = -1, 0
+        """The shard in ``a``'s piece is dropped: descriptors of it no longer map."""
+        found = self._find(a)
+        if found is not None and found[1].slot >= 0:
+            self.board.end(found[1].slot)
+            found[1].slot, found[1].tenure = -1, 0
 
     def descriptor(self, a) -> tuple | None:
-        """``("cuda", pid, IPC handle, nbytes, shape, board, slot, tenure)`` of shard ``a`` if it fills
-        a live block held by a shard, else None."""
-        block = self._block(a)
-        if block is None or block.slot < 0:
+        """``("cuda", pid, IPC handle, block bytes, offset, shape, board, slot, tenure)`` of shard
+        ``a`` if it fills a piece held by a shard, else None."""
+        found = self._find(a)
+        if found is None or found[1].slot < 0:
             return None
+        block, piece = found
         if block.handle is None:
             import cupy
 
             with cupy.cuda.Device(self.cuda_device):
                 block.handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(block.mem.ptr))
-        return ("cuda", os.getpid(), block.handle, block.nbytes, tuple(a.shape), self.board.descriptor, block.slot,
-                block.tenure)  # fmt: skip
+        return ("cuda", os.getpid(), block.handle, block.nbytes, piece.offset, tuple(a.shape), self.board.descriptor,
+                piece.slot, piece.tenure)  # fmt: skip
 
     def release(self, a) -> bool:
-        """The last use of ``a``'s block is over: it goes back to the pool (its tenure ended first)."""
-        block = self._block(a)
-        if block is None:
+        """The last use of ``a``'s piece is over (its tenure ends); the block goes back to the pool
+        once every piece of it is released."""
+        found = self._find(a)
+        if found is None:
             return False
         self.end(a)
+        block, piece = found
         with self._lock:
-            self.idle[(block.nbytes, block.mem.ptr)] = block
-            self.idle_bytes += block.nbytes
-            while self.idle_bytes > self.keep_bytes and self._evictable():
-                pass
+            piece.released = True
+            if all(p.released for p in block.pieces.values()):
+                self._idle(block)
+                while self.idle_bytes > self.keep_bytes and self._evictable():
+                    pass
         return True
+
+    def _idle(self, block: _Block) -> None:
+        block.pieces = {}
+        self.idle[(block.nbytes, block.mem.ptr)] = block
+        self.idle_bytes += block.nbytes
+
+    def _forget(self, base: int) -> None:
+        del self.blocks[base]
+        del self._bases[bisect.bisect_left(self._bases, base)]
 
     def _evictable(self) -> bool:
         """Give back to CUDA the oldest idle block no peer was given a handle of; False when none is."""
         for key, block in self.idle.items():
             if block.handle is None:
                 del self.idle[key]
-                del self.blocks[key[1]]
+                self._forget(key[1])
                 self.idle_bytes -= block.nbytes
                 return True
         return False
@@ -211,7 +266,7 @@ class GpuBlocks:
         with self._lock:
             freed = self.idle_bytes
             for key in list(self.idle):
-                del self.blocks[key[1]]
+                self._forget(key[1])
             self.idle.clear()
             self.idle_bytes = 0
         return freed
@@ -220,6 +275,7 @@ class GpuBlocks:
         with self._lock:
             self.idle.clear()
             self.blocks.clear()
+            self._bases.clear()
             self.idle_bytes = 0
         self.board.close()
 
@@ -248,15 +304,15 @@ class GpuPeers:
     def get(self, holder: int, desc, dtype: np.dtype):
         """Device ``holder``'s shard named by ``desc``, as a cupy array of ``dtype`` and its shape;
         ``ReshardError`` if the shard was dropped (``check`` again after copying from it)."""
-        _, pid, handle, nbytes, shape, _, _, _ = desc
+        _, pid, handle, nbytes, offset, shape, _, _, _ = desc
         self._check(holder, desc)
         opened = self._opened(holder, pid, bytes(handle), nbytes)
-        key = (dtype, tuple(shape))
+        key = (offset, dtype, tuple(shape))
         view = opened.views.get(key)
         if view is None:
             import cupy
 
-            ptr = cupy.cuda.MemoryPointer(opened.mem, 0)
+            ptr = cupy.cuda.MemoryPointer(opened.mem, offset)
             view = opened.views[key] = cupy.ndarray(tuple(shape), dtype, memptr=ptr)
         return view
 
@@ -287,12 +343,12 @@ class GpuPeers:
         return opened
 
     def _tenure(self, holder: int, desc) -> int:
-        board, slot = desc[5], desc[6]
+        board, slot = desc[6], desc[7]
         words = self.boards.mapped_block(holder, *board).view(np.uint64)
         return int(words[slot])
 
     def _check(self, holder: int, desc) -> None:
-        if self._tenure(holder, desc) != desc[7]:
+        if self._tenure(holder, desc) != desc[8]:
             raise ReshardError(
                 f"device {self.device}: device {holder}'s source shard is gone (the tensor was freed, through this "
                 "handle or another); its memory no longer holds it"

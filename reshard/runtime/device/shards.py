@@ -195,6 +195,20 @@ class ShardStore:
             return np.empty(tuple(shape), dtype=storage)
         return flat.view(storage).reshape(tuple(shape))
 
+    def allocate_many(self, specs) -> list:
+        """New shards of one call (``(shape, dtype)`` each): on a GPU device whose peers pull through
+        CUDA IPC, pieces of one block (one handle for all of them); elsewhere each as
+        ``allocate_destination`` makes it."""
+        if self.device_type == "cpu" or self.shared is None:
+            return [self.allocate_destination(shape, dtype) for shape, dtype in specs]
+        storages = [arrays.storage(dtype) for _, dtype in specs]
+        sizes = [_nbytes(shape, st) for (shape, _), st in zip(specs, storages, strict=True)]
+        flats = iter(self.shared.allocate_many([n for n in sizes if n]))
+        return [
+            next(flats).view(st).reshape(tuple(shape)) if n else self.allocate(shape, dtype)
+            for (shape, dtype), st, n in zip(specs, storages, sizes, strict=True)
+        ]
+
     def recycle(self, scratch) -> bool:
         """Give ``scratch`` (memory from ``allocate`` that never became a shard: a run's scratch
         buffer) to the pool, for the next run's scratch or destination of its size; kept only when

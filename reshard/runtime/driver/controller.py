@@ -509,8 +509,10 @@ class Runtime:
     def acquire(self, devices, name: str, holder: str) -> None:
         self._fire(devices, lambda rec: lambda t: rec.actor.reshard_acquire.remote(t, name, holder))
 
-    def free(self, devices, name: str) -> None:
-        self._fire(devices, lambda rec: lambda t: rec.actor.reshard_free.remote(t, name))
+    def free(self, devices, *names: str) -> None:
+        """Drop shards ``names`` on ``devices`` for every holder (fire and forget, ordered): one
+        call per device for all of them."""
+        self._fire(devices, lambda rec: lambda t: rec.actor.reshard_free.remote(t, *names))
 
     def _fire(self, devices, make) -> None:
         with self.lock:

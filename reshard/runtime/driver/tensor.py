@@ -190,6 +190,31 @@ class ShardedTensor:
             pass
 
 
+def free(tree) -> None:
+    """``free()`` every ShardedTensor of ``tree`` (one, or a tree of them: dicts, lists, tuples, as
+    ``reshard`` returns them), with one call per device for all of them (a model's state dict: not
+    one call per tensor). Idempotent; ``MeshClosed`` when their Ray session is gone."""
+    from reshard.pytree import flatten
+
+    leaves, _, _ = flatten(tree, lambda x: isinstance(x, ShardedTensor))
+    per_device: dict[int, list[str]] = {}
+    rt = runtime()
+    checked: set[int] = set()
+    for t in leaves:
+        if not isinstance(t, ShardedTensor):
+            raise TypeError(f"free takes ShardedTensors or a tree of them, got a {type(t).__name__}")
+        if t._freed:
+            continue
+        if id(t.mesh) not in checked:
+            rt.registry.check_session(t.mesh.device_ids, f"freeing {t!r}")
+            checked.add(id(t.mesh))
+        t._freed = True
+        for d in t.mesh.device_ids:
+            per_device.setdefault(d, []).append(t.name)
+    for d, names in per_device.items():
+        rt.free([d], *names)
+
+
 def _rebuild(mesh, layout, shape, dtype, name, shared, token) -> ShardedTensor:
     holder = f"{name}/copy/{uuid.uuid4().hex[:12]}"
     rt = runtime()
@@ -198,4 +223,4 @@ def _rebuild(mesh, layout, shape, dtype, name, shared, token) -> ShardedTensor:
     return ShardedTensor(mesh, layout, shape, dtype, name, shared, holder)
 
 
-__all__ = ["ShardedTensor"]
+__all__ = ["ShardedTensor", "free"]

@@ -32,10 +32,12 @@ from reshard.runtime.backends.nccl.ids import (
     uid_digest,
     visible_gpu_count,
 )
+from reshard.runtime.backends.nccl.library import c_library
 from reshard.runtime.backends.nccl.operations import Operations
 from reshard.runtime.backends.nccl.settings import (
     NONBLOCKING_ENV,
     PER_PROCESS_SETTINGS,
+    THREAD_NAMES_ENV,
     GpuSharing,
     agreed_settings,
     apply_env,
@@ -139,10 +141,14 @@ class NcclBackend(Operations, Backend):
         self.arrive()
 
     def arrive(self) -> None:
-        """Apply this backend's environment in this process: its ``env``, non-blocking
-        communicators and, for a fractional GPU, the GPU-sharing variables."""
+        """Apply what this backend needs of the process environment: the ``env`` its user gave,
+        named NCCL threads, and for a fractional GPU the GPU-sharing variables. Non-blocking
+        communicators are a setting of each communicator (``library.c_library``), not of the
+        process: only where NCCL's C API cannot be reached does ``NCCL_COMM_BLOCKING=0`` go into
+        the environment (logged; it would reach the process's other communicators)."""
         apply_env(self.env)
-        apply_env(NONBLOCKING_ENV, record=False)
+        apply_env(THREAD_NAMES_ENV, record=False)
+        _nonblocking_fallback()
         version = None
         if self.gpu_sharing is GpuSharing.AUTO and self.gpus_per_device < 1:
             with contextlib.suppress(ImportError):
@@ -265,7 +271,8 @@ class NcclBackend(Operations, Backend):
                 raise ValueError(f"this NcclBackend serves device {self._device}, not {device}")
             return
         apply_env(self.env)
-        apply_env(NONBLOCKING_ENV, record=False)
+        apply_env(THREAD_NAMES_ENV, record=False)
+        _nonblocking_fallback()
         cupy, _ = cb.import_nccl()
         if visible_gpu_count() < 1:
             raise RuntimeError(
@@ -436,12 +443,17 @@ class NcclBackend(Operations, Backend):
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         raws: list = []
+        lib = c_library()
         try:
             with cupy.cuda.Device(self.cuda_device):
                 self._call(nccl.groupStart, deadline, "ncclGroupStart")
                 try:
                     for g, info, rank in zip(groups, infos, ranks, strict=True):
-                        raws.append(nccl.NcclCommunicator(len(g), _uid_arg(_uid_bytes(info["uid"])), rank))
+                        uid = _uid_bytes(info["uid"])
+                        if lib is not None:  # non-blocking by its own configuration
+                            raws.append(lib.init_rank(len(g), uid, rank, blocking=False))
+                        else:
+                            raws.append(nccl.NcclCommunicator(len(g), _uid_arg(uid), rank))
                 finally:
                     self._call(nccl.groupEnd, deadline, f"ncclGroupEnd(create {groups})")
                 self._await(raws, [uid_digest(_uid_bytes(i["uid"])) for i in infos], deadline)
@@ -564,6 +576,20 @@ class NcclBackend(Operations, Backend):
             with self._lock:
                 for staging in self._stagings:
                     staging.release()
+
+
+def _nonblocking_fallback() -> None:
+    """``NCCL_COMM_BLOCKING=0`` for the process, only where NCCL's C API is out of reach (no
+    libnccl mapped that ctypes can bind: the communicators are cupy's, which take no configuration)."""
+    try:
+        if c_library() is not None:
+            return
+    except ImportError:
+        return
+    if os.environ.get("NCCL_COMM_BLOCKING") != "0":
+        log.warning("NCCL's C API is out of reach: setting NCCL_COMM_BLOCKING=0 for this process (it reaches its "
+                    "other NCCL communicators too)")  # fmt: skip
+        apply_env(NONBLOCKING_ENV, record=False)
 
 
 def _actor_key(handle) -> str | None:

@@ -2,13 +2,14 @@
 the threads that move data).
 
 Streams. A batch belongs to the calling thread's current cupy stream (a run's stream, a pipeline
-lane's; a caller on the null stream gets a non-blocking stream of the backend per thread). Each
-communicator has a stream of its own: an operation is queued there behind an event recorded on
-the caller's stream when it is issued (so it reads what the caller queued before, packing
-included), and at the batch's end the caller's stream waits for every communicator stream the
-batch used (so what comes after reads what arrived). Kernels of different communicators of one
-group thus never queue behind each other, whatever NCCL does inside a group; a buffer produced on
-another stream (a torch tensor on torch's) is ordered by events too.
+lane's; a caller on the null stream gets a non-blocking stream of the backend per thread). The
+operations of the batch's first communicator go on that stream itself (a single message, or a
+window over one link, needs no event). Every other communicator has a stream of its own: an
+operation is queued there behind an event recorded on the caller's stream when it is issued (so it
+reads what the caller queued before, packing included), and at the batch's end the caller's
+stream waits for every such stream (so what comes after reads what arrived). Kernels of different
+communicators of one group thus never queue behind each other, whatever NCCL does inside a group;
+a buffer produced on another stream (a torch tensor on torch's) is ordered by events too.
 
 Locks. Each communicator has its own lock, held by the thread that queues operations on it, from
 its first operation of a batch until NCCL launched the batch; two threads that use different
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: How long a failed batch waits for the copies it queued on the stream before staging is reused.
 STREAM_DRAIN_S = 5.0
+#: How long a thread looks again at once (no sleep) for NCCL to have launched a batch.
+SPIN_S = 200e-6
 
 
 @dataclass
@@ -56,6 +59,7 @@ class _Batch:
     stream: Any = None  # the cupy stream the batch's operations are queued on
     comms: dict[int, NcclCommunicator] = field(default_factory=dict)  # id -> communicator
     joins: dict[int, Any] = field(default_factory=dict)  # stream ptr -> a communicator stream used
+    first: int | None = None  # id of the communicator whose operations go on the caller's stream
     locked: list[NcclCommunicator] = field(default_factory=list)  # whose lock the batch holds
     unpack: list[tuple[Any, Any, str]] = field(default_factory=list)  # (dst, staged, framework)
     consumers: dict[int, Any] = field(default_factory=dict)  # stream ptr -> cupy stream
@@ -273,10 +277,14 @@ class Operations:
                 batch.unpack.append((x, buf, view.framework))
         batch.keep.append(x)
         batch.keep.append(buf)
-        # 3. the communicator's stream runs the operation after what the caller's stream holds now
-        stream = self._comm_stream(comm)
-        cuda_streams.order_after(stream, [batch.stream])
-        batch.joins[stream.ptr] = stream
+        # 3. the batch's first communicator works on the caller's stream itself; any other on a
+        #    stream of its own, after what the caller's stream holds now
+        first = batch.first if batch.first is not None else id(comm)
+        batch.first = first
+        if first != id(comm):
+            stream = self._comm_stream(comm)
+            cuda_streams.order_after(stream, [batch.stream])
+            batch.joins[stream.ptr] = stream
         # 4. enqueue: returns at once (queued in a group, or ncclInProgress on a non-blocking comm)
         if kind == "all_reduce":
             count, dtype, op = cb.nccl_reduce_args(bview.dtype_name, bview.numel, bview.itemsize, arg)
@@ -340,12 +348,16 @@ class Operations:
         if deadline is None:
             raise RuntimeError("an NCCL batch polled before its deadline was set")
         pause = 0.0
+        spin_until = time.monotonic() + SPIN_S
         while True:
             busy = self._check(batch)
             if not busy:
                 return
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 self._fail(batch, None, timeout=True)
+            if now < spin_until:
+                continue  # a launch takes microseconds: a sleep would cost a scheduler tick
             time.sleep(pause)
             pause = min(max(2 * pause, 2e-5), 1e-3)
 

@@ -18,9 +18,12 @@ log = logging.getLogger(__name__)
 PAPER_BROADCAST_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
 
 
-#: What the backend itself sets in every actor: non-blocking communicators (see module docstring),
-#: and named NCCL threads (``bootstrap_root_threads`` finds the roots by name).
-NONBLOCKING_ENV = {"NCCL_COMM_BLOCKING": "0", "NCCL_SET_THREAD_NAME": "1"}
+#: What the backend sets in every actor: named NCCL threads (``bootstrap_root_threads`` finds the
+#: roots by name); nothing NCCL decides by.
+THREAD_NAMES_ENV = {"NCCL_SET_THREAD_NAME": "1"}
+#: Non-blocking communicators through the environment: only where NCCL's C API is out of reach
+#: (``NcclBackend`` otherwise configures each communicator).
+NONBLOCKING_ENV = {"NCCL_COMM_BLOCKING": "0", **THREAD_NAMES_ENV}
 
 
 #: Settings every rank of one communicator must agree on: NCCL picks algorithm, protocol, buffer
@@ -67,12 +70,13 @@ class GpuSharing(enum.Enum):
 def effective_env(env: Mapping[str, str] | None, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """NCCL environment to apply before creating communicators.
 
-    ``env=None`` means the paper's broadcast settings, unless the process environment already sets
-    them (an explicit NCCL_ALGO / NCCL_PROTO of the user wins). An explicit dict is applied as is;
-    ``{}`` applies nothing. ``NCCL_COMM_BLOCKING`` is the backend's own (always 0) and refused here.
+    ``env=None`` (the default) and ``{}`` apply nothing: NCCL's variables are the process's, and a
+    framework's own communicators in the same process read them too. An explicit dict is applied
+    as is (e.g. ``PAPER_BROADCAST_ENV``, the broadcast settings the paper's authors forced).
+    ``NCCL_COMM_BLOCKING`` is the backend's own (a setting of each communicator) and refused here.
     """
     if env is None:
-        return {k: v for k, v in PAPER_BROADCAST_ENV.items() if k not in environ}
+        return {}
     bad = [k for k in env if not isinstance(k, str) or not k.startswith("NCCL_")]
     if bad:
         raise ValueError(f"NCCL environment keys must start with NCCL_: {bad}")

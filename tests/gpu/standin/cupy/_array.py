@@ -185,6 +185,9 @@ class ndarray:
         return result
 
     def set(self, arr, stream=None) -> None:
+        """``cudaMemcpyAsync`` from the host: the shape must be this array's (cupy: "Shape mismatch")."""
+        if tuple(np.shape(arr)) != self._shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self._shape}, new shape: {tuple(np.shape(arr))}")
         host = np.array(arr, dtype=self._dtype, copy=True)
         _gpu.launch(lambda: self._host().__setitem__(Ellipsis, host), "cudaMemcpyAsync(HostToDevice)", stream)
 

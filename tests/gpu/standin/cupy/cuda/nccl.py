@@ -676,12 +676,13 @@ class NcclCommunicator:
             raise ValueError(f"commId length {len(commId)} != {NCCL_UNIQUE_ID_BYTES}.")
         check_status(self._init(int(ndev), commId, int(rank)))
 
-    def _init(self, ndev: int, uid: bytes, rank: int) -> int:
+    def _init(self, ndev: int, uid: bytes, rank: int, blocking: bool | None = None) -> int:
         if ndev < 1 or not 0 <= rank < ndev:
             return _group_error(ncclInvalidArgument)
         if runtime.getDeviceCount() < 1 or _gpu.sticky() is not None:
             return _group_error(ncclUnhandledCudaError)
-        c = _Comm(next(_handles), ndev, rank, uid, runtime.getDevice(), _blocking())
+        blocking = _blocking() if blocking is None else blocking
+        c = _Comm(next(_handles), ndev, rank, uid, runtime.getDevice(), blocking)
         with _comms_lock:
             _comms[c.handle] = c
         self._comm = c.handle
@@ -1038,3 +1039,31 @@ def _reduce(parts: list[bytes], dtype: int, redop: int, nranks: int) -> bytes:
         if redop == NCCL_AVG:
             acc = (acc / nranks).astype(acc.dtype)
     return acc.tobytes()
+
+
+# ------------------------------------------------------------------------------------------------
+# NCCL's C API where cupy has no binding (the runtime's ``backends/nccl/library.py`` binds the real
+# libnccl through ctypes): ``ncclCommInitRankConfig`` with ``ncclConfig_t.blocking`` set per
+# communicator (NCCL's user guide, "Communicator creation with options"; unset, NCCL_COMM_BLOCKING
+# decides). The communicators it makes answer the calls cupy's do.
+
+
+class _CLibrary:
+    path = "cupy-standin"
+
+    def init_rank(self, nranks: int, uid: bytes, rank: int, *, blocking: bool) -> NcclCommunicator:
+        if len(uid) != NCCL_UNIQUE_ID_BYTES:
+            raise ValueError(f"an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(uid)}")
+        comm = NcclCommunicator.__new__(NcclCommunicator)
+        comm._comm = 0
+        status = comm._init(int(nranks), bytes(uid), int(rank), bool(blocking))
+        if status not in (ncclSuccess, ncclInProgress):
+            check_status(status)
+        return comm
+
+
+_C = _CLibrary()
+
+
+def c_library() -> _CLibrary:
+    return _C
