@@ -102,6 +102,7 @@ def steps(bench: bool) -> list[Step]:
         ),  # fmt: skip
         pytest_step("ranks", "tests/gpu/test_nccl_ranks.py", "several ranks: pairing, aborts", 300),
         pytest_step("dist", "tests/gpu/test_nccl_dist.py", "the dist bodies on NCCL device actors", 420),
+        pytest_step("pipeline", "tests/gpu/test_nccl_pipeline.py", "a pipeline on NCCL device actors", 240),
     ]
     if bench:
         argv = [PY, "-m", "bench", "gpu", "--out", "gpu-check/gpu.json"]
