@@ -43,7 +43,7 @@ CONFIG_BYTES = _Config.blocking.offset + ctypes.sizeof(ctypes.c_int)
 
 
 class _UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
+    _fields_ = [("internal", ctypes.c_ubyte * UNIQUE_ID_BYTES)]  # bytes, NULs too (c_char stops at one)
 
 
 class CComm:
@@ -110,7 +110,8 @@ class CLibrary:
             raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
         config = _Config(CONFIG_BYTES, NCCL_API_MAGIC, CONFIG_VERSION, 1 if blocking else 0)
         handle = ctypes.c_void_p(0)
-        status = self._init(ctypes.byref(handle), nranks, _UniqueId(uid), rank, ctypes.byref(config))
+        status = self._init(ctypes.byref(handle), nranks, _UniqueId((ctypes.c_ubyte * UNIQUE_ID_BYTES)(*uid)), rank,
+                            ctypes.byref(config))
         comm = CComm(self, handle.value or 0)
         if status not in (0, IN_PROGRESS):  # in progress: it exists and connects; its owner polls it
             comm.abort()
