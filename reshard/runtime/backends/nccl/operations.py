@@ -64,7 +64,7 @@ class _Batch:
     unpack: list[tuple[Any, Any, str]] = field(default_factory=list)  # (dst, staged, framework)
     consumers: dict[int, Any] = field(default_factory=dict)  # stream ptr -> cupy stream
     keep: list[Any] = field(default_factory=list)  # buffers referenced until completion
-    ops: list[str] = field(default_factory=list)  # descriptions for error messages
+    ops: list = field(default_factory=list)  # what was issued, formatted only for an error message
     staged: bool = False
     open: bool = False  # inside nccl.groupStart() and not yet ended
 
@@ -246,7 +246,7 @@ class Operations:
             batch.deadline = time.monotonic() + comm.timeout_s
         self._lock_for(batch, comm)
         self.stats["ops"] += 1
-        batch.ops.append(f"{kind}(group={comm.group}, rank={comm.rank}, arg={arg}, shape={view.shape})")
+        batch.ops.append((kind, comm.group, comm.rank, arg, view.shape))
         batch.comms[id(comm)] = comm
         self._check_requests(batch)
         if comm.peer_aborted():
@@ -294,7 +294,7 @@ class Operations:
             method = {"broadcast": comm.raw.bcast, "send": comm.raw.send, "recv": comm.raw.recv}[kind]
             call = lambda: method(bview.ptr, count, dtype, arg, stream.ptr)  # noqa: E731
         try:
-            self._call(call, batch.deadline, batch.ops[-1])
+            self._call(call, batch.deadline, kind)
         except Exception as e:
             self._fail(batch, e, timeout=False)
 
@@ -324,7 +324,7 @@ class Operations:
                 s.wait_event(done)
         if batch.wait or batch.staged:
             try:
-                cuda_streams.wait(stream, batch.deadline, batch.ops[0], lambda: self._check(batch))
+                cuda_streams.wait(stream, batch.deadline, "NCCL operations", lambda: self._check(batch))
             except ReshardTimeout as e:
                 self._fail(batch, e, timeout=True)
             except PeerFailed:
@@ -436,7 +436,7 @@ class Operations:
         for c in list(batch.comms.values()):
             c.abort()
         self._reset_staging_after_failure(batch.stream)
-        ops = "; ".join(batch.ops[:8]) + (" ..." if len(batch.ops) > 8 else "")
+        ops = "; ".join(map(_describe, batch.ops[:8])) + (" ..." if len(batch.ops) > 8 else "")
         if aborted:
             raise PeerFailed(
                 f"NCCL operations on device {self._device}: the controller aborted their communicator (or a failure "
@@ -453,3 +453,11 @@ class Operations:
                 "communicators aborted (a peer is missing, dead or issued a different operation order)"
             ) from error
         raise ReshardError(f"NCCL operations failed on device {self._device}: {ops}: {error}") from error
+
+
+def _describe(op) -> str:
+    """An issued operation, as an error message names it."""
+    if isinstance(op, str):
+        return op
+    kind, group, rank, arg, shape = op
+    return f"{kind}(group={group}, rank={rank}, arg={arg}, shape={shape})"
