@@ -41,6 +41,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 ROOT = Path(__file__).resolve().parent
 MiB = 1 << 20
+CALL_S = 600.0  # a device call making a model's tensors (18,432 of them for the MoE case)
 GiB = 1 << 30
 COLS = 1024  # a tensor of n bytes is bfloat16 (n / 2048) x 1024
 
@@ -351,14 +352,17 @@ def _tp_layout(mesh, dim):
     return Layout(mesh, (Replicate(),) if dim is None else (Shard(dim),))
 
 
-def part_model(pool, repeats: int, layers: int | None, peers: bool, moe: bool) -> list[dict]:
-    rows = _model_cases(pool, repeats, "qwen3", qwen3_spec(layers), [("whole-whole", (1,), (1,)),
-                                                                         ("fsdp2-tp2", (2,), (2,))])  # fmt: skip
-    if moe:
-        rows += _model_cases(pool, repeats, "moe", moe_spec(4 if layers else 48), [("whole-whole", (1,), (1,))])
+def part_model(pool, repeats: int, layers: int | None, peers: bool, moe: bool, rows: list, save) -> None:
+    """The model cases into ``rows``, saved after each (a part cut short keeps what it measured)."""
+    cases = [("whole-whole", (1,), (1,)), ("fsdp2-tp2", (2,), (2,))]
+    rows += _model_cases(pool, repeats, "qwen3", qwen3_spec(layers), cases)
+    save()
     if peers:
         rows[0]["peers"] = part_peers([s for _, s, _ in qwen3_spec(layers)], repeats)
-    return rows
+        save()
+    if moe:
+        rows += _model_cases(pool, repeats, "moe", moe_spec(4 if layers else 48), [("whole-whole", (1,), (1,))])
+        save()
 
 
 def _model_cases(pool, repeats: int, model: str, spec, cases) -> list[dict]:
@@ -374,12 +378,12 @@ def _model_cases(pool, repeats: int, model: str, spec, cases) -> list[dict]:
         dst = DeviceMesh.from_devices(pool.device_ids[2 : 2 + n_dst], dst_shape)
         names = {k: f"{model}/{case}/{k}" for k, _, _ in spec}
         if n_src == 1:
-            (made,) = src.call(make_shards, [(names[k], s) for k, s, _ in spec], 3)
+            (made,) = src.call(make_shards, [(names[k], s) for k, s, _ in spec], 3, timeout_s=CALL_S)
             src_layout = {k: Layout(src, (Replicate(),)) for k, _, _ in spec}
         else:  # FSDP: every tensor Shard(0) over the trainer's devices, each making its own shard
             for i in range(n_src):
                 local = [(names[k], _chunk(s, 0, n_src, i)) for k, s, _ in spec]
-                src.call(make_shards, local, 3 + i, devices=[i])
+                src.call(make_shards, local, 3 + i, devices=[i], timeout_s=CALL_S)
             src_layout = {k: Layout(src, (Shard(0),)) for k, _, _ in spec}
         tree = adopt(src_layout, names)
         dst_layout = {k: (Layout(dst, (Replicate(),)) if n_dst == 1 else _tp_layout(dst, d)) for k, _, d in spec}
@@ -594,9 +598,9 @@ def main(argv: list[str] | None = None) -> int:
                 data["tensor"] = part_tensor(pool, sizes, args.repeats, [MiB, 64 * MiB])
                 save()
             if "model" in parts:
-                data["model"] = part_model(
-                    pool, args.repeats, 4 if args.quick else None, "peers" in parts, "moe" in parts
-                )
+                data["model"] = []
+                part_model(pool, args.repeats, 4 if args.quick else None, "peers" in parts, "moe" in parts,
+                           data["model"], save)  # fmt: skip
         finally:
             pool.shutdown()
             ray.shutdown()

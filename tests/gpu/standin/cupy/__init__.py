@@ -15,9 +15,11 @@ per-communicator sequence numbers; ``abort`` is local. ``_control`` injects faul
 
 What it proves, across real processes: the backend's control logic (the communicator cache,
 group pairing, polling, deadlines, abort notices between members, abort from another thread,
-stream/event ordering, staging lifetimes, the global operation order) and that bytes arrive
+stream/event ordering, staging lifetimes, the global operation order), the runtime's GPU device
+actors (shards in its device memory, CUDA IPC between processes, DLPack) and that bytes arrive
 unchanged. What it does NOT prove: NCCL itself, its transports and protocols, several ranks on
-one GPU, CUDA IPC, torch CUDA tensors, or speed.
+one GPU, compiled kernels (``RawKernel`` is absent: callers fall back to assignments), torch's own
+CUDA streams, or speed.
 """
 
 from numpy import (
