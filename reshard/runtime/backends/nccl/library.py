@@ -110,8 +110,13 @@ class CLibrary:
             raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
         config = _Config(CONFIG_BYTES, NCCL_API_MAGIC, CONFIG_VERSION, 1 if blocking else 0)
         handle = ctypes.c_void_p(0)
-        status = self._init(ctypes.byref(handle), nranks, _UniqueId((ctypes.c_ubyte * UNIQUE_ID_BYTES)(*uid)), rank,
-                            ctypes.byref(config))
+        status = self._init(
+            ctypes.byref(handle),
+            nranks,
+            _UniqueId((ctypes.c_ubyte * UNIQUE_ID_BYTES)(*uid)),
+            rank,
+            ctypes.byref(config),
+        )
         comm = CComm(self, handle.value or 0)
         if status not in (0, IN_PROGRESS):  # in progress: it exists and connects; its owner polls it
             comm.abort()
