@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
-export RAY_AUTH_MODE := disabled
+export RAY_AUTH_MODE := token
 
 .PHONY: setup setup-cupy bench test lint clean gpu-check
 

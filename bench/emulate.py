@@ -7,7 +7,8 @@ NIC is shaped full-duplex with ``tc`` htb on both ends of its veth: the namespac
 the host sends, the bridge end what it receives, so two senders into one host share its rate.
 ``netem`` is not used (no added delay or loss). A Ray node runs in each namespace (``ray start``
 with its own temp dir; the head in host 0), with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` and
-``RAY_AUTH_MODE=disabled`` set for the processes inside the namespaces only. Every node gets a
+Ray's token authentication on, with a random token of the run (``RAY_AUTH_TOKEN``, in the
+environment of the processes inside the namespaces only). Every node gets a
 custom resource ``host_<k>: 1`` so work can be pinned by resource as well as by node affinity.
 
     with EmulatedCluster(hosts=4, nic_gbit=1.0, cpus_per_host=2) as c:
@@ -74,7 +75,14 @@ SCENARIO_RESULT_MARK = "SCENARIO_RESULT "
 _NAME = re.compile(rf"^{PREFIX}([0-9a-f]{{6}})(h\d+|v\d+|br|x)$")
 _RUN_DIR = re.compile(rf"^{PREFIX}([0-9a-f]{{6}})$")
 _REPO = Path(__file__).resolve().parents[1]
-_RAY_ENV_DROP = ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR", "RAY_NAMESPACE", "RAY_JOB_ID")
+_RAY_ENV_DROP = (
+    "RAY_ADDRESS",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+    "RAY_TMPDIR",
+    "RAY_NAMESPACE",
+    "RAY_JOB_ID",
+    "RAY_AUTH_TOKEN_PATH",
+)
 
 
 class EmulationError(RuntimeError):
@@ -532,6 +540,7 @@ class EmulatedCluster:
         self.startup_timeout_s = startup_timeout_s
         self._progress = progress or (lambda _msg: None)
         self.token = secrets.token_hex(3)
+        self._auth_token = secrets.token_hex(32)  # Ray's token auth for this cluster only
         self.run_dir = _run_dir(self.token)
         self.namespaces = tuple(f"{PREFIX}{self.token}h{k}" for k in range(hosts))
         self.bridge = f"{PREFIX}{self.token}br"
@@ -675,7 +684,8 @@ class EmulatedCluster:
         tmp = str(self.run_dir / "tmp")
         env.update(
             RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",
-            RAY_AUTH_MODE="disabled",
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN=self._auth_token,
             RAY_USAGE_STATS_ENABLED="0",
             RAY_TMPDIR=tmp,
             TMPDIR=tmp,

@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from scheduler import eager_one_f_one_b, gpipe, one_f_one_b, simulate  # noqa: E402
 

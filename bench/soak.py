@@ -100,7 +100,6 @@ def run(reshards: int, cycles: int, every: int, seed: int = 0) -> dict:
     own_ray = not ray.is_initialized()
     if own_ray:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     pool = DeviceMesh.create((2, 2), backend="gloo", startup_timeout_s=300)
     views: dict = {}

@@ -24,7 +24,6 @@ import sys
 import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from bench.cases import CASES_BY_NAME, POOL_SHAPE, fmt_size, parse_size  # noqa: E402
 

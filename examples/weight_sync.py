@@ -64,7 +64,6 @@ import time
 from dataclasses import dataclass, replace
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray's default for a new local cluster, without its warning
 
 import pytest  # noqa: E402
 

@@ -26,7 +26,7 @@ import time
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray's default for a new local cluster, without its warning
 
 REQUIRED_GPUS = int(os.environ.get("RESHARD_REQUIRE_GPUS", "0") or 0)
 GPU_RETURN_TIMEOUT_S = 120.0

@@ -120,3 +120,20 @@ def test_a_failing_scenario_raises_with_its_error(cluster):
         cluster.scenario(SCENARIOS, "no_such_scenario")
     with pytest.raises(emulate.EmulationError, match="LookupError: 0 alive Ray nodes at 10.255.255.255"):
         cluster.scenario(SCENARIOS, "node_of_address", address="10.255.255.255")
+
+
+def test_ray_refuses_a_driver_without_the_clusters_token(cluster):
+    """Ray's token auth is on in the emulated cluster: a driver with another token is turned away."""
+    code = (
+        "import ray\n"
+        "try:\n"
+        "    ray.init(address='auto')\n"
+        "except Exception as e:\n"
+        "    print('REFUSED', type(e).__name__, e)\n"
+        "else:\n"
+        "    print('JOINED')\n"
+    )
+    env = cluster.env(0) | {"RAY_AUTH_TOKEN": "0" * 64}
+    done = cluster.run([sys.executable, "-c", code], env=env, timeout_s=120)
+    assert "REFUSED" in done.stdout and "JOINED" not in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "auth" in (done.stdout + done.stderr).lower()

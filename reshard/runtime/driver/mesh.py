@@ -74,7 +74,6 @@ def ensure_ray() -> None:
 
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         ray_constants.ENABLE_RAY_CLUSTER = False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False)
 
 
