@@ -60,7 +60,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from bench.cases import (  # noqa: E402
     CASES,
@@ -378,9 +377,8 @@ class Suite:
     and the RDT actors, for one run."""
 
     def __init__(self, args, console, progress=None, task=None, pool=None):
-        import torch.distributed as dist
-
         from reshard import DeviceMesh
+        from reshard.runtime.backends.gloo import listening_store
 
         self.args = args
         self.console = console
@@ -397,8 +395,7 @@ class Suite:
             raise ValueError(f"the local suite needs a pool mesh of shape {POOL_SHAPE}, got {self.pool!r}")
         _check_host_pattern(MeshView(POOL_SHAPE, tuple(range(POOL_SIZE)), POOL_HOST_IDS), self.pool)
         self.views: dict[MeshView, object] = {}
-        self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                                   timeout=_dt.timedelta(seconds=120))  # fmt: skip
+        self.store = listening_store("127.0.0.1", timeout_s=120)
         self.ceiling_groups: set[str] = set()
         self.rdt = None
         self.rdt_error: str | None = None
@@ -425,8 +422,12 @@ class Suite:
         return self.dtensor
 
     def close(self) -> None:
-        from bench import ceiling
+        from bench import ceiling, sockets
 
+        try:
+            self.listeners = sockets.survey(self.pool)
+        except Exception as e:  # recorded: a run that cannot look still reports its results
+            self.listeners = {"error": _error(e)}
         for key in self.ceiling_groups:
             try:
                 self.call_each({d: (ceiling.teardown, (key,), {}) for d in self.pool.device_ids}, 30.0)
@@ -981,6 +982,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         "peers": args.peer_list,
         "rdt_setup_s": None if suite is None or suite.rdt is None else suite.rdt.setup_s,
         "startup": startup,
+        "listeners": getattr(suite, "listeners", None),
         "results": entries,
     }
     data["targets"] = report.targets(data)

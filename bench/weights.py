@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
@@ -261,11 +260,8 @@ class Suite:
     refit's groups and the RDT actors, for one run."""
 
     def __init__(self, args, pool=None):
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
         from reshard import DeviceMesh
+        from reshard.runtime.backends.gloo import listening_store
 
         self.args, self.owns_pool = args, pool is None
         need = 1 + max(p for c in args.case_list for side in c.positions() for p in side)
@@ -276,8 +272,7 @@ class Suite:
                 f"the cases {[c.name for c in args.case_list]} need a pool of {need} devices, got {pool!r}"
             )
         self.pool, self.views = pool, {}
-        self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=120))  # fmt: skip
+        self.store = listening_store("127.0.0.1", timeout_s=120)
         self.rdt, self.rdt_error = None, None
         if RDT in args.method_list:
             try:
@@ -301,6 +296,12 @@ class Suite:
         return {d: self.rdt.actors[i] if rdt else self.pool.actor(i) for d, i in at.items()}
 
     def close(self) -> None:
+        from bench import sockets
+
+        try:
+            self.listeners = sockets.survey(self.pool)
+        except Exception as e:  # recorded: a run that cannot look still reports its results
+            self.listeners = {"error": _error(e)}
         if self.rdt is not None:
             self.rdt.close()
         for v in self.views.values():
@@ -491,7 +492,8 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         "platform": platform.platform(), "loadavg_start": list(load), "loadavg_end": list(os.getloadavg()),
         "ray": ray.__version__, "torch": _torch_version()}, "models": args.model_list,
         "cases": [c.name for c in args.case_list], "methods": args.method_list, "repeats": args.repeats,
-        "rdt_setup_s": getattr(getattr(suite, "rdt", None), "setup_s", None), "results": entries,
+        "rdt_setup_s": getattr(getattr(suite, "rdt", None), "setup_s", None),
+        "listeners": getattr(suite, "listeners", None), "results": entries,
     }  # fmt: skip
     data["fit"] = fit(entries)
     data["targets"] = targets(data)

@@ -99,3 +99,13 @@ async def _within(event, timeout_s: float) -> bool:
         return True
     except asyncio.TimeoutError:
         return False
+
+
+def assert_listens_on_no_wildcard(found: dict, pool) -> None:
+    """The run recorded its driver's and every device's sockets: the stores and gloo pairs it
+    opened are among them, and none listens on every interface."""
+    from bench.sockets import wildcards
+
+    assert set(found) == {"driver", *(f"device {d}" for d in pool.device_ids)}, found
+    assert any(proto == "tcp" for proto, _, _ in found["driver"]["listening"]), "the driver's store is missing"
+    assert wildcards(found) == {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from dist_helpers import assert_listens_on_no_wildcard
 
 pytestmark = pytest.mark.dist
 
@@ -107,4 +108,6 @@ def test_bench_local_smoke(pool, tmp_path):
     assert faster["cases"] == len(CASES) * 2 + 1  # object store and RDT everywhere, DTensor on same-mesh
     small = [t for (title, _), t in targets.items() if title.startswith(f"<= {fmt_size(64 << 10)}")]
     assert [t["cases"] for t in small] == [len(CASES)] * 2
+    assert_listens_on_no_wildcard(data["listeners"], pool)
     assert rc == 0
+

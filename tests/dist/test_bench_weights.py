@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from dist_helpers import assert_listens_on_no_wildcard
 
 pytestmark = pytest.mark.dist
 
@@ -54,4 +55,5 @@ def test_bench_weights_smoke(pool, tmp_path):
     faster = next(t for title, t in targets.items() if title.startswith("ours (default path) faster"))
     assert faster["cases"] == len(PEERS)
     assert all(t["met"] == (t["passed"] == t["cases"]) for t in targets.values())
+    assert_listens_on_no_wildcard(data["listeners"], pool)
     assert entry["ok"] and rc == 0

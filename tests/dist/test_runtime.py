@@ -390,3 +390,28 @@ def test_cluster_from_the_live_ray_cluster(ray_cluster):
     cluster = Cluster.from_ray()
     assert cluster.num_hosts == len([n for n in ray.nodes() if n["Alive"]])
     assert cluster.backend == ("nccl" if ray.cluster_resources().get("GPU", 0) else "gloo")
+
+
+def test_a_local_cluster_the_library_starts_keeps_rays_token_auth(tmp_path):
+    """``DeviceMesh.create`` without a running Ray starts one with Ray's default token auth (never
+    turned off); a fresh interpreter with its own home, so its token is its own."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, ray\n"
+        "from reshard.runtime.driver.mesh import ensure_ray\n"
+        "from ray._raylet import AuthenticationMode, get_authentication_mode\n"
+        "ensure_ray()\n"
+        "try:\n"
+        "    print('MODE', get_authentication_mode() == AuthenticationMode.TOKEN, os.environ.get('RAY_AUTH_MODE'))\n"
+        "finally:\n"
+        "    ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    env["HOME"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "MODE True token" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert (tmp_path / ".ray" / "auth_token").stat().st_size > 0

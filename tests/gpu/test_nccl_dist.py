@@ -108,3 +108,24 @@ def test_results_are_written_when_reshard_returns(view):
     finally:
         for mesh in (a, b):
             mesh.call(no_hook)
+
+
+def test_no_socket_listens_on_every_interface(view):
+    """After NCCL reshards (communicators, abort notices, the rendezvous store), neither the
+    driver nor a device listens or is bound on a wildcard address."""
+    import numpy as np
+
+    from bench.sockets import survey, wildcards
+    from reshard import Layout, Replicate, Shard, distribute, reshard
+
+    a = view([0, 1], (2,))
+    b = view([2, 3], (2,))
+    x = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    t = distribute(x, Layout(a, (Shard(0),)))
+    y = reshard(t, a, Layout(b, (Replicate(),)), shared_memory=False)
+    np.testing.assert_array_equal(y.to_numpy(), x)
+    both = view([0, 1, 2, 3], (4,))
+    found = survey(both)
+    udp = [s for got in found.values() for s in got["listening"] if s[0] == "udp"]
+    assert udp, "no abort-notice socket: the NCCL backend was not used"
+    assert wildcards(found) == {}

@@ -18,13 +18,13 @@ import hashlib
 import os
 import pickle
 import signal
-import socket
 import sys
 import time
 
 import numpy as np
 
 from bench.emulate import host_addresses, scenario_main
+from bench.sockets import listeners
 
 
 def node_of(host: int) -> str:
@@ -46,37 +46,6 @@ def where(ctx=None) -> dict:
         "pid": os.getpid(),
         "netns": [st.st_dev, st.st_ino],
     }
-
-
-def listeners(ctx=None) -> dict:
-    """The TCP sockets this process listens on (``/proc``: its fds and its namespace's tables), and
-    the port of Ray's own core-worker server in it (the owner address of an object it puts)."""
-    import ray
-    from ray.core.generated import common_pb2
-
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/self/net/{table}") as f:
-            next(f)
-            for line in f:
-                fields = line.split()
-                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                    continue
-                addr, port = fields[1].split(":")
-                raw = bytes.fromhex(addr)
-                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # per 32-bit word, little end
-                found.append([socket.inet_ntop(family, raw), int(port, 16)])
-    owner = common_pb2.Address()
-    owner.ParseFromString(ray._private.worker.global_worker.core_worker.get_owner_address(ray.put(0)))
-    return {"listening": found, "ray_core_worker_port": owner.port}
 
 
 def shard_digest(ctx, name: str) -> str:

@@ -99,7 +99,9 @@ def test_shared_memory_pulls_only_within_a_node(tour):
 
 def _ours(listening: dict) -> list:
     """Listening sockets of one of our processes, without Ray's own core-worker server."""
-    return [tuple(x) for x in listening["listening"] if x[1] != listening["ray_core_worker_port"]]
+    return [
+        (a, p) for proto, a, p in listening["listening"] if proto == "tcp" and p != listening["ray_core_worker_port"]
+    ]
 
 
 def test_no_socket_of_ours_listens_on_every_interface(cluster, tour, elsewhere):

@@ -762,16 +762,16 @@ class NetChaos:
         in every live host's namespace (TCP and UDP, every process: Ray's daemons are recorded
         for the report; a wildcard socket of the driver or a device actor is a violation unless it
         is Ray's core-worker port)."""
-        from tests.multihost.runtime_scenarios import listeners
+        from bench.sockets import listeners
 
         everyone = self.everyone()
         found = {"driver": listeners()}
         for d, got in zip(everyone.device_ids, everyone.call(listeners, timeout_s=RETRY_TIMEOUT_S), strict=True):
             found[f"device {d}"] = got
         ray_ports = {got["ray_core_worker_port"] for got in found.values()}
-        ours = {who: [tuple(x) for x in got["listening"] if x[1] != got["ray_core_worker_port"]]
+        ours = {who: [tuple(x) for x in got["listening"] if x[2] != got["ray_core_worker_port"]]
                 for who, got in found.items()}  # fmt: skip
-        wild = {who: [x for x in socks if x[0] in WILDCARD] for who, socks in ours.items()}
+        wild = {who: [x for x in socks if x[1] in WILDCARD] for who, socks in ours.items()}
         wild = {k: v for k, v in wild.items() if v}
         pids = {os.getpid(): "driver", **dict(zip(everyone.call(_pid), (f"device {d}" for d in everyone.device_ids),
                                                   strict=True))}  # fmt: skip

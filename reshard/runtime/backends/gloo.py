@@ -72,6 +72,31 @@ def _reduce_op(op: str):
     return ops[op]
 
 
+def listening_store(host: str, *, timeout_s: float):
+    """A master ``TCPStore`` listening on ``host`` only, on a port the OS picks (torch's own
+    master listens on every interface, whatever host it is given)."""
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(1024)
+        store = dist.TCPStore(
+            host,
+            listener.getsockname()[1],
+            None,
+            True,
+            _td(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now: it closes it when it goes
+    return store
+
+
 class GlooWork:
     """An issued gloo operation; ``wait`` raises ``ReshardTimeout`` / ``PeerFailed`` / ``ReshardError``."""
 
@@ -214,17 +239,8 @@ class GlooBackend(Backend):
         """The store, opened on first use, listening on this node's address only."""
         with self._lock:
             if self._master is None:
-                import torch.distributed as dist
-
                 host = self.host or node_ip()
-                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                listener.bind((host, 0))
-                listener.listen(1024)
-                port = listener.getsockname()[1]
-                self._master = dist.TCPStore(
-                    host, port, None, True, _td(60), wait_for_workers=False, master_listen_fd=listener.fileno()
-                )
-                listener.detach()  # the store owns the descriptor now: it closes it when it goes
+                self._master = listening_store(host, timeout_s=60)
                 self._master_host = host
             return self._master_host, self._master.port
 
