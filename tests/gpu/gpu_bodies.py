@@ -48,7 +48,7 @@ def told_of_abort(actor, group, timeout_s: float):
     from reshard.runtime.backends.nccl import peer_aborts
 
     comm = actor.backend.communicator(group)
-    heard = peer_aborts().wait(comm.digest, timeout_s)
+    heard = peer_aborts().wait(comm.uid, timeout_s)
     try:
         comm.broadcast(cupy.zeros(8, dtype=cupy.float32), 0)
     except Exception as e:

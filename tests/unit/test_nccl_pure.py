@@ -377,19 +377,72 @@ def test_reserve_is_refused_while_segments_are_in_use():
 def test_abort_notices_reach_the_other_members_over_udp():
     a, b, c = PeerAborts(), PeerAborts(), PeerAborts()
     try:
-        digest = uid_digest(bytes(range(128)))
+        uid = bytes(range(128))
+        digest = uid_digest(uid)
         assert len(digest) == 16 and digest != uid_digest(bytes(128))
-        assert not b.aborted(digest)
-        a.notify([b.address, c.address, ("127.0.0.1", 9), ("no-such-host.invalid", 1)], digest)
-        assert b.wait(digest, 10) and c.wait(digest, 10)
-        assert not a.aborted(digest)
-        other = uid_digest(b"other")
-        b.sock.sendto(b"junk" + other, a.address)  # not a notice: ignored
+        assert not b.aborted(uid)
+        a.notify([b.address, c.address, ("127.0.0.1", 9), ("no-such-host.invalid", 1)], uid)
+        assert b.wait(uid, 10) and c.wait(uid, 10)
+        assert not a.aborted(uid)
+        other = b"o" * 128
+        b.sock.sendto(b"junk" + uid_digest(other), a.address)  # not a notice: ignored
         a.notify([a.address], other)  # ... and a real one after it, which arrives later
         assert a.wait(other, 10) and not a.aborted(b"junk")
     finally:
         for p in (a, b, c):
             p.close()
+
+
+def test_a_forged_abort_notice_is_ignored():
+    """A stranger who knows a communicator's digest (it travels in the clear) but not its unique
+    id cannot abort it: the notice's tag is keyed by the unique id. Notices from one socket arrive
+    in order, so a valid marker sent after the forgeries shows they were handled."""
+    victim, stranger = PeerAborts(), PeerAborts()
+    try:
+        watched, early, marker = b"s" * 128, b"u" * 128, b"v" * 128
+        victim.watch(watched)
+        for uid in (watched, early):
+            digest = uid_digest(uid)
+            for tag in (bytes(16), uid_digest(b"guess"), PeerAborts.notice(b"t" * 128)[20:]):
+                stranger.sock.sendto(PeerAborts.MAGIC + digest + tag, victim.address)
+        stranger.notify([victim.address], marker)
+        assert victim.wait(marker, 10)
+        assert not victim.aborted(watched) and not victim.aborted(early)
+        victim.watch(early)
+        assert not victim.aborted(early)
+        stranger.notify([victim.address], watched)  # the real one
+        assert victim.wait(watched, 10)
+    finally:
+        victim.close()
+        stranger.close()
+
+
+def test_a_flood_of_notices_cannot_evict_a_watched_communicators_notice():
+    victim, sender = PeerAborts(), PeerAborts()
+    try:
+        uid, early = b"w" * 128, b"e" * 128
+        victim.watch(uid)
+        sender.notify([victim.address], uid)
+        sender.notify([victim.address], early)  # not watched yet: kept until it is
+        assert victim.wait(uid, 10)
+        assert victim.wait(early, 10)  # watching it finds the early notice
+        lost = b"l" * 128
+        sender.notify([victim.address], lost)  # an early notice the flood will push out
+        for batch in range(2 * PeerAborts.KEEP // 64):  # paced by markers: UDP drops what overflows
+            for i in range(64):
+                forged = (batch * 64 + i).to_bytes(16, "little")
+                sender.sock.sendto(PeerAborts.MAGIC + forged + bytes(16), victim.address)
+            marker = batch.to_bytes(4, "little") * 32
+            sender.notify([victim.address], marker)
+            assert victim.wait(marker, 10)
+            victim.unwatch(marker)
+        assert not victim.aborted(lost)  # early notices are what a flood can cost
+        assert victim.aborted(uid) and victim.aborted(early)
+        victim.unwatch(uid)
+        assert not victim.aborted(uid)
+    finally:
+        victim.close()
+        sender.close()
 
 
 # -- the wedge guard ----------------------------------------------------------------------------
@@ -487,23 +540,23 @@ def _batch(*comms, deadline_s: float = 60.0):
 def test_polling_waits_out_in_progress_and_raises_errors():
     b = NcclBackend()
     done, fails = ScriptedComm(3), ScriptedComm(1, RuntimeError("NCCL_ERROR_REMOTE_ERROR"))
-    b._await([done], [b"d" * 16], time.monotonic() + 30)
+    b._await([done], [b"d" * 128], time.monotonic() + 30)
     assert done.left == 0
     with pytest.raises(RuntimeError, match="REMOTE_ERROR"):
-        b._await([fails], [b"e" * 16], time.monotonic() + 30)
+        b._await([fails], [b"e" * 128], time.monotonic() + 30)
     with pytest.raises(_Deadline):
-        b._await([ScriptedComm(10**9)], [b"f" * 16], time.monotonic() + 0.05)
+        b._await([ScriptedComm(10**9)], [b"f" * 128], time.monotonic() + 0.05)
 
 
 def test_polling_stops_at_a_peers_abort_notice():
     b = NcclBackend()
-    digest = uid_digest(b"group-uid")
+    uid = b"group-uid"
     sender = PeerAborts()
     try:
-        sender.notify([peer_aborts().address], digest)
-        assert peer_aborts().wait(digest, 10)
+        sender.notify([peer_aborts().address], uid)
+        assert peer_aborts().wait(uid, 10)
         with pytest.raises(_PeerAbort):
-            b._await([ScriptedComm(10**9)], [digest], time.monotonic() + 60)
+            b._await([ScriptedComm(10**9)], [uid], time.monotonic() + 60)
     finally:
         sender.close()
     assert b.stats["peer_aborts"] == 1
@@ -520,8 +573,8 @@ def test_abort_is_local_once_and_tells_the_other_members():
         comm.abort()
         comm.abort()
         assert raw.aborts == 1 and comm.aborted and b.live_groups() == [] and b.stats["aborted"] == 1
-        assert other.wait(comm.digest, 10)  # rank 1 heard of it
-        assert not peer_aborts().aborted(comm.digest)  # rank 0 (this process) did not tell itself
+        assert other.wait(comm.uid, 10)  # rank 1 heard of it
+        assert not peer_aborts().aborted(comm.uid)  # rank 0 (this process) did not tell itself
         peer = NcclCommunicator(b, (3, 8), 1, 5.0, ScriptedComm(0), info)
         assert not peer.peer_aborted()
     finally:
@@ -549,10 +602,10 @@ def test_a_peers_notice_is_read_before_the_remote_error_its_abort_causes():
     comm = _comm(b, (0, 1), 0, ScriptedComm(0, RuntimeError("NCCL_ERROR_REMOTE_ERROR")), b"n" * 128)
     sender = PeerAborts()
     try:
-        sender.notify([peer_aborts().address], comm.digest)
-        assert peer_aborts().wait(comm.digest, 10)
+        sender.notify([peer_aborts().address], comm.uid)
+        assert peer_aborts().wait(comm.uid, 10)
         with pytest.raises(_PeerAbort):
-            b._await([comm.raw], [comm.digest], time.monotonic() + 60)
+            b._await([comm.raw], [comm.uid], time.monotonic() + 60)
         with pytest.raises(PeerFailed, match="a member of the group aborted"):
             b._launched(_batch(comm))
     finally:
@@ -595,7 +648,7 @@ def test_an_abort_from_another_thread_is_served_by_the_polling_thread():
         assert not t.is_alive()
         assert isinstance(outcome.get("error"), PeerFailed) and "the controller aborted" in str(outcome["error"])
         assert raw.aborts == 1 and comm.aborted and b.live_groups() == []
-        assert other.wait(comm.digest, 10)  # the other member heard of it
+        assert other.wait(comm.uid, 10)  # the other member heard of it
     finally:
         t.join(30)
         other.close()
@@ -661,7 +714,7 @@ def test_an_aborted_rendezvous_tells_every_member():
         uid = b"r" * 128
         rdv = Rendezvous((0, 1), {"uid": uid, "abort_to": [list(m.address) for m in members]})
         NcclBackend().abort_rendezvous([rdv], "the controller gave up")
-        assert all(m.wait(uid_digest(uid), 10) for m in members)
+        assert all(m.wait(uid, 10) for m in members)
     finally:
         for m in members:
             m.close()

@@ -60,7 +60,7 @@ Unique ids and bootstrap threads
     lazily; it is not used.
 """
 
-from reshard.runtime.backends.nccl.aborts import PeerAborts, peer_aborts
+from reshard.runtime.backends.nccl.aborts import PeerAborts, peer_aborts, uid_digest
 from reshard.runtime.backends.nccl.backend import DEFAULT_TIMEOUT_S, NcclBackend
 from reshard.runtime.backends.nccl.communicator import NcclCommunicator
 from reshard.runtime.backends.nccl.ids import (
@@ -72,7 +72,6 @@ from reshard.runtime.backends.nccl.ids import (
     member_info,
     nccl_available,
     normalize_group,
-    uid_digest,
     visible_gpu_count,
 )
 from reshard.runtime.backends.nccl.operations import STREAM_DRAIN_S

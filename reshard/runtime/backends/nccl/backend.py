@@ -17,7 +17,7 @@ from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.runtime.backends import cuda_buffers as cb
 from reshard.runtime.backends.communicator import Backend, Group, PeerFailed, Rendezvous
 from reshard.runtime.backends.cuda_buffers import nccl_version_tuple
-from reshard.runtime.backends.nccl.aborts import peer_aborts
+from reshard.runtime.backends.nccl.aborts import peer_aborts, uid_digest
 from reshard.runtime.backends.nccl.communicator import NcclCommunicator
 from reshard.runtime.backends.nccl.ids import (
     RENDEZVOUS_INFO_VERSION,
@@ -29,7 +29,6 @@ from reshard.runtime.backends.nccl.ids import (
     bootstrap_root_threads,
     member_info,
     normalize_group,
-    uid_digest,
     visible_gpu_count,
 )
 from reshard.runtime.backends.nccl.library import c_library
@@ -220,7 +219,7 @@ class NcclBackend(Operations, Backend):
             info = r.info
             if isinstance(info, Mapping) and "uid" in info:
                 addresses = [tuple(a) for a in info.get("abort_to", ())]
-                peer_aborts().notify(addresses, uid_digest(_uid_bytes(info["uid"])))
+                peer_aborts().notify(addresses, _uid_bytes(info["uid"]))
 
     def _cached_member(self, device: int, handle) -> dict | None:
         hit = self._members.get(device)
@@ -350,7 +349,7 @@ class NcclBackend(Operations, Backend):
                 comm.raw.abort()
         others = [a for r, a in enumerate(comm.abort_to) if r != comm.rank]
         if notify and others:
-            peer_aborts().notify(others, comm.digest)
+            peer_aborts().notify(others, comm.uid)
         self._forget(comm)
 
     def _retire(self, comm: NcclCommunicator) -> None:
@@ -381,7 +380,9 @@ class NcclBackend(Operations, Backend):
                 with self._guard.inside(time.monotonic() + self.timeout_s, "ncclCommAbort(creation)"):
                     raw.abort()
             others = [a for r, a in enumerate(info.get("abort_to", ())) if r != rank]
-            peer_aborts().notify(others, uid_digest(_uid_bytes(info["uid"])))
+            peer_aborts().notify(others, _uid_bytes(info["uid"]))
+        for info in infos:
+            peer_aborts().unwatch(_uid_bytes(info["uid"]))
 
     # ---------------------------------------------------------------- actor side: communicators
 
@@ -444,6 +445,9 @@ class NcclBackend(Operations, Backend):
         deadline = t0 + timeout_s
         raws: list = []
         lib = c_library()
+        uids = [_uid_bytes(info["uid"]) for info in infos]
+        for uid in uids:  # a member's abort notice counts from now on
+            peer_aborts().watch(uid)
         try:
             with cupy.cuda.Device(self.cuda_device):
                 self._call(nccl.groupStart, deadline, "ncclGroupStart")
@@ -456,7 +460,7 @@ class NcclBackend(Operations, Backend):
                             raws.append(nccl.NcclCommunicator(len(g), _uid_arg(uid), rank))
                 finally:
                     self._call(nccl.groupEnd, deadline, f"ncclGroupEnd(create {groups})")
-                self._await(raws, [uid_digest(_uid_bytes(i["uid"])) for i in infos], deadline)
+                self._await(raws, uids, deadline)
         except _PeerAbort as e:
             self._abort_raws(raws, infos, ranks)
             raise PeerFailed(
@@ -480,11 +484,11 @@ class NcclBackend(Operations, Backend):
                 comm = NcclCommunicator(self, g, rank, timeout_s, raw, info)
                 self._comms[comm.digest] = comm
 
-    def _await(self, raws: list, digests: list[bytes], deadline: float) -> None:
+    def _await(self, raws: list, uids: list[bytes], deadline: float) -> None:
         """Poll non-blocking calls of ``raws`` until none is in progress: raises the first
         asynchronous error, ``_PeerAbort`` when a member reported an abort (checked first: a peer's abort
         also shows here as a remote error), ``_Deadline`` at the deadline."""
-        pending = list(zip(raws, digests, strict=True))
+        pending = list(zip(raws, uids, strict=True))
         aborts = peer_aborts()
         pause = 0.0
         while pending:
@@ -545,6 +549,7 @@ class NcclBackend(Operations, Backend):
                     self._abort_now(c)
                     raise ReshardError(f"NCCL communicator of group {g} still had a call in progress; aborted it")
                 c.closed = True
+                peer_aborts().unwatch(c.uid)
                 with self._cache_lock:
                     if self._comms.get(c.digest) is c:
                         del self._comms[c.digest]
@@ -562,6 +567,7 @@ class NcclBackend(Operations, Backend):
         return groups
 
     def _forget(self, comm: NcclCommunicator) -> None:
+        peer_aborts().unwatch(comm.uid)
         with self._cache_lock:
             if self._comms.get(comm.digest) is comm:
                 del self._comms[comm.digest]

@@ -9,8 +9,8 @@ from typing import Any
 from reshard.errors import ReshardError
 from reshard.runtime.backends import cuda_buffers as cb
 from reshard.runtime.backends.communicator import Communicator, Group
-from reshard.runtime.backends.nccl.aborts import peer_aborts
-from reshard.runtime.backends.nccl.ids import _uid_bytes, uid_digest
+from reshard.runtime.backends.nccl.aborts import peer_aborts, uid_digest
+from reshard.runtime.backends.nccl.ids import _uid_bytes
 
 
 class NcclCommunicator(Communicator):
@@ -24,6 +24,7 @@ class NcclCommunicator(Communicator):
         self.raw = raw  # cupy.cuda.nccl.NcclCommunicator
         self.uid = _uid_bytes(info["uid"])  # the rendezvous this communicator was created from
         self.digest = uid_digest(self.uid)
+        peer_aborts().watch(self.uid)  # until the backend forgets it
         self.uid_host = int(info.get("host", -1))
         self.abort_to = [tuple(a) for a in info.get("abort_to", ())]
         self.aborted = False
@@ -56,7 +57,7 @@ class NcclCommunicator(Communicator):
 
     def peer_aborted(self) -> bool:
         """A member of this group reported that it aborted its communicator."""
-        return peer_aborts().aborted(self.digest)
+        return peer_aborts().aborted(self.uid)
 
     def _check_peer(self, r: int) -> None:
         if not 0 <= r < self.size:

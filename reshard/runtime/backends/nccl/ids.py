@@ -4,7 +4,6 @@ that unique ids leave behind."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -60,11 +59,6 @@ def assign_id_hosts(groups: Iterable[Group]) -> dict[Group, int]:
         load[host] = load.get(host, 0) + 1
         out[g] = host
     return out
-
-
-def uid_digest(uid: bytes) -> bytes:
-    """16 bytes naming one communicator (its unique id) in abort notices."""
-    return hashlib.blake2b(bytes(uid), digest_size=16).digest()
 
 
 def bootstrap_root_threads() -> int:

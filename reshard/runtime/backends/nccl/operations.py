@@ -401,7 +401,7 @@ class Operations:
             self._fail(batch, None, timeout=False, aborted=True)
 
     def _check_notices(self, batch: _Batch, aborts: PeerAborts) -> None:
-        if any(aborts.aborted(c.digest) for c in batch.comms.values()):
+        if any(aborts.aborted(c.uid) for c in batch.comms.values()):
             self.stats["peer_aborts"] += 1
             self._fail(batch, None, timeout=False, peer=True)
 
