@@ -576,7 +576,7 @@ class EmulatedCluster:
         atexit.register(self.down)
         t0 = time.perf_counter()
         try:
-            self.run_dir.mkdir(mode=0o755)
+            self.run_dir.mkdir(mode=0o700)
             (self.run_dir / "owner").write_text(_owner_record())
             (self.run_dir / "tmp").mkdir()
             self._make_network()

@@ -53,9 +53,11 @@ import hashlib
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -290,8 +292,7 @@ class NetChaos:
         self.seed, self.net, self.max_bytes = seed, net, max_bytes
         self.rng = random.Random(seed)
         self.data_rng = np.random.default_rng(seed)
-        self.events = Path(os.environ.get("TMPDIR", "/tmp")) / f"netchaos-{os.getpid()}"
-        self.events.mkdir(exist_ok=True)
+        self.events = Path(tempfile.mkdtemp(prefix="netchaos-"))  # private (0700), unpredictable
         hosts = len(net.addresses)
         self.owners = [DeviceMesh.create((1, 2), nodes=[net.addresses[k]], backend="gloo", startup_timeout_s=300)
                        for k in range(hosts)]  # fmt: skip
@@ -807,6 +808,7 @@ class NetChaos:
         for m in self.owners:
             with contextlib.suppress(Exception):
                 m.shutdown()
+        shutil.rmtree(self.events, ignore_errors=True)
 
 
 def _first_line(e: BaseException) -> str:
