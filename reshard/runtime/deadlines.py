@@ -1,11 +1,13 @@
 """Timeouts and deadlines: ``Deadline``, one value with both clocks.
 
 A deadline inside a process is an instant of ``time.monotonic()`` (immune to clock steps); one that
-travels to another process is a ``time.time()`` value, since monotonic clocks of two processes (or
-machines) share no origin. A ``Deadline`` holds the instant and the timeout it was made from (what an
-error quotes) and gives the wall-clock value for messages; a device turns the wall-clock value it
-receives back into a ``Deadline`` (``Deadline.from_wall``). Below the entry points, the executor and
-the backends are handed the instant alone (``deadline.at``): they only compare it with the clock."""
+travels to another process is a budget, the seconds left when it was sent, since monotonic clocks of
+two processes share no origin and the wall clocks of two machines need not agree. A ``Deadline``
+holds the instant and the timeout it was made from (what an error quotes) and gives the budget for
+messages; a device turns the budget into a ``Deadline`` from the call's arrival
+(``Deadline.from_budget``): a call's time in flight is not counted, a skewed clock does not matter.
+Below the entry points, the executor and the backends are handed the instant alone
+(``deadline.at``): they only compare it with the clock."""
 
 from __future__ import annotations
 
@@ -40,14 +42,14 @@ class Deadline:
         return cls(math.inf if timeout_s is None else time.monotonic() + timeout_s, timeout_s)
 
     @classmethod
-    def from_wall(cls, wall: float) -> Deadline:
-        """A wall-clock deadline from another process, on this process's monotonic clock."""
-        return cls(math.inf if wall == math.inf else time.monotonic() + (wall - time.time()))
+    def from_budget(cls, budget_s: float) -> Deadline:
+        """The deadline of a call from another process, ``budget_s`` from its arrival here."""
+        return cls(math.inf if budget_s == math.inf else time.monotonic() + max(0.0, budget_s))
 
     @property
-    def wall(self) -> float:
-        """This deadline on the wall clock: what travels to other processes."""
-        return math.inf if self.at == math.inf else time.time() + (self.at - time.monotonic())
+    def budget(self) -> float:
+        """Seconds left (``inf`` without a limit): what travels to other processes."""
+        return math.inf if self.at == math.inf else max(0.0, self.at - time.monotonic())
 
     def left(self) -> float:
         """Seconds left, at least 0 (``inf`` without a limit)."""

@@ -3,8 +3,9 @@
 Every call that changes a device's state is ORDERED: it carries a ``Ticket`` (the calling
 process's controller id and a per-device sequence number) and the actor runs a controller's
 ordered calls in sequence order (``reshard.runtime.device.inbox``), whatever order Ray delivers them in.
-Deadlines are absolute wall-clock times (``time.time()``), so a call that waited in a queue has
-less time left, and one whose deadline passed is answered at once without doing any work.
+Deadlines travel as budgets (seconds left when the call was sent) and count on the device from the
+call's arrival (``reshard.runtime.deadlines``): a call that waited behind earlier ones has less time
+left, and one whose deadline passed is answered at once without doing any work.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class Bound:
 
 @dataclass(frozen=True, slots=True)
 class RunRequest:
-    """Run batch program ``program_id`` (decoding ``blob`` first when given) before ``deadline``:
+    """Run batch program ``program_id`` (decoding ``blob`` first when given) within ``budget_s``:
     run ``run``, whose new destination shard of tensor ``t`` is ``shard_name(run, t)``, its parts
     bound as binding ``binding`` says (``bound``: shipped with this call when the device may not
     have it). Results for users' shards are written into them ``direct``ly, else kept under their
@@ -144,7 +145,7 @@ class RunRequest:
     blob: bytes | None
     updates: Updates | None
     run: str
-    deadline: float
+    budget_s: float
     binding: int
     bound: Bound | None = None
     direct: bool = False

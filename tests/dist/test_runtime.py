@@ -415,3 +415,33 @@ def test_a_local_cluster_the_library_starts_keeps_rays_token_auth(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "MODE True token" in done.stdout, done.stdout + done.stderr[-3000:]
     assert (tmp_path / ".ray" / "auth_token").stat().st_size > 0
+
+
+def _skew_clock(ctx, seconds: float) -> None:
+    """This device's wall clock runs ``seconds`` off (0: back to the real one)."""
+    import time
+
+    real = getattr(time, "_unskewed", time.time)
+    time._unskewed = real
+    time.time = real if seconds == 0 else (lambda: real() + seconds)
+
+
+def test_devices_whose_clocks_are_hours_off_keep_the_callers_timeout(view):
+    """Deadlines travel as budgets measured on each host: a device whose wall clock is an hour
+    ahead or behind neither drops a call as late nor waits past the caller's timeout."""
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    x = random_array((32, 8), "float32", 7)
+    out = distribute(np.zeros_like(x), Layout(b, (Shard(1),)))
+    b.call(_skew_clock, 3600.0, devices=[0])
+    b.call(_skew_clock, -3600.0, devices=[1])
+    try:
+        t = distribute(x, Layout(a, (Shard(0),)), timeout_s=30)
+        for shared_memory in (True, False):
+            y = reshard(t, a, Layout(b, (Replicate(),)), shared_memory=shared_memory, timeout_s=30)
+            assert_bit_exact(y.to_numpy(), x)
+            reshard(t, a, Layout(b, (Shard(1),)), out=out, shared_memory=shared_memory, timeout_s=30)
+            assert_bit_exact(out.to_numpy(), x)
+            out = distribute(np.zeros_like(x), Layout(b, (Shard(1),)))
+        assert b.call(lambda ctx: 1, timeout_s=30) == [1, 1]
+    finally:
+        b.call(_skew_clock, 0.0)

@@ -108,14 +108,14 @@ class DeviceRole:
 
     # ---------------------------------------------------------------- shards
 
-    def reshard_load(self, ticket: Ticket, entries: tuple[Load, ...], data, deadline: float) -> dict:
+    def reshard_load(self, ticket: Ticket, entries: tuple[Load, ...], data, budget_s: float) -> dict:
         """Keep shards: per ``Load``, ``data[array][box]`` (arrays read only, from the object
         store; array None: zeros of the box's shape) as shard ``name``. All or none: a failure, or
         an abort of the load (named by its first shard), keeps nothing. Returns each shard's
         shared-memory descriptor (None: private) by name."""
         ctx = _attached(self)
         run = entries[0][0]
-        until = Deadline.from_wall(deadline)
+        until = Deadline.from_budget(budget_s)
         stream = ctx.controller(ticket.controller).stream
         with ctx.inbox.turn(ticket, until, f"loading {run}"):
             _check_deadline(ctx.device, until, f"loading {run}")
@@ -193,10 +193,10 @@ class DeviceRole:
 
     # ---------------------------------------------------------------- programs
 
-    def reshard_update(self, ticket: Ticket, updates: Updates, connect=(), deadline: float = math.inf) -> None:
+    def reshard_update(self, ticket: Ticket, updates: Updates, connect=(), budget_s: float = math.inf) -> None:
         """Apply controller updates; then connect ``connect`` (group keys, in that order)."""
         ctx = _attached(self)
-        until = Deadline.from_wall(deadline)
+        until = Deadline.from_budget(budget_s)
         with ctx.inbox.turn(ticket, until, "a group update"):
             state = ctx.controller(ticket.controller)
             state.apply(updates)
@@ -211,13 +211,14 @@ class DeviceRole:
         t0 = time.monotonic()
         ctx = _attached(self)
         state = ctx.controller(req.ticket.controller)
-        with ctx.inbox.turn(req.ticket, Deadline.from_wall(req.deadline), f"the reshard {req.run}"):
+        until = Deadline.from_budget(req.budget_s)
+        with ctx.inbox.turn(req.ticket, until, f"the reshard {req.run}"):
             state.apply(req.updates)  # bookkeeping is never lost, even when the run is dropped
-            return DeviceRole._reshard_run(self, req, state, t0)
+            return DeviceRole._reshard_run(self, req, state, t0, until)
 
-    def _reshard_run(self, req: RunRequest, state: ControllerState, t0: float) -> RunResult:
+    def _reshard_run(self, req: RunRequest, state: ControllerState, t0: float, until: Deadline) -> RunResult:
         ctx = _attached(self)
-        deadline = Deadline.from_wall(req.deadline).at  # the executor and the backends take the instant
+        deadline = until.at  # the executor and the backends take the instant
         keys: list = []
         binding = None
         try:
@@ -274,12 +275,12 @@ class DeviceRole:
         return RunResult(time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], ctx.peak_bytes, descriptors,
                          stats["checks"])  # fmt: skip
 
-    def reshard_describe(self, ticket: Ticket, names, deadline: float) -> list[dict]:
+    def reshard_describe(self, ticket: Ticket, names, budget_s: float) -> list[dict]:
         """What this device holds under each of ``names``: its local shape, dtype name,
         shared-memory descriptor, and what its owner said of it (``DeviceContext.share``: global
         ``shape``, ...)."""
         ctx = _attached(self)
-        with ctx.inbox.turn(ticket, Deadline.from_wall(deadline), f"describing {len(names)} shard(s)"):
+        with ctx.inbox.turn(ticket, Deadline.from_budget(budget_s), f"describing {len(names)} shard(s)"):
             out = []
             for name in names:
                 t = ctx.store.get(name)
@@ -292,7 +293,7 @@ class DeviceRole:
             return out
 
     def reshard_commit(
-        self, ticket: Ticket, run: str, pairs: tuple[Staged, ...], votes, deadline: float, verify: bool = False
+        self, ticket: Ticket, run: str, pairs: tuple[Staged, ...], votes, budget_s: float, verify: bool = False
     ) -> bool:
         """The second half of a reshard into users' tensors: once every participant's run
         (``votes``, their result refs) succeeded, copy each staged result into its output
@@ -302,8 +303,9 @@ class DeviceRole:
         waits for them, up to ``COMMIT_WAIT_S`` after the deadline, and only then keeps its old
         values without them."""
         ctx = _attached(self)
+        until = Deadline.from_budget(budget_s).later(COMMIT_WAIT_S)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
-            failed = _failed_vote(votes, Deadline.from_wall(deadline).later(COMMIT_WAIT_S), verify)
+            failed = _failed_vote(votes, until, verify)
             try:
                 if failed is None:
                     stream = ctx.controller(ticket.controller).stream
@@ -339,10 +341,10 @@ class DeviceRole:
 
     # ---------------------------------------------------------------- extension point
 
-    def reshard_call(self, ticket: Ticket, fn, args, kwargs, deadline: float):
+    def reshard_call(self, ticket: Ticket, fn, args, kwargs, budget_s: float):
         """Run ``fn(ctx, *args, **kwargs)`` on this device in the controller's order."""
         ctx = _attached(self)
-        with ctx.inbox.turn(ticket, Deadline.from_wall(deadline), f"call({getattr(fn, '__name__', fn)})"):
+        with ctx.inbox.turn(ticket, Deadline.from_budget(budget_s), f"call({getattr(fn, '__name__', fn)})"):
             ctx._local.controller = ticket.controller
             try:
                 return fn(ctx, *args, **kwargs)

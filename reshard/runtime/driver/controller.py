@@ -203,7 +203,7 @@ class Runtime:
         def make(rec):
             mine = [k for k in keys if rec.id in k[1]]
             upd = self.updates_for(rec.id, sets.get(rec.id, ()))
-            return lambda t: rec.actor.reshard_update.remote(t, upd, mine, deadline.wall)
+            return lambda t: rec.actor.reshard_update.remote(t, upd, mine, deadline.budget)
 
         def forget(outcome: Outcome) -> None:
             with self.lock:
@@ -251,7 +251,7 @@ class Runtime:
             sets = self.admit_groups([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
             bid = self.bindings.program_id((pid, tuple(n for n, _ in sources), None if outs is None else tuple(outs)))
-            wall = deadline.wall
+            budget = deadline.budget
             refs = {}
             for rec in recs:
                 blob = self.programs.to_ship(rec.id, pid, compiled.blobs[rec.id], rec.max_programs)
@@ -260,7 +260,7 @@ class Runtime:
                 if self.bindings.to_ship(rec.id, bid, True, rec.max_programs):
                     bound = _bound(compiled, rec.id, sources, outs, self.registry.devices)
                 upd = self.updates_for(rec.id, sets.get(rec.id, ()))
-                req = (pid, blob, upd or None, run, wall, bid, bound, direct, commit, verify)
+                req = (pid, blob, upd or None, run, budget, bid, bound, direct, commit, verify)
                 refs[rec.id] = self.submit(
                     rec, lambda t, rec=rec, req=req: rec.actor.reshard_run.remote(RunRequest(t, *req))
                 )
@@ -274,7 +274,7 @@ class Runtime:
                     if pairs:
                         commits[rec.id] = self.submit(
                             rec, lambda t, rec=rec, pairs=pairs: rec.actor.reshard_commit.remote(
-                                t, run, pairs, votes, wall, verify)
+                                t, run, pairs, votes, budget, verify)
                         )  # fmt: skip
             self.stats["runs"] += 1
             self.stats["run_calls"] += len(refs) + len(commits)
@@ -462,7 +462,7 @@ class Runtime:
 
         def make(rec):
             fn, args, kwargs = calls[rec.id]
-            return lambda t: rec.actor.reshard_call.remote(t, fn, args, kwargs, deadline.wall)
+            return lambda t: rec.actor.reshard_call.remote(t, fn, args, kwargs, deadline.budget)
 
         return self.broadcast_call(calls, make, deadline, what, on_failure=_raise_own_error)
 

@@ -177,7 +177,7 @@ def _load(arrays: list[np.ndarray], specs: list[tuple], timeout_s) -> list[Shard
     made = {d: tuple(e[0] for e in entries) for d, entries in loads.items()}
 
     def load(rec):
-        return lambda t, mine=tuple(loads[rec.id]): rec.actor.reshard_load.remote(t, mine, ref, deadline.wall)
+        return lambda t, mine=tuple(loads[rec.id]): rec.actor.reshard_load.remote(t, mine, ref, deadline.budget)
 
     def drop(outcome: Outcome) -> None:
         rt.abandon(loads, names[0], made, (), None, outcome)
@@ -249,7 +249,7 @@ def adopt(layout, name, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
     what = f"adopt {names[0]!r}" if len(names) == 1 else f"adopt {len(names)} tensors"
 
     def describe(rec):
-        return lambda t, mine=tuple(per_device[rec.id]): rec.actor.reshard_describe.remote(t, mine, deadline.wall)
+        return lambda t, mine=tuple(per_device[rec.id]): rec.actor.reshard_describe.remote(t, mine, deadline.budget)
 
     def unknown_name(outcome: Outcome) -> None:  # a name a device does not have: the error says just that
         if any(isinstance(getattr(f.error, "cause", f.error), KeyError) for f in outcome.failures.values()):
