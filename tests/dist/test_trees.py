@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 
 import numpy as np
 import pytest
@@ -385,3 +386,60 @@ def test_distribute_takes_a_whole_dtensor_with_its_placements(view):
     placed, got = ray.get(_dtensor_on_one_rank.remote(a, port), timeout=120)
     assert placed
     assert_bit_exact(got, np.arange(24, dtype=np.float32).reshape(4, 6))
+
+
+def test_a_read_waits_for_the_pending_work_that_writes_it(view, gate, monkeypatch):
+    """``to_numpy`` of an ``out=`` tensor while an async sync into it is still running returns the
+    new values, never the old or a mix: the read waits for the work."""
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    sd = {"w": random_array((16, 8), "float32", 40)}
+    src = distribute(sd, last_dim(a))
+    out = distribute({"w": np.zeros_like(sd["w"])}, last_dim(b))
+    b.call(_hold_after_run, gate, devices=[0])
+    work = reshard(src, a, last_dim(b), out=out, async_op=True)
+    assert ray.get(gate.wait_arrived.remote(60), timeout=90)  # the run holds: nothing committed yet
+    works, progress, got = runtime().works, threading.Event(), {}
+    waits_for_works = works.after
+
+    def after(reads, writes, deadline):
+        progress.set()
+        waits_for_works(reads, writes, deadline)
+
+    monkeypatch.setattr(works, "after", after)
+
+    def read():
+        try:
+            got["w"] = out["w"].to_numpy()
+        finally:
+            progress.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert progress.wait(60)  # the reader waits for the work, or (wrongly) read already
+    ray.get(gate.release.remote())
+    reader.join(120)
+    assert work.wait() is out
+    assert_bit_exact(got["w"], sd["w"])
+
+
+def test_one_call_has_one_deadline_whatever_it_waits_for(view, monkeypatch):
+    """The wait for earlier works that touch a call's tensors counts against the call's own
+    ``timeout_s``: both use one deadline (two would let a blocking call take twice its timeout)."""
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    src = distribute({"w": random_array((8, 4), "float32", 41)}, last_dim(a))
+    rt, seen = runtime(), []
+    waits_for_works, submits = rt.works.after, rt.submit_batch
+
+    def after(reads, writes, deadline):
+        seen.append(("after", deadline))
+        waits_for_works(reads, writes, deadline)
+
+    def submit_batch(compiled, sources, run, deadline, *args, **kwargs):
+        seen.append(("submit", deadline))
+        return submits(compiled, sources, run, deadline, *args, **kwargs)
+
+    monkeypatch.setattr(rt.works, "after", after)
+    monkeypatch.setattr(rt, "submit_batch", submit_batch)
+    reshard(src, a, last_dim(b), timeout_s=30)
+    assert [k for k, _ in seen] == ["after", "submit"]
+    assert seen[0][1] is seen[1][1]

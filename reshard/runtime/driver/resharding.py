@@ -294,9 +294,9 @@ def reshard(
     rt = runtime()
     reads = frozenset(t.name for t in call.leaves)
     writes = frozenset(o.name for o in call.outs) if call.outs is not None else frozenset()
-    rt.works.after(reads, writes, Deadline.after(timeout_s))
+    deadline = Deadline.after(timeout_s)  # one for the whole call: the wait for earlier works counts
+    rt.works.after(reads, writes, deadline)
     rt.flush_holds()  # releases of dropped handles first: their memory is pooled for this run's shards
-    deadline = Deadline.after(timeout_s)
     compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
     run = rt.new_name()
     what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"

@@ -116,6 +116,7 @@ class ShardedTensor:
     def _fetch(self, indices, timeout_s: float | None) -> dict[int, np.ndarray]:
         rt = runtime()
         deadline = Deadline.after(timeout_s)
+        rt.works.after(frozenset({self.name}), frozenset(), deadline)  # this process's pending writes first
         ids = {i: self.mesh.device_ids[i] for i in indices}
         refs = {ids[i]: self.mesh.actor(i).reshard_fetch.remote(self.name) for i in indices}
         outcome = rt.wait(refs, deadline, "reading a tensor back")
