@@ -68,6 +68,11 @@ def contiguous(a) -> bool:
     return a.is_contiguous() if is_torch(a) else a.flags.c_contiguous
 
 
+def writable(a) -> bool:
+    """False for a read-only numpy array (a memory map opened read-only, a frozen view)."""
+    return not is_numpy(a) or bool(a.flags.writeable)
+
+
 def copy(dst, src) -> None:
     """``dst[...] = src`` between views of any two kinds (a torch source into an array target is
     read through its memory, a bit-pattern dtype as its bit pattern). Into a cupy array it is a

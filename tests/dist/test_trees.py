@@ -443,3 +443,35 @@ def test_one_call_has_one_deadline_whatever_it_waits_for(view, monkeypatch):
     reshard(src, a, last_dim(b), timeout_s=30)
     assert [k for k, _ in seen] == ["after", "submit"]
     assert seen[0][1] is seen[1][1]
+
+
+def _freeze(ctx, name):
+    """Shard ``name`` here becomes read-only (as an array loaded with ``np.load(mmap_mode="r")``)."""
+    ctx.store.get(name).flags.writeable = False
+
+
+def _thaw(ctx, name):
+    ctx.store.get(name).flags.writeable = True
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
+def test_a_read_only_output_fails_the_sync_before_any_output_changes(view, direct):
+    """One read-only output on one device: the error names it, and every output keeps its old
+    values (checked before anything is written, not output by output); ``direct`` writes are
+    all or nothing only on that device (the others may have written theirs, as documented)."""
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    sd = {f"t{i}": random_array((8, 4), "float32", 50 + i) for i in range(3)}
+    src = distribute(sd, last_dim(a))
+    out = distribute({k: np.full_like(v, 3.0) for k, v in sd.items()}, last_dim(b))
+    b.call(_freeze, out["t2"].name, devices=[0])
+    try:
+        with pytest.raises(ReshardError, match=r"device 2: output shard .* is read-only"):
+            reshard(src, a, last_dim(b), out=out, direct=direct)
+        for k, v in sd.items():
+            kept = out[k].local_shards()
+            for i in [0] if direct else [0, 1]:
+                assert_bit_exact(kept[i], np.full_like(kept[i], 3.0))
+    finally:
+        b.call(_thaw, out["t2"].name, devices=[0])
+    assert reshard(src, a, last_dim(b), out=out, direct=direct) is out
+    assert_tree(out, sd)

@@ -309,12 +309,15 @@ class DeviceRole:
             try:
                 if failed is None:
                     stream = ctx.controller(ticket.controller).stream
+                    copies = []
+                    for staged, out in pairs:  # every output checked before one is written
+                        src = ctx.store.get(staged)
+                        if src is None:
+                            raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
+                        copies.append((checked_out(ctx, out, src.shape, ctx.store.dtype(staged)), src))
                     with stream.running():
-                        for staged, out in pairs:
-                            src = ctx.store.get(staged)
-                            if src is None:
-                                raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
-                            arrays.copy(checked_out(ctx, out, src.shape, ctx.store.dtype(staged)), src)
+                        for dst, src in copies:
+                            arrays.copy(dst, src)
                         stream.finish(time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}")
             finally:
                 for staged, _ in pairs:

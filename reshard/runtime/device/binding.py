@@ -50,6 +50,7 @@ class Binding:
             raise ReshardError(
                 f"device {ctx.device}: the run names {len(sources)} sources for {len(self.prepared.parts)} parts"
             )
+        self.check_outputs()  # before anything moves
         runs = {}
         tensors = [p.tensor for p in self.prepared.program.parts]
         fresh = self._fresh_destinations(tensors, outs)
@@ -84,6 +85,15 @@ class Binding:
         if bound.pulls:
             ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
         return runs
+
+    def check_outputs(self) -> None:
+        """Every user's tensor this run writes exists, is writable and has the shape and dtype of
+        what is written into it (all of them, before one is written)."""
+        if self.bound.outs is None:
+            return
+        for prepared, out in zip(self.prepared.parts, self.bound.outs, strict=True):
+            if prepared.program.dst_shape is not None:
+                checked_out(self.ctx, out, prepared.program.dst_shape, prepared.dtype)
 
     def _fresh_destinations(self, tensors, outs) -> dict:
         """On a GPU device, every new destination of the run at once: pieces of one block (one
@@ -174,6 +184,8 @@ class Binding:
         for seen in (*self.pulled.values(), *self.relayed.values()):
             for h, desc in seen.items():
                 ctx.peers.check(h, desc)
+        if not self.req.direct:
+            self.check_outputs()  # still what the commit writes into: it changes all or none
         if late_fails and time.monotonic() >= deadline:
             raise ReshardTimeout(f"device {ctx.device}: the run ended after its deadline; its results are dropped")
 
@@ -217,5 +229,10 @@ def checked_out(ctx, name: str | None, shape, dtype: str):
         raise ReshardError(
             f"device {ctx.device}: output shard {name!r} is {have}{list(t.shape)}, the reshard writes "
             f"{dtype}{list(shape)} (contiguous)"
+        )
+    if not arrays.writable(t):
+        raise ReshardError(
+            f"device {ctx.device}: output shard {name!r} is read-only (e.g. np.load(mmap_mode='r')); "
+            "share a writable array to reshard into it"
         )
     return t
