@@ -475,3 +475,52 @@ def test_a_read_only_output_fails_the_sync_before_any_output_changes(view, direc
         b.call(_thaw, out["t2"].name, devices=[0])
     assert reshard(src, a, last_dim(b), out=out, direct=direct) is out
     assert_tree(out, sd)
+
+
+def _after_commit(ctx, gate):
+    """The next commit here tells ``gate`` once it decided and copied (or not)."""
+
+    def hook(stage, run):
+        if stage == "after":
+            ctx.commit_hook = None
+            ray.get(gate.arrive.remote())
+
+    ctx.commit_hook = hook
+
+
+@ray.remote(num_cpus=0)
+class _Pusher:
+    """A trainer pushing weights from an actor of its own (it owns its runs' results)."""
+
+    def push(self, tree, src_mesh, layouts, out) -> bool:
+        self.work = reshard(tree, src_mesh, layouts, out=out, async_op=True)
+        return True
+
+
+def test_out_commits_on_every_destination_when_the_caller_dies_mid_sync(view, gate):
+    """The caller (a Ray actor) dies while a run is still going: every run succeeds, and each
+    destination learns that from the participants, not from the dead caller's results (which Ray
+    drops with it), so all commit: one version everywhere, whoever asked."""
+    from dist_helpers import Gate
+
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    sd = {f"t{i}": random_array((8, 6), "float32", 60 + i) for i in range(3)}
+    src = distribute(sd, last_dim(a))
+    out = distribute({k: np.full_like(v, 9.0) for k, v in sd.items()}, last_dim(b))
+    done = [ray.remote(num_cpus=0)(Gate).remote() for _ in range(2)]
+    pusher = _Pusher.remote()
+    try:
+        for i in range(2):
+            b.call(_after_commit, done[i], devices=[i])
+        b.call(_hold_after_run, gate, devices=[1])
+        assert ray.get(pusher.push.remote(src, a, last_dim(b), out), timeout=120)
+        assert ray.get(gate.wait_arrived.remote(60), timeout=90)  # a run holds: no commit has decided
+        ray.kill(pusher)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(pusher.push.remote(src, a, last_dim(b), out), timeout=60)  # it is gone
+        ray.get(gate.release.remote())
+        assert all(ray.get([g.wait_arrived.remote(150) for g in done], timeout=180))
+        assert_tree(out, sd)  # every output on both devices holds the new values
+    finally:
+        for g in done:
+            ray.kill(g)

@@ -37,6 +37,7 @@ from reshard.runtime.device.batches import BatchRun, execute_batch, first_mismat
 from reshard.runtime.device.binding import Binding, checked_out
 from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
 from reshard.runtime.device.gpu_memory import GpuBlocks
+from reshard.runtime.device.outcomes import Outcome
 from reshard.runtime.messages import (
     COMMIT_WAIT_S,
     HoldChange,
@@ -212,9 +213,22 @@ class DeviceRole:
         ctx = _attached(self)
         state = ctx.controller(req.ticket.controller)
         until = Deadline.from_budget(req.budget_s)
-        with ctx.inbox.turn(req.ticket, until, f"the reshard {req.run}"):
-            state.apply(req.updates)  # bookkeeping is never lost, even when the run is dropped
-            return DeviceRole._reshard_run(self, req, state, t0, until)
+        try:
+            with ctx.inbox.turn(req.ticket, until, f"the reshard {req.run}"):
+                state.apply(req.updates)  # bookkeeping is never lost, even when the run is dropped
+                result = DeviceRole._reshard_run(self, req, state, t0, until)
+        except BaseException as e:
+            if req.commit:
+                ctx.outcomes.record(req.ticket.controller, req.run, Outcome(False, _last_line(e), None))
+            raise
+        if req.commit:
+            ctx.outcomes.record(req.ticket.controller, req.run, Outcome(True, "", result.checks))
+        return result
+
+    def reshard_outcome(self, controller: str, run: str, budget_s: float) -> Outcome | None:
+        """How this device's part of ``run`` (of ``controller``) ended, once it did (None: not
+        within ``budget_s``): what the destinations of a commit decide on (``reshard_commit``)."""
+        return _attached(self).outcomes.wait(controller, run, budget_s)
 
     def _reshard_run(self, req: RunRequest, state: ControllerState, t0: float, until: Deadline) -> RunResult:
         ctx = _attached(self)
@@ -293,28 +307,30 @@ class DeviceRole:
             return out
 
     def reshard_commit(
-        self, ticket: Ticket, run: str, pairs: tuple[Staged, ...], votes, budget_s: float, verify: bool = False
+        self, ticket: Ticket, run: str, pairs: tuple[Staged, ...], participants, budget_s: float, verify: bool = False
     ) -> bool:
         """The second half of a reshard into users' tensors: once every participant's run
-        (``votes``, their result refs) succeeded, copy each staged result into its output
-        (``pairs``: ``Staged`` each); if one failed, leave the outputs as they are. Drops the
-        staged results either way. Every device decides on the same votes, so all outputs change
-        or none do; a device that cannot read them (cut off from the controller, which owns them)
-        waits for them, up to ``COMMIT_WAIT_S`` after the deadline, and only then keeps its old
-        values without them."""
+        succeeded, copy each staged result into its output (``pairs``: ``Staged`` each); if one
+        failed, leave the outputs as they are. Drops the staged results either way. Every
+        destination learns how the runs ended from the participants themselves where they can
+        answer (``participants``: see ``_failed_outcome``), so all decide alike even when the
+        caller is gone; a device that cannot learn one waits, up to ``COMMIT_WAIT_S`` after the
+        deadline, and only then keeps its old values."""
         ctx = _attached(self)
         until = Deadline.from_budget(budget_s).later(COMMIT_WAIT_S)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
-            failed = _failed_vote(votes, until, verify)
+            if ctx.commit_hook is not None:
+                ctx.commit_hook("before", run)
+            failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
             try:
                 if failed is None:
-                    stream = ctx.controller(ticket.controller).stream
                     copies = []
                     for staged, out in pairs:  # every output checked before one is written
                         src = ctx.store.get(staged)
                         if src is None:
                             raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
                         copies.append((checked_out(ctx, out, src.shape, ctx.store.dtype(staged)), src))
+                    stream = ctx.controller(ticket.controller).stream
                     with stream.running():
                         for dst, src in copies:
                             arrays.copy(dst, src)
@@ -322,6 +338,8 @@ class DeviceRole:
             finally:
                 for staged, _ in pairs:
                     ctx.store.free(staged)
+                if ctx.commit_hook is not None:
+                    ctx.commit_hook("after", run)
             if failed is not None:
                 raise PeerFailed(f"device {ctx.device}: {run} not committed: {failed}")
             return True
@@ -438,33 +456,46 @@ def _attached(actor) -> DeviceContext:
     return ctx
 
 
-def _failed_vote(votes, until: Deadline, verify: bool) -> str | None:
-    """None once every vote (a run's result ref) succeeded (with ``verify``: and every received
-    slice matches what its sender read); else why not: the first that failed, or the ones that
-    could not be read before ``until``. A vote that cannot be read yet is asked again:
-    only a failed run counts against the commit."""
+def _failed_outcome(ctx, controller: str, run: str, participants, until: Deadline, verify: bool) -> str | None:
+    """None once every participant's run succeeded (with ``verify``: and every received slice
+    matches what its sender read); else why not: the first that failed, a participant that died,
+    or the ones whose outcome could not be learned before ``until``. ``participants``: ``(device,
+    actor, vote)`` each; a participant with an actor is asked (it serves calls while it commits),
+    one without (an attached actor, which runs one call at a time) is known by ``vote``, its run's
+    result, which the caller owns."""
     from ray.exceptions import GetTimeoutError
 
-    waiting = list(votes)
-    results = []
-    while waiting:
-        left = until.left()
-        if left <= 0:
-            return f"{len(waiting)} run result(s) could not be read within {COMMIT_WAIT_S:g} s of the deadline"
-        ready, waiting = ray.wait(waiting, num_returns=1, timeout=left)
-        for ref in ready:
-            try:
-                results.append(ray.get(ref, timeout=until.left()))
-            except GetTimeoutError:
-                waiting.append(ref)
-            except Exception as e:
-                text = str(e).strip().splitlines()
-                return text[-1] if text else type(e).__name__
+    asked = {d: actor.reshard_outcome.remote(controller, run, until.left())
+             for d, actor, _ in participants if actor is not None and d != ctx.device}  # fmt: skip
+    outcomes: dict[int, Outcome | None] = {}
+    for d, actor, vote in participants:
+        try:
+            if d == ctx.device:
+                outcomes[d] = ctx.outcomes.wait(controller, run, until.left())
+            elif actor is not None:
+                outcomes[d] = ray.get(asked[d], timeout=until.left() + 1.0)
+            else:
+                outcomes[d] = Outcome(True, "", ray.get(vote, timeout=until.left()).checks)
+        except GetTimeoutError:
+            outcomes[d] = None
+        except Exception as e:  # the run failed, or its device died or cannot be reached
+            return _last_line(e)
+    unknown = sorted(d for d, o in outcomes.items() if o is None)
+    if unknown:
+        return f"how the runs on devices {unknown} ended was not learned within {COMMIT_WAIT_S:g} s of the deadline"
+    for _, o in sorted(outcomes.items()):
+        if o is not None and not o.ok:
+            return o.reason
     if verify:
-        found = first_mismatch(dict(enumerate(r.checks for r in results)))
+        found = first_mismatch({d: o.checks for d, o in outcomes.items() if o is not None})
         if found is not None:
             return f"tensor {found[0]} step {found[1]}: a received slice differs from what its sender read"
     return None
+
+
+def _last_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
 
 
 def _check_deadline(device: int, deadline: Deadline, what: str) -> None:

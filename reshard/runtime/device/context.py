@@ -25,6 +25,7 @@ from reshard.runtime.device.executor import Run, StagingBuffer, execute, prepare
 from reshard.runtime.device.gpu_memory import GpuBlocks, GpuPeers
 from reshard.runtime.device.group_cache import GroupCache
 from reshard.runtime.device.inbox import OrderedInbox
+from reshard.runtime.device.outcomes import RunOutcomes
 from reshard.runtime.device.run_streams import RunStream
 from reshard.runtime.device.shards import ShardStore
 from reshard.runtime.device.shared_memory import PeerShards, RelayBoard, SharedShards
@@ -96,6 +97,8 @@ class DeviceContext:
         self.inbox = OrderedInbox()
         self.before_op = None
         self.after_run = None  # a test hook: fn(runs by tensor) after a batch ran, before its checksums
+        self.commit_hook = None  # a test hook: fn("before" | "after", run) around a commit's decision and copies
+        self.outcomes = RunOutcomes()  # of this device's runs that wait for a commit
         self.extensions: dict[str, object] = {}  # state that libraries on the runtime keep here (pipelines)
         self.peak_bytes = 0  # destination (twice if assembled) + staging bytes of the last run
         self.assembled = False  # the last run assembled its destination apart (``ShardStore``)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError
 from reshard.runtime.deadlines import Deadline
+from reshard.runtime.device.attach import serves_concurrently
 from reshard.runtime.driver.device_registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.driver.dispatch import Outcome, failure_error, gather
 from reshard.runtime.driver.group_table import GroupTable
@@ -266,7 +267,8 @@ class Runtime:
                 )
             commits = {}
             if commit:
-                votes = list(refs.values())
+                participants = tuple((rec.id, rec.actor if serves_concurrently(rec.actor) else None, refs[rec.id])
+                                     for rec in recs)  # fmt: skip
                 for rec in recs:
                     parts = program.for_device(rec.id).parts
                     pairs = tuple(Staged(shard_name(run, p.tensor), outs[p.tensor]) for p in parts
@@ -274,7 +276,7 @@ class Runtime:
                     if pairs:
                         commits[rec.id] = self.submit(
                             rec, lambda t, rec=rec, pairs=pairs: rec.actor.reshard_commit.remote(
-                                t, run, pairs, votes, budget, verify)
+                                t, run, pairs, participants, budget, verify)
                         )  # fmt: skip
             self.stats["runs"] += 1
             self.stats["run_calls"] += len(refs) + len(commits)
