@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := token
 
-.PHONY: setup setup-cupy bench test lint clean gpu-check
+.PHONY: setup setup-cupy bench test lint docs clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-logo
 
+# The API reference and guides (mkdocs.yml, docs/) into site/; a warning fails it.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet
+
 # The ordered first checks on a GPU machine (tests/gpu/check.py), stopping at the first failure; logs in
 # gpu-check/. GPU_PYTHON: an interpreter with torch, cupy and ray (default: the project's virtualenv).
 GPU_PYTHON ?= $(BIN)/python
@@ -43,5 +47,5 @@ gpu-check:
 
 # The virtualenv, tool caches and scratch bench output; tracked files (the quoted bench results) stay.
 clean:
-	rm -rf $(VENV) .mypy_cache .import_linter_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) site .mypy_cache .import_linter_cache .ruff_cache .pytest_cache
 	git clean -fdX -- bench/results

@@ -14,8 +14,11 @@ class ReshardTimeout(ReshardError):
 
 
 class WorkerDied(ReshardError):
-    """A device actor died."""
+    """A device actor died (killed, out of memory, its node lost). Tensors that lived on it raise
+    it too; the sources on the surviving devices are intact. Shut its mesh down and create a new
+    one."""
 
 
 class MeshClosed(ReshardError):
-    """The mesh was shut down."""
+    """The mesh was shut down, or belongs to a Ray session or job that is gone: its shards are
+    gone with it. Create a new mesh (``DeviceMesh.create``)."""

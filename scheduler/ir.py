@@ -70,7 +70,7 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True, slots=True, repr=False)
 class Compute:
-    """Run `phase` of `microbatch` on `stage`."""
+    """An action of a schedule: run `phase` (forward or backward) of `microbatch` on `stage`."""
 
     stage: int
     phase: Phase

@@ -20,6 +20,9 @@ from topology.simulator import SimKind, SimResult, SimTransfer, simulate_transfe
 
 
 class TransferKind(enum.IntEnum):
+    """How a ``Transfer`` moves its box: a local copy, a point-to-point send, a broadcast over its
+    group, or the scaling of a reduced box (a Partial average)."""
+
     COPY = 0  # the receiver already holds the box in its source shard: a local copy
     SEND = 1  # point-to-point from ``src`` to the one device in ``dsts``
     BROADCAST = 2  # one broadcast over the group (src, *dsts)

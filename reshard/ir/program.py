@@ -137,6 +137,8 @@ class Broadcast:
 
 
 Op = Copy | Pull | Scale | Publish | Send | Recv | Broadcast
+"""One step of a device program: a local op (``Copy``, ``Pull``, ``Scale``, ``Publish``) or a
+message (``Send``, ``Recv``, ``Broadcast``)."""
 LOCAL_OPS = (Copy, Pull, Scale, Publish)
 MESSAGE_OPS = (Send, Recv, Broadcast)
 
@@ -187,8 +189,10 @@ def writes(op: Op) -> tuple[Buffer, Box] | None:
 
 @dataclass(frozen=True, slots=True)
 class DeviceProgram:
-    """What one device runs (module docstring). ``src_shape``/``dst_shape``: its source and
-    destination shard shapes, None when it holds no such shard."""
+    """What one device runs of a reshard: its ``ops`` in order (local copies and pulls, then
+    messages in the global step order), the groups it ``connect``s, its ``staging_bytes``.
+    ``src_shape``/``dst_shape``: its source and destination shard shapes, None when it holds no
+    such shard."""
 
     device: int
     src_shape: tuple[int, ...] | None

@@ -108,7 +108,9 @@ def compile_reshard(
     publishers: Iterable[int] | None = None,
     options: CompileOptions = CompileOptions(),
 ) -> CompiledReshard:
-    """Compile moving a ``dtype`` tensor of ``shape`` from ``src`` to ``dst`` (module docstring).
+    """Compile moving a ``dtype`` tensor of ``shape`` from ``src`` to ``dst``: plan it
+    (``strategy``, for ``cluster``), lower the plan to one program per device and validate both;
+    the pure half of ``reshard``, cached per signature. Raises ``PlanError`` for what it cannot plan.
 
     ``domains`` maps devices to their shared-memory domain (e.g. their machine; None or absent:
     none): transfers inside one domain become pulls, and the planner counts the devices of one

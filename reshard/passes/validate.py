@@ -122,7 +122,8 @@ def _covered(box, boxes) -> int:
 
 
 def validate_program(program: Program) -> None:
-    """Raise PlanError unless the program is well formed (module docstring):
+    """Raise ``PlanError`` unless the program is well formed (each device's ops can run in order
+    without a deadlock and write every destination element once):
 
     - every device issues its message ops in the global step order, and every step's ops are
       matched by all members of its group (pulls: see ``_check_pulls``); a device's publications

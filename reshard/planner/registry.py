@@ -13,6 +13,9 @@ from reshard.planner.problem import Problem
 
 Strategy = Callable[[Problem], tuple[Transfer, ...]]
 STRATEGIES: dict[str, Strategy] = {}
+"""The planning strategies by name, what ``plan_reshard(strategy=...)`` takes: ``send_recv``,
+``allgather``, ``broadcast``, ``broadcast_size``, ``broadcast_order`` and ``auto`` (README, Planning
+without Ray)."""
 
 
 def register(name: str) -> Callable[[Strategy], Strategy]:

@@ -59,6 +59,8 @@ BACKENDS: dict[str, BackendSpec] = {
     "gloo": BackendSpec("reshard.runtime.backends.gloo:GlooBackend", "cpu", 0.0),
     "nccl": BackendSpec("reshard.runtime.backends.nccl:NcclBackend", "cuda", 1.0),
 }
+"""The backends by name (``DeviceMesh.create(backend=...)``): ``gloo`` on CPUs, ``nccl`` on GPUs,
+and those ``register_backend`` added."""
 
 
 def register_backend(

@@ -72,14 +72,14 @@ DESCRIBE_S = 1.0  # how long a failure message waits for the devices to say what
 INTACT = "The source tensor is intact; the partial destination shards were freed."
 _NOT_KNOWN = (
     "Whether the outputs changed is not known yet: some runs' results did not reach this process in time. Each "
-    "destination device changes all of its outputs or none, as every run's result says, once it can read them "
+    "destination device changes all of its outputs or none, as every run's outcome says, once it learns them "
     f"(within {COMMIT_WAIT_S:g} s of the deadline), so every output ends up old or every one new. "
 )
 _LEFT = "The outputs were left as they were. "
 _COMMIT_FAILED = "Every run succeeded; a device whose commit failed kept its old values, the others hold the new ones. "
 _COMMITTING = (
-    "Every run succeeded, so the outputs change: each destination device applies the new values once it can read "
-    f"every run's result (within {COMMIT_WAIT_S:g} s of the deadline); its later calls wait for that. "
+    "Every run succeeded, so the outputs change: each destination device applies the new values once it learns "
+    f"how every run ended (within {COMMIT_WAIT_S:g} s of the deadline); its later calls wait for that. "
 )
 
 
@@ -562,7 +562,8 @@ _RUNTIME_LOCK = threading.Lock()
 
 
 def runtime() -> Runtime:
-    """This process's controller."""
+    """This process's controller: the one ``Runtime`` that orders its calls to devices, caches
+    programs and groups, and finishes its works (created on first use)."""
     global _RUNTIME
     with _RUNTIME_LOCK:
         if _RUNTIME is None:

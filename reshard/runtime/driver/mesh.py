@@ -78,7 +78,15 @@ def ensure_ray() -> None:
 
 
 class DeviceMesh:
-    """A grid of device actors. Build with ``create`` (new actors) or ``from_devices`` (a view)."""
+    """A grid of device actors: the meshes layouts place tensors on. ``create`` starts new
+    actors (and an embedded local Ray if none runs); ``attach`` makes existing actors of any class
+    devices, ``from_actors`` actors that mix in ``DeviceRole``; ``from_devices`` is a view (another
+    shape, a subset) over devices of live meshes. ``shutdown()`` stops the actors it owns.
+
+        mesh = DeviceMesh.create((2, 4))                       # 2 hosts x 4 devices, gloo on CPUs
+        gpus = DeviceMesh.create((8,), backend="nccl")         # one GPU per device
+        x = distribute(array, Layout(mesh, (Shard(0), Replicate())))
+    """
 
     def __init__(self, mesh: Mesh, backend: str, records, *, owned: bool, placement_group=None, attached=False,
                  _token=None):  # fmt: skip

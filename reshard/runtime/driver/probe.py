@@ -47,8 +47,9 @@ def probe_links(
     timeout_s: float = 120.0,
     cache: bool = True,
 ) -> LinkFigures:
-    """Measure the links between the nodes of ``meshes`` (module docstring); record the result for
-    planning unless ``cache=False``. Returns the ``LinkFigures``."""
+    """Measure the links between the Ray nodes of ``meshes``: a round trip (``pings``) and a
+    stream of ``size_bytes`` (``repeats`` times) between every pair, within ``timeout_s``; record
+    the result for planning unless ``cache=False``. Returns the ``LinkFigures``."""
     from reshard.runtime.driver.mesh import DeviceMesh
 
     if not meshes or not all(isinstance(m, DeviceMesh) for m in meshes):

@@ -28,7 +28,16 @@ WORKERS = 4  # works finished at once per controller (each thread mostly waits f
 
 
 class Work:
-    """A reshard in flight (module docstring)."""
+    """A reshard in flight, what ``reshard(..., async_op=True)`` returns (as torch.distributed's
+    ``Work``): it finishes whether or not anybody waits for it, and a dropped one leaves nothing
+    behind. ``wait()`` returns the result or raises what the blocking call would have raised;
+    ``done()`` says whether it finished; ``await work`` waits in asyncio. Reads of the tensors it
+    writes, and later works that touch them, wait for it.
+
+        work = reshard(sources, trainer_mesh, layouts, out=weights, async_op=True)
+        loss = train_step()                     # overlaps the sync
+        work.wait()                             # before the optimizer writes the weights
+    """
 
     def __init__(self, future: concurrent.futures.Future, what: str):
         self._future = future
