@@ -16,6 +16,7 @@ from reshard.passes.compile import CompiledReshard, CompileOptions, compile_resh
 from reshard.passes.lowering import lower_plan
 from reshard.passes.validate import validate_plan, validate_program
 from reshard.planner import STRATEGIES, plan_reshard
+from reshard.tp_plans import tensor_parallel_layouts
 
 _RUNTIME = {"DeviceMesh", "ShardedTensor", "Work", "adopt", "distribute", "free", "reshard"}
 
@@ -24,7 +25,7 @@ __all__ = [
     "MeshClosed", "Op", "Partial", "Placement", "PlanError", "Program", "Pull", "Recv", "ReduceOp", "Replicate",
     "ReshardError", "ReshardPlan", "ReshardTimeout", "Send", "Shard", "ShardedTensor", "Transfer", "TransferKind",
     "UnitTask", "Work", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "free", "lower_plan",
-    "plan_reshard", "plan_unit_tasks", "reshard", "validate_plan", "validate_program",
+    "plan_reshard", "plan_unit_tasks", "reshard", "tensor_parallel_layouts", "validate_plan", "validate_program",
 ]  # fmt: skip
 
 

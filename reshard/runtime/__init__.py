@@ -11,6 +11,7 @@ and what both sides share: ``messages`` (what controllers and devices say to eac
 from reshard.runtime.backends.communicator import Backend, Communicator, Rendezvous
 from reshard.runtime.backends.registry import BACKENDS, register_backend
 from reshard.runtime.deadlines import Deadline
+from reshard.runtime.device.current import current_device
 from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.loading import adopt, distribute
 from reshard.runtime.driver.mesh import DeviceMesh
@@ -55,9 +56,9 @@ def runtime_stats() -> dict:
 
 __all__ = [
     "BACKENDS", "Backend", "Communicator", "Deadline", "DeviceContext", "DeviceMesh", "DeviceRole", "Rendezvous",
-    "ShardedTensor", "Work", "adopt", "compile_options", "device_of", "distribute", "ensure_groups", "free",
-    "lowered_batch",
-    "lowered_reshard", "probe_links", "register_backend", "reshard", "runtime", "runtime_stats", "settle",
+    "ShardedTensor", "Work", "adopt", "compile_options", "current_device", "device_of", "distribute",
+    "ensure_groups", "free", "lowered_batch", "lowered_reshard", "probe_links", "register_backend", "reshard",
+    "runtime", "runtime_stats", "settle",
 ]  # fmt: skip
 
 

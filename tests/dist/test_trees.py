@@ -331,6 +331,53 @@ class PlainWorker:
     def total(self) -> float:
         return float(sum(t.sum() for t in self.weights.values()))
 
+    def make_weights_in_a_thread(self, shapes: dict, value: float):
+        """As a train function would: a thread of its own, no handle on the actor instance."""
+        import threading
+
+        import torch
+
+        from reshard.runtime import current_device
+
+        out = {}
+
+        def train_fn():
+            self.weights = {k: torch.full(s, value) for k, s in shapes.items()}
+            out["names"] = current_device().share_state_dict(self.weights, prefix="m.")
+
+        thread = threading.Thread(target=train_fn)
+        thread.start()
+        thread.join()
+        return out["names"]
+
+
+def _weight_names(ctx):
+    return sorted(ctx.actor.weights)
+
+
+def test_any_thread_of_an_attached_actor_reaches_its_device_and_calls_reach_the_actor(view):
+    from reshard.runtime import current_device
+
+    with pytest.raises(RuntimeError, match="this process is not a device"):
+        current_device()  # the driver
+    a = view([0, 1], (2,))
+    workers = [PlainWorker.remote() for _ in range(2)]
+    mesh = DeviceMesh.attach(workers, (2,))
+    try:
+        assert len(set(mesh.mesh.host_ids)) == 1  # actors of one machine are one host
+        names = ray.get([w.make_weights_in_a_thread.remote({"w": (4, 3)}, 2.0) for w in workers], timeout=120)[0]
+        assert names == {"w": "m.w"}
+        assert mesh.call(_weight_names) == [["w"], ["w"]]  # the actor's own objects, no module globals
+        weights = adopt(Layout(mesh, pl("R")), names)
+        sd = {"w": np.arange(12, dtype=np.float32).reshape(4, 3)}
+        src = distribute(sd, lambda p, t: Layout(a, pl("S0")))
+        assert reshard(src, a, Layout(mesh, pl("R")), out=weights) is weights
+        assert ray.get([w.total.remote() for w in workers], timeout=60) == [66.0, 66.0]
+    finally:
+        mesh.shutdown()
+        for w in workers:
+            ray.kill(w)
+
 
 def test_attach_makes_any_actor_a_device_and_adopts_its_state_dict(view):
     a = view([0, 1], (2,))
@@ -467,7 +514,7 @@ def test_a_read_only_output_fails_the_sync_before_any_output_changes(view, direc
     try:
         with pytest.raises(ReshardError, match=r"device 2: output shard .* is read-only"):
             reshard(src, a, last_dim(b), out=out, direct=direct)
-        for k, v in sd.items():
+        for k in sd:
             kept = out[k].local_shards()
             for i in [0] if direct else [0, 1]:
                 assert_bit_exact(kept[i], np.full_like(kept[i], 3.0))
@@ -524,3 +571,44 @@ def test_out_commits_on_every_destination_when_the_caller_dies_mid_sync(view, ga
     finally:
         for g in done:
             ray.kill(g)
+
+
+def test_a_tensor_parallel_plan_lays_out_a_whole_state_dict_in_one_call(view):
+    from reshard import tensor_parallel_layouts
+
+    a, b = view([0, 1], (2,)), view([2, 3, 4, 5], (4,))
+    sd = {
+        "embed.weight": random_array((50, 8), "float32", 70),  # 50 rows over 4: 13, 13, 13, 11
+        "layers.0.attn.qkv.weight": random_array((24, 8), "float32", 71),
+        "layers.0.attn.qkv.bias": random_array((24,), "float32", 72),
+        "layers.0.attn.out.weight": random_array((8, 8), "float32", 73),
+        "layers.0.attn.out.bias": random_array((8,), "float32", 74),
+    }
+    plan = {"embed": "vocab", "layers.*.attn.qkv": "colwise", "layers.*.attn.out": "rowwise"}
+    out = reshard(distribute(sd, last_dim(a)), a, tensor_parallel_layouts(b, plan))
+    assert_tree(out, sd)
+    shapes = {k: [s.shape for s in v.local_shards().values()] for k, v in out.items()}
+    assert shapes["embed.weight"] == [(13, 8), (13, 8), (13, 8), (11, 8)]
+    assert shapes["layers.0.attn.out.weight"] == [(8, 2)] * 4 and shapes["layers.0.attn.out.bias"] == [(8,)] * 4
+
+
+@ray.remote(num_cpus=0)
+class _BusyWorker:
+    """A single-threaded actor whose one thread is taken (as a Ray Train V1 worker's train loop)."""
+
+    def hold(self, gate) -> None:
+        ray.get(gate.arrive.remote())
+        ray.get(gate.wait_released.remote(120))
+
+
+def test_attaching_a_busy_single_threaded_actor_says_so(gate):
+    worker = _BusyWorker.remote()
+    try:
+        held = worker.hold.remote(gate)
+        assert ray.get(gate.wait_arrived.remote(60), timeout=90)
+        with pytest.raises(ReshardTimeout, match=r"DeviceMesh.attach\(\(1,\)\): actors .* did not answer .* busy .* V1"):
+            DeviceMesh.attach([worker], (1,), startup_timeout_s=2)
+        ray.get(gate.release.remote())
+        ray.get(held, timeout=60)
+    finally:
+        ray.kill(worker)

@@ -20,9 +20,11 @@ what it allocated and raises a ``ReshardError``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
+import threading
 import time
 
 import numpy as np
@@ -36,6 +38,7 @@ from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device.batches import BatchRun, execute_batch, first_mismatch, prepare_batch
 from reshard.runtime.device.binding import Binding, checked_out
 from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
+from reshard.runtime.device.current import clear_current, set_current
 from reshard.runtime.device.gpu_memory import GpuBlocks
 from reshard.runtime.device.outcomes import Outcome
 from reshard.runtime.messages import (
@@ -82,6 +85,9 @@ class DeviceRole:
         if threads > 0:
             set_torch_threads(threads)
         self._reshard_ctx = ctx = DeviceContext(device, backend, options)
+        ctx.threaded = _on_a_pool_thread()
+        ctx.actor = self  # the actor instance: ``mesh.call`` functions reach the user's objects through it
+        set_current(ctx)
         backend.setup_actor(device, ctx.cuda_device)
         return DeviceRole.reshard_ready(self)  # ``self`` may be any actor (``DeviceMesh.attach``)
 
@@ -102,6 +108,7 @@ class DeviceRole:
             "shared_memory": ctx.shared is not None,
             "memory_domain": ctx.memory_domain(rc.get_node_id()),
             "board": None if ctx.board is None else ctx.board.descriptor,
+            "threaded": ctx.threaded,
         }
 
     def reshard_ping(self) -> None:
@@ -408,6 +415,8 @@ class DeviceRole:
             ctx.board.close()
         if isinstance(ctx.shared, GpuBlocks):
             ctx.shared.close()
+        ctx.actor = None
+        clear_current(ctx)
         self._reshard_ctx = None
 
 
@@ -417,6 +426,7 @@ class DeviceActor(DeviceRole):
 
     def __init__(self, device: int, backend: Backend, options: dict):
         self.reshard_attach(device, backend, {"torch_threads": 1, **options})
+        _attached(self).threaded = True  # MAX_CONCURRENCY threads (its constructor runs on the main one)
 
     @ray.method(concurrency_group=CONTROL)
     def reshard_ready(self) -> dict:  # type: ignore[override]  # ray.method makes it a remote method
@@ -449,6 +459,19 @@ def _attached_or_none(actor) -> DeviceContext | None:
     return getattr(actor, "_reshard_ctx", None)
 
 
+def _on_a_pool_thread() -> bool:
+    """This call runs on one of the actor's pool threads (``max_concurrency`` > 1), not on the
+    thread of a single-threaded actor (the main one) nor in an async actor's event loop: such an
+    actor serves other calls while one runs."""
+    if threading.current_thread() is threading.main_thread():
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return True
+    return False
+
+
 def _attached(actor) -> DeviceContext:
     ctx = _attached_or_none(actor)
     if ctx is None:
@@ -460,9 +483,9 @@ def _failed_outcome(ctx, controller: str, run: str, participants, until: Deadlin
     """None once every participant's run succeeded (with ``verify``: and every received slice
     matches what its sender read); else why not: the first that failed, a participant that died,
     or the ones whose outcome could not be learned before ``until``. ``participants``: ``(device,
-    actor, vote)`` each; a participant with an actor is asked (it serves calls while it commits),
-    one without (an attached actor, which runs one call at a time) is known by ``vote``, its run's
-    result, which the caller owns."""
+    actor, vote)`` each; a participant with an actor is asked (our ``DeviceActor``: it serves calls
+    while it commits), one without (a user's actor, which may run one call at a time) is known by
+    ``vote``, its run's result, which the caller owns."""
     from ray.exceptions import GetTimeoutError
 
     asked = {d: actor.reshard_outcome.remote(controller, run, until.left())

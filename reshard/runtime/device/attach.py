@@ -29,11 +29,6 @@ class CallProxy:
         return CallProxy, (self.handle,)
 
 
-def serves_concurrently(actor) -> bool:
-    """A device actor of ours serves calls while a reshard runs; an attached one runs one at a time."""
-    return not isinstance(actor, CallProxy)
-
-
 class _Method:
     __slots__ = ("handle", "name")
 

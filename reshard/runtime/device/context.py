@@ -13,6 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -99,6 +100,8 @@ class DeviceContext:
         self.after_run = None  # a test hook: fn(runs by tensor) after a batch ran, before its checksums
         self.commit_hook = None  # a test hook: fn("before" | "after", run) around a commit's decision and copies
         self.outcomes = RunOutcomes()  # of this device's runs that wait for a commit
+        self.threaded = False  # it serves calls while one runs (set when it attaches)
+        self.actor: Any = None  # the actor instance this device is (its own objects: ``ctx.actor.model``)
         self.extensions: dict[str, object] = {}  # state that libraries on the runtime keep here (pipelines)
         self.peak_bytes = 0  # destination (twice if assembled) + staging bytes of the last run
         self.assembled = False  # the last run assembled its destination apart (``ShardStore``)

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError
 from reshard.runtime.deadlines import Deadline
-from reshard.runtime.device.attach import serves_concurrently
 from reshard.runtime.driver.device_registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.driver.dispatch import Outcome, failure_error, gather
 from reshard.runtime.driver.group_table import GroupTable
@@ -267,8 +266,7 @@ class Runtime:
                 )
             commits = {}
             if commit:
-                participants = tuple((rec.id, rec.actor if serves_concurrently(rec.actor) else None, refs[rec.id])
-                                     for rec in recs)  # fmt: skip
+                participants = tuple((rec.id, rec.actor if rec.threaded else None, refs[rec.id]) for rec in recs)
                 for rec in recs:
                     parts = program.for_device(rec.id).parts
                     pairs = tuple(Staged(shard_name(run, p.tensor), outs[p.tensor]) for p in parts

@@ -65,6 +65,7 @@ class DeviceRecord:
     max_programs: int = 256
     board: tuple | None = None  # its relay board's descriptor (peers on its node pull relays from it)
     memory_domain: str | None = None  # devices of one domain pull each other's shards (None: none)
+    threaded: bool = False  # our DeviceActor: serves calls while a reshard runs (a user's actor may not)
     state: DeviceState = DeviceState.ALIVE
     reason: str = ""
     seq: int = 1  # the next ordered call's sequence number (``reshard.runtime.device.inbox``)
@@ -76,6 +77,7 @@ class DeviceRecord:
             "node_ip": self.node_ip, "owner": self.owner, "session": self.session,
             "shared_memory": self.shared_memory, "max_communicators": self.max_communicators,
             "max_programs": self.max_programs, "board": self.board, "memory_domain": self.memory_domain,
+            "threaded": self.threaded,
         }  # fmt: skip
 
 

@@ -227,7 +227,8 @@ class DeviceMesh:
         ``reshard.runtime.DeviceRole``: each actor becomes a device (``reshard_attach``) and keeps
         its state; its code shares its tensors (``self.reshard_device.share(...)``) for
         ``reshard.runtime.adopt``, and reshards write into its memory (``reshard(..., out=...)``).
-        Hosts: the actors' Ray nodes when they sit on several, else logical hosts as in ``create``.
+        Hosts: the actors' Ray nodes (actors of one machine are one host, as they are), unless
+        ``devices_per_host`` is given: then, for actors on one node, logical hosts as in ``create``.
         ``torch_threads`` (0: as they are) sets torch's threads in the actors. ``shutdown()``
         detaches the actors and leaves them running. Actors of any class: ``attach``."""
         actors = list(actors)
@@ -259,12 +260,21 @@ class DeviceMesh:
         options = device_options.for_device(spec.device_type)
         refs = {d: a.reshard_attach.remote(d, instance, options) for d, a in zip(ids, actors, strict=True)}
         outcome = gather(refs, deadline, settle_s=None)
+        what = f"DeviceMesh.{'attach' if _attaching(actors) else 'from_actors'}({probe.shape})"
         if not outcome.ok:
             for d, a in zip(ids, actors, strict=True):
-                if d in outcome.results:
+                if d in outcome.results or d in outcome.pending:  # a busy one leaves once it attached
                     a.reshard_close.remote()
-            raise failure_error(outcome, f"DeviceMesh.from_actors({probe.shape})", deadline)
-        dph = default_devices_per_host(probe.shape) if devices_per_host is None else devices_per_host
+            if outcome.pending and not outcome.failures:
+                busy = [actors[ids.index(d)] for d in outcome.pending]
+                raise ReshardTimeout(
+                    f"{what}: actors {busy} did not answer within startup_timeout_s={startup_timeout_s:g}s. An actor "
+                    "that runs one call at a time serves the mesh's calls only between its own: it is busy (a Ray "
+                    "Train V1 worker runs its whole train loop in one call: use Ray Train V2, the default in Ray "
+                    "2.60, or give the actor max_concurrency > 1), or it is stuck"
+                )
+            raise failure_error(outcome, what, deadline)
+        dph = 0 if devices_per_host is None else devices_per_host  # 0: hosts are the Ray nodes
         return cls._register(
             probe.shape, axis_names, dph, ids, actors, outcome.results, name, instance, session,
             (max_communicators, max_programs), f"DeviceMesh.from_actors{probe.shape}",
@@ -293,11 +303,11 @@ class DeviceMesh:
         limits: tuple[int, int], what: str, **flags,
     ) -> DeviceMesh:  # fmt: skip
         """The mesh over started devices (``infos``: what each said when ready): hosts are the
-        devices' Ray nodes when they sit on several, else fresh logical hosts of ``dph`` devices;
-        its records join this process's registry."""
+        devices' Ray nodes when they sit on several or ``dph`` is 0, else fresh logical hosts of
+        ``dph`` devices; its records join this process's registry."""
         rt = runtime()
         node_of = [infos[d]["node_id"] for d in ids]
-        if len(set(node_of)) > 1:  # hosts are the Ray nodes
+        if len(set(node_of)) > 1 or dph == 0:  # hosts are the Ray nodes
             hosts = [rt.registry.host_of_node(n) for n in node_of]
         else:
             base = rt.registry.new_logical_hosts(len(ids) // dph)
@@ -318,6 +328,7 @@ class DeviceMesh:
                 *limits,
                 board=infos[d].get("board"),
                 memory_domain=infos[d].get("memory_domain"),
+                threaded=bool(infos[d].get("threaded")),
             )
             for d, a, h in zip(ids, actors, hosts, strict=True)
         ]
@@ -558,6 +569,12 @@ class DeviceMesh:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _attaching(actors) -> bool:
+    from reshard.runtime.device.attach import CallProxy
+
+    return any(isinstance(a, CallProxy) for a in actors)
 
 
 def _rebuild(mesh: Mesh, backend_name: str, backend, described, closed) -> DeviceMesh:
