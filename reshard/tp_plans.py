@@ -37,8 +37,9 @@ _TORCH_STYLES = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise", "Se
 
 
 def tensor_parallel_layouts(mesh, plan: Mapping[str, Any], *, axis: int | str = -1) -> Callable[[str, Any], Layout]:
-    """The layout of every state-dict entry on ``mesh`` under ``plan`` (module docstring): a
-    callable ``(path, tensor) -> Layout``. ``axis``: the tensor-parallel mesh axis (index or name;
+    """The layout of every state-dict entry on ``mesh`` under ``plan`` (name pattern -> style; the
+    first match decides; unmatched entries are replicated): a callable ``(path, tensor) -> Layout``
+    that ``distribute`` and ``reshard`` take for a tree. ``axis``: the tensor-parallel mesh axis (index or name;
     default the last). Styles are names from ``STYLES`` or torch's style objects
     (``ColwiseParallel()``, ``RowwiseParallel()``, ``SequenceParallel()``). Raises ValueError for
     an unknown style or axis, naming it."""
