@@ -55,6 +55,7 @@ from reshard.runtime.messages import (
 
 log = logging.getLogger(__name__)
 
+OUTCOME_RETRY_S = 0.05  # a commit asks an unreachable participant again after this pause
 CONTROL = "control"  # the concurrency group of calls that must never wait behind a run
 NO_DEADLINE = Deadline(math.inf)
 
@@ -481,31 +482,56 @@ def _attached(actor) -> DeviceContext:
 
 def _failed_outcome(ctx, controller: str, run: str, participants, until: Deadline, verify: bool) -> str | None:
     """None once every participant's run succeeded (with ``verify``: and every received slice
-    matches what its sender read); else why not: the first that failed, a participant that died,
-    or the ones whose outcome could not be learned before ``until``. ``participants``: ``(device,
-    actor, vote)`` each; a participant with an actor is asked (our ``DeviceActor``: it serves calls
-    while it commits), one without (a user's actor, which may run one call at a time) is known by
-    ``vote``, its run's result, which the caller owns."""
-    from ray.exceptions import GetTimeoutError
+    matches what its sender read); else why not: the first that failed, or the ones whose outcome
+    could not be learned before ``until``.
 
-    asked = {d: actor.reshard_outcome.remote(controller, run, until.left())
-             for d, actor, _ in participants if actor is not None and d != ctx.device}  # fmt: skip
+    ``participants``: ``(device, actor, vote)`` each. Two sources say how a run ended: ``vote``, the
+    run's result, which the caller owns (gone when the caller dies), and, where ``actor`` is given
+    (a device that serves calls while it commits), the participant itself (gone when it dies). The
+    first that answers decides (both tell the same run); a cut or a slow fetch is asked again, so a
+    device decides alone only when both sources are gone."""
     outcomes: dict[int, Outcome | None] = {}
+    sources: dict = {}  # ref -> (device, "vote" | "asked")
+    actors = {d: actor for d, actor, _ in participants}
+
+    def ask(d: int) -> None:
+        sources[actors[d].reshard_outcome.remote(controller, run, until.left())] = (d, "asked")
+
     for d, actor, vote in participants:
-        try:
-            if d == ctx.device:
-                outcomes[d] = ctx.outcomes.wait(controller, run, until.left())
-            elif actor is not None:
-                outcomes[d] = ray.get(asked[d], timeout=until.left() + 1.0)
-            else:
-                outcomes[d] = Outcome(True, "", ray.get(vote, timeout=until.left()).checks)
-        except GetTimeoutError:
-            outcomes[d] = None
-        except Exception as e:  # the run failed, or its device died or cannot be reached
-            return _last_line(e)
+        if d == ctx.device:
+            outcomes[d] = ctx.outcomes.wait(controller, run, until.left())
+            continue
+        sources[vote] = (d, "vote")
+        if actor is not None:
+            ask(d)
+    waiting = {d for d, _, _ in participants if d != ctx.device}
+    while waiting and not until.passed():
+        refs = [r for r, (d, _) in sources.items() if d in waiting]
+        if not refs:
+            break
+        ready, _ = ray.wait(refs, num_returns=1, timeout=until.left())
+        for ref in ready:
+            d, kind = sources.pop(ref)
+            if d not in waiting:
+                continue
+            got, again = _read_outcome(ref, kind, until)
+            if again:
+                if kind == "asked":
+                    time.sleep(min(OUTCOME_RETRY_S, until.left()))  # a cut: Ray answers at once until it heals
+                    ask(d)
+                else:
+                    sources[ref] = (d, kind)
+            elif got is not None:
+                outcomes[d] = got
+                waiting.discard(d)
+    for d in waiting:
+        outcomes[d] = None
     unknown = sorted(d for d, o in outcomes.items() if o is None)
     if unknown:
-        return f"how the runs on devices {unknown} ended was not learned within {COMMIT_WAIT_S:g} s of the deadline"
+        return (
+            f"how the runs on devices {unknown} ended was not learned within {COMMIT_WAIT_S:g} s of the deadline "
+            "(neither the caller nor those devices could say)"
+        )
     for _, o in sorted(outcomes.items()):
         if o is not None and not o.ok:
             return o.reason
@@ -514,6 +540,34 @@ def _failed_outcome(ctx, controller: str, run: str, participants, until: Deadlin
         if found is not None:
             return f"tensor {found[0]} step {found[1]}: a received slice differs from what its sender read"
     return None
+
+
+def _read_outcome(ref, kind: str, until: Deadline) -> tuple[Outcome | None, bool]:
+    """What a ready source says: ``(outcome, False)``; ``(None, True)``: ask it again (a cut, a
+    slow fetch); ``(None, False)``: this source is gone (the caller or the participant died)."""
+    from ray.exceptions import (
+        ActorUnavailableError,
+        GetTimeoutError,
+        ObjectFetchTimedOutError,
+        ObjectLostError,
+        RayActorError,
+    )
+
+    try:
+        got = ray.get(ref, timeout=max(until.left(), 0.001))
+    except (GetTimeoutError, ObjectFetchTimedOutError, ActorUnavailableError):
+        return None, True
+    except ObjectLostError:  # the caller died: its results went with it
+        return None, False
+    except RayActorError as e:
+        if kind == "vote":  # the participant died before its run returned: the run failed
+            return Outcome(False, _last_line(e), None), False
+        return None, False  # it died after: its result, if the caller still has it, says
+    except Exception as e:  # the run raised
+        return Outcome(False, _last_line(e), None), False
+    if kind == "vote":
+        return Outcome(True, "", got.checks), False
+    return got, False  # None: it did not end within the budget (the deadline passed)
 
 
 def _last_line(e: BaseException) -> str:
