@@ -561,7 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.max_bytes = 3, 256 * MiB
     parts = args.parts.split(",")
-    data: dict = {"revision": _git_rev(), "command": "python -m bench gpu " + " ".join(argv or sys.argv[1:]),
+    from bench.local import command_line
+
+    data: dict = {"revision": _git_rev(), "command": command_line("gpu", argv or sys.argv[1:]),
                   "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
     out = Path(args.out) if args.out else ROOT / "results" / f"gpu-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
 

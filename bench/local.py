@@ -282,6 +282,20 @@ def _pool_state(ctx, drain: bool) -> tuple[int, int]:
     return m["pool_hits"], m["pool_misses"]
 
 
+def command_line(suite: str, argv) -> str:
+    """The command a result records, with any absolute path shown relative to the repository (or by
+    its name): results name no path of the machine they ran on."""
+    root = Path(__file__).resolve().parent.parent
+
+    def shown(arg: str) -> str:
+        if not os.path.isabs(arg):
+            return arg
+        path = Path(arg)
+        return str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+
+    return " ".join(["python -m bench", *([suite] if suite else []), *(shown(str(a)) for a in argv)])
+
+
 def _git_rev() -> str:
     """The revision measured (``git rev-parse``; ``RESHARD_REVISION`` where the copy has no git, e.g. a
     lent GPU machine)."""
@@ -959,7 +973,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         "suite": "local",
         "started": when.isoformat(timespec="seconds"),
         "duration_s": time.time() - t_start,
-        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("", argv if argv is not None else sys.argv[1:]),
         "git": _git_rev(),
         "machine": {
             "cpus": os.cpu_count(),

@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(data)) if args.markdown else render(data)
         return 0
     from bench import emulate
-    from bench.local import _git_rev
+    from bench.local import _git_rev, command_line
     from reshard import STRATEGIES
 
     ok, why = emulate.available()
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(out_file.read_text())
     data = {
         "schema": SCHEMA, "suite": "multihost", "started": when.isoformat(timespec="seconds"),
-        "duration_s": time.time() - t0, "command": "python -m bench multihost " + " ".join(argv), "git": _git_rev(),
+        "duration_s": time.time() - t0, "command": command_line("multihost", argv), "git": _git_rev(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_end": list(os.getloadavg())},
         "hosts": hosts, "nic_gbit": args.nic_gbit, "raw": raw, "config": config, **result,
     }  # fmt: skip

@@ -203,7 +203,7 @@ def main(argv: list[str]) -> int:
         Path(args.driver[1]).write_text(json.dumps(drive(json.loads(args.driver[0]))))
         return 0
     from bench import emulate
-    from bench.local import _git_rev
+    from bench.local import _git_rev, command_line
 
     ok, why = emulate.available()
     if not ok:
@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
             return 1
         result = json.loads(out_file.read_text())
     data = {"suite": "multihost-weights", "started": when.isoformat(timespec="seconds"), "duration_s": time.time() - t0,
-            "command": "python -m bench multihost --weights " + " ".join(argv), "git": _git_rev(),
+            "command": command_line("multihost --weights", argv), "git": _git_rev(),
             "cpus": os.cpu_count(), "nic_gbit": args.nic_gbit, "config": config, **result}  # fmt: skip
     data["targets"] = targets(data)
     path = Path(args.out) if args.out else RESULTS_DIR / f"multihost-weights-{when.strftime('%Y%m%d-%H%M%S')}.json"

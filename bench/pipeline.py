@@ -675,9 +675,12 @@ def main(argv: list[str] | None = None) -> int:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else RESULTS_DIR / f"pipeline-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    from bench.local import _git_rev, command_line
+
     data: dict = {
         "schema": SCHEMA,
-        "command": "python -m bench pipeline " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("pipeline", argv if argv is not None else sys.argv[1:]),
+        "git": _git_rev(),
         "when": stamp,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg": _load()},
     }
@@ -702,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     data["real"] = real
     data["sim"] = None if sim is None else {k: v for k, v in sim.items() if k != "_tables"}
     data["targets"] = targets
-    data["timeline_png"] = {k: str(v) for k, v in pngs.items()}
+    data["timeline_png"] = {k: v.name for k, v in pngs.items()}  # beside the JSON
     out.write_text(json.dumps(data, indent=1, default=str))
     if not args.out:
         (RESULTS_DIR / "pipeline-latest.json").write_text(out.read_text())
