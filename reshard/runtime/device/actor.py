@@ -499,7 +499,9 @@ def _failed_outcome(ctx, controller: str, run: str, participants, until: Deadlin
 
     for d, actor, vote in participants:
         if d == ctx.device:
-            outcomes[d] = ctx.outcomes.wait(controller, run, until.left())
+            outcomes[d] = mine = ctx.outcomes.wait(controller, run, until.left())
+            if mine is not None and not mine.ok:
+                return mine.reason
             continue
         sources[vote] = (d, "vote")
         if actor is not None:
@@ -522,6 +524,8 @@ def _failed_outcome(ctx, controller: str, run: str, participants, until: Deadlin
                 else:
                     sources[ref] = (d, kind)
             elif got is not None:
+                if not got.ok:  # one failed run decides: no destination can learn that all succeeded
+                    return got.reason
                 outcomes[d] = got
                 waiting.discard(d)
     for d in waiting:
