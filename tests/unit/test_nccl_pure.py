@@ -51,6 +51,18 @@ pytestmark = pytest.mark.unit
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.fixture(autouse=True)
+def _a_fresh_abort_channel(monkeypatch):
+    """Each test gets this process's abort channel new, on loopback: one an earlier tier started on
+    another Ray node's address (an emulated host's, since cut off) must not decide these tests."""
+    from reshard.runtime.backends.nccl import aborts
+
+    channel = aborts.PeerAborts("127.0.0.1")
+    monkeypatch.setattr(aborts, "_PEER_ABORTS", channel)
+    yield
+    channel.close()
+
+
 def _run(code: str) -> str:
     env = dict(os.environ, PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env)
