@@ -54,6 +54,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -758,7 +759,7 @@ class Suite:
         for m in keepers + list(pooled):
             parts = getattr(runners[m], "breakdown", None)
             if parts:
-                methods[m]["breakdown_s"] = {k: _median([p[k] for p in parts]) for k in parts[0]}
+                methods[m]["breakdown_s"] = {k: statistics.median([p[k] for p in parts]) for k in parts[0]}
         for name, inner in ((CEILING, raw and raw.in_actor), (CEILING_FRESH, raw and raw.in_actor_fresh),
                             (MEMCPY, memcpy and memcpy.in_actor)):  # fmt: skip
             if inner:
@@ -801,12 +802,6 @@ def _split(wall: float, per_device: dict) -> dict:
         "max_comm": max(v.get("comm_s", 0.0) for v in stats),
         "max_copy_stage": max(v.get("elapsed_s", 0.0) - v.get("comm_s", 0.0) for v in stats),
     }
-
-
-def _median(vals: list[float]) -> float:
-    v = sorted(vals)
-    n = len(v)
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
 def _check_host_pattern(view: MeshView, dmesh) -> None:

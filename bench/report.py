@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -185,17 +186,18 @@ def _target(title: str, method: str, vals: list, ok, fmt, worst_is_max: bool = F
     """``vals``: (label, value or None) in scope; a missing value (an error) fails."""
     have = [(lab, v) for lab, v in vals if v is not None]
     passed = [v for _, v in have if ok(v)]
-    nums = sorted(v for _, v in have)
+    nums = [v for _, v in have]
+    median = statistics.median(nums) if nums else None
     worst = (max if worst_is_max else min)(have, key=lambda lv: lv[1]) if have else None
     return {
         "target": title,
         "method": method,
         "cases": len(vals),
         "passed": len(passed),
-        "median": nums[len(nums) // 2] if nums else None,
+        "median": median,
         "worst": worst[1] if worst else None,
         "worst_case": worst[0] if worst else "",
-        "median_str": fmt(nums[len(nums) // 2]) if nums else "-",
+        "median_str": fmt(median) if nums else "-",
         "worst_str": fmt(worst[1]) if worst else "-",
         "met": bool(vals) and len(passed) == len(vals),
         "in_run": bool(vals),
