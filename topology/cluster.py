@@ -32,9 +32,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from topology.links import BACKENDS, LinkFigures, is_bandwidth, spread
 from topology.mesh import Mesh
-
-BACKENDS = ("nccl", "gloo")
 
 # name: (devices per host, NIC GB/s per host, intra-host GB/s per device, network latency us)
 # - p3.8xlarge / p3.16xlarge: V100 SXM2 with NVLink 2.0 (25 GB/s per link and direction); the
@@ -63,72 +62,6 @@ DEFAULT_LATENCY_US = 10.0
 # message inside a node. Measured on emulated hosts, gloo between two actors of one node moved
 # ~0.85 GB/s; probe (``LinkFigures``) to plan with real figures.
 GUESSED_GLOO = {"nic_GBps": 1.25, "intra_host_GBps": 5.0, "latency_us": 50.0, "intra_host_latency_us": 10.0}
-
-
-@dataclass(frozen=True, slots=True)
-class LinkFigures:
-    """Link figures measured between device actors on some Ray nodes (``reshard.runtime.driver.probe``).
-
-    ``node_ids``: the probed nodes (sorted); ``nic_GBps[i]``: node ``i``'s NIC rate per direction
-    (None when it had no partner node to measure against); ``intra_host_GBps``: one device to
-    another of the same node through the backend (None: no node held two devices); latencies: one
-    message, half a measured round trip (None: not measured). ``size_bytes``: bytes per timed
-    transfer; ``backend``: the communicator backend measured.
-    """
-
-    node_ids: tuple[str, ...]
-    nic_GBps: tuple[float | None, ...]
-    intra_host_GBps: float | None
-    latency_us: float | None
-    intra_host_latency_us: float | None
-    size_bytes: int
-    backend: str = "gloo"
-
-    def __post_init__(self):
-        if not isinstance(self.node_ids, tuple) or not self.node_ids or list(self.node_ids) != sorted(self.node_ids):
-            raise ValueError(f"LinkFigures node_ids must be a non-empty sorted tuple, got {self.node_ids!r}")
-        if len(set(self.node_ids)) != len(self.node_ids):
-            raise ValueError(f"LinkFigures node_ids repeat a node: {self.node_ids!r}")
-        if not isinstance(self.nic_GBps, tuple) or len(self.nic_GBps) != len(self.node_ids):
-            raise ValueError(
-                f"LinkFigures nic_GBps must be a tuple with one rate (or None) per node, got {self.nic_GBps!r} "
-                f"for {len(self.node_ids)} nodes"
-            )
-        for name, value in (("intra_host_GBps", self.intra_host_GBps), *(("nic_GBps", v) for v in self.nic_GBps)):
-            if value is not None and not _is_bandwidth(value):
-                raise ValueError(f"LinkFigures {name} must be a positive finite GB/s or None, got {value!r}")
-        for name in ("latency_us", "intra_host_latency_us"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
-                raise ValueError(f"LinkFigures {name} must be a finite latency >= 0 in us or None, got {value!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"LinkFigures backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if not isinstance(self.size_bytes, int) or self.size_bytes <= 0:
-            raise ValueError(f"LinkFigures size_bytes must be a positive int, got {self.size_bytes!r}")
-
-    def nic_of(self, node_id: str) -> float | None:
-        """The measured NIC rate of ``node_id`` (None: not probed, or no partner to measure against)."""
-        try:
-            return self.nic_GBps[self.node_ids.index(node_id)]
-        except ValueError:
-            return None
-
-    def covers(self, node_ids) -> bool:
-        """Whether every node of ``node_ids`` was probed (with a NIC rate when there are several)."""
-        nodes = set(node_ids)
-        if not nodes <= set(self.node_ids):
-            return False
-        return len(nodes) < 2 or all(self.nic_of(n) is not None for n in nodes)
-
-    def __str__(self) -> str:
-        nics = [v for v in self.nic_GBps if v is not None]
-        nic = "-" if not nics else _spread(tuple(nics)) if len(set(nics)) > 1 else f"{nics[0]:.4g}"
-        intra = "-" if self.intra_host_GBps is None else f"{self.intra_host_GBps:.3g}"
-        lat = "-" if self.latency_us is None else f"{self.latency_us:.0f}"
-        return (
-            f"links of {len(self.node_ids)} node(s): NIC {nic} GB/s, intra-node {intra} GB/s, "
-            f"latency {lat} us ({self.backend}, {self.size_bytes >> 20} MiB transfers)"
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +104,7 @@ class Cluster:
             raise ValueError(f"Cluster backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.host_names is not None and len(self.host_names) != self.num_hosts:
             raise ValueError(f"Cluster host_names names {len(self.host_names)} hosts, but num_hosts={self.num_hosts}")
-        self._check_per_host("host_nic_GBps", "nic_GBps", _is_bandwidth, "positive finite bandwidths in GB/s")
+        self._check_per_host("host_nic_GBps", "nic_GBps", is_bandwidth, "positive finite bandwidths in GB/s")
         self._check_per_host("host_devices", "devices_per_host", _is_count, "positive ints")
 
     def _check_per_host(self, name: str, summary: str, valid, what: str) -> None:
@@ -340,7 +273,7 @@ class Cluster:
         node that had no partner to measure against), the intra-node rate and latencies as measured
         (``GUESSED_GLOO`` / ``DEFAULT_*`` where a figure was not measured)."""
         if not isinstance(links, LinkFigures):
-            raise TypeError(f"links must be a topology.cluster.LinkFigures, got {type(links).__name__}")
+            raise TypeError(f"links must be a topology.links.LinkFigures, got {type(links).__name__}")
         missing = sorted(d for d in hosts if d not in node_of)
         if missing:
             raise ValueError(f"Cluster.from_links: node_of has no node for devices {missing[:8]}")
@@ -381,7 +314,7 @@ class Cluster:
         if not nodes:
             raise RuntimeError("the connected Ray cluster reports no alive node")
         if links is not None and not isinstance(links, LinkFigures):
-            raise TypeError(f"links must be a topology.cluster.LinkFigures, got {type(links).__name__}")
+            raise TypeError(f"links must be a topology.links.LinkFigures, got {type(links).__name__}")
         names = [str(n.get("NodeID", i)) for i, n in enumerate(nodes)]
         if host_ids is None:
             host_ids = {name: i for i, name in enumerate(names)}
@@ -456,8 +389,8 @@ class Cluster:
         return self.intra_host_GBps * 1e9
 
     def __str__(self) -> str:
-        devices = _spread(self.host_devices) if self.host_devices else f"{self.devices_per_host:g}"
-        nic = _spread(self.host_nic_GBps) if self.host_nic_GBps else f"{self.nic_GBps:g}"
+        devices = spread(self.host_devices) if self.host_devices else f"{self.devices_per_host:g}"
+        nic = spread(self.host_nic_GBps) if self.host_nic_GBps else f"{self.nic_GBps:g}"
         return (
             f"{self.name}: {self.num_hosts} hosts x {devices} devices, NIC {nic} GB/s "
             f"per host, intra-host {self.intra_host_GBps:g} GB/s, latency {self.latency_us:g} us, {self.backend}"
@@ -543,10 +476,6 @@ def _bandwidth(name: str, value) -> float:
         raise ValueError(f"Cluster {name} must be a positive bandwidth in GB/s, got {value!r}") from None
 
 
-def _is_bandwidth(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
-
-
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -562,10 +491,6 @@ def _per_host(name: str, value) -> tuple | None:
 
 def _unless_uniform(values: tuple | None) -> tuple | None:
     return None if values is None or len(set(values)) == 1 else values
-
-
-def _spread(values: tuple) -> str:
-    return f"{min(values):g}-{max(values):g}"
 
 
 def _devices_per_host(pairs: Iterable[tuple[int, int]]) -> dict[int, int]:

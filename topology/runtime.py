@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import TYPE_CHECKING
 
 import ray
 
-if TYPE_CHECKING:
-    from topology.cluster import LinkFigures
+from topology.links import LinkFigures
 
 KV_NAMESPACE = "reshard"
 _LINKS_LOCK = threading.Lock()

@@ -3,12 +3,20 @@ collectives over the stage mesh, differentiable where tensor parallelism needs t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from scheduler.runtime.worker import StageWorker
+from scheduler.runtime.specs import WorkerSpec
+
+
+class StageDevice(Protocol):
+    """What a stage context reads of the worker that owns it (``StageWorker``)."""
+
+    spec: WorkerSpec
+    torch_device: torch.device
+
+    def all_reduce(self, tensor: torch.Tensor, axis: int | None) -> torch.Tensor: ...
 
 
 class _AllReduce(torch.autograd.Function):
@@ -29,7 +37,7 @@ class _AllReduce(torch.autograd.Function):
 class StageContext:
     """What a stage callable sees of its device: position, state, intra-stage collectives."""
 
-    def __init__(self, worker: StageWorker):
+    def __init__(self, worker: StageDevice):
         self._worker = worker
         self.state: Any = None
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from topology.cluster import GUESSED_GLOO, Cluster, LinkFigures
+from topology.cluster import GUESSED_GLOO, Cluster
+from topology.links import LinkFigures
 from topology.simulator import SimKind, SimTransfer, simulate_transfers
 
 pytestmark = pytest.mark.unit

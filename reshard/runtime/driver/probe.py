@@ -30,7 +30,7 @@ import time
 
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.driver.controller import runtime
-from topology.cluster import LinkFigures
+from topology.links import LinkFigures
 from topology.runtime import record_links
 
 PROBE_CHANNEL = "probe"
