@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+import ray
 from dist_helpers import assert_bit_exact, assert_shards, groups_of, pl, random_array
 
 from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, plan_reshard, reshard
@@ -445,3 +446,71 @@ def test_devices_whose_clocks_are_hours_off_keep_the_callers_timeout(view):
         assert b.call(lambda ctx: 1, timeout_s=30) == [1, 1]
     finally:
         b.call(_skew_clock, 0.0)
+
+
+@ray.remote(num_cpus=0)
+class _FreshProcess:
+    """A process that never saw the destination mesh: only a Layout over it arrives."""
+
+    def move(self, x, layout) -> tuple[bool, np.ndarray]:
+        knew = runtime().registry.local_mesh(layout.mesh)[0] != []
+        y = reshard(x, x.mesh, layout)
+        got = y.to_numpy()
+        y.free()
+        return knew, got
+
+
+def test_a_layout_alone_finds_its_mesh_through_the_jobs_directory(view):
+    a, b = view([0, 1], (2,)), view([4, 5, 6], (3,))
+    x = random_array((12, 6), "float32", 11)
+    t = distribute(x, Layout(a, (Shard(0),)))
+    there = _FreshProcess.remote()
+    try:
+        knew, got = ray.get(there.move.remote(t, Layout(b, (Shard(1),))), timeout=120)
+    finally:
+        ray.kill(there)
+    assert not knew  # resolved from the directory's entry, not from a handle that came along
+    assert_bit_exact(got, x)
+
+
+class _Runs:
+    """Unpickled, it creates ``path``: the proof that an entry's pickle ran."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_directory_entries_that_are_not_this_jobs_data_are_refused_and_never_run(tmp_path):
+    """Whatever a process with the cluster's token writes under a mesh's key is read as data:
+    a pickle, a pickled object in a device's handle, an entry of another job: each is refused by
+    name, and nothing in it runs."""
+    import pickle
+
+    import msgpack
+
+    from reshard.errors import MeshClosed
+    from reshard.runtime.driver import directory
+    from reshard.runtime.driver.device_registry import Session
+    from topology import Mesh
+    from topology.runtime import publish
+
+    mesh = Mesh((2,), (900001, 900002), (77, 77))  # no such devices: only the directory knows it
+    session = Session.current()
+    marker = tmp_path / "ran"
+    record = {"id": 900001, "actor": pickle.dumps(_Runs(marker)), "session": [session.name, session.job]}
+    entry = {"format": directory.FORMAT, "session": [session.name, session.job], "backend": "gloo",
+             "mesh": [[2], [900001, 900002], [77, 77], None], "backend_state": None, "devices": [record, record]}  # fmt: skip
+    other_job = dict(entry, session=[session.name, "ffffffff"])
+    forged = {
+        "is not msgpack": pickle.dumps(_Runs(marker)),
+        r"names \w+\.open; only Ray actor handles are read": msgpack.packb(entry),
+        "written by another session or job": msgpack.packb(other_job),
+    }
+    for says, blob in forged.items():
+        publish(directory._key(mesh, session), blob)
+        with pytest.raises(MeshClosed, match=says):
+            distribute(np.zeros(4, np.float32), Layout(mesh, (Shard(0),)), timeout_s=10)
+        assert not marker.exists()

@@ -23,7 +23,7 @@ from typing import Any
 
 from reshard.errors import MeshClosed, WorkerDied
 from reshard.runtime.messages import DeviceState
-from topology.runtime import claim, claim_named, lookup, publish
+from topology.runtime import claim, claim_named
 
 ID_BLOCK = 1 << 12
 
@@ -193,54 +193,8 @@ class DeviceRegistry:
                 self.meshes.pop(dmesh.mesh, None)
                 self.closed_meshes[dmesh.mesh] = reason
 
-    def resolve_mesh(self, mesh, what: str):
-        """The live DeviceMesh whose abstract mesh is ``mesh`` (the latest one built over it): one
-        of this process's, else the one a process of the job published (a Layout built on the
-        driver and passed into a Ray task or actor resolves there)."""
+    def local_mesh(self, mesh):
+        """This process's live DeviceMeshes over abstract ``mesh`` (latest last) and why the last
+        one closed (None: none closed, or one is live)."""
         with self.lock:
-            live = self.meshes.get(mesh)
-            closed = self.closed_meshes.get(mesh)
-        if not live and closed is None:
-            found = self._published(mesh)
-            if isinstance(found, str):
-                closed = found
-            elif found is not None:
-                live = [found]
-        if not live:
-            if closed is not None:
-                raise MeshClosed(f"{what}: {closed}; create a new mesh (DeviceMesh.create)")
-            raise ValueError(
-                f"{what}: mesh {mesh} is not a live DeviceMesh of this job; build the layout from a "
-                "DeviceMesh (Layout(device_mesh, placements)), not from a plain topology.Mesh"
-            )
-        dmesh = live[-1]
-        dmesh.check_open()
-        return dmesh
-
-    @staticmethod
-    def publish_mesh(dmesh) -> None:
-        """Let every process of the job find ``dmesh`` by its abstract mesh (``resolve_mesh``)."""
-        from ray import cloudpickle
-
-        publish(_mesh_key(dmesh.mesh), cloudpickle.dumps(dmesh))
-
-    @staticmethod
-    def unpublish_mesh(mesh, reason: str) -> None:
-        publish(_mesh_key(mesh), b"closed:" + reason.encode())
-
-    @staticmethod
-    def _published(mesh):
-        """The DeviceMesh a process published for ``mesh`` (unpickled: it joins this registry),
-        why it closed (a str), or None."""
-        from ray import cloudpickle
-
-        blob = lookup(_mesh_key(mesh))
-        if blob is None:
-            return None
-        if blob.startswith(b"closed:"):
-            return blob[len(b"closed:") :].decode()
-        return cloudpickle.loads(blob)
-
-
-def _mesh_key(mesh) -> str:
-    return f"mesh/{mesh.shape}/{mesh.device_ids}/{mesh.host_ids}/{mesh.axis_names}"
+            return list(self.meshes.get(mesh, ())), self.closed_meshes.get(mesh)

@@ -22,7 +22,7 @@ from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.dispatch import Outcome, failure_error
-from reshard.runtime.driver.mesh import DeviceMesh
+from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.tensor import ShardedTensor
 from reshard.runtime.messages import Load
 
@@ -165,7 +165,7 @@ def _load(arrays: list[np.ndarray], specs: list[tuple], timeout_s) -> list[Shard
     meshes = {}
     for lay, *_ in specs:
         if lay.mesh not in meshes:
-            meshes[lay.mesh] = rt.registry.resolve_mesh(lay.mesh, f"distribute onto {lay}")
+            meshes[lay.mesh] = resolve_mesh(lay.mesh, f"distribute onto {lay}")
     ref = ray.put(arrays)
     names = [rt.new_name() for _ in specs]
     loads: dict[int, list] = {}  # device -> [(name, index into arrays or None, box, dtype)]
@@ -239,7 +239,7 @@ def adopt(layout, name, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
     meshes: dict = {}
     per_device: dict[int, list[str]] = {}
     for n, lay in zip(names, given, strict=True):
-        dmesh = lay if isinstance(lay, DeviceMesh) else rt.registry.resolve_mesh(lay.mesh, f"adopt {n!r}")
+        dmesh = lay if isinstance(lay, DeviceMesh) else resolve_mesh(lay.mesh, f"adopt {n!r}")
         meshes[n] = dmesh
         for d in dmesh.device_ids:
             per_device.setdefault(d, []).append(n)

@@ -32,10 +32,10 @@ import logging
 import ray
 
 from reshard.errors import MeshClosed, ReshardTimeout
-from reshard.runtime.backends.registry import backend_spec, make_backend
+from reshard.runtime.backends.registry import backend_class, backend_spec, make_backend
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device_options import DeviceOptions, positive_int, positive_seconds
-from reshard.runtime.driver import node_placement
+from reshard.runtime.driver import directory, node_placement
 from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.device_registry import DeviceRecord, Session
 from reshard.runtime.driver.dispatch import failure_error, gather
@@ -337,7 +337,7 @@ class DeviceMesh:
             records = rt.registry.add(records)
         dmesh = cls(mesh, name, records, _token=_PRIVATE, **flags)
         rt.registry.register_mesh(dmesh)
-        rt.registry.publish_mesh(dmesh)
+        dmesh._publish()
         return dmesh
 
     @classmethod
@@ -380,10 +380,17 @@ class DeviceMesh:
         mesh = Mesh(probe.shape, devices, hosts, axis_names=axis_names)
         dmesh = cls(mesh, backends.pop(), records, owned=False, _token=_PRIVATE)
         rt.registry.register_mesh(dmesh)
-        rt.registry.publish_mesh(dmesh)
+        dmesh._publish()
         return dmesh
 
     # ---------------------------------------------------------------- pickling
+
+    def _publish(self) -> None:
+        """Let every process of the job find this mesh by its abstract mesh (``resolve_mesh``)."""
+        backend = runtime().backends.get(self.backend)
+        state = None if backend is None else backend.__getstate__()  # type: ignore[attr-defined]  # object.__getstate__ (3.11)
+        described = [r.describe() for r in self._records]
+        directory.publish_mesh(self.mesh, self.backend, state, described, Session.current())
 
     def __reduce__(self):
         backend = runtime().backends.get(self.backend)
@@ -540,7 +547,7 @@ class DeviceMesh:
         rt.registry.unregister_mesh(self, reason)
         if ray.is_initialized() and (self.owned or self.attached):
             try:
-                rt.registry.unpublish_mesh(self.mesh, reason)
+                directory.publish_closed(self.mesh, reason, Session.current())
             except Exception as e:  # Ray is going away
                 log.debug("%r: %s", self, e)
         if self.attached:  # the user's actors: detach them, leave them running
@@ -589,6 +596,46 @@ def _rebuild(mesh: Mesh, backend_name: str, backend, described, closed) -> Devic
     if closed is None:
         rt.registry.register_mesh(dmesh)
     return dmesh
+
+
+def resolve_mesh(mesh: Mesh, what: str) -> DeviceMesh:
+    """The live DeviceMesh whose abstract mesh is ``mesh`` (the latest one built over it): one of
+    this process's, else the one a process of the job published (a Layout built on the driver and
+    passed into a Ray task or actor resolves there)."""
+    rt = runtime()
+    live, closed = rt.registry.local_mesh(mesh)
+    if not live and closed is None:
+        try:
+            found = directory.find_mesh(mesh, Session.current())
+        except directory.EntryRefused as e:
+            raise MeshClosed(f"{what}: {e}; pass the DeviceMesh itself into this task or actor (it pickles)") from None
+        if isinstance(found, str):
+            closed = found
+        elif found is not None:
+            live = [_rebuild(mesh, found.backend, _backend_from(found), found.described, None)]
+    if not live:
+        if closed is not None:
+            raise MeshClosed(f"{what}: {closed}; create a new mesh (DeviceMesh.create)")
+        raise ValueError(
+            f"{what}: mesh {mesh} is not a live DeviceMesh of this job; build the layout from a "
+            "DeviceMesh (Layout(device_mesh, placements)), not from a plain topology.Mesh"
+        )
+    dmesh = live[-1]
+    dmesh.check_open()
+    return dmesh
+
+
+def _backend_from(found: directory.Published):
+    """This process's instance of a published mesh's backend, else one made from its configuration."""
+    have = runtime().backends.get(found.backend)
+    if have is not None:
+        return have
+    cls = backend_class(found.backend)
+    if found.backend_state is None or "__setstate__" not in vars(cls):
+        return cls()
+    instance = cls.__new__(cls)
+    instance.__setstate__(found.backend_state)  # type: ignore[attr-defined]  # defined by cls (checked)
+    return instance
 
 
 def _name(fn) -> str:

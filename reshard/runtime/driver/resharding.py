@@ -28,7 +28,7 @@ from reshard.runtime.backends.registry import backend_spec
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.device.batches import first_mismatch
 from reshard.runtime.driver.controller import runtime
-from reshard.runtime.driver.mesh import DeviceMesh
+from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.tensor import ShardedTensor
 from reshard.runtime.messages import shard_name
 from topology.mesh import device_hosts
@@ -90,10 +90,9 @@ class _Call:
             if t.freed:
                 raise ValueError(f"reshard source {_at(path)}{t!r} was freed; its shards are gone")
         src_mesh.check_open()
-        rt = runtime()
         for layout in self.layouts:
             if layout.mesh not in meshes:
-                meshes[layout.mesh] = rt.registry.resolve_mesh(layout.mesh, f"reshard destination {layout}")
+                meshes[layout.mesh] = resolve_mesh(layout.mesh, f"reshard destination {layout}")
         for dmesh in meshes.values():
             if dmesh.backend != src_mesh.backend:
                 raise ValueError(
