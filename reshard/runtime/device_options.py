@@ -33,7 +33,9 @@ class DeviceOptions:
     buffer a new destination shard is assembled in before it is written into fresh shared memory
     (0 writes in place); ``torch_threads`` torch's threads in the actor (0: as they are);
     ``shared_memory`` shards that peers pull from: shared memory on CPU devices (peers of the
-    machine), CUDA IPC on GPU devices (peers sharing the GPU)."""
+    machine), CUDA IPC on GPU devices (peers sharing the GPU); ``caller_check_s`` how often a device
+    looks at the processes that called it: the state it kept for one that ended (communicators,
+    programs, staging) is freed, and the staging of one idle that long is given back."""
 
     op_timeout_s: float = 300.0
     staging_keep_bytes: int = 64 << 20
@@ -41,6 +43,7 @@ class DeviceOptions:
     assembly_bytes: int = 256 << 20
     torch_threads: int = 1
     shared_memory: bool = True
+    caller_check_s: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_timeout_s", positive_seconds("op_timeout_s", self.op_timeout_s))
@@ -49,6 +52,7 @@ class DeviceOptions:
         byte_count("assembly_bytes", self.assembly_bytes, "0 writes destinations in place")
         byte_count("torch_threads", self.torch_threads, "0 leaves them as they are")
         object.__setattr__(self, "shared_memory", bool(self.shared_memory))
+        object.__setattr__(self, "caller_check_s", positive_seconds("caller_check_s", self.caller_check_s))
 
     def for_device(self, device_type: str) -> dict:
         """What a device actor receives."""

@@ -51,10 +51,13 @@ class FailureKind(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """Position of an ordered call among one controller's calls to one device."""
+    """Position of an ordered call among one controller's calls to one device. ``lease``: with a
+    controller's first call to a device, a list holding an ObjectRef its process owns; Ray fails to
+    resolve it once that process ended, which tells the device to free what it kept for it."""
 
     controller: str
     seq: int
+    lease: list | None = None
 
 
 class GroupDrop(NamedTuple):

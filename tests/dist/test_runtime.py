@@ -4,6 +4,7 @@ ShardedTensor API."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,8 +12,8 @@ import ray
 from dist_helpers import assert_bit_exact, assert_shards, groups_of, pl, random_array
 
 from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, plan_reshard, reshard
-from reshard.passes.lowering import lower_plan
 from reshard.ir.regions import box_shape, box_volume, layout_regions
+from reshard.passes.lowering import lower_plan
 from reshard.runtime import ensure_groups, lowered_reshard, runtime, runtime_stats, settle
 from reshard.runtime.device.context import STAGING_KEEP_BYTES
 from reshard.runtime.device.shards import ASSEMBLY_MIN_BYTES
@@ -501,8 +502,10 @@ def test_directory_entries_that_are_not_this_jobs_data_are_refused_and_never_run
     session = Session.current()
     marker = tmp_path / "ran"
     record = {"id": 900001, "actor": pickle.dumps(_Runs(marker)), "session": [session.name, session.job]}
-    entry = {"format": directory.FORMAT, "session": [session.name, session.job], "backend": "gloo",
-             "mesh": [[2], [900001, 900002], [77, 77], None], "backend_state": None, "devices": [record, record]}  # fmt: skip
+    entry = {
+        "format": directory.FORMAT, "session": [session.name, session.job], "backend": "gloo",
+        "mesh": [[2], [900001, 900002], [77, 77], None], "backend_state": None, "devices": [record, record],
+    }  # fmt: skip
     other_job = dict(entry, session=[session.name, "ffffffff"])
     forged = {
         "is not msgpack": pickle.dumps(_Runs(marker)),
@@ -514,3 +517,88 @@ def test_directory_entries_that_are_not_this_jobs_data_are_refused_and_never_run
         with pytest.raises(MeshClosed, match=says):
             distribute(np.zeros(4, np.float32), Layout(mesh, (Shard(0),)), timeout_s=10)
         assert not marker.exists()
+
+
+@ray.remote(num_cpus=0)
+class _Pusher:
+    """A trainer's process: pushes a state dict into tensors it does not own, then dies."""
+
+    def push(self, tree, src_mesh, layouts, out) -> bool:
+        reshard(tree, src_mesh, layouts, out=out, shared_memory=False)  # gloo: communicators, staging
+        return True
+
+
+def _kept(ctx) -> dict:
+    import os
+
+    return {
+        "controllers": sorted(ctx.controllers),
+        "callers": ctx.inbox.known(),
+        "groups": sum(len(s.groups) for s in ctx.controllers.values()),
+        "staging": sum(s.staging.nbytes for s in ctx.controllers.values()),
+        "store_connections": len(ctx.backend._clients),
+        "fds": len(os.listdir("/proc/self/fd")),
+    }
+
+
+def _check_callers_now(ctx) -> dict:
+    return ctx.check_callers(idle_s=0.0)
+
+
+def test_what_devices_kept_for_processes_that_ended_is_freed(view):
+    """Three short-lived processes each push a state dict with ``out=``; once they are killed,
+    each device frees their communicators, staging, programs, call order and store connections
+    (their leases no longer resolve), and the driver goes on. A live caller that went idle only
+    gives back its staging."""
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    both = DeviceMesh.from_devices([*a.device_ids, *b.device_ids], (4,))
+    sd = {"w": random_array((64, 48), "float32", 21), "b": random_array((48,), "float32", 22)}
+    src = distribute(sd, Layout(a, (Shard(0),)))
+    layouts = {"w": Layout(b, (Shard(1),)), "b": Layout(b, (Replicate(),))}
+    out = distribute({k: np.zeros_like(v) for k, v in sd.items()}, layouts)
+    reshard(src, a, layouts, out=out, shared_memory=False)
+    before = both.call(_kept)
+    pushers = [_Pusher.remote() for _ in range(3)]
+    for p in pushers:
+        assert ray.get(p.push.remote(src, a, layouts, out), timeout=120)
+    during = both.call(_kept)
+    for p, (was, now) in enumerate(zip(before, during, strict=True)):
+        assert len(now["controllers"]) == len(was["controllers"]) + 3, (p, was, now)
+        assert now["groups"] > was["groups"] and now["fds"] > was["fds"], (p, was, now)
+    for p in pushers:
+        ray.kill(p)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(p.push.remote(src, a, layouts, out), timeout=60)  # it is gone
+    me, forgotten = runtime().id, [set() for _ in before]
+    give_up = time.monotonic() + 120
+    while True:  # until every device learned from Ray that the three owners died (seconds after)
+        for seen, done in zip(forgotten, both.call(_check_callers_now), strict=True):
+            seen.update(done["forgotten"])
+        after = both.call(_kept)
+        if all(now["controllers"] == was["controllers"] for was, now in zip(before, after, strict=True)):
+            break
+        assert time.monotonic() < give_up, (before, after)
+    for was, busy, now, seen in zip(before, during, after, forgotten, strict=True):
+        assert me not in seen and now["callers"] == was["callers"], (was, now, seen)
+        assert now["groups"] == was["groups"] and now["store_connections"] == was["store_connections"], (was, now)
+        assert now["fds"] < busy["fds"], (busy, now)  # Ray keeps a few of its own to the dead processes
+    fresh = distribute({k: np.zeros_like(v) for k, v in sd.items()}, layouts)
+    reshard(src, a, layouts, out=fresh, shared_memory=False)  # the driver's state is what it was
+    for k in sd:
+        assert_bit_exact(fresh[k].to_numpy(), sd[k])
+
+    idle = _Pusher.remote()  # a live caller that went idle: its staging is given back, nothing else
+    try:
+        assert ray.get(idle.push.remote(src, a, layouts, out), timeout=120)
+        held = both.call(_kept)
+        both.call(_check_callers_now)
+        trimmed = both.call(_kept)
+        for was, now in zip(held, trimmed, strict=True):
+            assert now["controllers"] == was["controllers"] and now["groups"] == was["groups"], (was, now)
+            assert now["staging"] < was["staging"], (was, now)
+        fresh = distribute({k: np.zeros_like(v) for k, v in sd.items()}, layouts)
+        assert ray.get(idle.push.remote(src, a, layouts, fresh), timeout=120)  # its state still works
+        for k in sd:
+            assert_bit_exact(fresh[k].to_numpy(), sd[k])
+    finally:
+        ray.kill(idle)

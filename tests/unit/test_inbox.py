@@ -12,7 +12,7 @@ import pytest
 
 from reshard.errors import ReshardTimeout
 from reshard.runtime.deadlines import Deadline
-from reshard.runtime.device.inbox import OrderedInbox
+from reshard.runtime.device.inbox import CallerForgotten, OrderedInbox
 from reshard.runtime.messages import Ticket
 
 pytestmark = pytest.mark.unit
@@ -78,3 +78,46 @@ def test_a_call_arriving_after_its_turn_is_refused():
     _enter(inbox, Ticket("c", 1), NONE, order)
     with pytest.raises(RuntimeError, match="arrived after its turn"):
         _enter(inbox, Ticket("c", 1), NONE, order)
+
+
+def test_a_reserved_controllers_next_call_waits_until_its_state_is_freed():
+    inbox, order = OrderedInbox(), []
+    _enter(inbox, Ticket("c", 1, lease=["lease of c"]), NONE, order)
+    assert inbox.leases == {"c": ["lease of c"]} and inbox.idle(0.0) == ["c"]
+    with inbox.reserve("c") as free:
+        assert free and inbox.idle(0.0) == []
+        second = threading.Thread(target=_enter, args=(inbox, Ticket("c", 2), NONE, order))
+        second.start()
+        while ("c", 2) not in {(k.split("#")[0], int(k.split("#")[1])) for k in inbox.state()["waiting"]}:
+            second.join(0.01)  # until it waits for its turn
+        with inbox.reserve("c") as again:
+            assert not again  # one reservation at a time
+        assert order == [1]
+    second.join(30)
+    assert order == [1, 2]
+
+
+def test_a_controller_with_a_call_running_or_waiting_cannot_be_reserved():
+    inbox, order = OrderedInbox(), []
+    started, release = threading.Event(), threading.Event()
+    running = threading.Thread(target=_enter, args=(inbox, Ticket("c", 1), NONE, order, started, release))
+    running.start()
+    assert started.wait(30)
+    with inbox.reserve("c") as free:
+        assert not free
+    assert inbox.idle(0.0) == []
+    release.set()
+    running.join(30)
+    assert inbox.idle(0.0) == ["c"]
+
+
+def test_a_forgotten_controllers_late_calls_are_refused_and_others_go_on():
+    inbox, order = OrderedInbox(), []
+    _enter(inbox, Ticket("gone", 1, lease=["x"]), NONE, order)
+    _enter(inbox, Ticket("alive", 1), NONE, order)
+    inbox.forget("gone", "its process ended")
+    assert inbox.known() == 1 and "gone" not in inbox.leases and inbox.idle(0.0) == ["alive"]
+    with pytest.raises(CallerForgotten, match="its process ended"):
+        _enter(inbox, Ticket("gone", 2), NONE, order)
+    _enter(inbox, Ticket("alive", 2), NONE, order)
+    assert order == [1, 1, 2]

@@ -153,6 +153,10 @@ class Backend(abc.ABC):
         """Make members still waiting to join these groups give up at once (default: nothing to do;
         they wait until their deadline)."""
 
+    def controller_ended(self, rendezvous: list[Rendezvous]) -> None:  # noqa: B027 - optional hook
+        """Actor side: the controller that set up these groups ended (its groups are released
+        already); drop whatever this process keeps for reaching it (default: nothing)."""
+
     def setup_actor(self, device: int, cuda_device: int | None) -> None:  # noqa: B027 - optional hook
         """Actor side, once when an actor becomes device ``device`` (its GPU: ``cuda_device``, the
         CUDA ordinal in this process; None on a CPU device): whatever the backend needs there."""

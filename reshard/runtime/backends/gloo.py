@@ -294,6 +294,12 @@ class GlooBackend(Backend):
                 self._clients[key] = store
         return store
 
+    def controller_ended(self, rendezvous: list[Rendezvous]) -> None:
+        """Close this process's connections to the ended controller's store."""
+        with self._lock:
+            for r in rendezvous:
+                self._clients.pop((r.info["host"], int(r.info["port"])), None)
+
     def connect(self, rendezvous: Rendezvous, device: int, timeout_s: float) -> GlooCommunicator:
         return self.connect_many([rendezvous], device, timeout_s)[0]
 

@@ -90,6 +90,7 @@ class DeviceRole:
         ctx.actor = self  # the actor instance: ``mesh.call`` functions reach the user's objects through it
         set_current(ctx)
         backend.setup_actor(device, ctx.cuda_device)
+        ctx.watch_callers()
         return DeviceRole.reshard_ready(self)  # ``self`` may be any actor (``DeviceMesh.attach``)
 
     @property
@@ -392,6 +393,8 @@ class DeviceRole:
             "programs": programs,
             "groups": groups,
             "staging_bytes": sum(s.staging.nbytes for s in ctx.controllers.values()),
+            "controllers": len(ctx.controllers),
+            "callers": ctx.inbox.known(),
             "last_run_peak_bytes": ctx.peak_bytes,
             "last_run_assembled": ctx.assembled,
             "peer_maps": len(ctx.peers.maps),
@@ -407,6 +410,8 @@ class DeviceRole:
         ctx = _attached_or_none(self)
         if ctx is None:
             return
+        if ctx.watch is not None:
+            ctx.watch.stop()
         for state in ctx.controllers.values():
             state.groups.close_all()
             state.staging.buf = None

@@ -21,6 +21,7 @@ from reshard.dtypes import dtype_name
 from reshard.ir.program import DeviceProgram
 from reshard.runtime import arrays
 from reshard.runtime.backends.communicator import Backend, Communicator
+from reshard.runtime.device import callers
 from reshard.runtime.device.batches import PreparedBatch
 from reshard.runtime.device.executor import Run, StagingBuffer, execute, prepare
 from reshard.runtime.device.gpu_memory import GpuBlocks, GpuPeers
@@ -109,6 +110,8 @@ class DeviceContext:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._torch_device = None
+        self.caller_check_s = float(options.get("caller_check_s", DeviceOptions.caller_check_s))
+        self.watch: callers.Watch | None = None  # started by ``watch_callers`` (a device actor)
 
     @property
     def shared(self):
@@ -174,6 +177,43 @@ class DeviceContext:
                 "on this thread: use it inside a function run through DeviceMesh.call"
             )
         return self.controller(cid)
+
+    # ---------------------------------------------------------------- callers
+
+    def watch_callers(self) -> None:
+        """Check the callers every ``caller_check_s`` from now on (``check_callers``)."""
+        if self.watch is None:
+            self.watch = callers.Watch(self.check_callers, self.caller_check_s, f"reshard-callers-{self.device}")
+
+    def check_callers(self, idle_s: float | None = None) -> dict:
+        """Free what this device keeps for controllers whose processes ended, and give back the
+        staging of those idle for ``idle_s`` (default ``caller_check_s``); neither runs while a call
+        of theirs runs or waits. Returns the controllers forgotten and the staging bytes freed."""
+        idle = self.inbox.idle(self.caller_check_s if idle_s is None else idle_s)
+        leases = {c: self.inbox.leases[c] for c in idle if c in self.inbox.leases}
+        gone = set(callers.ended(leases))
+        forgotten, freed = [], 0
+        for c in idle:
+            with self.inbox.reserve(c) as free:
+                if not free:
+                    continue
+                if c in gone:
+                    self._forget(c)
+                    forgotten.append(c)
+                elif (state := self.controllers.get(c)) is not None:
+                    freed += state.staging.nbytes
+                    state.staging.reserve(0)
+        return {"forgotten": forgotten, "staging_freed": freed}
+
+    def _forget(self, cid: str) -> None:
+        """Drop controller ``cid``'s state (its process ended): its communicators are released off
+        any peer's path (a local abort: never waits for members), its programs and staging freed."""
+        with self._lock:
+            state = self.controllers.pop(cid, None)
+        if state is not None:
+            state.groups.retire_all()
+            state.staging.reserve(0)
+        self.inbox.forget(cid, "its process ended")
 
     # ---------------------------------------------------------------- for functions run by ``call``
 

@@ -45,6 +45,7 @@ class GroupCache:
         self.timeout_s = timeout_s
         self.entries: OrderedDict[GroupKey, _Entry] = OrderedDict()
         self.stats = {"created": 0, "closed": 0, "aborted": 0}
+        self.last_rendezvous: Rendezvous | None = None  # how the controller's groups met (``retire_all``)
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
@@ -74,6 +75,7 @@ class GroupCache:
                 if e is not None:
                     self._release(k, abort=False)
                 self.entries[k] = _Entry(gen, Rendezvous(k[1], info))
+                self.last_rendezvous = self.entries[k].rendezvous
 
     def connect(self, keys, timeout_s: float | None = None) -> None:
         """Create the communicators of ``keys`` that do not exist yet, in the given order."""
@@ -135,6 +137,15 @@ class GroupCache:
                     self._release(k, abort=True)
         if waiting:
             self.backend.abort_rendezvous(waiting, f"device {self.device}: {reason}")
+
+    def retire_all(self) -> None:
+        """Release every group off the callers' path, and what the backend keeps for reaching the
+        controller's rendezvous (its controller ended)."""
+        with self._lock:
+            for k in sorted(self.entries):
+                self._release(k, abort=False)
+            if self.last_rendezvous is not None:
+                self.backend.controller_ended([self.last_rendezvous])
 
     def close_all(self) -> None:
         with self._lock:

@@ -6,21 +6,31 @@ caller's order for threaded actors. Calls that change state therefore carry a ``
 inbox lets a controller's call with sequence number ``n`` run only after its calls ``1 .. n-1``
 finished. A call whose deadline passes while it waits gives up its turn at once (later calls skip
 it), so one stuck call delays the others by at most their own deadlines and never wedges them.
+
+Callers. The inbox also keeps each controller's lease (``Ticket.lease``) and when it last called,
+so that the device can find the controllers that ended (``reshard.runtime.device.callers``). A
+controller's state is freed only while it is ``reserve``d: no call of it runs or waits then, and
+its next call waits until the reservation ends. A forgotten controller's later calls are refused.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from reshard.errors import ReshardTimeout
+from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.messages import Ticket
 
 WAIT_SLICE_S = 60.0  # a waiting call looks at its deadline at least this often (deadlines may be infinite)
+FORGOTTEN_KEEP = 4096  # forgotten controllers remembered, to refuse their late calls (oldest dropped first)
+
+
+class CallerForgotten(ReshardError):
+    """A call from a controller whose process ended: what the device kept for it is gone."""
 
 
 class OrderedInbox:
@@ -31,6 +41,10 @@ class OrderedInbox:
         self._running: dict[str, str] = {}  # controller -> what it runs now (for messages)
         self._waiting: dict[tuple[str, int], str] = {}  # calls waiting for their turn
         self._since: dict[str, float] = {}  # controller -> when its running call started
+        self._last: dict[str, float] = {}  # controller -> when its last call ended (monotonic)
+        self._reserved: set[str] = set()  # controllers whose state is being freed
+        self._forgotten: OrderedDict[str, str] = OrderedDict()  # controller -> why
+        self.leases: dict[str, list] = {}  # controller -> its lease (``Ticket.lease``)
         self.history: deque = deque(maxlen=history)  # (controller, seq, what, outcome, seconds)
 
     def state(self) -> dict:
@@ -50,9 +64,13 @@ class OrderedInbox:
         """Wait for ``ticket``'s turn (until ``deadline``), run the body, pass the turn on."""
         c, seq = ticket.controller, ticket.seq
         with self._cv:
+            if c in self._forgotten:
+                raise CallerForgotten(f"{what} came from a controller this device forgot: {self._forgotten[c]}")
+            if ticket.lease is not None:
+                self.leases[c] = ticket.lease
             self._waiting[(c, seq)] = what
             try:
-                while self._next.setdefault(c, 1) != seq:
+                while self._next.setdefault(c, 1) != seq or c in self._reserved:
                     if self._next[c] > seq:
                         raise RuntimeError(f"ordered call {seq} of controller {c} ({what}) arrived after its turn")
                     left = deadline.left()
@@ -78,6 +96,7 @@ class OrderedInbox:
             with self._cv:
                 self.history.append((c, seq, what, outcome, round(time.time() - started, 3)))
                 self._running.pop(c, None)
+                self._last[c] = time.monotonic()
                 skipped = self._skipped.get(c, set())
                 nxt = seq + 1
                 while nxt in skipped:
@@ -86,7 +105,42 @@ class OrderedInbox:
                 self._next[c] = nxt
                 self._cv.notify_all()
 
-    def forget(self, controller: str) -> None:
+    def idle(self, idle_s: float) -> list[str]:
+        """Controllers with no call running or waiting whose last call ended ``idle_s`` ago or more."""
+        now = time.monotonic()
         with self._cv:
-            self._next.pop(controller, None)
-            self._skipped.pop(controller, None)
+            busy = set(self._running) | {c for c, _ in self._waiting} | self._reserved
+            return [c for c, t in self._last.items() if c not in busy and now - t >= idle_s]
+
+    @contextmanager
+    def reserve(self, controller: str) -> Iterator[bool]:
+        """Hold ``controller``'s calls back while the body frees its state: yields False (and
+        holds nothing) if one of its calls runs or waits now."""
+        with self._cv:
+            busy = controller in self._running or controller in self._reserved
+            if busy or any(c == controller for c, _ in self._waiting):
+                free = False
+            else:
+                self._reserved.add(controller)
+                free = True
+        try:
+            yield free
+        finally:
+            if free:
+                with self._cv:
+                    self._reserved.discard(controller)
+                    self._cv.notify_all()
+
+    def forget(self, controller: str, reason: str) -> None:
+        """Drop ``controller``: its order and lease; its later calls are refused, saying ``reason``."""
+        with self._cv:
+            for table in (self._next, self._skipped, self._last, self.leases):
+                table.pop(controller, None)
+            self._forgotten[controller] = reason
+            while len(self._forgotten) > FORGOTTEN_KEEP:
+                self._forgotten.popitem(last=False)
+
+    def known(self) -> int:
+        """Controllers this inbox keeps an order for."""
+        with self._cv:
+            return len(self._next)

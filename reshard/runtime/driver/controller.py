@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError
 from reshard.runtime.deadlines import Deadline
+from reshard.runtime.device.callers import new_lease
 from reshard.runtime.driver.device_registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.driver.dispatch import Outcome, failure_error, gather
 from reshard.runtime.driver.group_table import GroupTable
@@ -116,6 +117,7 @@ class Runtime:
         self.clusters = PlanningClusters()
         self.holds = HoldQueue(self._submit_holds)
         self._submitting = False
+        self._lease: list | None = None  # shown to each device with its first call (``Ticket.lease``)
 
     def new_name(self) -> str:
         """A shard name unique in the job."""
@@ -133,7 +135,9 @@ class Runtime:
                 raise RuntimeError("ordered calls must not be submitted from inside a submission")
             self._submitting = True
             try:
-                ref = call(Ticket(self.id, rec.seq))
+                if rec.seq == 1 and self._lease is None:
+                    self._lease = new_lease(self.id)
+                ref = call(Ticket(self.id, rec.seq, self._lease if rec.seq == 1 else None))
             finally:
                 self._submitting = False
             rec.seq += 1
