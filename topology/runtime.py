@@ -72,10 +72,17 @@ def _kv():
 
 
 def claim(kind: str, value: str) -> int:
-    """The lowest free number of ``kind`` in the session's key-value store, claimed for ``value``."""
+    """The lowest free number of ``kind`` in the session's key-value store, claimed for ``value``.
+
+    Numbers are never given back, so the scan starts at a hint (``<kind>-next``): one past a number
+    some process claimed. Every number below any hint ever written was claimed when it was written,
+    so a stale hint only costs a few tries, never a gap; a claim costs O(1) store calls, not
+    O(numbers claimed so far)."""
     kv = _kv()
-    for n in itertools.count():
+    hint = kv._internal_kv_get(f"{kind}-next", namespace=KV_NAMESPACE)
+    for n in itertools.count(int(hint) if hint else 0):
         if not kv._internal_kv_put(f"{kind}/{n}", value, overwrite=False, namespace=KV_NAMESPACE):
+            kv._internal_kv_put(f"{kind}-next", str(n + 1), overwrite=True, namespace=KV_NAMESPACE)
             return n
     raise AssertionError("unreachable")
 
@@ -96,6 +103,11 @@ def claim_named(kind: str, name: str) -> int:
 def publish(key: str, value: bytes) -> None:
     """Put ``value`` under ``key`` in the session's key-value store (any process of the job reads it)."""
     _kv()._internal_kv_put(key, value, overwrite=True, namespace=KV_NAMESPACE)
+
+
+def unpublish(key: str) -> None:
+    """Remove what ``publish`` put under ``key``."""
+    _kv()._internal_kv_del(key, namespace=KV_NAMESPACE)
 
 
 def lookup(key: str) -> bytes | None:

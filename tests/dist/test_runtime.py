@@ -563,7 +563,7 @@ def test_what_devices_kept_for_processes_that_ended_is_freed(view):
         assert ray.get(p.push.remote(src, a, layouts, out), timeout=120)
     during = both.call(_kept)
     for p, (was, now) in enumerate(zip(before, during, strict=True)):
-        assert len(now["controllers"]) == len(was["controllers"]) + 3, (p, was, now)
+        assert len(set(now["controllers"]) - set(was["controllers"])) == 3, (p, was, now)
         assert now["groups"] > was["groups"] and now["fds"] > was["fds"], (p, was, now)
     for p in pushers:
         ray.kill(p)
@@ -575,12 +575,12 @@ def test_what_devices_kept_for_processes_that_ended_is_freed(view):
         for seen, done in zip(forgotten, both.call(_check_callers_now), strict=True):
             seen.update(done["forgotten"])
         after = both.call(_kept)
-        if all(now["controllers"] == was["controllers"] for was, now in zip(before, after, strict=True)):
+        if all(set(now["controllers"]) <= set(was["controllers"]) for was, now in zip(before, after, strict=True)):
             break
         assert time.monotonic() < give_up, (before, after)
     for was, busy, now, seen in zip(before, during, after, forgotten, strict=True):
-        assert me not in seen and now["callers"] == was["callers"], (was, now, seen)
-        assert now["groups"] == was["groups"] and now["store_connections"] == was["store_connections"], (was, now)
+        assert me not in seen and me in now["controllers"] and now["callers"] <= was["callers"], (was, now, seen)
+        assert now["groups"] <= was["groups"] and now["store_connections"] <= was["store_connections"], (was, now)
         assert now["fds"] < busy["fds"], (busy, now)  # Ray keeps a few of its own to the dead processes
     fresh = distribute({k: np.zeros_like(v) for k, v in sd.items()}, layouts)
     reshard(src, a, layouts, out=fresh, shared_memory=False)  # the driver's state is what it was
@@ -602,3 +602,35 @@ def test_what_devices_kept_for_processes_that_ended_is_freed(view):
             assert_bit_exact(fresh[k].to_numpy(), sd[k])
     finally:
         ray.kill(idle)
+
+
+def test_claims_cost_a_few_store_calls_and_closed_views_leave_no_entry(pool, monkeypatch):
+    """Host and device-id numbers are claimed in O(1) store calls however many were claimed
+    before (a view with logical hosts claims new ones each time); a view's directory entry goes
+    when it closes."""
+    import uuid
+
+    from reshard.runtime.driver import directory
+    from reshard.runtime.driver.device_registry import Session
+    from topology import runtime as topo
+
+    real, calls = topo._kv(), []
+
+    class Counting:
+        def __getattr__(self, name):
+            def counted(*args, **kwargs):
+                calls.append(name)
+                return getattr(real, name)(*args, **kwargs)
+
+            return counted
+
+    monkeypatch.setattr(topo, "_kv", Counting)
+    kind = f"claims-{uuid.uuid4().hex[:8]}"
+    assert [topo.claim(kind, "x") for _ in range(200)] == list(range(200))
+    assert len(calls) <= 3 * 200, len(calls)  # scanning from 0 would cost 20,100 puts
+
+    v = DeviceMesh.from_devices(pool.device_ids[:2], (2,), devices_per_host=1)  # fresh logical hosts
+    key = directory._key(v.mesh, Session.current())
+    assert topo.lookup(key) is not None
+    v.shutdown()
+    assert topo.lookup(key) is None

@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 
 from topology.mesh import Mesh
-from topology.runtime import lookup, publish
+from topology.runtime import lookup, publish, unpublish
 
 FORMAT = 1
 # What Ray's pickle of an actor handle calls to rebuild it (ray._private.serialization registers it
@@ -41,13 +41,28 @@ class EntryRefused(ValueError):
     """An entry in the store is not one this job's processes write."""
 
 
-def publish_mesh(mesh: Mesh, backend: str, backend_state: Any, described: list[dict], session) -> None:
-    """Let every process of ``session``'s job find this mesh by its abstract mesh."""
+def publish_mesh(mesh: Mesh, backend: str, backend_state: Any, described: list[dict], session, writer: str) -> None:
+    """Let every process of ``session``'s job find this mesh by its abstract mesh; ``writer``:
+    the publishing controller (only it removes the entry)."""
     state = backend_state if _plain(backend_state) else None
     devices = [_record_data(d) for d in described]
     entry = {"format": FORMAT, "session": [session.name, session.job], "mesh": _mesh_data(mesh),
-             "backend": backend, "backend_state": state, "devices": devices}  # fmt: skip
+             "backend": backend, "backend_state": state, "devices": devices, "writer": writer}  # fmt: skip
     publish(_key(mesh, session), msgpack.packb(entry, use_bin_type=True))
+
+
+def remove_mesh(mesh: Mesh, session, writer: str) -> None:
+    """Remove the entry of ``mesh`` if ``writer`` wrote it (a view that closed: other processes
+    no longer find it, and the store does not grow by one entry per view)."""
+    blob = lookup(_key(mesh, session))
+    if blob is None:
+        return
+    try:
+        entry = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    except Exception:  # not ours to judge: leave it
+        return
+    if isinstance(entry, dict) and entry.get("writer") == writer:
+        unpublish(_key(mesh, session))
 
 
 def publish_closed(mesh: Mesh, reason: str, session) -> None:

@@ -122,6 +122,7 @@ class DeviceMesh:
         assembly_bytes: int = DeviceOptions.assembly_bytes,
         torch_threads: int = DeviceOptions.torch_threads,
         shared_memory: bool = DeviceOptions.shared_memory,
+        caller_check_s: float = DeviceOptions.caller_check_s,
     ) -> DeviceMesh:
         """Start one actor per device of a mesh of ``shape`` (module docstring).
 
@@ -136,14 +137,21 @@ class DeviceMesh:
         (0 disables the pool); ``assembly_bytes`` bounds, per device, the private buffer in which a
         new destination shard is assembled before it is written into fresh shared memory in one pass
         (larger ones, and all with 0, are written in place: slower, as fresh shared pages fault in);
-        ``shared_memory`` (CPU devices only): see the module docstring.
+        ``shared_memory`` (CPU devices only): see the module docstring. Every ``caller_check_s``
+        each device frees what it kept for processes that called it and ended (``DeviceOptions``).
         """
         probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)  # validates
         positive_int("max_communicators", max_communicators)
         positive_int("max_programs", max_programs)
         positive_seconds("startup_timeout_s", startup_timeout_s)
         device_options = DeviceOptions(
-            op_timeout_s, staging_keep_bytes, buffer_pool_bytes, assembly_bytes, torch_threads, shared_memory
+            op_timeout_s,
+            staging_keep_bytes,
+            buffer_pool_bytes,
+            assembly_bytes,
+            torch_threads,
+            shared_memory,
+            caller_check_s,
         )
         if not isinstance(num_cpus, int | float) or num_cpus < 0:
             raise ValueError(f"num_cpus must be a number >= 0 (CPUs each device actor reserves), got {num_cpus!r}")
@@ -222,6 +230,7 @@ class DeviceMesh:
         assembly_bytes: int = DeviceOptions.assembly_bytes,
         staging_keep_bytes: int = DeviceOptions.staging_keep_bytes,
         torch_threads: int = 0,
+        caller_check_s: float = DeviceOptions.caller_check_s,
     ) -> DeviceMesh:
         """A mesh over the user's own Ray actors (flat order), whose classes mix in
         ``reshard.runtime.DeviceRole``: each actor becomes a device (``reshard_attach``) and keeps
@@ -229,8 +238,9 @@ class DeviceMesh:
         ``reshard.runtime.adopt``, and reshards write into its memory (``reshard(..., out=...)``).
         Hosts: the actors' Ray nodes (actors of one machine are one host, as they are), unless
         ``devices_per_host`` is given: then, for actors on one node, logical hosts as in ``create``.
-        ``torch_threads`` (0: as they are) sets torch's threads in the actors. ``shutdown()``
-        detaches the actors and leaves them running. Actors of any class: ``attach``."""
+        ``torch_threads`` (0: as they are) sets torch's threads in the actors; ``caller_check_s`` as
+        in ``create``. ``shutdown()`` detaches the actors and leaves them running. Actors of any
+        class: ``attach``."""
         actors = list(actors)
         probe = Mesh(shape, devices_per_host=devices_per_host, axis_names=axis_names)
         if len(actors) != probe.size:
@@ -246,7 +256,13 @@ class DeviceMesh:
         positive_int("max_communicators", max_communicators)
         positive_int("max_programs", max_programs)
         device_options = DeviceOptions(
-            op_timeout_s, staging_keep_bytes, buffer_pool_bytes, assembly_bytes, torch_threads, shared_memory
+            op_timeout_s,
+            staging_keep_bytes,
+            buffer_pool_bytes,
+            assembly_bytes,
+            torch_threads,
+            shared_memory,
+            caller_check_s,
         )
         deadline = Deadline.after(positive_seconds("startup_timeout_s", startup_timeout_s))
         rt = runtime()
@@ -385,12 +401,25 @@ class DeviceMesh:
 
     # ---------------------------------------------------------------- pickling
 
+    def _unpublish(self, reason: str) -> None:
+        """Tell the job's other processes that this mesh closed (an owner's or attached mesh: its
+        devices are gone), or remove a view's entry (another live mesh of this process over the
+        same abstract mesh takes it over)."""
+        if self.owned or self.attached:
+            directory.publish_closed(self.mesh, reason, Session.current())
+            return
+        live, _ = runtime().registry.local_mesh(self.mesh)
+        if live:
+            live[-1]._publish()
+        else:
+            directory.remove_mesh(self.mesh, Session.current(), runtime().id)
+
     def _publish(self) -> None:
         """Let every process of the job find this mesh by its abstract mesh (``resolve_mesh``)."""
         backend = runtime().backends.get(self.backend)
         state = None if backend is None else backend.__getstate__()  # type: ignore[attr-defined]  # object.__getstate__ (3.11)
         described = [r.describe() for r in self._records]
-        directory.publish_mesh(self.mesh, self.backend, state, described, Session.current())
+        directory.publish_mesh(self.mesh, self.backend, state, described, Session.current(), runtime().id)
 
     def __reduce__(self):
         backend = runtime().backends.get(self.backend)
@@ -545,9 +574,9 @@ class DeviceMesh:
         self._closed = "it was shut down" if self.owned else "this view was shut down"
         rt = runtime()
         rt.registry.unregister_mesh(self, reason)
-        if ray.is_initialized() and (self.owned or self.attached):
+        if ray.is_initialized():
             try:
-                directory.publish_closed(self.mesh, reason, Session.current())
+                self._unpublish(reason)
             except Exception as e:  # Ray is going away
                 log.debug("%r: %s", self, e)
         if self.attached:  # the user's actors: detach them, leave them running
