@@ -130,3 +130,34 @@ def test_peer_mappings_are_bounded():
         owner.begin(s)
         peers.get(0, owner.descriptor(s), np.dtype(np.uint8))
     assert len(peers.maps) == 2
+
+
+def _own_shards(conn, n: int) -> None:
+    """Another process's shards: their descriptors go to the parent, then it waits to be killed."""
+    owner = SharedShards()
+    shards = [owner.allocate(64) for _ in range(n)]
+    for s in shards:
+        owner.begin(s)
+    conn.send([owner.descriptor(s) for s in shards])
+    conn.recv()  # never comes: the parent kills this process
+
+
+def test_a_dead_owners_mappings_all_go_at_the_next_purge():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    owner = ctx.Process(target=_own_shards, args=(there, 100))
+    owner.start()
+    try:
+        descs = here.recv()
+        peers = PeerShards(device=1)
+        for d in descs:
+            peers.get(0, d, np.dtype(np.uint8))
+        peers.purge()
+        assert len(peers.maps) == 100  # a live owner's shards stay mapped
+    finally:
+        owner.kill()
+        owner.join(30)
+    peers.purge()
+    assert not peers.maps  # all at once, not PURGE_STATS per purge

@@ -188,7 +188,10 @@ class DeviceContext:
     def check_callers(self, idle_s: float | None = None) -> dict:
         """Free what this device keeps for controllers whose processes ended, and give back the
         staging of those idle for ``idle_s`` (default ``caller_check_s``); neither runs while a call
-        of theirs runs or waits. Returns the controllers forgotten and the staging bytes freed."""
+        of theirs runs or waits. Also drops mappings of peers' shards whose owners let go or died.
+        Returns the controllers forgotten and the staging bytes freed."""
+        if self.cuda_device is None:
+            self.peers.purge()  # mappings of shards whose owners let go or died
         idle = self.inbox.idle(self.caller_check_s if idle_s is None else idle_s)
         leases = {c: self.inbox.leases[c] for c in idle if c in self.inbox.leases}
         gone = set(callers.ended(leases))

@@ -343,15 +343,18 @@ class PeerShards:
         """Drop the mappings of blocks whose owner has let go of the shard in them: its tenure is
         cleared (the block went back to the owner's pool, or was freed and is pinned by this
         mapping alone), read without a system call for every mapping; or its descriptor is closed
-        (the memory died with its last array, or its owner died), looked up for at most
-        ``PURGE_STATS`` mappings per call, in turn. It runs with every run that pulls."""
+        (the memory died with its last array), looked up for at most ``PURGE_STATS`` mappings per
+        call, in turn; or its owner's process is gone (one lookup per owner: all of a dead owner's
+        mappings go at once). It runs with every run that pulls, and with the device's look at
+        its callers (``DeviceContext.check_callers``)."""
         with self._lock:
             items = list(self.maps.items())
             start = self._cursor % max(1, len(items))
             stat = {key for key, _ in (items[start:] + items[:start])[:PURGE_STATS]}
             self._cursor = start + PURGE_STATS
+            gone = {pid for pid, _ in self.maps if not os.path.exists(f"/proc/{pid}")}
             for key, mapped in items:
-                live = int(mapped.tenure[0]) != 0
+                live = key[0] not in gone and int(mapped.tenure[0]) != 0
                 if live and key in stat:
                     try:
                         live = os.stat(f"/proc/{key[0]}/fd/{mapped.fd}").st_ino == key[1]
