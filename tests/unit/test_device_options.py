@@ -28,6 +28,7 @@ def test_both_constructors_default_to_the_same_options(make):
         ("buffer_pool_bytes", 1.5, "0 disables the pool"),
         ("assembly_bytes", True, "0 writes destinations in place"),
         ("torch_threads", -2, "0 leaves them as they are"),
+        ("caller_check_s", -1, "positive finite number of seconds"),
     ],
 )
 def test_bad_options_are_refused_naming_the_option(field, bad, says):
@@ -39,7 +40,8 @@ def test_every_device_is_told_its_options_and_device_type():
     options = DeviceOptions(op_timeout_s=5, torch_threads=0)
     assert options.for_device("cpu") == {
         "op_timeout_s": 5.0, "staging_keep_bytes": 64 << 20, "buffer_pool_bytes": 256 << 20,
-        "assembly_bytes": 256 << 20, "torch_threads": 0, "shared_memory": True, "device_type": "cpu",
+        "assembly_bytes": 256 << 20, "torch_threads": 0, "shared_memory": True, "caller_check_s": 10.0,
+        "device_type": "cpu",
     }  # fmt: skip
     assert options.for_device("cuda")["shared_memory"] is True  # GPU devices: CUDA IPC pulls
     assert DeviceOptions(shared_memory=False).for_device("cuda")["shared_memory"] is False
