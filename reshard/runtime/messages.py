@@ -51,13 +51,14 @@ class FailureKind(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """Position of an ordered call among one controller's calls to one device. ``lease``: with a
-    controller's first call to a device, a list holding an ObjectRef its process owns; Ray fails to
-    resolve it once that process ended, which tells the device to free what it kept for it."""
+    """Position of an ordered call among one controller's calls to one device. ``caller``: with a
+    controller's first call to a device, where its process runs
+    (``reshard.runtime.device.callers``), so that the device frees what it kept for it once that
+    process ended."""
 
     controller: str
     seq: int
-    lease: list | None = None
+    caller: tuple | None = None
 
 
 class GroupDrop(NamedTuple):

@@ -548,7 +548,7 @@ def _check_callers_now(ctx) -> dict:
 def test_what_devices_kept_for_processes_that_ended_is_freed(view):
     """Three short-lived processes each push a state dict with ``out=``; once they are killed,
     each device frees their communicators, staging, programs, call order and store connections
-    (their leases no longer resolve), and the driver goes on. A live caller that went idle only
+    (they ran on this machine: their pids are gone), and the driver goes on. A live caller that went idle only
     gives back its staging."""
     a, b = view([0, 1], (2,)), view([2, 3], (2,))
     both = DeviceMesh.from_devices([*a.device_ids, *b.device_ids], (4,))

@@ -82,8 +82,8 @@ def test_a_call_arriving_after_its_turn_is_refused():
 
 def test_a_reserved_controllers_next_call_waits_until_its_state_is_freed():
     inbox, order = OrderedInbox(), []
-    _enter(inbox, Ticket("c", 1, lease=["lease of c"]), NONE, order)
-    assert inbox.leases == {"c": ["lease of c"]} and inbox.idle(0.0) == ["c"]
+    _enter(inbox, Ticket("c", 1, caller=("node", "boot", "pidns", 7, 1)), NONE, order)
+    assert inbox.callers == {"c": ("node", "boot", "pidns", 7, 1)} and inbox.idle(0.0) == ["c"]
     with inbox.reserve("c") as free:
         assert free and inbox.idle(0.0) == []
         second = threading.Thread(target=_enter, args=(inbox, Ticket("c", 2), NONE, order))
@@ -113,10 +113,10 @@ def test_a_controller_with_a_call_running_or_waiting_cannot_be_reserved():
 
 def test_a_forgotten_controllers_late_calls_are_refused_and_others_go_on():
     inbox, order = OrderedInbox(), []
-    _enter(inbox, Ticket("gone", 1, lease=["x"]), NONE, order)
+    _enter(inbox, Ticket("gone", 1, caller=("node", "boot", "pidns", 7, 1)), NONE, order)
     _enter(inbox, Ticket("alive", 1), NONE, order)
     inbox.forget("gone", "its process ended")
-    assert inbox.known() == 1 and "gone" not in inbox.leases and inbox.idle(0.0) == ["alive"]
+    assert inbox.known() == 1 and "gone" not in inbox.callers and inbox.idle(0.0) == ["alive"]
     with pytest.raises(CallerForgotten, match="its process ended"):
         _enter(inbox, Ticket("gone", 2), NONE, order)
     _enter(inbox, Ticket("alive", 2), NONE, order)

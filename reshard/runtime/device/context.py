@@ -193,8 +193,7 @@ class DeviceContext:
         if self.cuda_device is None:
             self.peers.purge()  # mappings of shards whose owners let go or died
         idle = self.inbox.idle(self.caller_check_s if idle_s is None else idle_s)
-        leases = {c: self.inbox.leases[c] for c in idle if c in self.inbox.leases}
-        gone = set(callers.ended(leases))
+        gone = set(callers.ended({c: self.inbox.callers[c] for c in idle if c in self.inbox.callers}))
         forgotten, freed = [], 0
         for c in idle:
             with self.inbox.reserve(c) as free:

@@ -7,7 +7,7 @@ inbox lets a controller's call with sequence number ``n`` run only after its cal
 finished. A call whose deadline passes while it waits gives up its turn at once (later calls skip
 it), so one stuck call delays the others by at most their own deadlines and never wedges them.
 
-Callers. The inbox also keeps each controller's lease (``Ticket.lease``) and when it last called,
+Callers. The inbox also keeps where each controller runs (``Ticket.caller``) and when it last called,
 so that the device can find the controllers that ended (``reshard.runtime.device.callers``). A
 controller's state is freed only while it is ``reserve``d: no call of it runs or waits then, and
 its next call waits until the reservation ends. A forgotten controller's later calls are refused.
@@ -44,7 +44,7 @@ class OrderedInbox:
         self._last: dict[str, float] = {}  # controller -> when its last call ended (monotonic)
         self._reserved: set[str] = set()  # controllers whose state is being freed
         self._forgotten: OrderedDict[str, str] = OrderedDict()  # controller -> why
-        self.leases: dict[str, list] = {}  # controller -> its lease (``Ticket.lease``)
+        self.callers: dict[str, tuple] = {}  # controller -> where its process runs (``Ticket.caller``)
         self.history: deque = deque(maxlen=history)  # (controller, seq, what, outcome, seconds)
 
     def state(self) -> dict:
@@ -66,8 +66,8 @@ class OrderedInbox:
         with self._cv:
             if c in self._forgotten:
                 raise CallerForgotten(f"{what} came from a controller this device forgot: {self._forgotten[c]}")
-            if ticket.lease is not None:
-                self.leases[c] = ticket.lease
+            if ticket.caller is not None:
+                self.callers[c] = ticket.caller
             self._waiting[(c, seq)] = what
             try:
                 while self._next.setdefault(c, 1) != seq or c in self._reserved:
@@ -132,9 +132,9 @@ class OrderedInbox:
                     self._cv.notify_all()
 
     def forget(self, controller: str, reason: str) -> None:
-        """Drop ``controller``: its order and lease; its later calls are refused, saying ``reason``."""
+        """Drop ``controller``: its order and process; its later calls are refused, saying ``reason``."""
         with self._cv:
-            for table in (self._next, self._skipped, self._last, self.leases):
+            for table in (self._next, self._skipped, self._last, self.callers):
                 table.pop(controller, None)
             self._forgotten[controller] = reason
             while len(self._forgotten) > FORGOTTEN_KEEP:

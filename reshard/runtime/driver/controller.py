@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError
 from reshard.runtime.deadlines import Deadline
-from reshard.runtime.device.callers import new_lease
+from reshard.runtime.device.callers import process_of_this
 from reshard.runtime.driver.device_registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.driver.dispatch import Outcome, failure_error, gather
 from reshard.runtime.driver.group_table import GroupTable
@@ -117,7 +117,7 @@ class Runtime:
         self.clusters = PlanningClusters()
         self.holds = HoldQueue(self._submit_holds)
         self._submitting = False
-        self._lease: list | None = None  # shown to each device with its first call (``Ticket.lease``)
+        self._process: tuple | None = None  # told each device with its first call (``Ticket.caller``)
 
     def new_name(self) -> str:
         """A shard name unique in the job."""
@@ -135,9 +135,9 @@ class Runtime:
                 raise RuntimeError("ordered calls must not be submitted from inside a submission")
             self._submitting = True
             try:
-                if rec.seq == 1 and self._lease is None:
-                    self._lease = new_lease(self.id)
-                ref = call(Ticket(self.id, rec.seq, self._lease if rec.seq == 1 else None))
+                if rec.seq == 1 and self._process is None:
+                    self._process = process_of_this()
+                ref = call(Ticket(self.id, rec.seq, self._process if rec.seq == 1 else None))
             finally:
                 self._submitting = False
             rec.seq += 1
