@@ -612,3 +612,33 @@ def test_attaching_a_busy_single_threaded_actor_says_so(gate):
         ray.get(held, timeout=60)
     finally:
         ray.kill(worker)
+
+
+def _waits_behind(mesh, device: int, what: str) -> bool:
+    """Whether a call ``what`` of this process waits for its turn on flat device ``device``."""
+    stats = ray.get(mesh._records[device].actor.reshard_stats.remote(), timeout=30)
+    return what in stats["calls"]["waiting"].values()
+
+
+def test_shutting_a_mesh_down_lets_a_pending_commit_finish(gate):
+    """``shutdown`` while an async ``out=`` reshard still runs: the mesh closes only after every
+    device did what this process asked before, so the commit is never cut halfway."""
+    from reshard import Replicate
+
+    mesh = DeviceMesh.create((2,), backend="gloo", startup_timeout_s=180)
+    try:
+        x = random_array((8, 6), "float32", 80)
+        src = distribute(x, Layout(mesh, (Shard(0),)))
+        out = distribute(np.zeros_like(x), Layout(mesh, (Replicate(),)))
+        mesh.call(_hold_after_run, gate, devices=[1])
+        work = reshard(src, mesh, Layout(mesh, (Replicate(),)), out=out, async_op=True, shared_memory=False)
+        assert ray.get(gate.wait_arrived.remote(60), timeout=90)  # device 1's run holds: no commit yet
+        closing = threading.Thread(target=mesh.shutdown, kwargs={"timeout_s": 120})
+        closing.start()
+        while closing.is_alive() and not _waits_behind(mesh, 1, "call(_nothing)"):
+            closing.join(0.05)  # until shutdown returned, or its call waits behind the commit
+        ray.get(gate.release.remote())
+        closing.join(150)
+        assert work.wait(60) is out  # committed everywhere before the devices closed
+    finally:
+        mesh.shutdown()

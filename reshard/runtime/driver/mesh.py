@@ -401,6 +401,15 @@ class DeviceMesh:
 
     # ---------------------------------------------------------------- pickling
 
+    def _finish_calls(self, timeout_s: float) -> None:
+        """An ordered call that does nothing on each live device: it runs after this process's
+        calls before it, so when it returns they are done (a dead or stuck device: close anyway)."""
+        live: dict[int, tuple] = {r.id: (_nothing, (), {}) for r in self._records if r.state is DeviceState.ALIVE}
+        try:
+            runtime().call(live, positive_seconds("timeout_s", timeout_s), f"{self!r}.shutdown()")
+        except Exception as e:  # the mesh closes whatever its devices did
+            log.debug("%r: not every device finished before closing: %s", self, e)
+
     def _unpublish(self, reason: str) -> None:
         """Tell the job's other processes that this mesh closed (an owner's or attached mesh: its
         devices are gone), or remove a view's entry (another live mesh of this process over the
@@ -567,9 +576,13 @@ class DeviceMesh:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Close the mesh. An owning mesh also stops its actors (after closing their
-        communicators); views and copies over them become unusable. Idempotent."""
+        communicators); views and copies over them become unusable. Idempotent. An owning or
+        attached mesh first lets its devices finish what this process asked of them (an async
+        reshard's commit is never cut halfway), for at most ``timeout_s``."""
         if self._closed:
             return
+        if ray.is_initialized() and (self.owned or self.attached):
+            self._finish_calls(timeout_s)
         reason = f"{self!r} was shut down"
         self._closed = "it was shut down" if self.owned else "this view was shut down"
         rt = runtime()
@@ -665,6 +678,10 @@ def _backend_from(found: directory.Published):
     instance = cls.__new__(cls)
     instance.__setstate__(found.backend_state)  # type: ignore[attr-defined]  # defined by cls (checked)
     return instance
+
+
+def _nothing(ctx) -> None:
+    return None
 
 
 def _name(fn) -> str:
