@@ -47,6 +47,7 @@ class PeerAborts:
         self._confirmed: set[bytes] = set()  # watched digests with a valid notice
         self._early: OrderedDict[bytes, bytes] = OrderedDict()  # digest -> tag, not checked yet
         self._cv = threading.Condition()
+        self._closing = False
         self._thread = threading.Thread(target=self._serve, name="reshard-nccl-aborts", daemon=True)
         self._thread.start()
 
@@ -62,6 +63,8 @@ class PeerAborts:
                 data, _ = self.sock.recvfrom(64)
             except OSError:
                 return  # closed
+            if self._closing:
+                return
             if len(data) != self._SIZE or data[:4] != self.MAGIC:
                 continue
             digest, tag = data[4:20], data[20:]
@@ -123,8 +126,13 @@ class PeerAborts:
             return len(self._keys)
 
     def close(self) -> None:
+        """Stop the thread, then close the socket: closed under a thread about to receive, its
+        descriptor number could go to a new socket first, whose datagrams the old thread would take."""
+        self._closing = True
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the receiving thread (it then sees _closing)
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
         self.sock.close()
 
 
