@@ -28,7 +28,7 @@ wall-clock time to synchronise: the driver waits for events (the hook's file, th
 restoration, the call's return).
 
 Invariants after every step (each breach is a violation in the result):
-1. the call returned a bit-exact result, or raised a ``ReshardError`` subclass naming a device,
+1. the call returned a bit-exact result, or raised a ``ReshardError`` subclass naming a device by its number,
    within ``timeout_s`` + 2 s; steps without a fault and slow-link steps succeed;
 2. every live tensor on surviving hosts reads back bit-exact (sources intact);
 3. after ``settle``, no device holds a shard that no live handle owns, each live shard is held by
@@ -76,6 +76,7 @@ CUT_S = (1.0, 4.0)  # a cut lasts one of these (chosen per step): ends before or
 LONG_CUT_MAX_S = 120.0  # a long cut waits this long at most for Ray to declare the host's node dead
 SLOW_FACTOR = 10
 TARGET_S = 2.0  # a failed call raises within timeout_s + this
+DEVICE_NAMED = r"devices?(\(s\))? \[?\d"  # an error names a device by its number ("device 3", "device(s) [2]")
 #: What a failed ``out=`` sync says became of the outputs (``Runtime.finish_batch``), and what the
 #: destination shards must then hold once the fault is lifted: all old, all new, or either.
 CLAIMS = (
@@ -578,7 +579,7 @@ class NetChaos:
             if not isinstance(error, ReshardError):
                 self.violate(i, "1: ReshardError", f"{fault}: {_first_line(error)}\n"
                              + "".join(traceback.format_exception(error)[-6:]))  # fmt: skip
-            elif not re.search(r"device", str(error)):
+            elif not re.search(DEVICE_NAMED, str(error)):
                 self.violate(i, "1: names the device", _first_line(error))
             bound = timeout_s + TARGET_S
             if seconds > bound:
