@@ -121,3 +121,21 @@ def test_a_forgotten_controllers_late_calls_are_refused_and_others_go_on():
         _enter(inbox, Ticket("gone", 2), NONE, order)
     _enter(inbox, Ticket("alive", 2), NONE, order)
     assert order == [1, 1, 2]
+
+
+def test_a_call_waiting_when_its_controller_is_forgotten_gives_up_at_once():
+    inbox, order, raised = OrderedInbox(), [], []
+
+    def late_call():
+        try:
+            _enter(inbox, Ticket("gone", 2), NONE, order)  # waits for call 1, which never comes
+        except CallerForgotten as e:
+            raised.append(e)
+
+    waiting = threading.Thread(target=late_call)
+    waiting.start()
+    while "gone#2" not in inbox.state()["waiting"]:
+        waiting.join(0.01)  # until it waits for its turn
+    inbox.forget("gone", "its process ended")
+    waiting.join(30)
+    assert not waiting.is_alive() and order == [] and "its process ended" in str(raised[0])

@@ -71,6 +71,8 @@ class OrderedInbox:
             self._waiting[(c, seq)] = what
             try:
                 while self._next.setdefault(c, 1) != seq or c in self._reserved:
+                    if c in self._forgotten:
+                        raise CallerForgotten(f"{what} came from a controller this device forgot: {self._forgotten[c]}")
                     if self._next[c] > seq:
                         raise RuntimeError(f"ordered call {seq} of controller {c} ({what}) arrived after its turn")
                     left = deadline.left()
@@ -139,6 +141,7 @@ class OrderedInbox:
             self._forgotten[controller] = reason
             while len(self._forgotten) > FORGOTTEN_KEEP:
                 self._forgotten.popitem(last=False)
+            self._cv.notify_all()  # its calls still waiting give up now
 
     def known(self) -> int:
         """Controllers this inbox keeps an order for."""
