@@ -401,15 +401,6 @@ class DeviceMesh:
 
     # ---------------------------------------------------------------- pickling
 
-    def _finish_calls(self, timeout_s: float) -> None:
-        """An ordered call that does nothing on each live device: it runs after this process's
-        calls before it, so when it returns they are done (a dead or stuck device: close anyway)."""
-        live: dict[int, tuple] = {r.id: (_nothing, (), {}) for r in self._records if r.state is DeviceState.ALIVE}
-        try:
-            runtime().call(live, positive_seconds("timeout_s", timeout_s), f"{self!r}.shutdown()")
-        except Exception as e:  # the mesh closes whatever its devices did
-            log.debug("%r: not every device finished before closing: %s", self, e)
-
     def _unpublish(self, reason: str) -> None:
         """Tell the job's other processes that this mesh closed (an owner's or attached mesh: its
         devices are gone), or remove a view's entry (another live mesh of this process over the
@@ -612,6 +603,15 @@ class DeviceMesh:
                 except Exception:  # already gone
                     pass
             node_placement.remove(self._placement_group)
+
+    def _finish_calls(self, timeout_s: float) -> None:
+        """An ordered call that does nothing on each live device: it runs after this process's
+        calls before it, so when it returns they are done (a dead or stuck device: close anyway)."""
+        live: dict[int, tuple] = {r.id: (_nothing, (), {}) for r in self._records if r.state is DeviceState.ALIVE}
+        try:
+            runtime().call(live, positive_seconds("timeout_s", timeout_s), f"{self!r}.shutdown()")
+        except Exception as e:  # the mesh closes whatever its devices did
+            log.debug("%r: not every device finished before closing: %s", self, e)
 
     def __enter__(self) -> DeviceMesh:
         return self
