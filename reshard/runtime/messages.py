@@ -115,6 +115,18 @@ class Updates:
         return bool(self.group_drops or self.group_sets or self.program_drops or self.binding_drops)
 
 
+def copy_holder(name: str, controller: str, tag: str) -> str:
+    """The holder of shard ``name`` for a copy of its handle unpickled in ``controller``'s process."""
+    return f"{name}/copy/{controller}/{tag}"
+
+
+def held_in(controller: str, name: str, holder: str) -> bool:
+    """Whether ``holder`` of shard ``name`` is a handle in ``controller``'s process: the original
+    (its holder is its name, which the controller made: ``<controller>:<n>...``) or a copy
+    unpickled there (``copy_holder``). Pickled handles still in flight are no process's yet."""
+    return (holder == name and name.startswith(f"{controller}:")) or f"/copy/{controller}/" in holder
+
+
 def shard_name(run: str, tensor: int) -> str:
     """The name of run ``run``'s new destination shard of tensor ``tensor`` (its index in the batch)."""
     return f"{run}/{tensor}"

@@ -634,3 +634,44 @@ def test_claims_cost_a_few_store_calls_and_closed_views_leave_no_entry(pool, mon
     assert topo.lookup(key) is not None
     v.shutdown()
     assert topo.lookup(key) is None
+
+
+@ray.remote(num_cpus=0)
+class _Holder:
+    """A process holding a tensor of its own and a copy of the driver's."""
+
+    def hold(self, mesh, copy) -> tuple[str, str]:
+        self.own = distribute(np.arange(8, dtype=np.float32), Layout(mesh, (Shard(0),)))
+        self.copy = copy
+        settle(mesh)  # its holds are on the devices
+        return self.own.name, self.copy._holder
+
+    def ping(self) -> None:
+        pass
+
+
+def _holders(ctx) -> dict:
+    return {name: sorted(held) for name, held in ctx.store.holders.items()}
+
+
+def test_the_handles_of_a_process_that_ended_let_go_of_their_shards(view):
+    """Killed, a process's handles can never release what they hold; once the devices learn it
+    ended, its own tensor's shards go and its copy's hold on the driver's tensor goes, which
+    stays the driver's."""
+    m = view([0, 1], (2,))
+    x = random_array((8, 4), "float32", 31)
+    mine = distribute(x, Layout(m, (Shard(0),)))
+    holder = _Holder.remote()
+    own, copy_holder = ray.get(holder.hold.remote(m, mine), timeout=120)
+    for held in m.call(_holders):
+        assert own in held and copy_holder in held[mine.name], held
+    ray.kill(holder)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(holder.ping.remote(), timeout=60)  # it is gone
+    give_up = time.monotonic() + 120
+    while any(own in held for held in m.call(_holders)):  # until the devices learned it ended
+        m.call(_check_callers_now)
+        assert time.monotonic() < give_up
+    for held in m.call(_holders):
+        assert held[mine.name] == [mine.name], held  # the driver's own hold, and no other
+    assert_bit_exact(mine.to_numpy(), x)

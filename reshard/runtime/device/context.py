@@ -32,7 +32,7 @@ from reshard.runtime.device.run_streams import RunStream
 from reshard.runtime.device.shards import ShardStore
 from reshard.runtime.device.shared_memory import PeerShards, RelayBoard, SharedShards
 from reshard.runtime.device_options import DeviceOptions
-from reshard.runtime.messages import Bound, Updates, group_key
+from reshard.runtime.messages import Bound, Updates, group_key, held_in
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +209,14 @@ class DeviceContext:
 
     def _forget(self, cid: str) -> None:
         """Drop controller ``cid``'s state (its process ended): its communicators are released off
-        any peer's path (a local abort: never waits for members), its programs and staging freed."""
+        any peer's path (a local abort: never waits for members), its programs and staging freed,
+        and the holds of its handles let go (shards only it held are dropped)."""
         with self._lock:
             state = self.controllers.pop(cid, None)
         if state is not None:
             state.groups.retire_all()
             state.staging.reserve(0)
+        self.store.release_where(lambda name, holder: held_in(cid, name, holder))
         self.inbox.forget(cid, "its process ended")
 
     # ---------------------------------------------------------------- for functions run by ``call``

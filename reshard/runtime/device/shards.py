@@ -366,6 +366,20 @@ class ShardStore:
             if not held:
                 self._drop(name)
 
+    def release_where(self, holds) -> list[str]:
+        """Let go of every hold that ``holds(name, holder)`` accepts (the handles of a process that
+        ended); returns the shards nobody holds any more, which are dropped."""
+        dropped = []
+        with self._lock:
+            for name, held in list(self.holders.items()):
+                gone = {h for h in held if holds(name, h)}
+                if gone and not held - gone:
+                    self._drop(name)
+                    dropped.append(name)
+                else:
+                    held -= gone
+        return dropped
+
     def free(self, name: str) -> bool:
         """Drop shard ``name`` whoever holds it (a user's own tensor only leaves the store)."""
         with self._lock:

@@ -24,6 +24,7 @@ from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.dispatch import failure_error
 from reshard.runtime.driver.mesh import DeviceMesh
+from reshard.runtime.messages import copy_holder
 
 
 class ShardedTensor:
@@ -217,8 +218,8 @@ def free(tree) -> None:
 
 
 def _rebuild(mesh, layout, shape, dtype, name, shared, token) -> ShardedTensor:
-    holder = f"{name}/copy/{uuid.uuid4().hex[:12]}"
     rt = runtime()
+    holder = copy_holder(name, rt.id, uuid.uuid4().hex[:12])
     rt.acquire(mesh.device_ids, name, holder)
     rt.release(mesh.device_ids, name, token)
     return ShardedTensor(mesh, layout, shape, dtype, name, shared, holder)
