@@ -352,7 +352,7 @@ class PeerShards:
             start = self._cursor % max(1, len(items))
             stat = {key for key, _ in (items[start:] + items[:start])[:PURGE_STATS]}
             self._cursor = start + PURGE_STATS
-            gone = {pid for pid, _ in self.maps if not os.path.exists(f"/proc/{pid}")}
+            gone = {pid for pid in {pid for pid, _ in self.maps} if not os.path.exists(f"/proc/{pid}")}
             for key, mapped in items:
                 live = key[0] not in gone and int(mapped.tenure[0]) != 0
                 if live and key in stat:
