@@ -527,6 +527,20 @@ class _Pusher:
         reshard(tree, src_mesh, layouts, out=out, shared_memory=False)  # gloo: communicators, staging
         return True
 
+    def ping(self) -> None:
+        pass
+
+
+def _wait_dead(ping) -> None:
+    """Until the killed actor's ``ping`` fails (``ray.kill`` is asynchronous: a call may still run)."""
+    give_up = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(ping.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < give_up, "the killed actor still answers"
+
 
 def _kept(ctx) -> dict:
     import os
@@ -567,8 +581,7 @@ def test_what_devices_kept_for_processes_that_ended_is_freed(view):
         assert now["groups"] > was["groups"] and now["fds"] > was["fds"], (p, was, now)
     for p in pushers:
         ray.kill(p)
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(p.push.remote(src, a, layouts, out), timeout=60)  # it is gone
+        _wait_dead(p.ping)
     me, forgotten = runtime().id, [set() for _ in before]
     give_up = time.monotonic() + 120
     while True:  # until every device learned from Ray that the three owners died (seconds after)
@@ -666,8 +679,7 @@ def test_the_handles_of_a_process_that_ended_let_go_of_their_shards(view):
     for held in m.call(_holders):
         assert own in held and copy_holder in held[mine.name], held
     ray.kill(holder)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(holder.ping.remote(), timeout=60)  # it is gone
+    _wait_dead(holder.ping)
     give_up = time.monotonic() + 120
     while any(own in held for held in m.call(_holders)):  # until the devices learned it ended
         m.call(_check_callers_now)
