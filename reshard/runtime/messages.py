@@ -127,6 +127,18 @@ def held_in(controller: str, name: str, holder: str) -> bool:
     return (holder == name and name.startswith(f"{controller}:")) or f"/copy/{controller}/" in holder
 
 
+#: The first field of a descriptor of a shard in its process's private memory, which peers on its
+#: machine read (``reshard.runtime.device.cross_memory``) but cannot map; a shared-memory block's
+#: descriptor starts with its owner's pid.
+CROSS_MEMORY = "cross-memory"
+
+
+def maps_shared(descriptor) -> bool:
+    """Whether ``descriptor`` names a shared-memory block (peers map it, and relays are published
+    in it), not a shard that peers only read (``CROSS_MEMORY``)."""
+    return descriptor is not None and descriptor[0] != CROSS_MEMORY
+
+
 def shard_name(run: str, tensor: int) -> str:
     """The name of run ``run``'s new destination shard of tensor ``tensor`` (its index in the batch)."""
     return f"{run}/{tensor}"

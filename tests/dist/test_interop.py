@@ -13,6 +13,7 @@ from dist_helpers import assert_bit_exact
 from reshard import DeviceMesh, Layout, ReshardError, Shard, reshard
 from reshard.ir.placement import Replicate
 from reshard.runtime import DeviceRole, adopt
+from reshard.runtime.device import cross_memory
 
 pytestmark = pytest.mark.dist
 
@@ -122,6 +123,26 @@ def test_dtensor_weights_resharded_in_place_into_inference_actors(worlds):
         assert placements == ("Shard",)  # full_tensor() is a collective of the inference world: both take part
         assert_bit_exact(gathered, full)
     assert ray.get(trainers[1].user_method.remote(), timeout=30).startswith("rank 1")
+
+
+@pytest.mark.skipif(not cross_memory.available(), reason="this kernel does not let the user read its processes")
+def test_framework_tensors_are_pulled_out_of_their_owners_memory(worlds):
+    """The trainers' DTensor shards are torch's own memory, not the library's: the inference
+    actors on this machine read their slices out of it (cross-memory attach), no message sent."""
+    from reshard.ir.program import Pull
+    from reshard.runtime import lowered_reshard
+    from reshard.runtime.messages import CROSS_MEMORY
+
+    trainers, infer, t_mesh, i_mesh = worlds
+    layout = Layout(i_mesh, (Shard(1),))
+    for step in (1, 2):  # new tensors shared under the same name: read where they are now, not where they were
+        full = np.arange(ROWS * COLS, dtype=np.float64).reshape(ROWS, COLS) * step
+        ray.get([w.make_dtensor_weights.remote(full) for w in trainers], timeout=60)
+        weights = adopt(t_mesh, "weights")
+        assert {d[0] for d in weights._shared.values()} == {CROSS_MEMORY} and len(weights._shared) == 2
+        lowered = lowered_reshard(weights, layout)
+        assert {type(op) for p in lowered.program.devices for op in p.all_ops} == {Pull} and not lowered.groups
+        assert_bit_exact(reshard(weights, t_mesh, layout).to_numpy(), full)
 
 
 def _fail_next_run(ctx):

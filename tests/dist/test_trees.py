@@ -512,7 +512,7 @@ def test_a_read_only_output_fails_the_sync_before_any_output_changes(view, direc
     out = distribute({k: np.full_like(v, 3.0) for k, v in sd.items()}, last_dim(b))
     b.call(_freeze, out["t2"].name, devices=[0])
     try:
-        with pytest.raises(ReshardError, match=r"device 2: output shard .* is read-only"):
+        with pytest.raises(ReshardError, match=rf"device {b.device_ids[0]}: output shard .* is read-only"):
             reshard(src, a, last_dim(b), out=out, direct=direct)
         for k in sd:
             kept = out[k].local_shards()

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from reshard.dtypes import dtype_name
+from reshard.errors import ReshardError
 from reshard.ir.program import DeviceProgram
 from reshard.runtime import arrays
 from reshard.runtime.backends.communicator import Backend, Communicator
@@ -286,7 +287,11 @@ class DeviceContext:
 
     def peer_block(self, holder: int, handle: tuple, dtype: str) -> np.ndarray:
         """Device ``holder``'s ``shared_block`` named by ``handle``, mapped here read-only (once)."""
-        return self.peers.get(holder, handle, arrays.storage(dtype))
+        if not isinstance(self.peers, PeerShards):
+            raise ReshardError(
+                f"device {self.device}: peer_block maps host shared memory, which GPU devices keep none of"
+            )
+        return self.peers.view(holder, handle, arrays.storage(dtype))
 
     def share(self, name: str, tensor, *, shape=None, placements=None, mesh_shape=None, coordinate=None) -> None:
         """Offer ``tensor`` (a torch tensor, numpy array or, on a GPU, cupy array: this device's

@@ -38,6 +38,7 @@ from reshard.ir.program import (
     op_shape,
 )
 from reshard.runtime import arrays
+from reshard.runtime.device.cross_memory import RemoteShard
 
 
 class StagingBuffer:
@@ -213,7 +214,10 @@ def _copy(run: Run, step: Step[Copy]):
 def _pull(run: Run, step: Step[Pull]):
     op = step.op
     shard = run.peers[op.holder] if op.buffer is Buffer.SRC else run.relayed(op.holder, op.after)
-    run.land(step, shard[step.read])
+    if isinstance(shard, RemoteShard) and op.reduce is None:
+        shard.read_into(step.read, run.target(step)[step.write])  # out of the holder's memory, once
+    else:
+        run.land(step, shard[step.read])
 
 
 def _publish(run: Run, step: Step[Publish]):

@@ -323,10 +323,14 @@ class ShardStore:
 
     def share(self, name: str, t, dtype: str, meta: dict) -> None:
         """Make the user's tensor ``t`` (of dtype ``dtype``, by name) shard ``name`` (no copy; held
-        by its user until ``unshare``)."""
+        by its user until ``unshare``). Sharing another tensor under a name in use ends the old one's
+        tenure: descriptors of it stop reading (its memory may be freed now)."""
         with self._lock:
             if name in self.shards and name not in self.users:
                 raise ValueError(f"device {self.device} already holds a shard {name!r} of its own; pick another name")
+            old = self.shards.get(name)
+            if old is not None and self.shared is not None:
+                self.shared.end(old)
             self.shards[name] = t
             self.dtypes[name] = dtype
             self.holders[name] = {USER}

@@ -45,6 +45,9 @@ import numpy as np
 
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime.backends.communicator import PeerFailed
+from reshard.runtime.device import cross_memory
+from reshard.runtime.device.cross_memory import RemoteShard, TenureBoard
+from reshard.runtime.messages import CROSS_MEMORY
 
 #: Bound on the peer mappings a device keeps: enough for every shard of a large model's state dict
 #: from a few holders. A mapping of a shard its owner still holds costs no memory (the pages are the
@@ -83,7 +86,9 @@ def _populate(start: int, length: int) -> bool:
 
 
 class SharedShards:
-    """This actor's memfd-backed allocations, by start address while their mapping lives."""
+    """This actor's memfd-backed allocations, by start address while their mapping lives; and
+    its shards in private memory, which peers read by cross-memory attach where the kernel lets
+    them (``private``: ``reshard.runtime.device.cross_memory``)."""
 
     @staticmethod
     def available() -> bool:
@@ -94,6 +99,7 @@ class SharedShards:
         self.populate = populate
         self.blocks: dict[int, tuple[int, int, int, weakref.ref]] = {}  # data start -> (fd, inode, nbytes, mapping)
         self._tenures = itertools.count(1)
+        self.private = TenureBoard() if cross_memory.available() else None
 
     def allocate(self, nbytes: int) -> np.ndarray:
         """A flat uint8 array of ``nbytes`` (> 0) in a fresh memfd, its pages populated (when the
@@ -153,18 +159,25 @@ class SharedShards:
         found = self._header(a)
         if found is not None:
             found[1][0] = next(self._tenures)
+        elif self.private is not None:
+            self.private.begin(a, next(self._tenures))
 
     def end(self, a) -> None:
         """The shard in ``a``'s block is dropped: descriptors of it no longer map."""
         found = self._header(a)
         if found is not None:
             found[1][0] = 0
+        elif self.private is not None:
+            self.private.end(a)
 
     def descriptor(self, a) -> tuple | None:
         """``(pid, fd, inode, shape, tenure)`` of shard ``a`` if it fills a live memfd block held
-        by a shard, else None."""
+        by a shard; else its ``TenureBoard`` descriptor if it is a held shard in private memory
+        that peers may read; else None."""
         found = self._header(a)
-        if found is None or not found[1][0]:
+        if found is None:
+            return None if self.private is None else self.private.descriptor(a)
+        if not found[1][0]:
             return None
         block, tenure = found
         return (os.getpid(), block[0], block[1], tuple(a.shape), int(tenure[0]))
@@ -262,9 +275,18 @@ class PeerShards:
         self._cursor = 0  # where the next purge starts looking descriptors up
         self._lock = threading.Lock()
 
-    def get(self, holder: int, desc, dtype: np.dtype) -> np.ndarray:
+    def get(self, holder: int, desc, dtype: np.dtype) -> np.ndarray | RemoteShard:
         """Device ``holder``'s shard named by ``desc``, viewed (read-only) as ``dtype`` of its shape;
-        ``ReshardError`` if the shard was dropped (``check`` again after copying from it)."""
+        ``ReshardError`` if the shard was dropped (``check`` again after copying from it). A shard in
+        its holder's private memory (``CROSS_MEMORY``) comes as a ``RemoteShard``, read, not mapped."""
+        if desc[0] == CROSS_MEMORY:
+            _, pid, fd, inode, _, _, address, shape = desc
+            self._check(holder, desc, self._mapped(holder, pid, fd, inode))
+            return RemoteShard(self.device, holder, pid, address, tuple(shape), dtype)
+        return self.view(holder, desc, dtype)
+
+    def view(self, holder: int, desc, dtype: np.dtype) -> np.ndarray:
+        """``get`` of a shared-memory block's descriptor: the block mapped here, viewed."""
         pid, fd, inode, shape, _ = desc
         mapped = self._mapped(holder, pid, fd, inode)
         self._check(holder, desc, mapped)
@@ -307,7 +329,7 @@ class PeerShards:
                 if count == FAILED:
                     raise PeerFailed(f"device {self.device}: device {holder}, which relays slices to it, failed")
                 if count >= after and int(row[_KEY]) == want:
-                    return self.get(holder, block, dtype), block
+                    return self.view(holder, block, dtype), block
             now = time.monotonic()
             if now >= deadline:
                 raise ReshardTimeout(
@@ -327,13 +349,19 @@ class PeerShards:
     def check(self, holder: int, desc) -> None:
         """``ReshardError`` unless the shard ``desc`` names is still its holder's (after a copy
         from it: it was not dropped, nor its memory reused, meanwhile)."""
+        key = (desc[1], desc[3]) if desc[0] == CROSS_MEMORY else (desc[0], desc[2])
         with self._lock:
-            hit = self.maps.get((desc[0], desc[2]))
+            hit = self.maps.get(key)
         if hit is not None:
             self._check(holder, desc, hit)
 
     def _check(self, holder: int, desc, mapped: _Mapped) -> None:
-        if int(mapped.tenure[0]) != desc[4]:
+        if desc[0] == CROSS_MEMORY:  # its cell on the holder's tenure board
+            cell, tenure = desc[4], desc[5]
+            now = int(mapped.block[cell * 8 : cell * 8 + 8].view(np.uint64)[0])
+        else:
+            now, tenure = int(mapped.tenure[0]), desc[4]
+        if now != tenure:
             raise ReshardError(
                 f"device {self.device}: device {holder}'s source shard is gone (the tensor was freed, through this "
                 "handle or another); its memory no longer holds it"

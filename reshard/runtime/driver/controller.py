@@ -254,7 +254,8 @@ class Runtime:
             backend = recs[0].backend if recs else "gloo"
             sets = self.admit_groups([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
-            bid = self.bindings.program_id((pid, tuple(n for n, _ in sources), None if outs is None else tuple(outs)))
+            shards = tuple((n, tuple(where.items())) for n, where in sources)  # a name shared anew is bound anew
+            bid = self.bindings.program_id((pid, shards, None if outs is None else tuple(outs)))
             budget = deadline.budget
             refs = {}
             for rec in recs:

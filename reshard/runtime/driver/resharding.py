@@ -30,7 +30,7 @@ from reshard.runtime.device.batches import first_mismatch
 from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.tensor import ShardedTensor
-from reshard.runtime.messages import shard_name
+from reshard.runtime.messages import maps_shared, shard_name
 from topology.mesh import device_hosts
 
 
@@ -59,12 +59,12 @@ def memory_domains(tensor: ShardedTensor, dst_mesh: DeviceMesh) -> dict[int, str
 def relay_publishers(dst_mesh: DeviceMesh, domains, direct_out: ShardedTensor | None) -> frozenset[int]:
     """The destination devices whose peers may pull relays out of their destination shard: those
     that share memory and have a relay board; writing ``direct`` into ``direct_out``, only those
-    whose shard of it is in shared memory."""
+    whose shard of it is in shared memory (not one peers only read: ``CROSS_MEMORY``)."""
     shared = {d for d, _ in domains}
     return frozenset(
         r.id
         for r in dst_mesh.records
-        if r.id in shared and r.board is not None and (direct_out is None or r.id in direct_out._shared)
+        if r.id in shared and r.board is not None and (direct_out is None or maps_shared(direct_out._shared.get(r.id)))
     )
 
 

@@ -1,0 +1,321 @@
+"""Pulls out of a peer's private memory: Linux cross-memory attach (``process_vm_readv``).
+
+A tensor a framework allocated (FSDP2's parameters, an inference engine's weights) lives in its
+process's private heap, which no peer can map as it maps the library's shared blocks
+(``reshard.runtime.device.shared_memory``). Such a shard still gets a descriptor: its device
+enters it in its ``TenureBoard`` and names it as ``(CROSS_MEMORY, pid, board fd, board inode,
+cell, tenure, address, shape)``. A puller on the same machine reads the slices it needs straight
+out of the holder's memory into its destination (``RemoteShard``): one kernel copy per run of
+contiguous bytes, up to ``IOV_MAX`` runs per system call, as a pull from shared memory copies
+once, and no message through the backend.
+
+Tenure. The board is a small memfd that peers map read-only, with a cell per shard in private
+memory. The holder writes a fresh tenure into the shard's cell when it starts holding it and
+clears the cell when it lets go, before the memory can be freed or reused. A puller checks the
+cell before it reads and again after (``PeerShards.check``): a shard let go of meanwhile fails the
+pull, never yields another tensor's bytes. Cell 0 holds ``LIVE`` for as long as the board exists.
+
+Trust. The kernel lets a process read another's memory only where it may ptrace it: the same user
+where Yama's ``ptrace_scope`` is 0 (or Yama is absent), or with ``CAP_SYS_PTRACE``; so no process
+gains a read it did not have. The library never loosens that (no ``PR_SET_PTRACER``). Where this
+process cannot read itself that way (a seccomp profile, Yama's scope 1 or more without the
+capability), its private shards get no descriptor and move through the backend, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from reshard.errors import ReshardError
+from reshard.runtime.messages import CROSS_MEMORY
+
+BOARD_CELLS = 1 << 16  # shards in private memory a device names at once (8 bytes each, pages made on use)
+LIVE = 1  # cell 0 of every board
+IOV_MAX = 1024  # iovec entries per call (Linux's UIO_MAXIOV)
+CALL_BYTES = 1 << 30  # bytes per call, under the kernel's 2 GiB bound on one transfer
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.process_vm_readv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                                   ctypes.c_ulong)  # fmt: skip
+_LIBC.process_vm_readv.restype = ctypes.c_ssize_t
+
+
+def _read(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
+    """One ``process_vm_readv`` of the ``(address, length)`` rows of ``remote`` in process ``pid``
+    into those of ``local`` (uint64 arrays); bytes read, or ``-errno``. ctypes lets the GIL go."""
+    got = _LIBC.process_vm_readv(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
+    return got if got >= 0 else -ctypes.get_errno()
+
+
+def _yama_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0  # no Yama: the classic rule, the same user may read
+
+
+@functools.cache
+def available() -> bool:
+    """Whether peers of this process's user may read its private memory (module docstring): the
+    call works here (no seccomp filter refuses it) and Yama lets the same user read, or this process
+    holds the capability that overrides it (root, in CI's containers)."""
+    if not hasattr(os, "memfd_create"):
+        return False
+    probe = np.arange(4, dtype=np.uint64)
+    into = np.zeros(4, dtype=np.uint64)
+    local = np.array([[into.ctypes.data, into.nbytes]], dtype=np.uint64)
+    remote = np.array([[probe.ctypes.data, probe.nbytes]], dtype=np.uint64)
+    if _read(os.getpid(), local, remote) != probe.nbytes or not np.array_equal(probe, into):
+        return False
+    return _yama_scope() == 0 or os.geteuid() == 0
+
+
+def base_address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class TenureBoard:
+    """This device's cells of tenure for its shards in private memory (module docstring)."""
+
+    def __init__(self):
+        self.fd = os.memfd_create("meshreshard-tenures", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, BOARD_CELLS * 8)
+            self._mapping = mmap.mmap(self.fd, BOARD_CELLS * 8, flags=mmap.MAP_SHARED)
+            self.inode = os.fstat(self.fd).st_ino
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.cells = np.frombuffer(self._mapping, dtype=np.uint64)
+        self.cells[0] = LIVE
+        self._free = list(range(BOARD_CELLS - 1, 0, -1))
+        self._cell: dict[tuple[int, int], int] = {}  # (address, bytes) -> its cell
+
+    def begin(self, a, tenure: int) -> None:
+        """Shard ``a`` (a C-contiguous numpy array in private memory) takes ``tenure``; nothing when
+        every cell is taken (the shard then moves through the backend)."""
+        if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.nbytes:
+            return
+        key = (base_address(a), a.nbytes)
+        cell = self._cell.get(key)
+        if cell is None:
+            if not self._free:
+                return
+            cell = self._cell[key] = self._free.pop()
+        self.cells[cell] = tenure
+
+    def end(self, a) -> None:
+        """The shard in ``a``'s memory is let go of: its descriptors stop reading."""
+        if not isinstance(a, np.ndarray):
+            return
+        cell = self._cell.pop((base_address(a), a.nbytes), None)
+        if cell is not None:
+            self.cells[cell] = 0
+            self._free.append(cell)
+
+    def descriptor(self, a) -> tuple | None:
+        if not isinstance(a, np.ndarray):
+            return None
+        cell = self._cell.get((base_address(a), a.nbytes))
+        if cell is None:
+            return None
+        return (CROSS_MEMORY, os.getpid(), self.fd, self.inode, cell, int(self.cells[cell]), base_address(a),
+                tuple(a.shape))  # fmt: skip
+
+    def close(self) -> None:
+        self.cells = np.zeros(0, dtype=np.uint64)
+        self._mapping.close()
+        os.close(self.fd)
+
+
+class RemoteShard:
+    """A peer's shard in its private memory, read slice by slice (never mapped here)."""
+
+    __slots__ = ("address", "device", "dtype", "holder", "pid", "shape")
+
+    def __init__(self, device: int, holder: int, pid: int, address: int, shape: tuple[int, ...], dtype: np.dtype):
+        self.device, self.holder, self.pid, self.address = device, holder, pid, address
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+    def __getitem__(self, index) -> np.ndarray:
+        box = self._box(index)
+        out = np.empty(tuple(hi - lo for lo, hi in box), dtype=self.dtype)
+        self._read_box(box, out)
+        return out
+
+    def read_into(self, index, out) -> None:
+        """``out[...] = self[index]``, read straight into ``out`` where it is C-contiguous."""
+        if isinstance(out, np.ndarray) and out.flags.c_contiguous and out.dtype == self.dtype:
+            self._read_box(self._box(index), out)
+        else:
+            from reshard.runtime import arrays
+
+            arrays.copy(out, self[index])
+
+    def _box(self, index) -> tuple[tuple[int, int], ...]:
+        """``((lo, hi), ...)`` per dimension of ``index`` (slices with unit steps, then ``Ellipsis``)."""
+        index = () if index is None else index if isinstance(index, tuple) else (index,)
+        box = []
+        for dim, n in enumerate(self.shape):
+            s = index[dim] if dim < len(index) and index[dim] is not Ellipsis else slice(None)
+            lo, hi, step = s.indices(n)
+            if step != 1:
+                raise ReshardError(f"device {self.device}: a pull read step {step} of device {self.holder}'s shard")
+            box.append((lo, max(lo, hi)))
+        return tuple(box)
+
+    def _read_box(self, box: tuple[tuple[int, int], ...], out: np.ndarray) -> None:
+        if out.nbytes == 0:
+            return
+        plan = read_plan(self.shape, self.dtype.itemsize, box)
+        if plan.span is not None and plan.span_plan is not None:  # short runs close together: their span, copied
+            lo, hi = plan.span
+            flat = np.empty(hi - lo, dtype=np.uint8)
+            self._read(lo, flat, plan.span_plan)
+            inner = flat.view(self.dtype).reshape(plan.span_shape)
+            np.copyto(out, inner[plan.span_index])
+        else:
+            self._read(0, out, plan)
+
+    def _read(self, base: int, out: np.ndarray, plan: ReadPlan) -> None:
+        """The runs of ``plan`` (offsets from ``base`` bytes into the shard) into ``out``, in order."""
+        into, address = base_address(out), self.address + base
+        if len(plan.iov) == 1:  # one run: no arrays to build
+            got = _read_one(self.pid, into, address + plan.first, plan.nbytes)
+            if got != plan.nbytes:
+                self._failed(got, plan.nbytes)
+            return
+        remote = plan.iov.copy()
+        remote[:, 0] += np.uint64(address)
+        for start, stop, at, want in plan.calls:
+            got = _read(self.pid, np.array([[into + at, want]], dtype=np.uint64), remote[start:stop])
+            if got != want:
+                self._failed(got, want)
+
+    def _failed(self, got: int, want: int):
+        code = -got if got < 0 else 0
+        if code == errno.EPERM:
+            raise ReshardError(
+                f"device {self.device} may not read device {self.holder}'s shard out of its process ({self.pid}): "
+                f"{os.strerror(code)}. The kernel allows it only where the process may be traced (same user, Yama "
+                "ptrace_scope 0, or CAP_SYS_PTRACE); allocate shared tensors with reshard_device.empty(...) or "
+                "create the meshes with shared_memory=False"
+            )
+        what = os.strerror(code) if code else f"read {got} of {want} bytes"
+        raise ReshardError(
+            f"device {self.device}: device {self.holder}'s source shard is gone (the tensor was freed, or the actor "
+            f"of device {self.holder} died): {what}"
+        )
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_uint64), ("len", ctypes.c_uint64))
+
+
+def _read_one(pid: int, into: int, address: int, nbytes: int) -> int:
+    local, remote = _Iovec(into, nbytes), _Iovec(address, nbytes)
+    got = _LIBC.process_vm_readv(pid, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0)
+    return got if got >= 0 else -ctypes.get_errno()
+
+
+@dataclass(frozen=True, eq=False)
+class ReadPlan:
+    """How one box of a shard is read (``read_plan``): ``iov``, the runs' ``(offset, length)``
+    rows; ``calls``, ``(first row, end row, offset in the output, bytes)`` per system call; or
+    ``span``: the bytes ``[lo, hi)`` the runs lie in, read whole by ``span_plan`` and viewed as
+    ``span_shape``, of which ``span_index`` is the box."""
+
+    iov: np.ndarray
+    calls: tuple[tuple[int, int, int, int], ...]
+    nbytes: int
+    span: tuple[int, int] | None = None
+    span_plan: ReadPlan | None = None
+    span_shape: tuple[int, ...] = ()
+    span_index: tuple = ()
+
+    @property
+    def first(self) -> int:
+        return int(self.iov[0, 0])
+
+
+#: Runs shorter than this, whose span is at most ``SPAN_WASTE`` times the box, are read as one span
+#: and copied here: the kernel's cost per run (it pins each run's pages) outweighs the bytes.
+SHORT_RUN = 4096
+SPAN_WASTE = 4
+
+
+@functools.lru_cache(maxsize=4096)
+def read_plan(shape: tuple[int, ...], itemsize: int, box: tuple[tuple[int, int], ...]) -> ReadPlan:
+    """How to read ``box`` of a C-contiguous shard of ``shape`` (cached: a program reads the same
+    boxes every time it runs)."""
+    offsets, length = runs(shape, itemsize, list(box))
+    nbytes = len(offsets) * length
+    if len(offsets) > 1 and length < SHORT_RUN:
+        lead = next(d for d, (a, b) in enumerate(box) if b - a != 1)  # dimensions before it: one index each
+        strides = _strides(shape, itemsize)
+        lo = sum(a * st for (a, _), st in zip(box[: lead + 1], strides, strict=False))
+        hi = lo + (box[lead][1] - box[lead][0]) * strides[lead]
+        if hi - lo <= SPAN_WASTE * nbytes:
+            span_shape = (box[lead][1] - box[lead][0], *shape[lead + 1 :])
+            index = (slice(None), *(slice(a, b) for a, b in box[lead + 1 :]))
+            whole = _iov_plan(np.zeros(1, dtype=np.uint64), hi - lo)
+            return ReadPlan(np.zeros((0, 2), np.uint64), (), nbytes, (lo, hi), whole, span_shape, index)
+    return _iov_plan(offsets, length)
+
+
+def _strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
+    strides = [itemsize] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return strides
+
+
+def _iov_plan(offsets: np.ndarray, length: int) -> ReadPlan:
+    pieces = -(-length // CALL_BYTES)
+    if pieces > 1:  # a run the kernel would cut: in pieces of at most CALL_BYTES
+        offsets = (offsets[:, None] + np.arange(pieces, dtype=np.uint64) * np.uint64(CALL_BYTES)).ravel()
+    lengths = np.full(len(offsets), min(length, CALL_BYTES), dtype=np.uint64)
+    if pieces > 1:
+        lengths.reshape(-1, pieces)[:, -1] = length - (pieces - 1) * CALL_BYTES
+    iov = np.empty((len(offsets), 2), dtype=np.uint64)
+    iov[:, 0], iov[:, 1] = offsets, lengths
+    ends = np.cumsum(lengths)
+    calls, done, start = [], 0, 0
+    while start < len(iov):
+        stop = min(start + IOV_MAX, len(iov))
+        stop = start + max(1, int(np.searchsorted(ends[start:stop], done + CALL_BYTES, side="right")))
+        want = int(ends[stop - 1]) - done
+        calls.append((start, stop, done, want))
+        done += want
+        start = stop
+    iov.setflags(write=False)
+    return ReadPlan(iov, tuple(calls), int(ends[-1]))
+
+
+def runs(shape: tuple[int, ...], itemsize: int, box: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
+    """``(offsets, length)``: the byte offsets in C order of the runs of contiguous bytes that
+    ``box`` covers in a C-contiguous array of ``shape``, each ``length`` bytes long. Inner
+    dimensions the box covers whole merge into one run."""
+    if not shape:
+        return np.zeros(1, dtype=np.uint64), itemsize
+    strides = _strides(shape, itemsize)
+    k = len(shape) - 1
+    while k > 0 and box[k] == (0, shape[k]):
+        k -= 1
+    lo, hi = box[k]
+    offsets = np.array([lo * strides[k]], dtype=np.uint64)
+    for d in range(k - 1, -1, -1):
+        outer = np.arange(box[d][0], box[d][1], dtype=np.uint64) * np.uint64(strides[d])
+        offsets = (outer[:, None] + offsets[None, :]).ravel()
+    return offsets, (hi - lo) * strides[k]
+
+
+__all__ = ["BOARD_CELLS", "RemoteShard", "TenureBoard", "available", "read_plan", "runs"]

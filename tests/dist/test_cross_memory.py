@@ -1,0 +1,98 @@
+"""Shards in a process's private memory (a framework's tensors), read by peers with cross-memory
+attach (``reshard.runtime.device.cross_memory``), in one process: ``process_vm_readv`` reads this
+process exactly as it reads a peer actor."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reshard.errors import ReshardError
+from reshard.runtime import arrays
+from reshard.runtime.device import cross_memory
+from reshard.runtime.device.cross_memory import RemoteShard
+from reshard.runtime.device.shards import ShardStore
+from reshard.runtime.device.shared_memory import PeerShards, SharedShards
+from reshard.runtime.messages import CROSS_MEMORY, maps_shared
+
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.skipif(not cross_memory.available(), reason="this kernel does not let the user read its processes"),
+]
+
+
+@st.composite
+def boxes(draw):
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=4)))
+    box = []
+    for n in shape:
+        lo = draw(st.integers(0, n))
+        box.append((lo, draw(st.integers(lo, n))))
+    return shape, box
+
+
+@settings(max_examples=200, deadline=None)
+@given(boxes(), st.sampled_from(["int8", "float32", "float64"]))
+def test_a_read_box_is_what_numpy_slices(case, dtype):
+    shape, box = case
+    a = np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
+    remote = RemoteShard(0, 1, os.getpid(), a.__array_interface__["data"][0], shape, a.dtype)
+    index = (*(slice(lo, hi) for lo, hi in box), Ellipsis)
+    np.testing.assert_array_equal(remote[index], a[index])
+    into = np.full((8,) * len(shape), -1, dtype=dtype)  # a strided view: read apart, then copied
+    view = into[(*(slice(0, hi - lo) for lo, hi in box), Ellipsis)]
+    remote.read_into(index, view)
+    np.testing.assert_array_equal(view, a[index])
+
+
+def test_runs_merge_whole_inner_dimensions():
+    offsets, length = cross_memory.runs((4, 3, 5), 8, [(1, 3), (0, 3), (0, 5)])
+    assert offsets.tolist() == [1 * 15 * 8] and length == 2 * 15 * 8  # one run: rows 1-2 whole
+    offsets, length = cross_memory.runs((4, 6), 4, [(0, 2), (2, 5)])
+    assert offsets.tolist() == [8, 32] and length == 12  # one run per row
+
+
+def test_a_framework_tensor_is_read_in_its_owners_memory_and_only_while_held():
+    store, peers = ShardStore(0, "cpu", 1 << 20, SharedShards()), PeerShards(device=1)
+    weights = torch.arange(24, dtype=torch.float32).reshape(4, 6)  # torch's own memory
+    store.share("w", arrays.as_numpy(weights), "float32", {})
+    desc = store.descriptor(store.get("w"))
+    assert desc[0] == CROSS_MEMORY and desc[1] == os.getpid() and not maps_shared(desc)
+    shard = peers.get(0, desc, np.dtype(np.float32))
+    assert isinstance(shard, RemoteShard)
+    weights[2, 3] = 42.0  # one memory, read when pulled
+    np.testing.assert_array_equal(shard[1:3, 2:5], weights.numpy()[1:3, 2:5])
+    peers.check(0, desc)
+    store.unshare("w")
+    with pytest.raises(ReshardError, match="device 0's source shard is gone"):
+        peers.check(0, desc)  # a puller that read meanwhile fails after its copy
+    with pytest.raises(ReshardError, match="device 0's source shard is gone"):
+        peers.get(0, desc, np.dtype(np.float32))
+    other = torch.zeros(4, 6)
+    store.share("other", arrays.as_numpy(other), "float32", {})  # the freed cell, a new tenure
+    assert store.descriptor(store.get("other"))[4] == desc[4]
+    with pytest.raises(ReshardError, match="source shard is gone"):
+        peers.check(0, desc)
+
+
+def test_shards_in_shared_memory_keep_their_mapped_descriptors():
+    store = ShardStore(0, "cpu", 1 << 20, SharedShards())
+    a = store.allocate((4,), "float32")
+    store.put("a", a, "h", "float32")
+    assert maps_shared(store.descriptor(a))
+    assert ShardStore(0, "cpu", 1 << 20, None).descriptor(np.zeros(3)) is None  # no shared memory: no reads
+
+
+def test_a_process_gone_fails_the_read():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    remote = RemoteShard(0, 3, pid, 4096, (4,), np.dtype(np.float32))
+    with pytest.raises(ReshardError, match="device 3's source shard is gone"):
+        remote[...]
