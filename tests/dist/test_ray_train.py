@@ -1,0 +1,138 @@
+"""Ray Train V2 with FSDP2 and a Hugging Face model, as a user runs them: a ``TorchTrainer`` of two
+CPU workers (gloo) trains a GPT-2 built from a config (no download), sharded with ``fully_shard``;
+after every optimizer step one ``sync()`` (``reshard.integrations.ray_train``) writes the weights
+into two inference actors' own models (attached with ``DeviceMesh.attach``). Every step the
+inference weights equal the trainers' ``full_tensor()`` bit for bit, and the inference model's
+logits equal those of a model loaded with them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+
+pytest.importorskip("ray.train.torch", reason="ray[train] is not installed (the test extra has it)")
+pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
+
+pytestmark = pytest.mark.dist
+
+STEPS = 3
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=503, n_positions=32)  # 503: uneven shards
+    import torch
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+@ray.remote(num_cpus=0)
+class Engine:
+    """An inference worker of the user's: its own model, in its own memory."""
+
+    def __init__(self):
+        self.model = tiny_gpt2().eval()
+        for p in self.model.parameters():
+            p.data.fill_(float("nan"))  # nothing left from the init: every value must come from the sync
+
+    def share(self) -> dict:
+        from reshard.runtime import current_device
+
+        return current_device().share_state_dict(self.model.state_dict())
+
+    def weights(self) -> dict:
+        return {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+
+    def logits(self, tokens):
+        import torch
+
+        with torch.no_grad():
+            return self.model(torch.tensor(tokens)).logits.numpy()
+
+
+@ray.remote(num_cpus=0)
+class Log:
+    """What the driving rank saw at each step (Ray Train V2 returns metrics only with a checkpoint)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def add(self, step: dict) -> None:
+        self.steps.append(step)
+
+    def read(self) -> list:
+        return self.steps
+
+
+def train(config):
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from reshard.integrations import ray_train
+
+    model = tiny_gpt2()
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    group = ray_train.attach()
+    sync = group.weight_sync(model.state_dict(), out=config["engine"] if group.drives else None)
+    tokens = torch.arange(16).reshape(2, 8) % 503
+    for step in range(STEPS):
+        loss = model(tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync()
+        full = {k: v.full_tensor().detach().numpy() for k, v in model.state_dict().items()}  # every rank
+        exact = True
+        if group.drives:
+            for engine in config["engines"]:
+                got = ray.get(engine.weights.remote(), timeout=60)
+                exact &= all(np.array_equal(got[k].view(np.uint32), full[k].view(np.uint32)) for k in full)
+            ray.get(config["log"].add.remote({"step": step, "exact": bool(exact), "loss": float(loss)}), timeout=60)
+
+
+def test_ray_train_fsdp2_syncs_hugging_face_weights_into_inference_actors(ray_cluster, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from reshard import DeviceMesh, Layout, Replicate
+    from reshard.runtime import adopt
+
+    engines = [Engine.remote() for _ in range(2)]
+    log = Log.remote()
+    i_mesh = DeviceMesh.attach(engines, (2,))
+    try:
+        names = ray.get(engines[0].share.remote(), timeout=60)
+        assert ray.get(engines[1].share.remote(), timeout=60) == names
+        targets = adopt(Layout(i_mesh, (Replicate(),)), names)
+        trainer = TorchTrainer(
+            train,
+            train_loop_config={"engine": targets, "engines": engines, "log": log},
+            torch_config=TorchConfig(backend="gloo"),
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+            run_config=RunConfig(storage_path=str(tmp_path), name="sync"),
+        )
+        result = trainer.fit()
+        assert result.error is None
+        steps = ray.get(log.read.remote(), timeout=60)
+        assert [s["step"] for s in steps] == list(range(STEPS)) and all(s["exact"] for s in steps), steps
+        assert steps[0]["loss"] != steps[-1]["loss"]  # it trained: the weights synced differ each step
+        tokens = (np.arange(16).reshape(2, 8) % 503).tolist()
+        synced = ray.get(engines[0].weights.remote(), timeout=60)
+        reference = tiny_gpt2().eval()
+        import torch
+
+        reference.load_state_dict({k: torch.from_numpy(v) for k, v in synced.items()})
+        with torch.no_grad():
+            want = reference(torch.tensor(tokens)).logits.numpy()
+        for engine in engines:
+            np.testing.assert_array_equal(ray.get(engine.logits.remote(tokens), timeout=60), want)
+    finally:
+        i_mesh.shutdown()
+        for a in (*engines, log):
+            ray.kill(a)
