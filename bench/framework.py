@@ -2,7 +2,7 @@
 sync out of tensors the library allocated, on an embedded local Ray cluster, in one run.
 
 Two trainer actors hold a GPT-2-shaped state dict (``bench.weights.gpt2``; 20 layers by default,
-about 71 MiB of float32 in 248 tensors), FSDP-sharded ``Shard(0)``, twice: once in torch's own
+69 MiB of float32 in 244 tensors), FSDP-sharded ``Shard(0)``, twice: once in torch's own
 memory (``torch.empty``, as FSDP2 and every framework allocates) and once in the library's
 (``reshard_device.empty``: shared memory); both shared with ``share_state_dict`` and adopted on
 the driver. Two inference actors want it tensor-parallel (Megatron's dims, as ``bench weights``).
@@ -156,7 +156,7 @@ def _bit_exact(out: dict, dst: dict, arrays: dict, infer, timeout_s: float) -> b
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench framework", description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=20, help="GPT-2 blocks (20: about 71 MiB in 248 tensors)")
+    p.add_argument("--layers", type=int, default=20, help="GPT-2 blocks (20: 69 MiB in 244 tensors)")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds (each runs every method once)")
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--out", help="JSON path (default bench/results/framework-<timestamp>.json)")
