@@ -1,0 +1,103 @@
+"""The figures the README and the bench pages publish, checked against the tracked result files they
+come from: a figure must read as its file says (rounded as printed), so a new run that changes the
+file without the text, or a text edited without a run, fails here."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+
+
+def result(name: str) -> dict:
+    path = RESULTS / name
+    assert path.is_file(), f"{name} is quoted but not tracked"
+    return json.loads(path.read_text())
+
+
+def framework() -> list[tuple[str, str]]:
+    d = result("framework-20261127-202212.json")
+    ms = {m: f"{v['median'] * 1e3:.1f} ms" for m, v in d["methods"].items()}
+    lib = d["methods"]["library"]["median"]
+    rel = {m: f"{v['median'] / lib:.2f}x" for m, v in d["methods"].items()}
+    ratios = d["ratios"]
+    return [
+        ("README.md", f"takes {ratios['framework/library']:.2f}x the same sync out of the library's"),
+        ("README.md", f"is {ratios['framework-gloo/framework']:.1f}x faster than through loopback gloo"),
+        *(("bench/WEIGHTS.md", f"| {ms[m]} | {rel[m]} |") for m in d["methods"]),
+        ("bench/WEIGHTS.md", f"{d['model']['tensors']} float32 tensors, {d['model']['bytes'] / 2**20:.0f} MiB"),
+        ("bench/WEIGHTS.md", f"(`bench/results/framework-20261127-202212.json`, {d['revision']})"),
+    ]
+
+
+def gpu() -> list[tuple[str, str]]:
+    d = result("gpu-20261127-h200-93fca45.json")
+    whole = next(m for m in d["model"] if m["case"] == "whole-whole")
+    tree, one = statistics.median(whole["ours_tree_s"]), statistics.median(whole["ours_one_s"])
+    message = d["message"]
+    return [
+        (
+            "README.md",
+            f"{message['ours']['per_message_us']:.0f} µs per NCCL message through the backend against "
+            f"{message['raw']['per_message_us']:.1f} µs raw",
+        ),  # fmt: skip
+        ("README.md", f"{whole['tensors']} tensors in {tree * 1e3:.1f} ms ({tree / one:.1f}x one tensor"),
+    ]
+
+
+def faults() -> list[tuple[str, str]]:
+    one = result("chaos-20261127-72defee.json")["summary"]
+    hosts = result("netchaos-20261127-42c30d3.json")["summary"]
+    over = max(k["time_to_error_max_s"] - k["timeout_s"] for k in hosts["by_kind"].values() if k["time_to_error_max_s"])
+    soak = result("task-soak-20261127.json")
+    assert not one["violations"] and not hosts["violations"]
+    return [
+        ("README.md", f"{one['steps']} seeded chaos steps with {one['faults_injected']} injected faults"),
+        (
+            "README.md",
+            f"{hosts['steps']} seeded steps with {hosts['faults_injected']} faults "
+            f"({hosts['faults_landed']} landed), 0 invariant violations",
+        ),  # fmt: skip
+        ("README.md", f"every failed call raised within timeout + {over:.2f} s"),
+        ("README.md", f"{soak['processes']} short-lived processes each pushing a"),
+    ]
+
+
+def weights() -> list[tuple[str, str]]:
+    d = result("weights-20261125-full2.json")
+    fit = d["fit"]
+    ratios: dict[str, list[float]] = {}
+    for r in d["results"]:
+        m = r["methods"]
+        ratios.setdefault(r["model"], []).append(
+            m["ours"]["latency_s"]["median"] / m["one_tensor"]["latency_s"]["median"]
+        )
+    span = {k: f"{min(v):.1f}-{max(v):.1f}×" for k, v in ratios.items()}
+    return [
+        (
+            "README.md",
+            f"per-tensor cost at {fit['default']['per_tensor_s'] * 1e3:.3f} ms (default path), "
+            f"{fit['gloo']['per_tensor_s'] * 1e3:.3f} ms (gloo)",
+        ),  # fmt: skip
+        (
+            "README.md",
+            f"a tree still takes {span['gpt2']} one tensor of the same bytes for the 148-tensor model and "
+            f"{span['qwen3']} for the 311-tensor one",
+        ),  # fmt: skip
+    ]
+
+
+CLAIMS = [*framework(), *gpu(), *faults(), *weights()]
+
+
+@pytest.mark.parametrize("doc, text", CLAIMS, ids=[f"{d}: {t[:48]}" for d, t in CLAIMS])
+def test_a_published_figure_reads_as_its_result_file_says(doc, text):
+    body = " ".join((ROOT / doc).read_text().split())  # line breaks of the text do not count
+    assert " ".join(text.split()) in body, f"{doc} should say {text!r} (its tracked result file does)"
