@@ -7,6 +7,8 @@ logits equal those of a model loaded with them."""
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 import ray
@@ -117,7 +119,11 @@ def test_ray_train_fsdp2_syncs_hugging_face_weights_into_inference_actors(ray_cl
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
             run_config=RunConfig(storage_path=str(tmp_path), name="sync"),
         )
-        result = trainer.fit()
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            result = trainer.fit()
+        finally:  # fit() leaves Ray Train's own SIGINT handler installed: later tests' interrupts would exit
+            signal.signal(signal.SIGINT, previous)
         assert result.error is None
         steps = ray.get(log.read.remote(), timeout=60)
         assert [s["step"] for s in steps] == list(range(STEPS)) and all(s["exact"] for s in steps), steps
