@@ -8,6 +8,7 @@ SUITES = """suites (each has its own --help):
   python -m bench [options]              local microbenchmarks: our reshard beside its peers (below)
   python -m bench weights [options]      whole-model weight sync: state dicts in one call, beside the peers
   python -m bench framework [options]    a weight sync out of a framework's own tensors, beside the library's
+  python -m bench train-sync [options]   Ray Train + FSDP2 + Hugging Face into inference actors, beside a naive refit
   python -m bench --simulate [options]   paper-scale simulation of the planners
   python -m bench pipeline [options]     pipeline schedules, real and simulated
   python -m bench multihost [options]    Ray nodes on emulated hosts with shaped NICs (root)
@@ -39,6 +40,10 @@ def main(argv: list[str]) -> int:
         return run(argv[1:])
     if argv[:1] == ["framework"]:
         from bench.framework import main as run
+
+        return run(argv[1:])
+    if argv[:1] == ["train-sync"]:
+        from bench.train_sync import main as run
 
         return run(argv[1:])
     if argv[:1] == ["gpu"]:
