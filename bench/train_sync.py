@@ -2,7 +2,7 @@
 naive refit they write instead, in one run.
 
 A ``TorchTrainer`` (Ray Train V2) of two CPU workers (gloo) trains a Hugging Face GPT-2 built from a
-config (no download: 10 blocks, d=384, vocab 8192; 124 tensors, 81 MiB of float32), sharded with
+config (no download: 10 blocks, d=384, vocab 8192; 125 tensors, 81 MiB of float32), sharded with
 FSDP2's ``fully_shard``. Two inference actors hold their own copy of the model. After each
 optimizer step the train function moves the weights into them by one of two methods, alternating
 step by step, timed on rank 0 from the first rank's call to the return of the last engine:
@@ -46,7 +46,9 @@ def gpt2(layers: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_head=6, n_embd=384, vocab_size=8192, n_positions=1024))
+    config = GPT2Config(n_layer=layers, n_head=6, n_embd=384, vocab_size=8192, n_positions=1024, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(config)
 
 
 @ray.remote(num_cpus=0)
@@ -182,7 +184,7 @@ def run(args) -> dict:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench train-sync", description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=10, help="GPT-2 blocks (10: 124 tensors, 81 MiB)")
+    p.add_argument("--layers", type=int, default=10, help="GPT-2 blocks (10: 125 tensors, 81 MiB)")
     p.add_argument("--repeats", type=int, default=5, help="timed syncs per method")
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--out", help="JSON path (default bench/results/train-sync-<timestamp>.json)")

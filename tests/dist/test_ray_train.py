@@ -24,7 +24,8 @@ STEPS = 3
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=503, n_positions=32)  # 503: uneven shards
+    # vocab 503: uneven shards over two ranks
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=503, n_positions=32, bos_token_id=0, eos_token_id=0)
     import torch
 
     torch.manual_seed(0)
