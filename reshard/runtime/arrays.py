@@ -73,6 +73,17 @@ def writable(a) -> bool:
     return not is_numpy(a) or bool(a.flags.writeable)
 
 
+def same_memory(a, b) -> bool:
+    """Whether numpy or cupy arrays ``a`` and ``b`` view the same bytes as the same shape and dtype."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if is_numpy(a):
+        return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    return is_device(a) and a.data.ptr == b.data.ptr
+
+
 def copy(dst, src) -> None:
     """``dst[...] = src`` between views of any two kinds (a torch source into an array target is
     read through its memory, a bit-pattern dtype as its bit pattern). Into a cupy array it is a

@@ -96,3 +96,14 @@ def test_a_process_gone_fails_the_read():
     remote = RemoteShard(0, 3, pid, 4096, (4,), np.dtype(np.float32))
     with pytest.raises(ReshardError, match="device 3's source shard is gone"):
         remote[...]
+
+
+def test_sharing_the_same_tensor_again_keeps_its_descriptors_reading():
+    store, peers = ShardStore(0, "cpu", 1 << 20, SharedShards()), PeerShards(device=1)
+    weights = torch.arange(6, dtype=torch.float32)
+    store.share("w", arrays.as_numpy(weights), "float32", {})
+    desc = store.descriptor(store.get("w"))
+    store.share("w", arrays.as_numpy(weights), "float32", {})  # a second weight_sync over the same model
+    assert store.descriptor(store.get("w")) == desc
+    peers.check(0, desc)
+    np.testing.assert_array_equal(peers.get(0, desc, np.dtype(np.float32))[2:4], weights.numpy()[2:4])

@@ -324,18 +324,20 @@ class ShardStore:
     def share(self, name: str, t, dtype: str, meta: dict) -> None:
         """Make the user's tensor ``t`` (of dtype ``dtype``, by name) shard ``name`` (no copy; held
         by its user until ``unshare``). Sharing another tensor under a name in use ends the old one's
-        tenure: descriptors of it stop reading (its memory may be freed now)."""
+        tenure: descriptors of it stop reading (its memory may be freed now); sharing the same memory
+        again keeps it (handles adopted before go on reading it)."""
         with self._lock:
             if name in self.shards and name not in self.users:
                 raise ValueError(f"device {self.device} already holds a shard {name!r} of its own; pick another name")
             old = self.shards.get(name)
-            if old is not None and self.shared is not None:
+            again = old is not None and arrays.same_memory(old, t)
+            if old is not None and not again and self.shared is not None:
                 self.shared.end(old)
             self.shards[name] = t
             self.dtypes[name] = dtype
             self.holders[name] = {USER}
             self.users.add(name)
-            if self.shared is not None:
+            if self.shared is not None and not again:
                 self.shared.begin(t)
             self.meta[name] = meta
 
