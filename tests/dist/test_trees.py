@@ -642,3 +642,24 @@ def test_shutting_a_mesh_down_lets_a_pending_commit_finish(gate):
         assert work.wait(60) is out  # committed everywhere before the devices closed
     finally:
         mesh.shutdown()
+
+
+def _pool_hits(ctx) -> int:
+    return ctx.store.pool.hits
+
+
+def test_a_staged_sync_gives_its_staging_back_for_the_next(view):
+    """An ``out=`` sync stages its results, commits them, then frees them into the pool: the next
+    sync of the same tree stages into that memory (a leftover reference kept it out of the pool:
+    every sync made fresh memory, 2x the time of a direct one on this VM)."""
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    sd = {f"w{i}": random_array((64, 32), "float32", 70 + i) for i in range(4)}
+    src = distribute(sd, last_dim(a))
+    out = distribute({k: np.zeros_like(v) for k, v in sd.items()}, last_dim(b))
+    reshard(src, a, last_dim(b), out=out)
+    before = b.call(_pool_hits)
+    reshard(src, a, last_dim(b), out=out)
+    after = b.call(_pool_hits)
+    assert all(n - m >= len(sd) for n, m in zip(after, before, strict=True)), (before, after)
+    for k, v in sd.items():
+        assert_bit_exact(out[k].to_numpy(), v)

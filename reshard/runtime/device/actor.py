@@ -331,9 +331,10 @@ class DeviceRole:
             if ctx.commit_hook is not None:
                 ctx.commit_hook("before", run)
             failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
+            copies: list = []
+            src = dst = None
             try:
                 if failed is None:
-                    copies = []
                     for staged, out in pairs:  # every output checked before one is written
                         src = ctx.store.get(staged)
                         if src is None:
@@ -345,6 +346,8 @@ class DeviceRole:
                             arrays.copy(dst, src)
                         stream.finish(time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}")
             finally:
+                copies.clear()  # no reference here to a staged result: freed, its memory goes back to the pool
+                src = dst = None
                 for staged, _ in pairs:
                     ctx.store.free(staged)
                 if ctx.commit_hook is not None:
