@@ -4,15 +4,18 @@ naive refit they write instead, in one run.
 A ``TorchTrainer`` (Ray Train V2) of two CPU workers (gloo) trains a Hugging Face GPT-2 built from a
 config (no download: 10 blocks, d=384, vocab 8192; 125 tensors, 81 MiB of float32), sharded with
 FSDP2's ``fully_shard``. Two inference actors hold their own copy of the model. After each
-optimizer step the train function moves the weights into them by one of two methods, alternating
+optimizer step the train function moves the weights into them by one of three methods, in turn
 step by step, timed on rank 0 from the first rank's call to the return of the last engine:
 
 - ``ours``: ``sync()`` of ``reshard.integrations.ray_train`` (set up with ``attach`` and
-  ``weight_sync``: three library calls in the train function);
+  ``weight_sync``: three library calls in the train function), all or nothing (staged, then
+  committed into the engines' tensors);
+- ``ours-direct``: the same with ``direct=True`` (written straight into the engines' tensors: no
+  second copy, but a failed sync may leave some of them new);
 - ``naive``: every rank gathers each parameter (``full_tensor()``), rank 0 puts the state dict in
   Ray's object store (``ray.put``) and each engine gets it and loads it (``load_state_dict``).
 
-Every sync of either method is checked bit for bit on both engines against the trainers'
+Every sync of every method is checked bit for bit on both engines against the trainers'
 ``full_tensor()`` (untimed). The target: ours >= 5x faster than naive. JSON goes to
 ``bench/results/train-sync-<timestamp>.json``.
 """
@@ -38,6 +41,7 @@ from bench.local import _git_rev, _torch_version, command_line, stats_of  # noqa
 
 ROOT = Path(__file__).resolve().parent
 TARGET = 5.0  # naive / ours
+METHODS = ("ours", "ours-direct", "naive")
 SETUP_CALLS = 2  # attach, weight_sync (then sync() each step)
 
 
@@ -100,7 +104,9 @@ def train(config):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     engines, log = config["engines"], config["log"]
     group = ray_train.attach()
-    sync = group.weight_sync(model.state_dict(), out=config["targets"] if group.drives else None)
+    out = config["targets"] if group.drives else None
+    sync = group.weight_sync(model.state_dict(), out=out)
+    direct = group.weight_sync(model.state_dict(), out=out, direct=True)
     tokens = torch.arange(64).reshape(2, 32)
 
     def naive():
@@ -114,10 +120,10 @@ def train(config):
         model(tokens, labels=tokens).loss.backward()
         opt.step()
         opt.zero_grad()
-        method = ("ours", "naive")[step % 2]
+        method = METHODS[step % len(METHODS)]
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        sync() if method == "ours" else naive()
+        {"ours": sync, "ours-direct": direct, "naive": naive}[method]()
         dt = time.perf_counter() - t0
         want = {k: hashlib.blake2b(v.full_tensor().detach().numpy().tobytes()).hexdigest()
                 for k, v in model.state_dict().items()}  # fmt: skip
@@ -146,7 +152,7 @@ def run(args) -> dict:
                 train,
                 train_loop_config={
                     "layers": args.layers,
-                    "steps": 2 * (args.repeats + 1),
+                    "steps": len(METHODS) * (args.repeats + 1),
                     "engines": engines,
                     "log": log,
                     "targets": targets,
@@ -164,9 +170,9 @@ def run(args) -> dict:
         mesh.shutdown()
         for a in (*engines, log):
             ray.kill(a)
-    timed = rows[2:]  # the first step of each method is its warm-up
+    timed = rows[len(METHODS) :]  # the first step of each method is its warm-up
     methods = {}
-    for m in ("ours", "naive"):
+    for m in METHODS:
         mine = [r for r in timed if r["method"] == m]
         methods[m] = {**stats_of([r["s"] for r in mine]), "verified": all(r["exact"] for r in rows if r["method"] == m)}
     ratio = methods["naive"]["median"] / methods["ours"]["median"]
@@ -178,6 +184,7 @@ def run(args) -> dict:
                  "(full copies, attached)",
         "library_calls": {"setup": SETUP_CALLS, "per_step": 1},
         "methods": methods,
+        "ratios": {f"naive/{m}": methods["naive"]["median"] / methods[m]["median"] for m in ("ours", "ours-direct")},
         "targets": {"naive/ours": {"goal": f">= {TARGET}x", "value": ratio, "met": ratio >= TARGET}},
     }  # fmt: skip
 
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:6s} median {s['median'] * 1e3:8.1f} ms  (p25 {s['p25'] * 1e3:.1f}, p75 {s['p75'] * 1e3:.1f})"
               f"  n {s['n']}  bit-exact {s['verified']}")  # fmt: skip
     t = data["targets"]["naive/ours"]
+    print(f"naive / ours-direct {data['ratios']['naive/ours-direct']:.2f}x")
     print(f"naive / ours {t['value']:.2f}x (goal {t['goal']}: {'met' if t['met'] else 'NO'}); library calls in the "
           f"train function: {SETUP_CALLS} to set up, 1 per step")  # fmt: skip
     print(f"wrote {path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path}")
