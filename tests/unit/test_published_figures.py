@@ -37,6 +37,19 @@ def framework() -> list[tuple[str, str]]:
     ]
 
 
+def train_sync() -> list[tuple[str, str]]:
+    d = result("train-sync-20261127-204515.json")
+    ms = {m: f"{v['median'] * 1e3:.1f} ms" for m, v in d["methods"].items()}
+    ratio = {m: f"{d['methods']['naive']['median'] / v['median']:.2f}x" for m, v in d["methods"].items()}
+    return [
+        ("README.md", f"synced in {ms['ours']}, {ratio['ours']} faster than"),
+        ("README.md", f"({ratio['ours-direct']} with `direct=True`)"),
+        *(("bench/WEIGHTS.md", f"| {ms[m]} | {ratio[m]} |") for m in d["methods"]),
+        ("bench/WEIGHTS.md", f"(`bench/results/train-sync-20261127-204515.json`, {d['revision']})"),
+        ("bench/WEIGHTS.md", f"{d['model']['tensors']} tensors, {d['model']['bytes'] / 2**20:.0f} MiB"),
+    ]
+
+
 def gpu() -> list[tuple[str, str]]:
     d = result("gpu-20261127-h200-93fca45.json")
     whole = next(m for m in d["model"] if m["case"] == "whole-whole")
@@ -94,7 +107,7 @@ def weights() -> list[tuple[str, str]]:
     ]
 
 
-CLAIMS = [*framework(), *gpu(), *faults(), *weights()]
+CLAIMS = [*framework(), *train_sync(), *gpu(), *faults(), *weights()]
 
 
 @pytest.mark.parametrize("doc, text", CLAIMS, ids=[f"{d}: {t[:48]}" for d, t in CLAIMS])
