@@ -339,7 +339,7 @@ class DeviceRole:
                         src = ctx.store.get(staged)
                         if src is None:
                             raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
-                        copies.append((checked_out(ctx, out, src.shape, ctx.store.dtype(staged)), src))
+                        copies.append((checked_out(ctx, out, src.shape, ctx.store.dtype(staged), strided=True), src))
                     stream = ctx.controller(ticket.controller).stream
                     with stream.running():
                         for dst, src in copies:

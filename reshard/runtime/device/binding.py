@@ -61,6 +61,11 @@ class Binding:
                 src = ctx.store.get(source)
                 if src is None:
                     raise ReshardError(f"device {ctx.device}: source shard {source!r} is missing (tensor freed?)")
+                if not arrays.contiguous(src):
+                    raise ReshardError(
+                        f"device {ctx.device}: source shard {source!r} is a strided view (a region of a fused tensor, "
+                        "shared to be written into with out=); reshard from a contiguous tensor"
+                    )
             peers = {}
             pulls = bound.pulls.get(tensor) if bound.pulls else None
             if pulls:
@@ -93,7 +98,7 @@ class Binding:
             return
         for prepared, out in zip(self.prepared.parts, self.bound.outs, strict=True):
             if prepared.program.dst_shape is not None:
-                checked_out(self.ctx, out, prepared.program.dst_shape, prepared.dtype)
+                checked_out(self.ctx, out, prepared.program.dst_shape, prepared.dtype, strided=not self.req.direct)
 
     def _fresh_destinations(self, tensors, outs) -> dict:
         """On a GPU device, every new destination of the run at once: pieces of one block (one
@@ -219,16 +224,23 @@ class Binding:
         self.tmps.clear()
 
 
-def checked_out(ctx, name: str | None, shape, dtype: str):
-    """The user's tensor ``name`` that a reshard writes into, checked against what it writes."""
+def checked_out(ctx, name: str | None, shape, dtype: str, *, strided: bool = False):
+    """The user's tensor ``name`` that a reshard writes into, checked against what it writes;
+    ``strided``: it may be a strided view (a region of a fused tensor), which a commit copies
+    into; a ``direct`` write lands messages in place and needs it contiguous."""
     t = None if name is None else ctx.store.get(name)
     if t is None:
         raise ReshardError(f"device {ctx.device}: the output shard {name!r} is gone (unshared or freed)")
     have = ctx.store.dtype(name)
-    if tuple(t.shape) != tuple(shape) or have != dtype or not arrays.contiguous(t):
+    if tuple(t.shape) != tuple(shape) or have != dtype:
         raise ReshardError(
             f"device {ctx.device}: output shard {name!r} is {have}{list(t.shape)}, the reshard writes "
-            f"{dtype}{list(shape)} (contiguous)"
+            f"{dtype}{list(shape)}"
+        )
+    if not strided and not arrays.contiguous(t):
+        raise ReshardError(
+            f"device {ctx.device}: output shard {name!r} is a strided view (a region of a fused tensor): a direct "
+            "write needs a contiguous one; drop direct=True (the staged write copies into strided views)"
         )
     if not arrays.writable(t):
         raise ReshardError(

@@ -298,12 +298,16 @@ class DeviceContext:
         shard of a sharded tensor; no copy) as shard ``name``, for ``reshard.runtime.adopt`` on the
         driver. ``shape``/``placements`` say what it is a shard of (the driver checks them against
         the layout it adopts it with); ``reshard`` may write into it in place (``out=``). Stays the
-        user's: ``unshare`` takes it back."""
+        user's: ``unshare`` takes it back.
+
+        On a CPU device it may be a strided view, a region of a fused tensor (``qkv[:, :d]`` of a
+        Conv1D's fused q, k and v): reshards write into it (``out=``, staged), never read from it.
+        A region along the first dimension (``qkv[:d]`` of a Linear's) is contiguous: read and written."""
         if not (arrays.is_numpy(tensor) or arrays.is_torch(tensor) or arrays.is_device(tensor)):
             raise TypeError(f"share needs a torch.Tensor or numpy array, got {type(tensor).__name__}")
         dtype = arrays.dtype_of(tensor)  # a dtype the runtime moves (TypeError naming them otherwise)
         held, where = self._held(tensor)
-        if not arrays.contiguous(tensor) or held is None:
+        if held is None or (not arrays.contiguous(tensor) and self.cuda_device is not None):
             strides = tensor.stride() if arrays.is_torch(tensor) else tensor.strides
             raise ValueError(
                 f"device {self.device}: share({name!r}) needs a contiguous tensor on {self.device_type}, got one on "
