@@ -35,6 +35,10 @@ _ALIASES = {
 def dtype_name(dtype) -> str:
     """Canonical name of a numpy dtype, torch dtype or dtype name; TypeError if unsupported."""
     name = getattr(dtype, "name", None) if not isinstance(dtype, str) else dtype
+    if isinstance(dtype, type) and dtype.__module__ == "numpy":  # a scalar type: np.float32
+        import numpy as np
+
+        name = np.dtype(dtype).name
     if name is None:
         name = str(dtype)
     name = name.removeprefix("torch.")
@@ -51,3 +55,20 @@ def storage_name(name: str) -> str:
 
 def itemsize(dtype) -> int:
     return ITEMSIZE[dtype_name(dtype)]
+
+
+#: Casts a reshard applies in flight (``reshard(..., dtype=)``): between these floating types, as
+#: torch's ``Tensor.to`` rounds. Float8 needs a scale, which casts do not take yet.
+CASTABLE = ("float64", "float32", "float16", "bfloat16")
+
+
+def cast_name(src: str, dst) -> str:
+    """The canonical name of ``dst`` (any dtype spelling) for a cast from ``src``; ValueError when a
+    reshard cannot cast between them."""
+    name = dtype_name(dst)
+    if name != src and (src not in CASTABLE or name not in CASTABLE):
+        raise ValueError(
+            f"a reshard casts between {', '.join(CASTABLE)} only, not {src} -> {name} (float8 needs a scale, "
+            "which casts do not take yet)"
+        )
+    return name

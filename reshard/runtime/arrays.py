@@ -73,6 +73,13 @@ def writable(a) -> bool:
     return not is_numpy(a) or bool(a.flags.writeable)
 
 
+def cast(a, src: str, dst: str):
+    """A new array of ``a`` (of dtype ``src``) cast to ``dst``, rounded as torch's ``Tensor.to``
+    rounds; numpy (a CPU shard) or cupy (a GPU shard) as ``a`` is."""
+    t = as_torch(a, src).to(torch_dtype(dst))
+    return as_device(t) if is_device(a) else as_numpy(t)
+
+
 def same_memory(a, b) -> bool:
     """Whether numpy or cupy arrays ``a`` and ``b`` view the same bytes as the same shape and dtype."""
     if a is b:

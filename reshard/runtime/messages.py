@@ -149,14 +149,16 @@ class Bound:
     """What a run's parts on one device are bound to, per part in order: ``sources``, the name of
     its source shard (None: it holds none), and ``outs``, the user's shard its result is for (None:
     a new tensor); ``pulls`` maps each tensor to ``{holder: descriptor}`` of the source shards this
-    device pulls, ``relays`` each device it pulls relays from to its relay board's descriptor. The
-    same for every replay of one tree onto one output, so it is shipped once and then named by id
-    (``RunRequest.binding``)."""
+    device pulls, ``relays`` each device it pulls relays from to its relay board's descriptor;
+    ``casts``, per part, the dtype its source shard is cast from into the program's (None: none).
+    The same for every replay of one tree onto one output, so it is shipped once and then named by
+    id (``RunRequest.binding``)."""
 
     sources: tuple
     pulls: dict | None
     outs: tuple | None
     relays: dict | None
+    casts: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,13 +54,17 @@ class Binding:
         runs = {}
         tensors = [p.tensor for p in self.prepared.program.parts]
         fresh = self._fresh_destinations(tensors, outs)
-        for prepared, tensor, source, out in zip(self.prepared.parts, tensors, sources, outs, strict=True):
+        casts = bound.casts or (None,) * len(self.prepared.parts)
+        for prepared, tensor, source, out, cast in zip(self.prepared.parts, tensors, sources, outs, casts,
+                                                       strict=True):  # fmt: skip
             prog, dtype = prepared.program, prepared.dtype
             src = None
             if prog.src_shape is not None:
                 src = ctx.store.get(source)
                 if src is None:
                     raise ReshardError(f"device {ctx.device}: source shard {source!r} is missing (tensor freed?)")
+                if cast is not None:
+                    src = self._cast(source, src, cast, dtype)
                 if not arrays.contiguous(src):
                     raise ReshardError(
                         f"device {ctx.device}: source shard {source!r} is a strided view (a region of a fused tensor, "
@@ -90,6 +94,17 @@ class Binding:
         if bound.pulls:
             ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
         return runs
+
+    def _cast(self, name: str, src, cast: str, dtype: str):
+        """Source shard ``name`` cast from ``cast`` to the program's ``dtype``, once, before anything
+        is read from it: the run then moves ``dtype`` (``reshard(..., dtype=)``)."""
+        ctx = self.ctx
+        have = ctx.store.dtype(name)
+        if have != cast:
+            raise ReshardError(f"device {ctx.device}: source shard {name!r} is {have}, the run casts from {cast}")
+        if ctx.cuda_device is not None:
+            raise ReshardError(f"device {ctx.device}: casts in flight run on CPU devices only (not built for GPUs)")
+        return arrays.cast(src, cast, dtype)
 
     def check_outputs(self) -> None:
         """Every user's tensor this run writes exists, is writable and has the shape and dtype of

@@ -242,9 +242,10 @@ class Runtime:
     def submit_batch(self, compiled: CompiledBatch, sources, run: str, deadline: Deadline, what: str, *,
                      outs=None, direct: bool = False, verify: bool = False) -> Pending:  # fmt: skip
         """Submit a compiled batch (``reshard.passes.compile.compile_batch``): one ordered ``run`` call per
-        participant. ``sources[t]``: tensor ``t``'s source shard name and ``{device: shared-memory
-        descriptor}`` (for pulls); ``outs[t]``: the user's shard its result is for (None: a new
-        shard ``shard_name(run, t)``), written into ``direct``ly, else staged and committed by an
+        participant. ``sources[t]``: tensor ``t``'s source shard name, ``{device: shared-memory
+        descriptor}`` (for pulls) and the dtype it is cast from (None: none); ``outs[t]``: the
+        user's shard its result is for (None: a new shard ``shard_name(run, t)``), written into
+        ``direct``ly, else staged and committed by an
         ordered ``commit`` call on each destination device, submitted now behind its run, which
         waits for every participant's run (``reshard_commit``). ``finish_batch`` waits."""
         program = compiled.program
@@ -254,7 +255,7 @@ class Runtime:
             backend = recs[0].backend if recs else "gloo"
             sets = self.admit_groups([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
-            shards = tuple((n, tuple(where.items())) for n, where in sources)  # a name shared anew is bound anew
+            shards = tuple((n, tuple(where.items()), cast) for n, where, cast in sources)  # a name shared anew: anew
             bid = self.bindings.program_id((pid, shards, None if outs is None else tuple(outs)))
             budget = deadline.budget
             refs = {}
@@ -538,14 +539,16 @@ class Runtime:
 
 def _bound(compiled, device: int, sources, outs, records) -> Bound:
     """What ``device``'s parts of a batch are bound to (``Bound``): ``sources[t]`` is tensor
-    ``t``'s source shard name and ``{device: shared-memory descriptor}``, ``outs[t]`` its output."""
+    ``t``'s source shard name, ``{device: shared-memory descriptor}`` and the dtype it is cast
+    from (None: none), ``outs[t]`` its output."""
     parts = compiled.program.for_device(device).parts
     names = tuple(sources[p.tensor][0] if p.program.src_shape is not None else None for p in parts)
+    casts = tuple(sources[p.tensor][2] if p.program.src_shape is not None else None for p in parts)
     pulls = {t: {h: sources[t][1][h] for h in holders} for t, holders in compiled.pull_sources.get(device, {}).items()}
     mine = None if outs is None else tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
     relaying = compiled.relay_sources.get(device)
     relays = {h: records[h].board for h in relaying} if relaying else None
-    return Bound(names, pulls or None, mine, relays)
+    return Bound(names, pulls or None, mine, relays, casts if any(casts) else None)
 
 
 def _raise_own_error(outcome: Outcome) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from reshard.dtypes import cast_name
 from reshard.errors import ReshardError
 from reshard.ir.layout import Layout
 from reshard.ir.target import CompileTarget
@@ -71,13 +72,14 @@ def relay_publishers(dst_mesh: DeviceMesh, domains, direct_out: ShardedTensor | 
 class _Call:
     """One reshard call's tensors, checked, with what compiling and running them needs."""
 
-    def __init__(self, tensors, src_mesh, dst_layouts, out, direct: bool):
+    def __init__(self, tensors, src_mesh, dst_layouts, out, direct: bool, dtype=None):
         if not isinstance(src_mesh, DeviceMesh):
             raise TypeError(f"src_mesh must be a DeviceMesh, got {type(src_mesh).__name__}")
         self.single = isinstance(tensors, ShardedTensor)
         self.leaves, self.paths, self.treedef = _flatten_tensors(tensors)
         self.layouts = _layouts(dst_layouts, self.leaves, self.paths, self.treedef, self.single)
         self.outs = None if out is None else _outs(out, self.treedef, self.single)
+        self.dtypes = _dtypes(dtype, self.leaves, self.paths, self.treedef)
         if direct and out is None:
             raise ValueError("direct=True writes into existing shards: pass them as out=")
         meshes = {}
@@ -102,24 +104,30 @@ class _Call:
         self.src_mesh = src_mesh
         self.dst_meshes = [meshes[layout.mesh] for layout in self.layouts]
         if self.outs is not None:
-            for path, t, layout, o in zip(self.paths, self.leaves, self.layouts, self.outs, strict=True):
-                _check_out(o, t, layout, path)
+            for path, t, layout, o, d in zip(
+                self.paths, self.leaves, self.layouts, self.outs, self.dtypes, strict=True
+            ):
+                _check_out(o, t, layout, path, d)
         self.direct = direct
 
     @property
     def what(self) -> str:
         if self.single:
             t, layout = self.leaves[0], self.layouts[0]
-            return f"reshard {t.dtype_name}{list(t.shape)} {t.layout} -> {layout}"
+            to = "" if self.dtypes[0] == t.dtype_name else f" as {self.dtypes[0]}"
+            return f"reshard {t.dtype_name}{list(t.shape)} {t.layout} -> {layout}{to}"
         return f"reshard of {len(self.leaves)} tensors from {self.src_mesh!r}"
 
     def items(self, shared_memory: bool) -> tuple[BatchItem, ...]:
         out = []
         outs: Sequence[ShardedTensor | None] = self.outs or [None] * len(self.leaves)
-        for t, layout, dmesh, o in zip(self.leaves, self.layouts, self.dst_meshes, outs, strict=True):
-            domains = tuple(sorted(memory_domains(t, dmesh).items())) if shared_memory else ()
+        for t, layout, dmesh, o, dtype in zip(
+            self.leaves, self.layouts, self.dst_meshes, outs, self.dtypes, strict=True
+        ):
+            cast = dtype != t.dtype_name  # cast by its senders: no pulls (a puller reads the source's dtype)
+            domains = tuple(sorted(memory_domains(t, dmesh).items())) if shared_memory and not cast else ()
             publishers = relay_publishers(dmesh, domains, o if self.direct else None)
-            out.append(BatchItem(t.shape, t.dtype_name, t.layout, layout, domains, publishers))
+            out.append(BatchItem(t.shape, dtype, t.layout, layout, domains, publishers))
         return tuple(out)
 
     def planning_hosts(self, items) -> dict[int, int]:
@@ -168,6 +176,22 @@ def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
     return out
 
 
+def _dtypes(dtype, leaves, paths, treedef) -> list[str]:
+    """The dtype each leaf arrives as: its own (``dtype`` None), one dtype for all, the same tree
+    of dtypes, or a callable ``(path, tensor) -> dtype`` (None: its own); checked castable."""
+    if dtype is None:
+        return [t.dtype_name for t in leaves]
+    what = "reshard: the tree of dtypes does not match the tree of tensors"
+    given = per_leaf(dtype, leaves, paths, treedef, lambda x: isinstance(x, str) or hasattr(x, "itemsize"), what)
+    out = []
+    for path, t, d in zip(paths, leaves, given, strict=True):
+        try:
+            out.append(t.dtype_name if d is None else cast_name(t.dtype_name, d))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"reshard: dtype for {_at(path)}{e}") from None
+    return out
+
+
 def _outs(out, treedef, single: bool) -> list[ShardedTensor]:
     if single:
         return [out]
@@ -175,7 +199,7 @@ def _outs(out, treedef, single: bool) -> list[ShardedTensor]:
     return per_leaf(out, [None] * treedef.num_leaves, [""] * treedef.num_leaves, treedef, lambda x: False, what)
 
 
-def _check_out(out, tensor: ShardedTensor, layout: Layout, path: str) -> None:
+def _check_out(out, tensor: ShardedTensor, layout: Layout, path: str, dtype: str) -> None:
     where = f" at {path!r}" if path else ""
     if not isinstance(out, ShardedTensor):
         raise TypeError(
@@ -187,10 +211,11 @@ def _check_out(out, tensor: ShardedTensor, layout: Layout, path: str) -> None:
             f"out{where} is laid out {out.layout}, the reshard produces {layout}; adopt it with that layout. "
             "Nothing was written"
         )
-    if out.shape != tensor.shape or out.dtype_name != tensor.dtype_name:
+    if out.shape != tensor.shape or out.dtype_name != dtype:
         raise ValueError(
             f"out{where} is {out.dtype_name}{list(out.shape)} but the reshard moves "
-            f"{tensor.dtype_name}{list(tensor.shape)}; nothing was written"
+            f"{dtype}{list(tensor.shape)}{'' if dtype == tensor.dtype_name else f' (cast from {tensor.dtype_name})'}"
+            "; pass dtype= to cast in flight. Nothing was written"
         )
 
 
@@ -210,6 +235,7 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
     key = (
         strategy, cluster, shared_memory, bucket_bytes, links_generation(), call.src_mesh.backend,
         tuple((t.layout, t.shape, t.dtype_name, frozenset(t._shared)) for t in call.leaves), tuple(call.layouts),
+        tuple(call.dtypes),
         tuple(None if o is None else frozenset(o._shared) for o in outs),
     )  # fmt: skip
     hit = _PLANS.get(key)
@@ -231,8 +257,9 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
 
 
 def lowered_reshard(
-    tensor: ShardedTensor, dst_layout: Layout, *, strategy: str = "auto", cluster=None, shared_memory: bool = True
-) -> CompiledReshard:
+    tensor: ShardedTensor, dst_layout: Layout, *, strategy: str = "auto", cluster=None, shared_memory: bool = True,
+    dtype=None,
+) -> CompiledReshard:  # fmt: skip
     """What ``reshard(tensor, tensor.mesh, dst_layout, ...)`` runs: its ``CompiledReshard`` (plan,
     validated per-device programs with their pulls, groups, encoded blobs), compiled and cached as
     ``reshard`` does.
@@ -241,25 +268,26 @@ def lowered_reshard(
     the live Ray cluster's figures and the meshes' backend (``Runtime.planning_cluster``), where
     the devices of one machine count as one host when they share memory (their transfers become
     pulls, ``reshard.passes.pulls``). ``shared_memory=False``: no pulls, everything through the backend."""
-    call = _Call(tensor, tensor.mesh, dst_layout, None, False)
+    call = _Call(tensor, tensor.mesh, dst_layout, None, False, dtype)
     return _compile(call, strategy, cluster, shared_memory, None).tensors[0]
 
 
 def lowered_batch(
     tensors, src_mesh: DeviceMesh, dst_layouts, *, strategy: str = "auto", cluster=None, shared_memory: bool = True,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int | None = None, dtype=None,
 ) -> CompiledBatch:  # fmt: skip
     """What ``reshard(tensors, src_mesh, dst_layouts, ...)`` of a tree runs: its ``CompiledBatch``
     (each tensor's compiled reshard, the packed batch program, blobs), compiled and cached as
     ``reshard`` does; e.g. ``.lower_bound_s(cluster)``."""
-    return _compile(_Call(tensors, src_mesh, dst_layouts, None, False), strategy, cluster, shared_memory, bucket_bytes)
+    call = _Call(tensors, src_mesh, dst_layouts, None, False, dtype)
+    return _compile(call, strategy, cluster, shared_memory, bucket_bytes)
 
 
 def reshard(
     tensors, src_mesh: DeviceMesh, dst_layouts, *, strategy: str = "auto",
     timeout_s: float | None = DEFAULT_TIMEOUT_S, cluster=None, shared_memory: bool = True,
     out=None, direct: bool = False, async_op: bool = False, verify: bool = False,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int | None = None, dtype=None,
 ):  # fmt: skip
     """Move ``tensors`` (a ShardedTensor, or a tree of them: dicts, lists, tuples, nested, all on
     ``src_mesh``) to ``dst_layouts`` (a Layout; for a tree: the same tree of Layouts, one Layout
@@ -278,6 +306,12 @@ def reshard(
     all at once: a failed reshard leaves every output as it was. ``direct=True`` writes straight
     into ``out`` (no extra copy); a failure leaves it partly written.
 
+    ``dtype``: the dtype the results arrive as (one for all, the same tree of dtypes, or a
+    callable ``(path, tensor) -> dtype``, None for its own; None: each its own): a cast between
+    float64, float32, float16 and bfloat16, rounded as torch's ``Tensor.to`` rounds, applied by
+    the senders before anything crosses (fewer bytes for a narrower dtype; cast leaves are sent,
+    not pulled; CPU devices only).
+
     ``async_op=True``: return a ``Work`` at once (``wait()``, ``done()``, awaitable). ``verify``:
     check every received slice against a checksum of the slice it was read from, and raise naming
     tensor, device and slice on a mismatch (with ``out``, before anything is committed).
@@ -289,7 +323,7 @@ def reshard(
     if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool)
                                      or bucket_bytes < 1):  # fmt: skip
         raise ValueError(f"bucket_bytes must be a positive int (or None: the backend's), got {bucket_bytes!r}")
-    call = _Call(tensors, src_mesh, dst_layouts, out, direct)
+    call = _Call(tensors, src_mesh, dst_layouts, out, direct, dtype)
     rt = runtime()
     reads = frozenset(t.name for t in call.leaves)
     writes = frozenset(o.name for o in call.outs) if call.outs is not None else frozenset()
@@ -299,7 +333,8 @@ def reshard(
     compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
     run = rt.new_name()
     what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"
-    sources = [(t.name, t._shared) for t in call.leaves]
+    sources = [(t.name, t._shared, None if d == t.dtype_name else t.dtype_name)
+               for t, d in zip(call.leaves, call.dtypes, strict=True)]  # fmt: skip
     outs = None if call.outs is None else [o.name for o in call.outs]
     pending = rt.submit_batch(compiled, sources, run, deadline, what, outs=outs, direct=direct, verify=verify)
 
@@ -315,9 +350,10 @@ def reshard(
         if call.outs is not None:
             return out  # the user's own tree
         leaves = [
-            ShardedTensor(dmesh, layout, t.shape, t.dtype_name, shard_name(run, i),
+            ShardedTensor(dmesh, layout, t.shape, dtype, shard_name(run, i),
                           {d: desc for d, r in results.items() if (desc := r.descriptors.get(i)) is not None})
-            for i, (t, layout, dmesh) in enumerate(zip(call.leaves, call.layouts, call.dst_meshes, strict=True))
+            for i, (t, layout, dmesh, dtype) in enumerate(zip(call.leaves, call.layouts, call.dst_meshes, call.dtypes,
+                                                              strict=True))
         ]  # fmt: skip
         return leaves[0] if call.single else unflatten(call.treedef, leaves)
 
