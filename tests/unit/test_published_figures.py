@@ -50,6 +50,40 @@ def train_sync() -> list[tuple[str, str]]:
     ]
 
 
+def pipeline() -> list[tuple[str, str]]:
+    d = result("pipeline-20261126-062238.json")
+    said = {t["target"]: t["value"].split()[0] for t in d["targets"]}  # "1.057 x (rounds ...)" -> "1.057"
+
+    def value(start: str) -> str:
+        return next(v for k, v in said.items() if k.startswith(start))
+
+    error = next(v for k, v in ((t["target"], t["value"]) for t in d["targets"]) if "predicts" in k).split()[3]
+    return [
+        ("README.md", f"eager 1F1B takes {value('sim 4x8: eager 1F1B <= 1.10')}× the no-communication time"),
+        ("README.md", f"ran at {value('real 4x8: eager 1F1B with overlap')}× the compute-only run"),
+        ("README.md", f"without overlap {value('real 4x8: eager 1F1B without overlap')}× slower again"),
+        ("README.md", f"predicted the real iteration times within {error.lstrip('+').rstrip('%')} %"),
+        ("README.md", f"made eager 1F1B without overlap {value('real 4x8: eager 1F1B no overlap, pull')}× the time"),
+        ("README.md", f"(with overlap: the same, {value('real 4x8: eager 1F1B overlap, pull')}×)"),
+    ]
+
+
+def multihost() -> list[tuple[str, str]]:
+    def target(name: str, start: str) -> dict:
+        return next(t for t in result(name)["targets"] if t["target"].startswith(start))
+
+    before = target("multihost-20261123-windows.json", "simulator within 10 %")
+    sim = target("multihost-20261124-duplex.json", "simulator within 10 %")
+    bound = target("multihost-20261124-duplex.json", "auto <= 1.15x")
+    assert before["passed"] == before["cases"]
+    return [
+        ("README.md", f"simulator is within 10 % of all {before['cases']} measurements"),
+        ("README.md", f"the simulator within 10 % of {sim['passed']} of {sim['cases']}"),
+        ("README.md", f"(worst {100 * sim['worst']:+.1f} %, {sim['worst_case']})"),
+        ("README.md", f"within {bound['worst_str'].removesuffix('x')}× of the bound on all four cases"),
+    ]
+
+
 def gpu() -> list[tuple[str, str]]:
     d = result("gpu-20261127-h200-93fca45.json")
     whole = next(m for m in d["model"] if m["case"] == "whole-whole")
@@ -107,7 +141,7 @@ def weights() -> list[tuple[str, str]]:
     ]
 
 
-CLAIMS = [*framework(), *train_sync(), *gpu(), *faults(), *weights()]
+CLAIMS = [*framework(), *train_sync(), *pipeline(), *multihost(), *gpu(), *faults(), *weights()]
 
 
 @pytest.mark.parametrize("doc, text", CLAIMS, ids=[f"{d}: {t[:48]}" for d, t in CLAIMS])
