@@ -1,9 +1,10 @@
 """Ray Train V2 with FSDP2 and a Hugging Face model, as a user runs them: a ``TorchTrainer`` of two
 CPU workers (gloo) trains a GPT-2 built from a config (no download), sharded with ``fully_shard``;
 after every optimizer step one ``sync()`` (``reshard.integrations.ray_train``) writes the weights
-into two inference actors' own models (attached with ``DeviceMesh.attach``). Every step the
-inference weights equal the trainers' ``full_tensor()`` bit for bit, and the inference model's
-logits equal those of a model loaded with them."""
+into two inference actors' own models (attached with ``DeviceMesh.attach``), float32 as trained
+or cast in flight to the engines' bfloat16. Every step the inference weights equal the trainers'
+``full_tensor()`` (cast as torch casts) bit for bit, and the inference model's logits equal those
+of a model loaded with them."""
 
 from __future__ import annotations
 
@@ -32,12 +33,21 @@ def tiny_gpt2():
     return GPT2LMHeadModel(config)
 
 
+def bits(t):
+    """A tensor's bit pattern as numpy (bfloat16 has no numpy type)."""
+    import torch
+
+    return t.detach().view({2: torch.int16, 4: torch.int32}[t.element_size()]).numpy().copy()
+
+
 @ray.remote(num_cpus=0)
 class Engine:
     """An inference worker of the user's: its own model, in its own memory."""
 
-    def __init__(self):
-        self.model = tiny_gpt2().eval()
+    def __init__(self, dtype: str):
+        import torch
+
+        self.model = tiny_gpt2().to(getattr(torch, dtype)).eval()
         for p in self.model.parameters():
             p.data.fill_(float("nan"))  # nothing left from the init: every value must come from the sync
 
@@ -47,13 +57,13 @@ class Engine:
         return current_device().share_state_dict(self.model.state_dict())
 
     def weights(self) -> dict:
-        return {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+        return {k: bits(v) for k, v in self.model.state_dict().items()}
 
     def logits(self, tokens):
         import torch
 
         with torch.no_grad():
-            return self.model(torch.tensor(tokens)).logits.numpy()
+            return bits(self.model(torch.tensor(tokens)).logits)
 
 
 @ray.remote(num_cpus=0)
@@ -82,7 +92,8 @@ def train(config):
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     group = ray_train.attach()
-    sync = group.weight_sync(model.state_dict(), out=config["engine"] if group.drives else None)
+    dtype = getattr(torch, config["dtype"])
+    sync = group.weight_sync(model.state_dict(), out=config["engine"] if group.drives else None, dtype=dtype)
     tokens = torch.arange(16).reshape(2, 8) % 503
     for step in range(STEPS):
         loss = model(tokens, labels=tokens).loss
@@ -90,23 +101,24 @@ def train(config):
         opt.step()
         opt.zero_grad()
         sync()
-        full = {k: v.full_tensor().detach().numpy() for k, v in model.state_dict().items()}  # every rank
+        full = {k: bits(v.full_tensor().to(dtype)) for k, v in model.state_dict().items()}  # every rank
         exact = True
         if group.drives:
             for engine in config["engines"]:
                 got = ray.get(engine.weights.remote(), timeout=60)
-                exact &= all(np.array_equal(got[k].view(np.uint32), full[k].view(np.uint32)) for k in full)
+                exact &= all(np.array_equal(got[k], full[k]) for k in full)
             ray.get(config["log"].add.remote({"step": step, "exact": bool(exact), "loss": float(loss)}), timeout=60)
 
 
-def test_ray_train_fsdp2_syncs_hugging_face_weights_into_inference_actors(ray_cluster, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ray_train_fsdp2_syncs_hugging_face_weights_into_inference_actors(ray_cluster, tmp_path, dtype):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from reshard import DeviceMesh, Layout, Replicate
     from reshard.runtime import adopt
 
-    engines = [Engine.remote() for _ in range(2)]
+    engines = [Engine.remote(dtype) for _ in range(2)]
     log = Log.remote()
     i_mesh = DeviceMesh.attach(engines, (2,))
     try:
@@ -115,7 +127,7 @@ def test_ray_train_fsdp2_syncs_hugging_face_weights_into_inference_actors(ray_cl
         targets = adopt(Layout(i_mesh, (Replicate(),)), names)
         trainer = TorchTrainer(
             train,
-            train_loop_config={"engine": targets, "engines": engines, "log": log},
+            train_loop_config={"engine": targets, "engines": engines, "log": log, "dtype": dtype},
             torch_config=TorchConfig(backend="gloo"),
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
             run_config=RunConfig(storage_path=str(tmp_path), name="sync"),
@@ -131,12 +143,13 @@ def test_ray_train_fsdp2_syncs_hugging_face_weights_into_inference_actors(ray_cl
         assert steps[0]["loss"] != steps[-1]["loss"]  # it trained: the weights synced differ each step
         tokens = (np.arange(16).reshape(2, 8) % 503).tolist()
         synced = ray.get(engines[0].weights.remote(), timeout=60)
-        reference = tiny_gpt2().eval()
         import torch
 
-        reference.load_state_dict({k: torch.from_numpy(v) for k, v in synced.items()})
+        torch_dtype = getattr(torch, dtype)
+        reference = tiny_gpt2().to(torch_dtype).eval()
+        reference.load_state_dict({k: torch.from_numpy(v).view(torch_dtype) for k, v in synced.items()})
         with torch.no_grad():
-            want = reference(torch.tensor(tokens)).logits.numpy()
+            want = bits(reference(torch.tensor(tokens)).logits)
         for engine in engines:
             np.testing.assert_array_equal(ray.get(engine.logits.remote(tokens), timeout=60), want)
     finally:
