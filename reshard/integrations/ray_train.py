@@ -78,20 +78,24 @@ class WorkerGroup:
             raise ReshardError(f"rank {self.rank}: the driving rank {self.drive_rank} failed: {said[0]}")
         return result
 
-    def share(self, state_dict, prefix: str = ""):
-        """``share_state_dict`` of this rank's tensors, no copy; the tree of names, on every rank."""
-        return self.device.share_state_dict(state_dict, prefix=prefix)
+    def share(self, state_dict, prefix: str = "", *, reback: bool = False):
+        """``share_state_dict`` of this rank's tensors, no copy (``reback``: their storage moved into
+        shared memory once, in place; peers then map it); the tree of names, on every rank."""
+        return self.device.share_state_dict(state_dict, prefix=prefix, reback=reback)
 
-    def weight_sync(self, state_dict, out, dst_layouts=None, *, prefix: str = "", **options) -> Callable[[], Any]:
+    def weight_sync(self, state_dict, out, dst_layouts=None, *, prefix: str = "", reback: bool = False,
+                    **options) -> Callable[[], Any]:  # fmt: skip
         """Every rank, once: share ``state_dict`` and return ``sync()``, which every rank calls at the
         same point of each step (after its optimizer step): one ``reshard`` of the whole tree into
         ``out`` (a tree of handles of the receivers' tensors, shaped as the state dict; on the
         driving rank, others may pass None) laid out as ``out`` is, or as ``dst_layouts``;
-        ``options`` go to ``reshard`` (``timeout_s``, ``direct``, ...)."""
+        ``reback``: as ``share``'s (a sync on one machine then maps the trainers' memory instead of
+        reading it across processes); ``options`` go to ``reshard`` (``timeout_s``, ``direct``,
+        ``dtype``, ...)."""
         from reshard.pytree import flatten, unflatten
         from reshard.runtime import adopt, reshard
 
-        names = self.share(state_dict, prefix=prefix)
+        names = self.share(state_dict, prefix=prefix, reback=reback)
         tree = self.run(lambda: adopt(self.mesh, names, timeout_s=self.timeout_s))  # once every rank shared
         if not self.drives:
             return lambda: self.run(lambda: None)

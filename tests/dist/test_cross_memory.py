@@ -107,3 +107,29 @@ def test_sharing_the_same_tensor_again_keeps_its_descriptors_reading():
     assert store.descriptor(store.get("w")) == desc
     peers.check(0, desc)
     np.testing.assert_array_equal(peers.get(0, desc, np.dtype(np.float32))[2:4], weights.numpy()[2:4])
+
+
+def test_a_tensor_rebacked_in_shared_memory_is_mapped_and_its_views_follow():
+    from reshard.runtime.device.context import shared_file
+
+    store, peers = ShardStore(0, "cpu", 1 << 20, SharedShards()), PeerShards(device=1)
+    weights = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    row = weights[2]  # a view a framework keeps (FSDP2's padded buffer and its DTensor share a storage)
+    weights[1:].untyped_storage().share_memory_()  # what share(..., reback=True) does: in place, one copy
+    file = shared_file(weights[1:])
+    assert weights.untyped_storage().is_shared() and file[1] == 6 * 4
+    row[0] = 99.0
+    assert float(weights[2, 0]) == 99.0  # the view follows the storage
+    store.share("w", arrays.as_numpy(weights[1:]), "float32", {}, file=file)
+    desc = store.descriptor(store.get("w"))
+    assert desc[0] == CROSS_MEMORY and desc[8] is not None
+    mapped = peers.get(0, desc, np.dtype(np.float32))
+    assert isinstance(mapped, np.ndarray) and not mapped.flags.writeable  # mapped read-only, no kernel copy
+    np.testing.assert_array_equal(mapped, weights[1:].numpy())
+    weights[3, 5] = -1.0  # one memory
+    assert float(mapped[2, 5]) == -1.0
+    peers.purge()
+    assert any(m.tenure is None for m in peers.maps.values())  # the file's mapping stays (its tenure is on the board)
+    store.unshare("w")
+    with pytest.raises(ReshardError, match="device 0's source shard is gone"):
+        peers.check(0, desc)

@@ -223,3 +223,24 @@ def test_a_dtensor_state_dict_is_shared_and_adopted_as_one_tree(worlds):
     assert_bit_exact(moved["layer"]["weight"].to_numpy(), full)
     said = ray.get(trainers[0].distribute_own_dtensor.remote(t_mesh), timeout=60)
     assert "sharded over 2 ranks" in said and "from_dtensor" in said and "adopt" in said
+
+
+def _reback_after_a_plain_share(ctx) -> str:
+    import torch
+
+    t = torch.zeros(8)
+    ctx.share("plain", t)
+    try:
+        ctx.share("again", t, reback=True)
+    except ValueError as e:
+        return str(e)
+    finally:
+        ctx.unshare("plain")
+    return "accepted"
+
+
+def test_a_storage_shared_without_reback_is_not_moved_later(worlds):
+    """Moving a storage would leave the arrays kept over it pointing at freed memory: refused."""
+    _, _, _, i_mesh = worlds
+    said = i_mesh.call(_reback_after_a_plain_share, devices=[0])[0]
+    assert "a tensor over the same storage was shared without reback" in said

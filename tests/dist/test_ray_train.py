@@ -93,7 +93,8 @@ def train(config):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     group = ray_train.attach()
     dtype = getattr(torch, config["dtype"])
-    sync = group.weight_sync(model.state_dict(), out=config["engine"] if group.drives else None, dtype=dtype)
+    sync = group.weight_sync(model.state_dict(), out=config["engine"] if group.drives else None, dtype=dtype,
+                             reback=config["reback"])  # fmt: skip
     tokens = torch.arange(16).reshape(2, 8) % 503
     for step in range(STEPS):
         loss = model(tokens, labels=tokens).loss
@@ -110,8 +111,10 @@ def train(config):
             ray.get(config["log"].add.remote({"step": step, "exact": bool(exact), "loss": float(loss)}), timeout=60)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_ray_train_fsdp2_syncs_hugging_face_weights_into_inference_actors(ray_cluster, tmp_path, dtype):
+@pytest.mark.parametrize("dtype, reback", [("float32", False), ("bfloat16", True)], ids=["float32", "bf16-reback"])
+def test_ray_train_fsdp2_syncs_hugging_face_weights_into_inference_actors(ray_cluster, tmp_path, dtype, reback):
+    """``reback``: FSDP2's parameters moved into shared memory when shared (peers map them); FSDP2
+    trains on, its views following the storage."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -127,7 +130,7 @@ def test_ray_train_fsdp2_syncs_hugging_face_weights_into_inference_actors(ray_cl
         targets = adopt(Layout(i_mesh, (Replicate(),)), names)
         trainer = TorchTrainer(
             train,
-            train_loop_config={"engine": targets, "engines": engines, "log": log, "dtype": dtype},
+            train_loop_config={"engine": targets, "engines": engines, "log": log, "dtype": dtype, "reback": reback},
             torch_config=TorchConfig(backend="gloo"),
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
             run_config=RunConfig(storage_path=str(tmp_path), name="sync"),

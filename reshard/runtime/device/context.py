@@ -104,6 +104,7 @@ class DeviceContext:
         self.outcomes = RunOutcomes()  # of this device's runs that wait for a commit
         self.threaded = False  # it serves calls while one runs (set when it attaches)
         self.actor: Any = None  # the actor instance this device is (its own objects: ``ctx.actor.model``)
+        self._private_storages: set[int] = set()  # CPU torch storages shared in private memory (``share``)
         self.extensions: dict[str, object] = {}  # state that libraries on the runtime keep here (pipelines)
         self.peak_bytes = 0  # destination (twice if assembled) + staging bytes of the last run
         self.assembled = False  # the last run assembled its destination apart (``ShardStore``)
@@ -293,7 +294,8 @@ class DeviceContext:
             )
         return self.peers.view(holder, handle, arrays.storage(dtype))
 
-    def share(self, name: str, tensor, *, shape=None, placements=None, mesh_shape=None, coordinate=None) -> None:
+    def share(self, name: str, tensor, *, shape=None, placements=None, mesh_shape=None, coordinate=None,
+              reback: bool = False) -> None:  # fmt: skip
         """Offer ``tensor`` (a torch tensor, numpy array or, on a GPU, cupy array: this device's
         shard of a sharded tensor; no copy) as shard ``name``, for ``reshard.runtime.adopt`` on the
         driver. ``shape``/``placements`` say what it is a shard of (the driver checks them against
@@ -302,10 +304,18 @@ class DeviceContext:
 
         On a CPU device it may be a strided view, a region of a fused tensor (``qkv[:, :d]`` of a
         Conv1D's fused q, k and v): reshards write into it (``out=``, staged), never read from it.
-        A region along the first dimension (``qkv[:d]`` of a Linear's) is contiguous: read and written."""
+        A region along the first dimension (``qkv[:d]`` of a Linear's) is contiguous: read and written.
+
+        ``reback``: move a CPU torch tensor's storage into shared memory first, in place (torch's
+        ``share_memory_()``: one copy, now; every view of it, a framework's own included, follows),
+        so that peers on this machine map it instead of reading it by cross-memory attach. A
+        tensor whose storage is shared so already (``model.share_memory()``) is mapped as well."""
         if not (arrays.is_numpy(tensor) or arrays.is_torch(tensor) or arrays.is_device(tensor)):
             raise TypeError(f"share needs a torch.Tensor or numpy array, got {type(tensor).__name__}")
         dtype = arrays.dtype_of(tensor)  # a dtype the runtime moves (TypeError naming them otherwise)
+        file = None
+        if arrays.is_torch(tensor) and tensor.device.type == "cpu" and self.cuda_device is None:
+            file = self._shared_file(name, tensor, reback)  # it may move the memory: before any array over it
         held, where = self._held(tensor)
         if held is None or (not arrays.contiguous(tensor) and self.cuda_device is not None):
             strides = tensor.stride() if arrays.is_torch(tensor) else tensor.strides
@@ -316,7 +326,25 @@ class DeviceContext:
             )
         meta = {"shape": None if shape is None else tuple(shape), "placements": placements,
                 "mesh_shape": mesh_shape, "coordinate": coordinate}  # fmt: skip
-        self.store.share(name, held.view(arrays.storage(dtype)), dtype, meta)
+        self.store.share(name, held.view(arrays.storage(dtype)), dtype, meta, file=file)
+
+    def _shared_file(self, name: str, tensor, reback: bool) -> tuple[int, int] | None:
+        """``(descriptor, byte offset)`` of the shared-memory file under a CPU torch tensor's storage
+        (torch's ``share_memory_()``, moved there now if ``reback``), or None: private memory. A
+        storage is moved only before any tensor over it was shared: the arrays this device keeps of
+        those would point at the memory torch lets go."""
+        storage = tensor.untyped_storage()
+        if not storage.is_shared() and reback:
+            if storage.data_ptr() in self._private_storages:
+                raise ValueError(
+                    f"device {self.device}: share({name!r}, reback=True): a tensor over the same storage was shared "
+                    "without reback; pass reback=True the first time (share_state_dict does it for a whole model)"
+                )
+            storage.share_memory_()
+        if not storage.is_shared():
+            self._private_storages.add(storage.data_ptr())
+            return None
+        return shared_file(tensor)
 
     def _held(self, tensor):
         """``(the array this device keeps for tensor, over its memory, or None; where it lives)``:
@@ -347,7 +375,7 @@ class DeviceContext:
             raise KeyError(f"device {self.device} holds no shard {name!r} (never shared, freed, or not resharded here)")
         return arrays.as_torch(a, self.store.dtype(name))
 
-    def from_dtensor(self, name: str, dt) -> None:
+    def from_dtensor(self, name: str, dt, *, reback: bool = False) -> None:
         """``share`` a torch DTensor's local shard (no copy) with its placements and global shape;
         the driver's ``adopt`` checks its device mesh against the mesh it adopts it on."""
         from reshard.ir.placement import as_placement
@@ -355,14 +383,14 @@ class DeviceContext:
         mesh = dt.device_mesh
         self.share(
             name, dt.to_local(), shape=tuple(dt.shape), placements=tuple(as_placement(p) for p in dt.placements),
-            mesh_shape=tuple(mesh.shape), coordinate=tuple(mesh.get_coordinate() or ()),
+            mesh_shape=tuple(mesh.shape), coordinate=tuple(mesh.get_coordinate() or ()), reback=reback,
         )  # fmt: skip
 
-    def share_state_dict(self, state_dict, prefix: str = ""):
+    def share_state_dict(self, state_dict, prefix: str = "", *, reback: bool = False):
         """``share`` every tensor of a state dict (nested dicts, lists and tuples too), each under
         its key (``prefix`` first, e.g. ``"policy."``): a DTensor (FSDP2's ``model.state_dict()``)
         with its placements (``from_dtensor``), a plain tensor as it is. No copy. Returns the same
-        tree of names, what ``adopt`` takes on the driver."""
+        tree of names, what ``adopt`` takes on the driver. ``reback``: as ``share``'s, for each."""
         from reshard.pytree import flatten, unflatten
 
         def leaf(x) -> bool:
@@ -373,9 +401,9 @@ class DeviceContext:
         for path, t in zip(paths, leaves, strict=True):
             name = f"{prefix}{path}"
             if type(t).__name__ == "DTensor":
-                self.from_dtensor(name, t.detach())
+                self.from_dtensor(name, t.detach(), reback=reback)
             else:
-                self.share(name, t.detach() if hasattr(t, "detach") else t)
+                self.share(name, t.detach() if hasattr(t, "detach") else t, reback=reback)
             names.append(name)
         return unflatten(treedef, names)
 
@@ -525,3 +553,14 @@ def set_torch_threads(threads: int) -> None:
         sys.modules["torch"].set_num_threads(threads)
     else:
         os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def shared_file(tensor) -> tuple[int, int] | None:
+    """``(descriptor, byte offset)`` of ``tensor`` in the shared-memory file its storage lies in
+    (torch's ``share_memory_()`` made it), or None where torch keeps no descriptor of it."""
+    storage = tensor.untyped_storage()
+    try:
+        fd, _ = storage._share_fd_cpu_()  # the descriptor torch's file_descriptor strategy keeps open
+    except (RuntimeError, AttributeError):  # the file_system strategy, or a torch without it
+        return None
+    return int(fd), tensor.data_ptr() - storage.data_ptr()

@@ -4,10 +4,13 @@ A tensor a framework allocated (FSDP2's parameters, an inference engine's weight
 process's private heap, which no peer can map as it maps the library's shared blocks
 (``reshard.runtime.device.shared_memory``). Such a shard still gets a descriptor: its device
 enters it in its ``TenureBoard`` and names it as ``(CROSS_MEMORY, pid, board fd, board inode,
-cell, tenure, address, shape)``. A puller on the same machine reads the slices it needs straight
-out of the holder's memory into its destination (``RemoteShard``): one kernel copy per run of
-contiguous bytes, up to ``IOV_MAX`` runs per system call, as a pull from shared memory copies
-once, and no message through the backend.
+cell, tenure, address, shape, file)``. A puller on the same machine reads the slices it needs
+straight out of the holder's memory into its destination (``RemoteShard``): one kernel copy per
+run of contiguous bytes, up to ``IOV_MAX`` runs per system call, as a pull from shared memory
+copies once, and no message through the backend. Where the tensor's storage lies in a
+shared-memory file (torch's ``share_memory_()``, e.g. ``share(..., reback=True)``), ``file`` is
+``(fd, inode, offset)`` of it and peers map it instead, as they map the library's own blocks (a
+mapped copy is faster than the kernel's); its tenure stays on the board.
 
 Tenure. The board is a small memfd that peers map read-only, with a cell per shard in private
 memory. The holder writes a fresh tenure into the shard's cell when it starts holding it and
@@ -98,10 +101,12 @@ class TenureBoard:
         self.cells[0] = LIVE
         self._free = list(range(BOARD_CELLS - 1, 0, -1))
         self._cell: dict[tuple[int, int], int] = {}  # (address, bytes) -> its cell
+        self._file: dict[int, tuple[int, int, int] | None] = {}  # cell -> (fd, inode, offset) of its file
 
-    def begin(self, a, tenure: int) -> None:
-        """Shard ``a`` (a C-contiguous numpy array in private memory) takes ``tenure``; nothing when
-        every cell is taken (the shard then moves through the backend)."""
+    def begin(self, a, tenure: int, file: tuple[int, int] | None = None) -> None:
+        """Shard ``a`` (a C-contiguous numpy array in private memory, or at ``(descriptor, offset)``
+        of a shared-memory ``file``: peers map that instead of reading) takes ``tenure``; nothing
+        when every cell is taken (the shard then moves through the backend)."""
         if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.nbytes:
             return
         key = (base_address(a), a.nbytes)
@@ -110,6 +115,7 @@ class TenureBoard:
             if not self._free:
                 return
             cell = self._cell[key] = self._free.pop()
+        self._file[cell] = None if file is None else (file[0], os.fstat(file[0]).st_ino, file[1])
         self.cells[cell] = tenure
 
     def end(self, a) -> None:
@@ -119,6 +125,7 @@ class TenureBoard:
         cell = self._cell.pop((base_address(a), a.nbytes), None)
         if cell is not None:
             self.cells[cell] = 0
+            self._file.pop(cell, None)
             self._free.append(cell)
 
     def descriptor(self, a) -> tuple | None:
@@ -128,7 +135,7 @@ class TenureBoard:
         if cell is None:
             return None
         return (CROSS_MEMORY, os.getpid(), self.fd, self.inode, cell, int(self.cells[cell]), base_address(a),
-                tuple(a.shape))  # fmt: skip
+                tuple(a.shape), self._file.get(cell))  # fmt: skip
 
     def close(self) -> None:
         self.cells = np.zeros(0, dtype=np.uint64)

@@ -321,11 +321,12 @@ class ShardStore:
                 self.put(name, t, name, dtype, meta, begun=begun)
             return True
 
-    def share(self, name: str, t, dtype: str, meta: dict) -> None:
+    def share(self, name: str, t, dtype: str, meta: dict, *, file: tuple[int, int] | None = None) -> None:
         """Make the user's tensor ``t`` (of dtype ``dtype``, by name) shard ``name`` (no copy; held
         by its user until ``unshare``). Sharing another tensor under a name in use ends the old one's
         tenure: descriptors of it stop reading (its memory may be freed now); sharing the same memory
-        again keeps it (handles adopted before go on reading it)."""
+        again keeps it (handles adopted before go on reading it). ``file``: ``(descriptor, offset)``
+        of the shared-memory file ``t`` lies in (peers map it there)."""
         with self._lock:
             if name in self.shards and name not in self.users:
                 raise ValueError(f"device {self.device} already holds a shard {name!r} of its own; pick another name")
@@ -338,7 +339,7 @@ class ShardStore:
             self.holders[name] = {USER}
             self.users.add(name)
             if self.shared is not None and not again:
-                self.shared.begin(t)
+                self.shared.begin(t, file)
             self.meta[name] = meta
 
     def unshare(self, name: str) -> None:

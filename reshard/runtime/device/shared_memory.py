@@ -154,13 +154,15 @@ class SharedShards:
             return None
         return block, np.frombuffer(mapping, dtype=np.uint64, count=1)
 
-    def begin(self, a) -> None:
-        """A shard takes the block ``a`` fills (if it fills one): a fresh tenure."""
+    def begin(self, a, file: tuple[int, int] | None = None) -> None:
+        """A shard takes the block ``a`` fills (if it fills one): a fresh tenure. Else ``a`` is in
+        private memory, or at ``file`` (``(descriptor, offset)`` of a shared-memory file its
+        owner made: torch's ``share_memory_()``): its cell on the tenure board."""
         found = self._header(a)
         if found is not None:
             found[1][0] = next(self._tenures)
         elif self.private is not None:
-            self.private.begin(a, next(self._tenures))
+            self.private.begin(a, next(self._tenures), file)
 
     def end(self, a) -> None:
         """The shard in ``a``'s block is dropped: descriptors of it no longer map."""
@@ -248,19 +250,19 @@ class _Mapped:
 
     __slots__ = ("block", "fd", "tenure", "views")
 
-    def __init__(self, fd: int, block: np.ndarray):
+    def __init__(self, fd: int, block: np.ndarray, header: bool = True):
         self.fd, self.block = fd, block
-        self.tenure = block[:8].view(np.uint64)
+        self.tenure = block[:8].view(np.uint64) if header else None  # None: the tenure is on a board
         self.views: dict = {}
 
-    def view(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        key = (dtype, shape)
+    def view(self, dtype: np.dtype, shape: tuple[int, ...], offset: int = HEADER) -> np.ndarray:
+        key = (dtype, shape, offset)
         v = self.views.get(key)
         if v is None:
             numel = 1
             for n in shape:
                 numel *= n
-            v = self.views[key] = self.block[HEADER : HEADER + numel * dtype.itemsize].view(dtype).reshape(shape)
+            v = self.views[key] = self.block[offset : offset + numel * dtype.itemsize].view(dtype).reshape(shape)
         return v
 
 
@@ -280,9 +282,12 @@ class PeerShards:
         ``ReshardError`` if the shard was dropped (``check`` again after copying from it). A shard in
         its holder's private memory (``CROSS_MEMORY``) comes as a ``RemoteShard``, read, not mapped."""
         if desc[0] == CROSS_MEMORY:
-            _, pid, fd, inode, _, _, address, shape = desc
+            _, pid, fd, inode, _, _, address, shape, file = desc
             self._check(holder, desc, self._mapped(holder, pid, fd, inode))
-            return RemoteShard(self.device, holder, pid, address, tuple(shape), dtype)
+            if file is None:
+                return RemoteShard(self.device, holder, pid, address, tuple(shape), dtype)
+            data_fd, data_inode, offset = file  # a shared-memory file the holder's storage lies in: mapped
+            return self._mapped(holder, pid, data_fd, data_inode, header=False).view(dtype, tuple(shape), offset)
         return self.view(holder, desc, dtype)
 
     def view(self, holder: int, desc, dtype: np.dtype) -> np.ndarray:
@@ -296,13 +301,14 @@ class PeerShards:
         """Process ``pid``'s memfd ``fd`` (``inode``) as a read-only uint8 array, mapped once and kept."""
         return self._mapped(holder, pid, fd, inode).block
 
-    def _mapped(self, holder: int, pid: int, fd: int, inode: int) -> _Mapped:
-        """Process ``pid``'s memfd ``fd`` (``inode``), mapped once and kept (least recently used out)."""
+    def _mapped(self, holder: int, pid: int, fd: int, inode: int, header: bool = True) -> _Mapped:
+        """Process ``pid``'s memfd ``fd`` (``inode``), mapped once and kept (least recently used out);
+        ``header``: it starts with a tenure cell (not a file torch made, whose tenure is on a board)."""
         key = (pid, inode)
         with self._lock:
             hit = self.maps.get(key)
             if hit is None:
-                hit = self.maps[key] = _Mapped(fd, self._map(holder, pid, fd, inode))
+                hit = self.maps[key] = _Mapped(fd, self._map(holder, pid, fd, inode), header)
                 while len(self.maps) > self.limit:
                     self.maps.popitem(last=False)
             else:
@@ -360,6 +366,7 @@ class PeerShards:
             cell, tenure = desc[4], desc[5]
             now = int(mapped.block[cell * 8 : cell * 8 + 8].view(np.uint64)[0])
         else:
+            assert mapped.tenure is not None, "a shared block's descriptor names a block with a header"
             now, tenure = int(mapped.tenure[0]), desc[4]
         if now != tenure:
             raise ReshardError(
@@ -382,7 +389,7 @@ class PeerShards:
             self._cursor = start + PURGE_STATS
             gone = {pid for pid in {pid for pid, _ in self.maps} if not os.path.exists(f"/proc/{pid}")}
             for key, mapped in items:
-                live = key[0] not in gone and int(mapped.tenure[0]) != 0
+                live = key[0] not in gone and (mapped.tenure is None or int(mapped.tenure[0]) != 0)
                 if live and key in stat:
                     try:
                         live = os.stat(f"/proc/{key[0]}/fd/{mapped.fd}").st_ino == key[1]
