@@ -22,5 +22,6 @@ def test_bench_framework_runs_every_method_bit_exact(ray_cluster, tmp_path):
     data = json.loads(out.read_text())
     assert all(m["verified"] for m in data["methods"].values())
     assert data["moves"]["framework"]["pull_ops"] > 0 and data["moves"]["framework"]["message_ops"] == 0
+    assert data["moves"]["framework-reback"]["pull_ops"] > 0
     assert data["moves"]["framework-gloo"]["pull_ops"] == 0 and data["moves"]["framework-gloo"]["message_ops"] > 0
     assert data["targets"]["framework/library"]["value"] > 0
