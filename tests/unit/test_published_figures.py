@@ -23,7 +23,7 @@ def result(name: str) -> dict:
 
 
 def framework() -> list[tuple[str, str]]:
-    d = result("framework-20261127-202212.json")
+    d = result("framework-20261127-211624.json")
     ms = {m: f"{v['median'] * 1e3:.1f} ms" for m, v in d["methods"].items()}
     lib = d["methods"]["library"]["median"]
     rel = {m: f"{v['median'] / lib:.2f}x" for m, v in d["methods"].items()}
@@ -31,9 +31,10 @@ def framework() -> list[tuple[str, str]]:
     return [
         ("README.md", f"takes {ratios['framework/library']:.2f}x the same sync out of the library's"),
         ("README.md", f"is {ratios['framework-gloo/framework']:.1f}x faster than through loopback gloo"),
+        ("README.md", f"and peers map it: {ratios['framework-reback/library']:.2f}x"),
         *(("bench/WEIGHTS.md", f"| {ms[m]} | {rel[m]} |") for m in d["methods"]),
         ("bench/WEIGHTS.md", f"{d['model']['tensors']} float32 tensors, {d['model']['bytes'] / 2**20:.0f} MiB"),
-        ("bench/WEIGHTS.md", f"(`bench/results/framework-20261127-202212.json`, {d['revision']})"),
+        ("bench/WEIGHTS.md", f"(`bench/results/framework-20261127-211624.json`, {d['revision']})"),
     ]
 
 
