@@ -82,9 +82,15 @@ def test_a_framework_tensor_is_read_in_its_owners_memory_and_only_while_held():
 
 def test_shards_in_shared_memory_keep_their_mapped_descriptors():
     store = ShardStore(0, "cpu", 1 << 20, SharedShards())
-    a = store.allocate((4,), "float32")
+    a = store.allocate((4096,), "float32")
     store.put("a", a, "h", "float32")
     assert maps_shared(store.descriptor(a))
+    small = store.allocate((4,), "float32")  # under SMALL_SHARD_BYTES: private memory, read by peers
+    store.put("small", small, "h", "float32")
+    assert store.descriptor(small)[0] == CROSS_MEMORY
+    relay = store.allocate((4,), "float32", mapped=True)  # a relay is published in it: a shared block
+    store.put("relay", relay, "h", "float32")
+    assert maps_shared(store.descriptor(relay))
     assert ShardStore(0, "cpu", 1 << 20, None).descriptor(np.zeros(3)) is None  # no shared memory: no reads
 
 

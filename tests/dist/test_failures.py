@@ -324,7 +324,7 @@ def test_error_inside_actor_is_a_reshard_error(pool, view, shared_memory, error)
     the holder's own check when it would send, the puller's when it would map the shard."""
     src = view([0, 1], (2,))
     dst = view([4, 5], (2,))
-    t = distribute(np.arange(10, dtype=np.int64), Layout(src, pl("S0")))
+    t = distribute(np.arange(4096, dtype=np.int64), Layout(src, pl("S0")))  # shards in shared blocks
     src.call(lambda ctx, name: ctx.store.shards.pop(name) is not None, t.name, devices=[1])  # gone, not pooled
     t0 = time.monotonic()
     with pytest.raises(ReshardError, match=error.format(holder=src.device_ids[1])):

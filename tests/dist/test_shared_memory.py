@@ -63,7 +63,7 @@ def test_a_dropped_shard_never_maps_again_whatever_its_memory_holds_next():
     the copy (its memory idle in the pool) and after it (the memory reused meanwhile)."""
     owner, peers = SharedShards(), PeerShards(device=1)
     store = ShardStore(0, "cpu", 1 << 20, owner)
-    first = store.allocate((16,), "float32")
+    first = store.allocate((4096,), "float32")  # 16 KiB: a shared block (smaller ones stay private)
     first[...] = 1.0
     store.put("first", first, "h", arrays.dtype_of(first))
     old = store.descriptor(first)
@@ -73,7 +73,7 @@ def test_a_dropped_shard_never_maps_again_whatever_its_memory_holds_next():
     store.free("first")
     with pytest.raises(ReshardError, match="device 0's source shard is gone"):
         peers.get(0, old, np.dtype(np.float32))  # the memory idles in the pool, still mapped here
-    second = store.allocate((16,), "float32")
+    second = store.allocate((4096,), "float32")
     assert store.pool.hits == 1  # the same memory
     second[...] = 2.0
     store.put("second", second, "h", arrays.dtype_of(second))

@@ -137,7 +137,7 @@ class Binding:
             return checked_out(ctx, out, prog.dst_shape, dtype)
         try:
             if prepared.publishes:  # peers read it while the run goes on: in place, in shared memory
-                return ctx.store.allocate(prog.dst_shape, dtype)
+                return ctx.store.allocate(prog.dst_shape, dtype, mapped=True)
             if self.bound.outs is not None:  # staged for a commit, never mapped by peers: pooled private memory
                 return ctx.store.allocate(prog.dst_shape, dtype, shared=False)
             return ctx.store.allocate_destination(prog.dst_shape, dtype)

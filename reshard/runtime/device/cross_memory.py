@@ -102,6 +102,7 @@ class TenureBoard:
         self._free = list(range(BOARD_CELLS - 1, 0, -1))
         self._cell: dict[tuple[int, int], int] = {}  # (address, bytes) -> its cell
         self._file: dict[int, tuple[int, int, int] | None] = {}  # cell -> (fd, inode, offset) of its file
+        self._held: dict[int, np.ndarray] = {}  # cell -> the shard (its memory freed only once the cell is clear)
 
     def begin(self, a, tenure: int, file: tuple[int, int] | None = None) -> None:
         """Shard ``a`` (a C-contiguous numpy array in private memory, or at ``(descriptor, offset)``
@@ -116,6 +117,7 @@ class TenureBoard:
                 return
             cell = self._cell[key] = self._free.pop()
         self._file[cell] = None if file is None else (file[0], os.fstat(file[0]).st_ino, file[1])
+        self._held[cell] = a  # its memory lives while the cell names it, whoever else lets go of it
         self.cells[cell] = tenure
 
     def end(self, a) -> None:
@@ -126,6 +128,7 @@ class TenureBoard:
         if cell is not None:
             self.cells[cell] = 0
             self._file.pop(cell, None)
+            self._held.pop(cell, None)
             self._free.append(cell)
 
     def descriptor(self, a) -> tuple | None:

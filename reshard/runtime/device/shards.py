@@ -43,6 +43,10 @@ USER = "user"  # the holder of a user's own tensor, until the user takes it back
 RELEASED_TOKENS = 4096  # releases that arrived before their acquire
 #: Smallest destination assembled apart: below it, making its few pages costs next to nothing.
 ASSEMBLY_MIN_BYTES = 1 << 20
+#: CPU shards smaller than this stay in private (pooled) memory where peers can read it by
+#: cross-memory attach: a shared block costs a descriptor, a file and a mapping per shard (a
+#: 12,000-tensor tree ran out of descriptors), and for a few KiB a kernel copy is as fast.
+SMALL_SHARD_BYTES = 16 << 10
 
 
 def _nbytes(shape, storage: np.dtype) -> int:
@@ -173,10 +177,12 @@ class ShardStore:
         """The dtype name of shard ``name`` (KeyError: no such shard)."""
         return self.dtypes[name]
 
-    def allocate(self, shape, dtype: str, *, shared: bool = True):
+    def allocate(self, shape, dtype: str, *, shared: bool = True, mapped: bool = False):
         """A new shard's memory (dtype by name): on a CPU device a numpy array in pooled memory of
         the same byte size, else fresh (shared, unless ``shared`` is False: nobody maps it) memory;
-        on a GPU a cupy array."""
+        on a GPU a cupy array. A CPU shard under ``SMALL_SHARD_BYTES`` stays in private memory where
+        peers read it by cross-memory attach (no descriptor per small shard), unless ``mapped``:
+        peers map it (a relay is published in it)."""
         storage = arrays.storage(dtype)
         if self.device_type != "cpu":
             nbytes = _nbytes(shape, storage)
@@ -188,12 +194,17 @@ class ShardStore:
                 return cupy.empty(tuple(shape), dtype=storage)
         nbytes = _nbytes(shape, storage)
         with self._lock:
-            flat = self.pool.take(nbytes) if nbytes else None
-        if flat is None and nbytes and shared and self.shared is not None:
+            # a pooled small shard is private memory: not for one peers must map
+            flat = self.pool.take(nbytes) if nbytes and not (mapped and self._small(nbytes)) else None
+        if flat is None and nbytes and shared and self.shared is not None and (mapped or not self._small(nbytes)):
             flat = self._shared_or_none(self.shared.allocate, nbytes, shape)
         if flat is None:
             return np.empty(tuple(shape), dtype=storage)
         return flat.view(storage).reshape(tuple(shape))
+
+    def _small(self, nbytes: int) -> bool:
+        """A CPU shard kept in private memory: small, and peers can read this process's memory."""
+        return nbytes < SMALL_SHARD_BYTES and getattr(self.shared, "private", None) is not None
 
     def allocate_many(self, specs) -> list:
         """New shards of one call (``(shape, dtype)`` each): on a GPU device whose peers pull through
@@ -243,7 +254,7 @@ class ShardStore:
         shard; else ``allocate``."""
         nbytes = _nbytes(shape, arrays.storage(dtype))
         with self._lock:
-            flat = None if nbytes in self.pool.by_size else self.assembly.take(nbytes)
+            flat = None if nbytes in self.pool.by_size or self._small(nbytes) else self.assembly.take(nbytes)
             if flat is not None:
                 self._assembling = flat.view(arrays.storage(dtype)).reshape(tuple(shape))
                 return self._assembling
