@@ -23,7 +23,7 @@ def result(name: str) -> dict:
 
 
 def framework() -> list[tuple[str, str]]:
-    d = result("framework-20261127-211624.json")
+    d = result("framework-20261127-213001.json")
     ms = {m: f"{v['median'] * 1e3:.1f} ms" for m, v in d["methods"].items()}
     lib = d["methods"]["library"]["median"]
     rel = {m: f"{v['median'] / lib:.2f}x" for m, v in d["methods"].items()}
@@ -34,19 +34,19 @@ def framework() -> list[tuple[str, str]]:
         ("README.md", f"and peers map it: {ratios['framework-reback/library']:.2f}x"),
         *(("bench/WEIGHTS.md", f"| {ms[m]} | {rel[m]} |") for m in d["methods"]),
         ("bench/WEIGHTS.md", f"{d['model']['tensors']} float32 tensors, {d['model']['bytes'] / 2**20:.0f} MiB"),
-        ("bench/WEIGHTS.md", f"(`bench/results/framework-20261127-211624.json`, {d['revision']})"),
+        ("bench/WEIGHTS.md", f"(`bench/results/framework-20261127-213001.json`, {d['revision']})"),
     ]
 
 
 def train_sync() -> list[tuple[str, str]]:
-    d = result("train-sync-20261127-204515.json")
+    d = result("train-sync-20261127-213022.json")
     ms = {m: f"{v['median'] * 1e3:.1f} ms" for m, v in d["methods"].items()}
     ratio = {m: f"{d['methods']['naive']['median'] / v['median']:.2f}x" for m, v in d["methods"].items()}
     return [
         ("README.md", f"synced in {ms['ours']}, {ratio['ours']} faster than"),
         ("README.md", f"({ratio['ours-direct']} with `direct=True`)"),
         *(("bench/WEIGHTS.md", f"| {ms[m]} | {ratio[m]} |") for m in d["methods"]),
-        ("bench/WEIGHTS.md", f"(`bench/results/train-sync-20261127-204515.json`, {d['revision']})"),
+        ("bench/WEIGHTS.md", f"(`bench/results/train-sync-20261127-213022.json`, {d['revision']})"),
         ("bench/WEIGHTS.md", f"{d['model']['tensors']} tensors, {d['model']['bytes'] / 2**20:.0f} MiB"),
     ]
 
