@@ -64,17 +64,17 @@ class WorkerGroup:
         import torch.distributed as dist
 
         dist.barrier(group=self.process_group)  # every rank is done writing what fn reads
-        result, error = None, None
+        result, caught = None, None
         if self.drives:
             try:
                 result = fn()
             except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-        said = [error]
+                caught = e
+        said = [None if caught is None else f"{type(caught).__name__}: {caught}"]
         dist.broadcast_object_list(said, src=self.drive_rank, group=self.process_group)
         if said[0] is not None:
-            if error is not None:
-                raise ReshardError(f"rank {self.rank} (driving): {said[0]}")
+            if caught is not None:
+                raise ReshardError(f"rank {self.rank} (driving): {said[0]}") from caught
             raise ReshardError(f"rank {self.rank}: the driving rank {self.drive_rank} failed: {said[0]}")
         return result
 

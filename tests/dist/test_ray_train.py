@@ -159,3 +159,22 @@ def test_ray_train_fsdp2_syncs_hugging_face_weights_into_inference_actors(ray_cl
         i_mesh.shutdown()
         for a in (*engines, log):
             ray.kill(a)
+
+
+def test_a_failure_on_the_driving_rank_is_raised_on_every_rank():
+    """``WorkerGroup.run`` over a one-rank gloo group (the other ranks' side is the broadcast)."""
+    import torch.distributed as dist
+
+    from reshard import ReshardError
+    from reshard.integrations.ray_train import WorkerGroup
+
+    assert not dist.is_initialized(), "this test makes its own one-rank world"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        workers = WorkerGroup(rank=0, world=1, drive_rank=0, mesh=None, device=None)
+        assert workers.run(lambda: 42) == 42
+        with pytest.raises(ReshardError, match=r"rank 0 \(driving\): ZeroDivisionError") as caught:
+            workers.run(lambda: 1 / 0)
+        assert isinstance(caught.value.__cause__, ZeroDivisionError)
+    finally:
+        dist.destroy_process_group()

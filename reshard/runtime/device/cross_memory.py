@@ -140,11 +140,6 @@ class TenureBoard:
         return (CROSS_MEMORY, os.getpid(), self.fd, self.inode, cell, int(self.cells[cell]), base_address(a),
                 tuple(a.shape), self._file.get(cell))  # fmt: skip
 
-    def close(self) -> None:
-        self.cells = np.zeros(0, dtype=np.uint64)
-        self._mapping.close()
-        os.close(self.fd)
-
 
 class RemoteShard:
     """A peer's shard in its private memory, read slice by slice (never mapped here)."""
