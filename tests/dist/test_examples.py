@@ -1,5 +1,8 @@
 """The examples, run for real at their ``--quick`` sizes on the session's Ray cluster.
 
+``examples/ray_train_sync.py``: a Ray Train V2 job (FSDP2, a Hugging Face Llama) syncs every step
+into two tensor-parallel inference workers with fused qkv and gate_up, cast to bfloat16 in flight.
+
 ``examples/weight_sync.py``: 2-way tensor-parallel trainers push their whole state dict after every
 step, in one call, into four inference actors laid out differently; the inference weights must
 equal a single-process reference bit for bit on every sync path (and beside the trainers' compute,
@@ -70,3 +73,13 @@ def test_weight_sync_checks_catch_a_wrong_or_missing_bucket(ray_cluster):
         full = ws.sync(ws.SyncPath.NAIVE, a)
         assert all(np.array_equal(full[n], want[n]) for n in want)
         assert ws.inference_bit_exact(a, want)
+
+
+def test_ray_train_sync_quick_fills_fused_bf16_regions_bit_exact(ray_cluster):
+    pytest.importorskip("ray.train.torch", reason="ray[train] is not installed (the test extra has it)")
+    pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
+    example = _example("ray_train_sync")
+    report = example.main(["--quick"])
+    assert [r["step"] for r in report.steps] == [0, 1] and all(r["exact"] for r in report.steps), report.steps
+    assert report.steps[0]["loss"] != report.steps[1]["loss"]
+    assert "model.layers.0.self_attn.qkv_proj.weight" in report.fused and len(report.fused) == 4
