@@ -166,12 +166,12 @@ def test_a_failure_on_the_driving_rank_is_raised_on_every_rank():
     import torch.distributed as dist
 
     from reshard import ReshardError
-    from reshard.integrations.ray_train import WorkerGroup
+    from reshard.integrations import ray_train
 
     assert not dist.is_initialized(), "this test makes its own one-rank world"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        workers = WorkerGroup(rank=0, world=1, drive_rank=0, mesh=None, device=None)
+        workers = ray_train.WorkerGroup(rank=0, world=1, drive_rank=0, mesh=None, device=None)
         assert workers.run(lambda: 42) == 42
         with pytest.raises(ReshardError, match=r"rank 0 \(driving\): ZeroDivisionError") as caught:
             workers.run(lambda: 1 / 0)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("topology", "reshard", "scheduler")
-RUNTIME = ("topology.runtime", "reshard.runtime", "scheduler.runtime", "reshard.integrations")
+RUNTIME = ("topology.runtime", "reshard.runtime", "scheduler.runtime")
 HEAVY = ("ray", "torch", "cupy")
 ROOT_PACKAGES = (*PACKAGES, "bench")  # what the contracts analyse
 ENTRY_POINTS = {"reshard", "scheduler", "topology.cluster"}  # load their runtime package on first use

@@ -1,0 +1,1 @@
+"""The framework integrations' runtime code; reached as ``reshard.integrations`` (its lazy entry)."""
