@@ -24,10 +24,7 @@ beside it). JSON goes to
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -36,7 +33,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from bench.local import _git_rev, _torch_version, command_line, stats_of  # noqa: E402
+from bench.local import recorded_run, stats_of  # noqa: E402
 from bench.weights import gpt2, placements  # noqa: E402
 from reshard.runtime import DeviceRole  # noqa: E402
 
@@ -176,23 +173,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
-    when = _dt.datetime.now()
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        result = run(args)
-    finally:
-        if started:
-            ray.shutdown()
-    data = {
-        "suite": "framework", "command": command_line("framework", argv), "revision": _git_rev(),
-        "when": when.isoformat(timespec="seconds"), "python": platform.python_version(),
-        "torch": _torch_version(), "ray": ray.__version__, "cpus": os.cpu_count(), **result,
-    }  # fmt: skip
-    path = Path(args.out) if args.out else ROOT / "results" / f"framework-{when:%Y%m%d-%H%M%S}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    data, path = recorded_run("framework", argv, args.out, lambda: run(args))
     for m in METHODS:
         s = data["methods"][m]
         print(f"{m:16s} median {s['median'] * 1e3:8.1f} ms  (p25 {s['p25'] * 1e3:.1f}, p75 {s['p75'] * 1e3:.1f})"

@@ -297,6 +297,32 @@ def command_line(suite: str, argv) -> str:
     return " ".join(["python -m bench", *([suite] if suite else []), *(shown(str(a)) for a in argv)])
 
 
+def recorded_run(suite: str, argv, out: str | None, run) -> tuple[dict, Path]:
+    """``run()`` on this process's Ray (an embedded local cluster if none is up), its result under
+    the header every result file carries (command, revision, versions), written as JSON to ``out``
+    or ``bench/results/<suite>-<timestamp>.json``; the data and the path."""
+    import ray
+
+    when = _dt.datetime.now()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        result = run()
+    finally:
+        if started:
+            ray.shutdown()
+    data = {
+        "suite": suite, "command": command_line(suite, argv), "revision": _git_rev(),
+        "when": when.isoformat(timespec="seconds"), "python": platform.python_version(),
+        "torch": _torch_version(), "ray": ray.__version__, "cpus": os.cpu_count(), **result,
+    }  # fmt: skip
+    path = Path(out) if out else RESULTS_DIR / f"{suite}-{when:%Y%m%d-%H%M%S}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data, path
+
+
 def _git_rev() -> str:
     """The revision measured (``git rev-parse``; ``RESHARD_REVISION`` where the copy has no git, e.g. a
     lent GPU machine)."""

@@ -23,10 +23,7 @@ Every sync of every method is checked bit for bit on both engines against the tr
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
-import platform
 import signal
 import tempfile
 import time
@@ -37,7 +34,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from bench.local import _git_rev, _torch_version, command_line, stats_of  # noqa: E402
+from bench.local import recorded_run, stats_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 TARGET = 5.0  # naive / ours
@@ -201,23 +198,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse_args(argv)
-    when = _dt.datetime.now()
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        result = run(args)
-    finally:
-        if started:
-            ray.shutdown()
-    data = {
-        "suite": "train-sync", "command": command_line("train-sync", argv), "revision": _git_rev(),
-        "when": when.isoformat(timespec="seconds"), "python": platform.python_version(),
-        "torch": _torch_version(), "ray": ray.__version__, "cpus": os.cpu_count(), **result,
-    }  # fmt: skip
-    path = Path(args.out) if args.out else ROOT / "results" / f"train-sync-{when:%Y%m%d-%H%M%S}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    data, path = recorded_run("train-sync", argv, args.out, lambda: run(args))
     m = data["model"]
     print(f"GPT-2 {m['layers']} blocks: {m['tensors']} tensors, {m['bytes'] / 2**20:.0f} MiB")
     for name, s in data["methods"].items():
