@@ -118,14 +118,14 @@ def cpu_members(ray_cluster):
 
 @pytest.mark.gpu(0)
 def test_rendezvous_gets_ids_settings_and_abort_addresses_in_one_batched_round_trip(cpu_members, ray_cluster):
-    groups = [(0, 1), (1, 2), (0, 1, 2), (2,), (0, 2)]
+    groups = [(0, 1), (1, 2), (0, 1, 2), (2,), (0, 2), (0, 1)]  # (0, 1) twice: two channels, two communicators
     backend = NcclBackend()
     rdvs = backend.rendezvous(groups, cpu_members, timeout_s=60)
     assert [r.group for r in rdvs] == groups
     uids = [r.info["uid"] for r in rdvs]
     assert len(set(uids)) == len(groups) and all(len(u) == 128 for u in uids)
     hosts = assign_id_hosts(groups)
-    assert all(r.info["host"] == hosts[r.group] and r.info["host"] in r.group for r in rdvs)
+    assert all(r.info["host"] == h and h in r.group for r, h in zip(rdvs, hosts, strict=True))
     pids = ray_cluster.get([cpu_members[d].pid.remote() for d in range(3)], timeout=60)
     for r in rdvs:
         assert r.info["v"] == 2 and len(r.info["abort_to"]) == len(r.group)

@@ -330,6 +330,28 @@ def test_send_and_recv_match_by_peer_and_order_within_one_group():
     assert out[1] == [out[2][0], out[0][0], out[0][1]]
 
 
+def test_a_first_receive_launches_only_once_its_peer_sends():
+    """NCCL connects a pair at its first send/receive: until the sender's first send, the
+    receiver's launch stays in progress (and its communicator takes no other call)."""
+    import cupy
+    from cupy.cuda import nccl
+
+    comms = _create(2)
+    for c in comms:
+        assert _settle(c) == 0
+    s0, s1 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    x, y = cupy.arange(128, dtype=cupy.float32), cupy.zeros(128, dtype=cupy.float32)
+    assert _call(comms[1].recv, y.data.ptr, 128, nccl.NCCL_FLOAT32, 0, s1.ptr) == 7
+    assert _call(comms[1].check_async_error) == 7  # connecting
+    assert _call(comms[0].send, x.data.ptr, 128, nccl.NCCL_FLOAT32, 1, s0.ptr) == 7
+    assert _settle(comms[0]) == 0 and _settle(comms[1]) == 0
+    s0.synchronize()
+    s1.synchronize()
+    assert (y == x).all()
+    for c in comms:
+        c.destroy()
+
+
 def test_abort_is_local_so_the_peer_keeps_waiting_until_it_aborts_too():
     import cupy
     from cupy.cuda import nccl
@@ -337,8 +359,14 @@ def test_abort_is_local_so_the_peer_keeps_waiting_until_it_aborts_too():
     comms = _create(2)
     for c in comms:
         assert _settle(c) == 0
-    s = cupy.cuda.Stream(non_blocking=True)
+    s, s0 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     x = cupy.zeros(128, dtype=cupy.float32)
+    # one exchange connects the pair (runtime connection), so the next receive launches
+    assert _call(comms[0].send, x.data.ptr, 128, nccl.NCCL_FLOAT32, 1, s0.ptr) == 7
+    assert _call(comms[1].recv, x.data.ptr, 128, nccl.NCCL_FLOAT32, 0, s.ptr) == 7
+    assert _settle(comms[0]) == 0 and _settle(comms[1]) == 0
+    s0.synchronize()
+    s.synchronize()
     assert _call(comms[1].recv, x.data.ptr, 128, nccl.NCCL_FLOAT32, 0, s.ptr) == 7
     assert _settle(comms[1]) == 0
     waiting = s.record()

@@ -162,7 +162,8 @@ class NcclBackend(Operations, Backend):
     def rendezvous(
         self, groups: list[Group], actors: dict[int, object], timeout_s: float | None = None
     ) -> list[Rendezvous]:
-        """One unique id per group and every member's settings, in one batched round trip."""
+        """One unique id per entry of ``groups`` (the same devices twice, as two channels name them,
+        are two communicators) and every member's settings, in one batched round trip."""
         groups = [normalize_group(g) for g in groups]
         if not groups:
             return []
@@ -170,9 +171,9 @@ class NcclBackend(Operations, Backend):
         if missing:
             raise ValueError(f"no actor for device(s) {missing} named in groups {groups}")
         hosts = assign_id_hosts(groups)
-        per_host: dict[int, list[Group]] = {}
-        for g in dict.fromkeys(groups):
-            per_host.setdefault(hosts[g], []).append(g)
+        per_host: dict[int, list[int]] = {}  # device -> the positions in ``groups`` it makes ids for
+        for i, host in enumerate(hosts):
+            per_host.setdefault(host, []).append(i)
         members = sorted({d for g in groups for d in g})
         cached = {d: self._cached_member(d, actors[d]) for d in members}
         ask = [d for d in members if d in per_host or cached[d] is None]
@@ -201,16 +202,16 @@ class NcclBackend(Operations, Backend):
             if isinstance(cause, ImportError):
                 raise RuntimeError(f"NCCL rendezvous failed on an actor: {cause}") from e
             raise ReshardError(f"NCCL rendezvous failed on an actor: {cause}") from e
-        uid_of: dict[Group, tuple[bytes, int]] = {}
+        uid_of: dict[int, tuple[bytes, int]] = {}  # position in ``groups`` -> (unique id, its maker)
         for dev, res in zip(ask, results, strict=True):
-            for g, uid in zip(per_host.get(dev, ()), res["uids"], strict=True):
-                uid_of[g] = (uid, dev)
+            for i, uid in zip(per_host.get(dev, ()), res["uids"], strict=True):
+                uid_of[i] = (uid, dev)
             static = {k: v for k, v in res.items() if k != "uids"}
             reports[dev] = static
             key = _actor_key(actors[dev])
             if key is not None:
                 self._members[dev] = (key, static)
-        return [Rendezvous(g, self._group_info(g, *uid_of[g], reports)) for g in groups]
+        return [Rendezvous(g, self._group_info(g, *uid_of[i], reports)) for i, g in enumerate(groups)]
 
     def abort_rendezvous(self, rendezvous: list[Rendezvous], reason: str = "aborted") -> None:
         """Members still creating these groups give up at once: each is sent the abort notice of its

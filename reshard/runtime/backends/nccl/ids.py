@@ -47,17 +47,17 @@ def normalize_group(group: Iterable[int]) -> Group:
     return g
 
 
-def assign_id_hosts(groups: Iterable[Group]) -> dict[Group, int]:
-    """For each group, the member device that generates its unique id: the member given the fewest
-    ids so far (ties: lowest device id), so id generation and bootstrap roots are spread out."""
+def assign_id_hosts(groups: Iterable[Group]) -> list[int]:
+    """For each entry of ``groups``, the member device that generates its unique id: the member
+    given the fewest ids so far (ties: lowest device id), so id generation and bootstrap roots are
+    spread out. One id per entry: the same devices named twice (two channels) are two
+    communicators."""
     load: dict[int, int] = {}
-    out: dict[Group, int] = {}
+    out: list[int] = []
     for g in groups:
-        if g in out:
-            continue
         host = min(g, key=lambda d: (load.get(d, 0), d))
         load[host] = load.get(host, 0) + 1
-        out[g] = host
+        out.append(host)
     return out
 
 

@@ -32,6 +32,9 @@ and communicator abort, non-blocking communicators):
   Blocking and non-blocking communicators in one group: ``ncclInvalidArgument``. CUDA work issued
   on a stream whose NCCL launch is still in progress runs before NCCL's kernel (the guide: do not
   issue kernels on NCCL's streams before the state is ncclSuccess); a diagnostic says so.
+- Point-to-point connections are made at a pair's first send/receive, not at creation (NCCL's
+  runtime connection): the launch of a first send to a peer stays in progress until the peer
+  launched its first receive from this rank, and the other way round.
 - Operations are kernels: the operations of one group run as ONE task on their stream (several
   streams join), progressing together; tasks of one stream run in order, so a kernel waiting for
   a peer blocks that stream, which exposes ordering deadlocks between communicators. Collectives
@@ -202,7 +205,7 @@ def _take_fault(kind: str, call: str | None, comms) -> dict | None:
 # Wire format: header (kind, channel, sequence, meta length, payload length), meta, payload
 
 _HEADER = struct.Struct("!BBxxQII")
-_DATA, _ACK, _HELLO, _TABLE, _META = 1, 2, 3, 4, 5
+_DATA, _ACK, _HELLO, _TABLE, _META, _CONNECT = 1, 2, 3, 4, 5, 6
 _COLL, _P2P = 0, 1
 
 
@@ -374,6 +377,7 @@ class _Comm:
         self.recv_seq: dict[int, int] = defaultdict(int)
         self.pending = 0
         self.doomed = False  # an injected asynchronous error: its kernels never complete
+        self.p2p_connected: set[tuple[int, str]] = set()  # (peer, "send"/"recv") set up (``_connect_peers``)
 
     def __repr__(self) -> str:
         return f"<stand-in ncclComm rank {self.rank}/{self.nranks} id {self.uid[:8].hex()}>"
@@ -546,6 +550,8 @@ def _finish_group(job: _GroupJob, jobs: list) -> None:
             if not all(c.blocking for c in job.comms):
                 time.sleep(LAUNCH_DELAY_S)
                 _launch_gate.wait(LAUNCH_HOLD_S)
+            status = _connect_peers(ops)
+        if ops and status == ncclSuccess:
             status = _enqueue(job, ops)
         if job.aborted.is_set() and status == ncclSuccess:
             status = ncclInternalError
@@ -563,6 +569,31 @@ def _finish_group(job: _GroupJob, jobs: list) -> None:
             if c.group is job:
                 c.group = None
         job.done.set()
+
+
+def _connect_peers(ops: list) -> int:
+    """Point-to-point connections are made at the first exchange between two ranks, not at
+    creation (NCCL_RUNTIME_CONNECT=1, the default since NCCL 2.22; src/transport.cc
+    ncclTransportP2pSetup): a rank's first send to a peer is set up together with the peer's first
+    receive from it, and the launch stays in progress (a blocking group end waits) until the peer
+    launched that receive. Each side announces its new connections, then waits for the peer's."""
+    new = {}
+    for op in ops:
+        c = op.comm
+        if op.kind in ("send", "recv") and (op.peer, op.kind) not in c.p2p_connected:
+            new[(c, op.peer, op.kind)] = None
+    for c, peer, kind in new:
+        c.conns[peer].send(_CONNECT, 0 if kind == "send" else 1, 0)  # the sender's half, the receiver's half
+    for c, peer, kind in new:
+        key = (peer, _CONNECT, 1 if kind == "send" else 0, 0)
+        with c.cv:
+            while key not in c.mailbox:
+                if c.stop():
+                    return ncclInternalError
+                c.cv.wait(0.05)
+            del c.mailbox[key]
+        c.p2p_connected.add((peer, kind))
+    return ncclSuccess
 
 
 # ------------------------------------------------------------------------------------------------
