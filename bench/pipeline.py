@@ -593,6 +593,8 @@ def _draw(ax, events, n_stages: int, title: str, xmax: float) -> None:
                 ax.text((start + end) / 2, y + 0.17, label.lstrip("FB"), ha="center", va="center",
                         fontsize=6, color="white")  # fmt: skip
             continue
+        if kind == "recv":  # the send rows show the transfer; a receive also counts its waiting
+            continue
         # "send": labels "F3->1" (measured) or "S3F->1" (simulated)
         head, _, peer = label.partition("->")
         phase = "B" if "B" in head else "F"

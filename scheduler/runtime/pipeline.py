@@ -367,7 +367,9 @@ class Pipeline:
 
         inputs: one array per microbatch, the global stage-0 input (``stage0.in_shape``), or None.
         targets: one array per microbatch handed to the last stage as ``ctx.target``, or None.
-        overlap: False makes each compute wait until its sends finished (blocking sends).
+        overlap: False makes each compute wait until its sends finished (blocking sends). Lanes
+        that send through NCCL on GPUs always do, and post their receives only when the compute
+        that reads them is next (``scheduler.runtime.worker``: kernel lanes).
         Raises `PipelineError` (`PipelineTimeout`) naming stage, device, phase and microbatch.
         """
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
@@ -475,7 +477,7 @@ class Pipeline:
             + [e[2] for st in statuses.values() for e in st["events"]]
             + [t["start"] for st in statuses.values() for t in st["transfers"]]
         )
-        compute_starts = [e[2] for st in statuses.values() for e in st["events"] if e[0] != "send"]
+        compute_starts = [e[2] for st in statuses.values() for e in st["events"] if e[0] in ("forward", "backward")]
         t0 = min(compute_starts + [t0]) if compute_starts else t0
         t_end = max(
             [e[3] for st in statuses.values() for e in st["events"]]

@@ -17,7 +17,7 @@ class TimelineEvent:
     """One bar of the measured timeline, seconds from the iteration start."""
 
     stage: int
-    kind: str  # "forward", "backward", "send"
+    kind: str  # "forward", "backward", "send", "recv" (a receive: from posting it to the data's arrival)
     label: str
     start_s: float
     end_s: float

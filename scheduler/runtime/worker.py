@@ -7,14 +7,26 @@ Threads of one worker:
 
 - a COMPUTE thread per iteration runs the stage's computes in the schedule's order. Before a
   compute it waits (with a deadline) for its input payloads; after it, it hands each output to
-  the lane that sends it and goes on at once (overlap), or waits until those sends completed
-  (``overlap=False``, a blocking send as in `scheduler.simulate`).
+  the lane that sends it and goes on at once (overlap), or lets the next compute wait until
+  those sends completed (``overlap=False``, a blocking send as in `scheduler.simulate`).
 - one COMMUNICATION thread per lane (directed stage pair) the device takes part in, persistent,
   fed by a queue. At iteration start every lane gets all its transfers in the global transfer
   order (`scheduler.pipeline_plan`): a receiving lane posts its receive at once (the data is there
   when the compute needs it); a sending lane waits for the producing compute and sends right after
   it. A transfer runs this device's part of the lowered reshard program (`reshard.lower_plan`) on
   the lane's own communicators, so no communicator is ever used by two threads.
+
+Kernel lanes. On a GPU, a lane that sends through NCCL (not a pull lane) runs NCCL kernels that
+wait on the GPU for their peer, and a CUDA call of the user's compute may wait for every kernel
+of the device: the first launch of a kernel under lazy module loading (the default since CUDA
+12.2 and torch's; CUDA programming guide, "Lazy Loading: concurrent execution") or a
+``cudaFree``; NCCL's guide warns of it ("Using multiple NCCL communicators concurrently"). A
+receive posted early, whose sender waits for this device's next output, then never completes.
+So no kernel lane has a transfer in flight while a compute runs: its receives start when the
+compute thread reaches the step that reads them, its sends finish before the next compute, and
+a step's receives are posted before the previous step's sends are waited for (each pair of
+neighbours then has its sends and receives out together, as a torch pipeline batches them).
+Compute overlaps the other stages' transfers, not its own device's.
 
 Errors. A user callable that raises marks the iteration failed (stage, microbatch, phase, device,
 traceback) and switches the worker to ABORT mode: later computes are skipped and their outputs
@@ -55,11 +67,12 @@ LANE_STAGING_KEEP_BYTES = 1 << 20
 
 
 class _Slot:
-    __slots__ = ("ready", "done", "tensor")
+    __slots__ = ("ready", "done", "wanted", "tensor")
 
     def __init__(self) -> None:
         self.ready = threading.Event()  # the tensor exists (output computed / input received)
         self.done = threading.Event()  # the transfer finished (sends only)
+        self.wanted = threading.Event()  # the compute thread reached the step that reads it (receives only)
         self.tensor: torch.Tensor | None = None
 
 
@@ -71,11 +84,13 @@ class _Iteration:
         self.deadline = self.start + spec.timeout_s
         self.slots: dict[Payload, _Slot] = {}
         self.order: dict[tuple[Lane, Role, Payload], int] = {}  # a transfer's place in its lane
+        self.lane_of: dict[Payload, Lane] = {}
         for role, lanes in ((Role.SEND, self.plan.send_lanes), (Role.RECV, self.plan.recv_lanes)):
             for lane, payloads in lanes.items():
                 for n, p in enumerate(payloads):
                     self.slots[p] = _Slot()
                     self.order[(lane, role, p)] = n
+                    self.lane_of[p] = lane
         self.abort = threading.Event()
         self.finished = threading.Event()
         self.lock = threading.Lock()
@@ -165,6 +180,10 @@ class StageWorker:
                                             staging_keep_bytes=LANE_STAGING_KEEP_BYTES)
             for (lane, role), program in self.programs.items()
         }  # fmt: skip
+        # lanes whose transfers are NCCL kernels on this GPU: they run only between computes
+        self.kernel_lanes = frozenset(
+            lane for lane, _ in self.programs if lane not in spec.pull_peers and device_ctx.cuda_device is not None
+        )
         pulls = [(lane, role) for lane, role in self.programs if lane in spec.pull_peers]
         self.board = LaneBoard(device_ctx, [(lane, role.value) for lane, role in pulls]) if pulls else None
         self.rings: dict[Lane, SendRing] = {}
@@ -301,6 +320,7 @@ class StageWorker:
 
     def _compute_loop(self, it: _Iteration) -> None:
         spec = self.spec
+        unsent: list[Payload] = []  # outputs whose sends must finish before the next compute
         for step in it.plan.steps:
             action = step.compute
             k = action.microbatch
@@ -308,6 +328,11 @@ class StageWorker:
             label = f"{action.phase.value}{k}"
             it.current = f"{label} on stage {spec.stage}"
             try:
+                for p in step.inputs:  # its receives may start now (on kernel lanes: only now)
+                    it.slots[p].wanted.set()
+                for p in unsent:
+                    it.wait(it.slots[p].done, f"send {payload_name(p)} before {label} on stage {spec.stage}")
+                unsent = []
                 inputs = []
                 for p in step.inputs:
                     slot = it.slots[p]
@@ -340,9 +365,7 @@ class StageWorker:
                     slot = it.slots[p]
                     slot.tensor = out
                     slot.ready.set()
-                if not it.spec.overlap:
-                    for p in step.outputs:
-                        it.wait(it.slots[p].done, f"send {payload_name(p)} after {label} on stage {spec.stage}")
+                unsent = [p for p in step.outputs if not it.spec.overlap or it.lane_of[p] in self.kernel_lanes]
             except BaseException as exc:  # noqa: BLE001 - a deadline or an internal error: stop computing
                 it.fail(
                     error_info(
@@ -357,6 +380,8 @@ class StageWorker:
                     if not it.slots[p].ready.is_set():
                         it.slots[p].tensor = self._placeholder(forward)
                         it.slots[p].ready.set()
+                for slot in it.slots.values():
+                    slot.wanted.set()
                 break
         it.current = "finished computing"
         if len(self.saved) and not it.errors:
@@ -469,6 +494,8 @@ class StageWorker:
             slot.tensor = None
             slot.done.set()
         else:
+            if lane in self.kernel_lanes:
+                it.wait(slot.wanted, f"the compute that reads {payload_name(p)}")
             shape = program.dst_shape
             dst = None if shape is None else torch.empty(shape, dtype=self.dtype, device=self.torch_device)
             start = time.time()
@@ -483,6 +510,8 @@ class StageWorker:
             )  # fmt: skip
             if role is Role.SEND:
                 it.events.append(("send", f"{p.phase.value}{p.microbatch}->{p.dst}", start, end))
+            else:
+                it.events.append(("recv", f"{p.phase.value}{p.microbatch}<-{p.src}", start, end))
 
     def _fill_broken(self, it: _Iteration, role: Role, p: Payload) -> None:
         slot = it.slots[p]

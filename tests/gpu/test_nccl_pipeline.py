@@ -44,6 +44,20 @@ def _reference(params, xs, ys):
     return losses, {k: v.grad.numpy() for k, v in t.items()}
 
 
+def _no_transfer_beside_compute(result):
+    """NCCL lanes run only between a device's computes (a kernel waiting for its peer while the
+    compute loads a kernel would hang the GPU): no send or receive of a stage's first device
+    overlaps one of its computes."""
+    for stage in range(result.schedule.n_stages):
+        events = [e for e in result.events if e.stage == stage]
+        computes = [e for e in events if e.kind in ("forward", "backward")]
+        transfers = [e for e in events if e.kind in ("send", "recv")]
+        assert computes and transfers
+        for t in transfers:
+            for c in computes:
+                assert t.end_s <= c.start_s or c.end_s <= t.start_s, f"stage {stage}: {t} overlaps {c}"
+
+
 def test_a_tensor_parallel_pipeline_on_nccl_matches_torch(pool):
     from reshard import DeviceMesh
     from scheduler.runtime import Pipeline, Stage
@@ -71,6 +85,7 @@ def test_a_tensor_parallel_pipeline_on_nccl_matches_torch(pool):
         for schedule, overlap in ((eager_one_f_one_b(3, 4), True), (one_f_one_b(3, 4), False)):
             result = pipe.run(schedule, inputs=xs, targets=ys, overlap=overlap)
             np.testing.assert_allclose(result.losses, want_losses, rtol=1e-10)
+            _no_transfer_beside_compute(result)
             g0 = pipe.apply(pipe_grads, 1, stages=[0])[0]
             g1 = pipe.apply(pipe_grads, stages=[1])[0]
             g2 = pipe.apply(pipe_grads, stages=[2])[0][0]
