@@ -189,6 +189,19 @@ def _kernel():
     return _KERNEL[0]
 
 
+def load(cuda_device: int) -> None:
+    """Compile and load the kernel on GPU ``cuda_device`` now, when a device starts: loading a
+    module may wait for every kernel of the GPU (CUDA programming guide, "Lazy Loading: concurrent
+    execution"), and a first run that loaded it while an NCCL kernel waits for its peer could hang."""
+    kernel = _kernel()
+    if kernel is None:
+        return
+    import cupy
+
+    with cupy.cuda.Device(cuda_device):
+        kernel.compile()
+
+
 def run(table: np.ndarray, starts: np.ndarray) -> None:
     """Copy every row of ``table`` (absolute addresses; ``starts``: cumulative tasks, one more than
     the rows) on the current stream."""

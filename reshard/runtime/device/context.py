@@ -22,7 +22,7 @@ from reshard.errors import ReshardError
 from reshard.ir.program import DeviceProgram
 from reshard.runtime import arrays
 from reshard.runtime.backends.communicator import Backend, Communicator
-from reshard.runtime.device import callers
+from reshard.runtime.device import box_copies, callers
 from reshard.runtime.device.batches import PreparedBatch
 from reshard.runtime.device.executor import Run, StagingBuffer, execute, prepare
 from reshard.runtime.device.gpu_memory import GpuBlocks, GpuPeers
@@ -94,6 +94,8 @@ class DeviceContext:
         self.store = ShardStore(device, self.device_type, pool_bytes, shared,
                                 int(options.get("assembly_bytes", ASSEMBLY_BYTES)))  # fmt: skip
         self.peers: PeerShards | GpuPeers = PeerShards(device) if gpu is None else GpuPeers(device, gpu)
+        if gpu is not None:
+            box_copies.load(gpu)
         cpu_shared = gpu is None and shared is not None
         self.board = RelayBoard() if cpu_shared and RelayBoard.available() else None
         self.controllers: dict[str, ControllerState] = {}
