@@ -51,10 +51,10 @@ class FailureKind(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """Position of an ordered call among one controller's calls to one device. ``caller``: with a
-    controller's first call to a device, where its process runs
-    (``reshard.runtime.device.callers``), so that the device frees what it kept for it once that
-    process ended."""
+    """Position of an ordered call among one controller's calls to one device. ``caller``: where
+    its process runs (``reshard.runtime.device.callers``), with every call: the device frees what
+    it kept for it once that process ended, also when the process died before its first call
+    arrived (Ray sends a call whose arguments are still being resolved after later ones)."""
 
     controller: str
     seq: int

@@ -139,3 +139,32 @@ def test_a_call_waiting_when_its_controller_is_forgotten_gives_up_at_once():
     inbox.forget("gone", "its process ended")
     waiting.join(30)
     assert not waiting.is_alive() and order == [] and "its process ended" in str(raised[0])
+
+
+def test_a_stalled_controller_once_forgotten_lets_its_waiting_calls_go():
+    """Call 1 never arrives (its process died before Ray sent it): calls 2 and 3 wait; the
+    controller is stalled, can be reserved with its calls waiting, and once forgotten they give
+    up and it leaves no order behind."""
+    inbox, order, errors = OrderedInbox(), [], []
+
+    def enter(seq):
+        try:
+            _enter(inbox, Ticket("c", seq, caller=("node", "boot", "pidns", 7, 1)), NONE, order)
+        except CallerForgotten as e:
+            errors.append(e)
+
+    waiting = [threading.Thread(target=enter, args=(n,)) for n in (2, 3)]
+    for t in waiting:
+        t.start()
+    while len(inbox.state()["waiting"]) < 2:
+        waiting[0].join(0.01)  # until both wait for their turn
+    assert inbox.stalled() == ["c"] and inbox.idle(0.0) == []
+    assert inbox.callers == {"c": ("node", "boot", "pidns", 7, 1)}  # known without its first call
+    with inbox.reserve("c") as free:
+        assert not free  # calls wait: not without ``waiting``
+    with inbox.reserve("c", waiting=True) as free:
+        assert free and inbox.stalled() == []
+        inbox.forget("c", "its process ended")
+    for t in waiting:
+        t.join(30)
+    assert order == [] and len(errors) == 2 and inbox.known() == 0

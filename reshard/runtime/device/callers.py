@@ -2,7 +2,7 @@
 
 Every process that drives devices (a driver, a Ray task or actor pushing weights) is a controller,
 and a device keeps state for each: communicators, programs, staging, its call order. A controller
-sends with its first call to a device where its process runs (``process_of_this``): its Ray node,
+sends with every call to a device where its process runs (``process_of_this``): its Ray node,
 the kernel's boot id and PID namespace, its pid and the pid's start time. A device that shares the
 kernel and PID namespace with it reads ``/proc`` to learn whether that very process still runs (a
 reused pid has another start time); one elsewhere learns it only when the caller's Ray node is

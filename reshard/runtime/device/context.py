@@ -192,13 +192,23 @@ class DeviceContext:
     def check_callers(self, idle_s: float | None = None) -> dict:
         """Free what this device keeps for controllers whose processes ended, and give back the
         staging of those idle for ``idle_s`` (default ``caller_check_s``); neither runs while a call
-        of theirs runs or waits. Also drops mappings of peers' shards whose owners let go or died.
-        Returns the controllers forgotten and the staging bytes freed."""
+        of theirs runs. A controller whose calls wait for one that never came (its process died
+        before Ray sent it) is forgotten too, and its waiting calls give up. Also drops mappings of
+        peers' shards whose owners let go or died. Returns the controllers forgotten and the
+        staging bytes freed."""
         if self.cuda_device is None:
             self.peers.purge()  # mappings of shards whose owners let go or died
         idle = self.inbox.idle(self.caller_check_s if idle_s is None else idle_s)
-        gone = set(callers.ended({c: self.inbox.callers[c] for c in idle if c in self.inbox.callers}))
+        stalled = self.inbox.stalled()
+        known = self.inbox.callers
+        gone = set(callers.ended({c: known[c] for c in (*idle, *stalled) if c in known}))
         forgotten, freed = [], 0
+        for c in stalled:
+            if c in gone:
+                with self.inbox.reserve(c, waiting=True) as free:
+                    if free:
+                        self._forget(c)
+                        forgotten.append(c)
         for c in idle:
             with self.inbox.reserve(c) as free:
                 if not free:

@@ -70,9 +70,11 @@ class OrderedInbox:
                 self.callers[c] = ticket.caller
             self._waiting[(c, seq)] = what
             try:
-                while self._next.setdefault(c, 1) != seq or c in self._reserved:
-                    if c in self._forgotten:
+                while True:
+                    if c in self._forgotten:  # checked first: a forgotten controller gets no order again
                         raise CallerForgotten(f"{what} came from a controller this device forgot: {self._forgotten[c]}")
+                    if self._next.setdefault(c, 1) == seq and c not in self._reserved:
+                        break
                     if self._next[c] > seq:
                         raise RuntimeError(f"ordered call {seq} of controller {c} ({what}) arrived after its turn")
                     left = deadline.left()
@@ -83,7 +85,8 @@ class OrderedInbox:
                         )
                     self._cv.wait(min(left, WAIT_SLICE_S))
             except BaseException:  # it gives up its turn, whatever stopped it: later calls skip it
-                self._skipped.setdefault(c, set()).add(seq)
+                if c not in self._forgotten:
+                    self._skipped.setdefault(c, set()).add(seq)
                 self.history.append((c, seq, what, "gave up its turn", 0.0))
                 raise
             finally:
@@ -114,13 +117,21 @@ class OrderedInbox:
             busy = set(self._running) | {c for c, _ in self._waiting} | self._reserved
             return [c for c, t in self._last.items() if c not in busy and now - t >= idle_s]
 
+    def stalled(self) -> list[str]:
+        """Controllers with calls waiting for their turn and none running (a call before them has
+        not arrived)."""
+        with self._cv:
+            waiting = {c for c, _ in self._waiting}
+            return sorted(waiting - set(self._running) - self._reserved)
+
     @contextmanager
-    def reserve(self, controller: str) -> Iterator[bool]:
+    def reserve(self, controller: str, *, waiting: bool = False) -> Iterator[bool]:
         """Hold ``controller``'s calls back while the body frees its state: yields False (and
-        holds nothing) if one of its calls runs or waits now."""
+        holds nothing) if one of its calls runs now, or waits (unless ``waiting``: calls that wait
+        then keep waiting, and give up if the body forgets the controller)."""
         with self._cv:
             busy = controller in self._running or controller in self._reserved
-            if busy or any(c == controller for c, _ in self._waiting):
+            if busy or (not waiting and any(c == controller for c, _ in self._waiting)):
                 free = False
             else:
                 self._reserved.add(controller)

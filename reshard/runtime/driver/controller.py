@@ -135,9 +135,9 @@ class Runtime:
                 raise RuntimeError("ordered calls must not be submitted from inside a submission")
             self._submitting = True
             try:
-                if rec.seq == 1 and self._process is None:
+                if self._process is None:
                     self._process = process_of_this()
-                ref = call(Ticket(self.id, rec.seq, self._process if rec.seq == 1 else None))
+                ref = call(Ticket(self.id, rec.seq, self._process))
             finally:
                 self._submitting = False
             rec.seq += 1
