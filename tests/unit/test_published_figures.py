@@ -105,7 +105,8 @@ def faults() -> list[tuple[str, str]]:
     hosts = result("netchaos-20261127-42c30d3.json")["summary"]
     over = max(k["time_to_error_max_s"] - k["timeout_s"] for k in hosts["by_kind"].values() if k["time_to_error_max_s"])
     soak = result("task-soak-20261127.json")
-    assert not one["violations"] and not hosts["violations"]
+    commit = result("commit-chaos-20261128-b9002a2.json")["summary"]
+    assert not one["violations"] and not hosts["violations"] and not commit["violations"]
     return [
         ("README.md", f"{one['steps']} seeded chaos steps with {one['faults_injected']} injected faults"),
         (
@@ -115,6 +116,16 @@ def faults() -> list[tuple[str, str]]:
         ),  # fmt: skip
         ("README.md", f"every failed call raised within timeout + {over:.2f} s"),
         ("README.md", f"{soak['processes']} short-lived processes each pushing a"),
+        (
+            "README.md",
+            f"{commit['steps']} whole-model `out=`\n  syncs with {commit['caller_kills']} caller kills, "
+            f"{commit['commit_time_faults']} of them during a commit",
+        ),  # fmt: skip
+        (
+            "RELIABILITY.md",
+            f"{commit['steps']} steps, **{commit['caller_kills']} caller kills, {commit['commit_time_faults']} "
+            f"of them during a commit, 0 violations**; {commit['landed']} syncs",
+        ),  # fmt: skip
     ]
 
 
