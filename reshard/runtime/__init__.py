@@ -8,22 +8,39 @@ and what both sides share: ``messages`` (what controllers and devices say to eac
 ``deadlines``, ``arrays`` (numpy and torch buffers alike), ``device_options``.
 """
 
+import importlib
+
 from reshard.runtime.backends.communicator import Backend, Communicator, Rendezvous
 from reshard.runtime.backends.registry import BACKENDS, register_backend
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device.current import current_device
-from reshard.runtime.driver.controller import runtime
-from reshard.runtime.driver.loading import adopt, distribute
-from reshard.runtime.driver.mesh import DeviceMesh
-from reshard.runtime.driver.probe import probe_links
-from reshard.runtime.driver.resharding import compile_options, lowered_batch, lowered_reshard, reshard
-from reshard.runtime.driver.tensor import ShardedTensor, free
-from reshard.runtime.driver.work import Work
+
+#: Names of the driver side and of the device side, loaded on first use (``__getattr__``): a device
+#: actor never loads the driver, a driver that only creates meshes and reshards never loads the
+#: executor.
+_LAZY = {
+    "runtime": "reshard.runtime.driver.controller", "adopt": "reshard.runtime.driver.loading",
+    "distribute": "reshard.runtime.driver.loading", "DeviceMesh": "reshard.runtime.driver.mesh",
+    "probe_links": "reshard.runtime.driver.probe", "compile_options": "reshard.runtime.driver.resharding",
+    "lowered_batch": "reshard.runtime.driver.resharding", "lowered_reshard": "reshard.runtime.driver.resharding",
+    "reshard": "reshard.runtime.driver.resharding", "ShardedTensor": "reshard.runtime.driver.tensor",
+    "free": "reshard.runtime.driver.tensor", "Work": "reshard.runtime.driver.work",
+    "DeviceRole": "reshard.runtime.device.actor", "DeviceContext": "reshard.runtime.device.actor",
+}  # fmt: skip
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reshard.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 def ensure_groups(groups, *, channel: str = "", timeout_s: float = 60.0) -> list:
     """Set up communicator groups (iterables of global device ids) on their members and connect
     them, so that a function run through ``DeviceMesh.call`` can use ``ctx.communicator(group)``."""
+    from reshard.runtime.driver.controller import runtime
+
     return runtime().ensure_groups(groups, channel=channel, timeout_s=timeout_s)
 
 
@@ -31,6 +48,8 @@ def settle(mesh, *, timeout_s: float = 60.0) -> None:
     """Wait until every device of ``mesh`` has done everything this process asked of it so far,
     including the releases of garbage-collected handles (which go out asynchronously): e.g. before
     reading ``mesh.stats()``."""
+    from reshard.runtime.driver.controller import runtime
+
     runtime().flush_holds()
     mesh.call(_nothing, timeout_s=timeout_s)
 
@@ -51,6 +70,8 @@ def device_of(actor_instance):
 def runtime_stats() -> dict:
     """This process's controller counters: programs_shipped, runs, run_calls, rendezvous_calls,
     groups_created, failed_runs."""
+    from reshard.runtime.driver.controller import runtime
+
     return dict(runtime().stats)
 
 
@@ -60,13 +81,3 @@ __all__ = [
     "ensure_groups", "free", "lowered_batch", "lowered_reshard", "probe_links", "register_backend", "reshard",
     "runtime", "runtime_stats", "settle",
 ]  # fmt: skip
-
-
-def __getattr__(name):
-    """``DeviceRole`` and ``DeviceContext`` (the device side: executor, shards, backends) load on
-    first use; a driver that only creates meshes and reshards never loads them."""
-    if name in ("DeviceRole", "DeviceContext"):
-        from reshard.runtime.device import actor
-
-        return getattr(actor, name)
-    raise AttributeError(f"module 'reshard.runtime' has no attribute {name!r}")

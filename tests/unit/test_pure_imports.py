@@ -105,6 +105,22 @@ def test_runtime_names_load_lazily():
     assert proc.stdout.strip() == "False"
 
 
+def test_the_device_side_loads_no_driver_module():
+    """A device actor's process imports the device side (its actor class, the executor, the
+    backends) and none of the driver's modules; the driver's names still load on first use."""
+    code = (
+        "import sys, reshard.runtime.device.actor\n"
+        "print(sorted(m for m in sys.modules if m.startswith('reshard.runtime.driver')))\n"
+        "from reshard.runtime import DeviceMesh, reshard\n"
+        "print(DeviceMesh.__module__, reshard.__module__)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded, names = proc.stdout.strip().splitlines()[-2:]
+    assert loaded == "[]"
+    assert names == "reshard.runtime.driver.mesh reshard.runtime.driver.resharding"
+
+
 # ------------------------------------------------------------------------------- import-linter
 
 
