@@ -564,6 +564,20 @@ class Pipeline:
         self.close()
 
 
+#: How many follow-on errors a pipeline error's message lists (all are in ``PipelineError.errors``).
+FOLLOW_ON_SHOWN = 8
+
+
+def _one_line(e: dict) -> str:
+    """One worker's error as a line: where, which transfer, what."""
+    where = f"stage {e['stage']} (device {e['device']})"
+    if e["microbatch"] is not None:
+        where += f" {e['phase']}{e['microbatch']}"
+    transfer = f" [{e['transfer']}]" if "transfer" in e else ""
+    first = (e["message"].splitlines() or [""])[0]
+    return f"  {where}{transfer} {e['kind']}: {e['type']}: {first[:240]}"
+
+
 def _as_error(errors: Sequence[dict]) -> PipelineError:
     """The root cause among the workers' errors: a user error first, then the earliest."""
     root = min(errors, key=lambda e: (list(ErrorKind).index(ErrorKind(e["kind"])), e["time"]))
@@ -580,6 +594,11 @@ def _as_error(errors: Sequence[dict]) -> PipelineError:
     if len(errors) > 1:
         message += f" (+{len(errors) - 1} follow-on error(s) on other workers)"
     message += "\n--- remote traceback ---\n" + root["traceback"]
+    later = sorted((e for e in errors if e is not root), key=lambda e: e["time"])
+    if later:
+        message += "\n--- follow-on errors, earliest first ---\n" + "\n".join(map(_one_line, later[:FOLLOW_ON_SHOWN]))
+        if len(later) > FOLLOW_ON_SHOWN:
+            message += f"\n... and {len(later) - FOLLOW_ON_SHOWN} more (PipelineError.errors)"
     cls = PipelineTimeout if ErrorKind(root["kind"]) in (ErrorKind.TIMEOUT, ErrorKind.SLOW) else PipelineError
     return cls(
         message,
