@@ -16,6 +16,10 @@ Model (every duration a plain float in seconds; a reshard-plan cost model can su
 - ``overlap=True``: a stage's sends run on its links concurrently with its computes.
   ``overlap=False``: a send also occupies its sender's compute unit from the moment the unit is free
   to issue it until the transfer ends (a blocking send); the receiver is not occupied.
+  ``rendezvous=True`` (implies blocking sends): a transfer also starts only once its receiver
+  reached the compute that reads it, i.e. ended the compute before that one, as NCCL lanes on
+  GPUs run (``scheduler.runtime.worker``: no NCCL kernel waits beside a compute). A schedule
+  that cannot run so ends in ``ScheduleError`` ("stuck").
 
 Reported: ``iteration_s`` = the last event's end; ``busy_s[i]`` = stage i's compute time;
 ``idle_waiting_s[i]`` = time stage i's unit was free but its next compute's inputs had not arrived
@@ -84,6 +88,7 @@ def simulate(
     backward_transfer_s: Seconds | None = None,
     skip_transfer_s: Mapping[tuple[int, int], float] | None = None,
     overlap: bool = True,
+    rendezvous: bool = False,
 ) -> SimulationResult:
     """Simulate one iteration of `schedule` (model in the module doc).
 
@@ -117,6 +122,12 @@ def simulate(
     inputs = [{phase: schedule.peers(s, phase)[0] for phase in Phase} for s in range(n)]
 
     streams = schedule.streams
+    overlap = overlap and not rendezvous
+    before: list[dict[tuple[Phase, int], tuple[Phase, int] | None]] = []  # a compute -> the stage's one before it
+    for stream in streams:
+        computes = [(a.phase, a.microbatch) for a in stream if isinstance(a, Compute)]
+        before.append(dict(zip(computes, [None, *computes[:-1]], strict=True)))
+    reaching: dict[tuple[int, tuple[Phase, int]], list[int]] = {}  # (stage, compute) -> senders waiting for its end
     pos = [0] * n
     free = [0.0] * n
     waiting = [0.0] * n
@@ -148,10 +159,17 @@ def simulate(
                 free[s] = ended[s][(phase, k)] = end
                 kind = EventKind.FORWARD if forward else EventKind.BACKWARD
                 events[s].append(Event(kind, str(action), start, end))
+                ready.extend(reaching.pop((s, (phase, k)), ()))
             elif isinstance(action, Send):
                 link = (s, action.peer)
                 key = (phase, k, *link)
                 issue = ended[s][(phase, k)] if overlap else free[s]
+                if rendezvous:  # the receiver posts its receive once it ended the compute before the reader
+                    prior = before[action.peer][(phase, k)]
+                    if prior is not None and prior not in ended[action.peer]:
+                        reaching.setdefault((action.peer, prior), []).append(s)
+                        break
+                    issue = max(issue, 0.0 if prior is None else ended[action.peer][prior])
                 start = max(issue, link_free.get(link, 0.0))
                 end = start + link_s[link]
                 link_free[link] = arrival[key] = end

@@ -55,12 +55,13 @@ from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.ir.regions import layout_regions
 from reshard.ir.serialize import encode_device_program
 from reshard.passes.compile import compile_reshard, planning_hosts
-from reshard.runtime import Deadline, compile_options, runtime
-from scheduler.ir import Schedule
+from reshard.runtime import BACKENDS, Deadline, compile_options, runtime
+from scheduler.ir import Schedule, ScheduleError
 from scheduler.pipeline_plan import Lane, PipelinePlan, plan_pipeline
 from scheduler.runtime.results import IterationResult, TimelineEvent
 from scheduler.runtime.specs import ErrorKind, IterationSpec, WorkerSpec
 from scheduler.runtime.stages import Stage, check_boundaries, check_stage, local_shape
+from scheduler.simulate import simulate
 from topology.mesh import device_hosts
 
 
@@ -303,8 +304,25 @@ class Pipeline:
             )
         key = (schedule.name, tuple(map(tuple, schedule.to_dict()["streams"])), bool(overlap))
         if key not in self._plans:
+            if self._kernel_lanes():
+                try:  # NCCL lanes start a transfer only once its receiver reached its reader
+                    simulate(schedule, forward_s=1.0, backward_s=1.0, rendezvous=True)
+                except ScheduleError as e:
+                    raise ValueError(
+                        f"schedule {schedule.name!r} cannot run on these GPU meshes: their lanes send through NCCL "
+                        f"only between computes, and a send must meet the compute that reads it ({e}); order each "
+                        "stage's computes so that a payload is read in the order it is sent (the generated schedules "
+                        "all are)"
+                    ) from e
             self._plans[key] = plan_pipeline(schedule, overlap=overlap)
         return self._plans[key]
+
+    def _kernel_lanes(self) -> set[Lane]:
+        """The lanes whose transfers are NCCL kernels on GPUs (``scheduler.runtime.worker``)."""
+        return {
+            lane for lane in self._lane_programs if lane not in self.pull_lanes
+            and getattr(BACKENDS.get(self.stages[lane[1]].mesh.backend), "device_type", "cpu") == "cuda"
+        }  # fmt: skip
 
     # -- setup
 

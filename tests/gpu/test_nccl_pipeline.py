@@ -25,7 +25,7 @@ from gpu_bodies import (
 )  # fmt: skip
 
 from reshard import Layout, Replicate, Shard
-from scheduler import eager_one_f_one_b, one_f_one_b
+from scheduler import eager_one_f_one_b, one_f_one_b, schedule_from_orders
 
 pytestmark = pytest.mark.gpu(1)
 
@@ -78,6 +78,10 @@ def test_a_tensor_parallel_pipeline_on_nccl_matches_torch(pool):
     pipe = Pipeline(stages, timeout_s=120)
     try:
         assert not pipe.pull_lanes  # GPU devices: every lane sends through NCCL
+        crossed = schedule_from_orders("crossed", [["F0", "F1", "B0", "B1"], ["F1", "F0", "B0", "B1"],
+                                                   ["F0", "B0", "F1", "B1"]], 2)  # fmt: skip
+        with pytest.raises(ValueError, match="cannot run on these GPU meshes.*stuck at stage 0"):
+            pipe.plan(crossed)  # stage 1 reads F1 before F0: stage 0's send of F0 would wait forever
         rng = np.random.default_rng(1)
         xs = [rng.standard_normal((PIPE_M, PIPE_D_IN)) for _ in range(4)]
         ys = [rng.standard_normal((PIPE_M, PIPE_C)) for _ in range(4)]
