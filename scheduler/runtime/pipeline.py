@@ -550,6 +550,7 @@ class Pipeline:
             transfer_s=transfer_s,
             events=events,
             arrival_s=arrival_s,
+            rendezvous=bool(self._kernel_lanes()),
         )
 
     # -- utilities

@@ -47,6 +47,7 @@ class IterationResult:
     transfer_s: dict[Lane, list[float]]
     events: list[TimelineEvent] = field(default_factory=list)
     arrival_s: dict[Lane, list[float]] = field(default_factory=dict)
+    rendezvous: bool = False  # its lanes sent through NCCL on GPUs: only between computes
 
     def simulate_inputs(self, *, skip_lanes: bool = False) -> dict:
         """Mean measured durations as `scheduler.simulate` keyword arguments."""
@@ -69,8 +70,9 @@ class IterationResult:
         return kwargs
 
     def predicted(self) -> SimulationResult:
-        """`scheduler.simulate` of this schedule with this run's measured durations and overlap."""
-        return simulate(self.schedule, overlap=self.overlap, **self.simulate_inputs())
+        """`scheduler.simulate` of this schedule with this run's measured durations and overlap
+        (``rendezvous`` where its lanes sent through NCCL on GPUs)."""
+        return simulate(self.schedule, overlap=self.overlap, rendezvous=self.rendezvous, **self.simulate_inputs())
 
     def to_dict(self) -> dict:
         return {
@@ -78,6 +80,7 @@ class IterationResult:
             "n_stages": self.schedule.n_stages,
             "n_microbatches": self.schedule.n_microbatches,
             "overlap": self.overlap,
+            "rendezvous": self.rendezvous,
             "iteration_s": self.iteration_s,
             "driver_s": self.driver_s,
             "losses": self.losses,

@@ -90,6 +90,7 @@ def test_a_tensor_parallel_pipeline_on_nccl_matches_torch(pool):
             result = pipe.run(schedule, inputs=xs, targets=ys, overlap=overlap)
             np.testing.assert_allclose(result.losses, want_losses, rtol=1e-10)
             _no_transfer_beside_compute(result)
+            assert result.rendezvous and result.predicted().iteration_s > 0  # predicted as the lanes ran
             g0 = pipe.apply(pipe_grads, 1, stages=[0])[0]
             g1 = pipe.apply(pipe_grads, stages=[1])[0]
             g2 = pipe.apply(pipe_grads, stages=[2])[0][0]
