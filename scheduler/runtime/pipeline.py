@@ -177,6 +177,11 @@ class Pipeline:
         self.devices = [d for m in self.meshes for d in m.device_ids]
         self.pull_lanes: set[Lane] = set()  # the lanes whose receivers pull (``_lower_lanes``)
         self._lane_programs = self._lower_lanes()
+        # the lanes whose transfers are NCCL kernels on GPUs (``scheduler.runtime.worker``)
+        self.kernel_lanes = frozenset(
+            lane for lane in self._lane_programs if lane not in self.pull_lanes
+            and getattr(BACKENDS.get(self.stages[lane[1]].mesh.backend), "device_type", "cpu") == "cuda"
+        )  # fmt: skip
         self._iterations = 0
         self._keys: list = []  # the pipeline's communicator keys, pinned while it lives
         self._installed = False
@@ -261,6 +266,7 @@ class Pipeline:
             in_local_shape=in_local, out_local_shape=out_local, send_programs=send, recv_programs=recv,
             timeout_s=self.timeout_s, name=stage.name, lane_channels=channels,
             stage_channel=self.channel("stage", s), pull_peers=pull_peers,
+            kernel_lanes=self.kernel_lanes & {*send, *recv},
         )  # fmt: skip
 
     def _connect_order(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -304,7 +310,7 @@ class Pipeline:
             )
         key = (schedule.name, tuple(map(tuple, schedule.to_dict()["streams"])), bool(overlap))
         if key not in self._plans:
-            if self._kernel_lanes():
+            if self.kernel_lanes:
                 try:  # NCCL lanes start a transfer only once its receiver reached its reader
                     simulate(schedule, forward_s=1.0, backward_s=1.0, rendezvous=True)
                 except ScheduleError as e:
@@ -316,13 +322,6 @@ class Pipeline:
                     ) from e
             self._plans[key] = plan_pipeline(schedule, overlap=overlap)
         return self._plans[key]
-
-    def _kernel_lanes(self) -> set[Lane]:
-        """The lanes whose transfers are NCCL kernels on GPUs (``scheduler.runtime.worker``)."""
-        return {
-            lane for lane in self._lane_programs if lane not in self.pull_lanes
-            and getattr(BACKENDS.get(self.stages[lane[1]].mesh.backend), "device_type", "cpu") == "cuda"
-        }  # fmt: skip
 
     # -- setup
 
@@ -550,7 +549,7 @@ class Pipeline:
             transfer_s=transfer_s,
             events=events,
             arrival_s=arrival_s,
-            rendezvous=bool(self._kernel_lanes()),
+            rendezvous=bool(self.kernel_lanes),
         )
 
     # -- utilities

@@ -58,6 +58,8 @@ class WorkerSpec:
     # pull lanes (``scheduler.runtime.pull_lanes``) this device takes part in: sending, the devices
     # that pull from it; receiving, the devices it pulls from
     pull_peers: dict[Lane, tuple[int, ...]] = field(default_factory=dict)
+    # lanes whose transfers are NCCL kernels on GPUs: they run only between computes (``worker``)
+    kernel_lanes: frozenset[Lane] = frozenset()
 
 
 @dataclass

@@ -180,10 +180,6 @@ class StageWorker:
                                             staging_keep_bytes=LANE_STAGING_KEEP_BYTES)
             for (lane, role), program in self.programs.items()
         }  # fmt: skip
-        # lanes whose transfers are NCCL kernels on this GPU: they run only between computes
-        self.kernel_lanes = frozenset(
-            lane for lane, _ in self.programs if lane not in spec.pull_peers and device_ctx.cuda_device is not None
-        )
         pulls = [(lane, role) for lane, role in self.programs if lane in spec.pull_peers]
         self.board = LaneBoard(device_ctx, [(lane, role.value) for lane, role in pulls]) if pulls else None
         self.rings: dict[Lane, SendRing] = {}
@@ -365,7 +361,7 @@ class StageWorker:
                     slot = it.slots[p]
                     slot.tensor = out
                     slot.ready.set()
-                unsent = [p for p in step.outputs if not it.spec.overlap or it.lane_of[p] in self.kernel_lanes]
+                unsent = [p for p in step.outputs if not it.spec.overlap or it.lane_of[p] in self.spec.kernel_lanes]
             except BaseException as exc:  # noqa: BLE001 - a deadline or an internal error: stop computing
                 it.fail(
                     error_info(
@@ -494,7 +490,7 @@ class StageWorker:
             slot.tensor = None
             slot.done.set()
         else:
-            if lane in self.kernel_lanes:
+            if lane in self.spec.kernel_lanes:
                 it.wait(slot.wanted, f"the compute that reads {payload_name(p)}")
             shape = program.dst_shape
             dst = None if shape is None else torch.empty(shape, dtype=self.dtype, device=self.torch_device)
