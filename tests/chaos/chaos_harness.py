@@ -107,16 +107,20 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "uint8": 1, "bool": 1}  # fmt: skip
 
 
-def _gone(actor) -> None:
-    """Return once Ray says ``actor`` is dead: ``ray.kill`` is asynchronous, and a fault "before" a
-    step must be in place when the step starts (else a fast step can finish first)."""
+def gone(actor) -> None:
+    """Return once Ray says ``actor`` (any Ray actor) is dead: ``ray.kill`` is asynchronous, and a
+    fault "before" a step must be in place when the step starts (else a fast step can finish first)."""
     until = time.monotonic() + PROBE_TIMEOUT_S
     while time.monotonic() < until:
         try:
-            ray.get(actor.reshard_stats.remote(), timeout=PROBE_TIMEOUT_S)
+            ray.get(actor.__ray_call__.remote(_answer), timeout=PROBE_TIMEOUT_S)
         except ray.exceptions.RayActorError:
             return
     raise AssertionError(f"ray.kill: the actor still answered after {PROBE_TIMEOUT_S:g} s")
+
+
+def _answer(actor_self) -> None:
+    return None
 
 
 # ------------------------------------------------------------------------------------------ events
@@ -433,7 +437,7 @@ class Chaos:
         if fault is not Fault.NONE and phase is Phase.BEFORE:
             killed = self._inject(fault, victim, landed)
             if fault is Fault.RAY_KILL:
-                _gone(self.actors[victim])
+                gone(self.actors[victim])
         elif phase is Phase.DURING:
             self._view([victim]).call(_arm, self.beacon, tag, self._hold_at(compiled, victim))
             injector = threading.Thread(target=self._inject_on_arrival, args=(fault, victim, tag, landed),

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import pytest
 import ray
-from chaos_harness import Beacon
+from chaos_harness import Beacon, gone
 
 from reshard import DeviceMesh, Layout, Shard, distribute, reshard
 
@@ -119,18 +119,6 @@ def _settled(mesh, d: int, beacon, done: str) -> bool:
     return False
 
 
-def _killed(trainer) -> None:
-    """Kill ``trainer`` and return once Ray says it is gone (``ray.kill`` is asynchronous)."""
-    ray.kill(trainer)
-    while True:
-        try:
-            ray.get(trainer.push.remote(None, None, None, None), timeout=60)
-        except ray.exceptions.RayActorError:
-            return
-        except Exception:  # noqa: BLE001 - the call reached a live actor (it fails on None): ask again
-            continue
-
-
 def test_caller_kills_at_commit_time_never_split_a_model(ray_cluster):
     rng = random.Random(SEED)
     points = [p for _ in range(-(-STEPS // len(Point))) for p in Point]
@@ -158,7 +146,8 @@ def test_caller_kills_at_commit_time_never_split_a_model(ray_cluster):
                     assert ray.get(beacon.wait.remote([f"{key}:held"], WAIT_S)) == f"{key}:held", (
                         f"step {step}: never held"
                     )
-                _killed(trainer)
+                ray.kill(trainer)
+                gone(trainer)
                 ray.get(beacon.set.remote(f"{key}:go"))
             for d in range(2):
                 assert _settled(b, d, beacon, f"{key}:done:{b.device_ids[d]}"), f"step {step}: device {d} never settled"
