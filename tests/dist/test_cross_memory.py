@@ -50,6 +50,46 @@ def test_a_read_box_is_what_numpy_slices(case, dtype):
     np.testing.assert_array_equal(view, a[index])
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(boxes(), min_size=1, max_size=40), st.integers(1, 60))
+def test_gathered_reads_are_what_numpy_slices(cases, copies):
+    """Boxes of many shards, read by as few calls as fit (more than IOV_MAX boxes: several)."""
+    sources, outs, gather, alone = [], [], cross_memory.Gather(), 0
+    for _ in range(copies):
+        for shape, box in cases:
+            a = np.random.default_rng(len(sources)).standard_normal(shape).astype(np.float32)
+            remote = RemoteShard(0, 1, os.getpid(), a.__array_interface__["data"][0], shape, a.dtype)
+            out = np.full([hi - lo for lo, hi in box], np.nan, dtype=np.float32)
+            if not gather.add(remote, tuple(box), out):
+                alone += 1
+                remote.read_into((*(slice(lo, hi) for lo, hi in box), Ellipsis), out)
+            sources.append((a, box))
+            outs.append(out)
+    gather.flush()
+    assert not gather.pending
+    for (a, box), out in zip(sources, outs, strict=True):
+        np.testing.assert_array_equal(out, a[(*(slice(lo, hi) for lo, hi in box), Ellipsis)])
+
+
+def test_a_gathered_read_of_a_process_gone_names_its_holder():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    gather = cross_memory.Gather()
+    assert gather.add(RemoteShard(0, 3, pid, 4096, (4,), np.dtype(np.float32)), ((0, 4),), np.zeros(4, np.float32))
+    with pytest.raises(ReshardError, match="device 3's source shard is gone"):
+        gather.flush()
+
+
+def test_a_box_read_as_a_span_is_not_gathered():
+    a = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    remote = RemoteShard(0, 1, os.getpid(), a.__array_interface__["data"][0], a.shape, a.dtype)
+    out = np.zeros((64, 32), dtype=np.float32)  # 64 short runs close together: read as their span
+    assert not cross_memory.Gather().add(remote, ((0, 64), (0, 32)), out)
+    assert not cross_memory.Gather().add(remote, ((0, 64), (0, 64)), np.zeros((64, 64)))  # another dtype
+
+
 def test_runs_merge_whole_inner_dimensions():
     offsets, length = cross_memory.runs((4, 3, 5), 8, [(1, 3), (0, 3), (0, 5)])
     assert offsets.tolist() == [1 * 15 * 8] and length == 2 * 15 * 8  # one run: rows 1-2 whole

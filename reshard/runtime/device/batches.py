@@ -6,10 +6,12 @@ destination shard. Buckets are issued window by window (inside one backend batch
 batches), then waited for in order. Then each part runs as a single program does
 (``reshard.runtime.device.executor``), one after the other in tensor order.
 
-On a GPU device the pieces of a window are packed, and unpacked, by one kernel (``box_copies``),
-and the parts whose programs only copy (their messages packed, nothing combined, nothing
-published or relayed: a state dict's small tensors, pulls between devices sharing the GPU) run
-together as one flat unit: one kernel for all their copies and pulls, before the other parts.
+The parts whose programs only copy (their messages packed, nothing combined, nothing published
+or relayed: a state dict's small tensors, pulls between devices of one machine) run together as
+one flat unit, before the other parts: on a GPU device one kernel for all their copies and pulls
+(as the pieces of a window are packed, and unpacked, by one kernel: ``box_copies``); on a CPU
+device their ops in order with their reads out of peers' private memory gathered into one system
+call per holder.
 
 ``verify``: after the run, a checksum (CRC-32) of every slice the device read to send or pull, and
 of every slice it received, as it lies in its destination shard, keyed by tensor and plan step; the
@@ -33,6 +35,7 @@ from reshard.ir.program import Broadcast, Buffer, Copy, Pull, Recv, Scale, Send,
 from reshard.ir.regions import box_shape
 from reshard.runtime import arrays
 from reshard.runtime.device import box_copies
+from reshard.runtime.device.cross_memory import Gather, RemoteShard
 from reshard.runtime.device.executor import PreparedProgram, Run, begin_run, box_index, prepare, run_windows
 
 
@@ -145,9 +148,9 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
         begin_run(r)
     for window in run.prepared.windows:
         _run_window(run, window)
-    flat = set(run.prepared.flat) if run.gpu else set()
+    flat = set(run.prepared.flat)
     if flat:
-        _run_flat(run, ordered)
+        (_run_flat if run.gpu else _run_flat_host)(run, ordered)
     for i, r in enumerate(ordered):
         if i not in flat:
             run_windows(r)
@@ -274,6 +277,34 @@ def _run_flat(run: BatchRun, ordered: list[Run]) -> None:
             r = ordered[name[0]]
             bases.append((r.src if name[1] == "src" else r.dst).data.ptr)
     table.launch(bases)
+
+
+def _run_flat_host(run: BatchRun, ordered: list[Run]) -> None:
+    """The parts that only copy, on a CPU device: their ops in order, without a run of the
+    executor each, and every read out of a peer's private memory gathered (``Gather``: one system
+    call per holder for as many as fit)."""
+    gather = Gather()
+    before = run.before_op
+    for i in run.prepared.flat:
+        r = ordered[i]
+        for window in r.prepared.windows:
+            for s in window:
+                op = s.op
+                if before is not None:
+                    before(r, op)
+                if type(op) is Pull:
+                    shard = r.peers[op.holder]
+                    if type(shard) is RemoteShard:
+                        out = r.dst[s.write]
+                        if not gather.add(shard, op.read, out):
+                            shard.read_into(s.read, out)
+                    else:
+                        arrays.copy(r.dst[s.write], shard[s.read])
+                else:
+                    if op.buffer is Buffer.DST:
+                        gather.flush()  # it reads what a gathered read writes
+                    s.handler(r, s)
+    gather.flush()
 
 
 def _bases(run: BatchRun, names) -> list[int]:

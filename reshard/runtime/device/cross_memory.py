@@ -221,6 +221,62 @@ class RemoteShard:
         )
 
 
+class Gather:
+    """Reads out of peers' private memory gathered over many pulls and issued together: one
+    ``process_vm_readv`` per holder for as many boxes as ``IOV_MAX`` and ``CALL_BYTES`` allow (a
+    state dict's small shards: one system call where there were hundreds). A box read as a span
+    (short runs), or one that needs calls of its own, is not gathered (``add`` says so)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self):
+        self.pending: dict[int, list] = {}  # pid -> [(shard, box, out, plan)]
+
+    def add(self, shard: RemoteShard, box: tuple[tuple[int, int], ...], out) -> bool:
+        """Queue ``out[...] = shard[box]`` (``out`` a C-contiguous numpy array of the shard's
+        dtype); False, nothing queued, when it cannot be gathered: the caller reads it itself."""
+        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or out.dtype != shard.dtype or not out.nbytes:
+            return False
+        plan = read_plan(shard.shape, shard.dtype.itemsize, box)
+        if plan.span is not None or len(plan.calls) != 1 or len(plan.iov) > IOV_MAX:
+            return False
+        self.pending.setdefault(shard.pid, []).append((shard, box, out, plan))
+        return True
+
+    def flush(self) -> None:
+        """Read everything queued (``ReshardError`` naming the first box that failed)."""
+        pending, self.pending = self.pending, {}
+        for pid, items in pending.items():
+            start = 0
+            while start < len(items):
+                stop, rows, nbytes = start, 0, 0
+                while stop < len(items) and stop - start < IOV_MAX:
+                    plan = items[stop][3]
+                    if stop > start and (rows + len(plan.iov) > IOV_MAX or nbytes + plan.nbytes > CALL_BYTES):
+                        break
+                    rows += len(plan.iov)
+                    nbytes += plan.nbytes
+                    stop += 1
+                self._call(pid, items[start:stop], nbytes)
+                start = stop
+
+    @staticmethod
+    def _call(pid: int, items: list, nbytes: int) -> None:
+        local, remote = [], []
+        for shard, _, out, plan in items:
+            local.append((base_address(out), plan.nbytes))
+            if len(plan.iov) == 1:
+                remote.append((shard.address + plan.first, plan.nbytes))
+            else:
+                rows = plan.iov.astype(np.uint64)  # a copy: the plan is cached
+                rows[:, 0] += np.uint64(shard.address)
+                remote.extend(map(tuple, rows.tolist()))
+        got = _read(pid, np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64))
+        if got != nbytes:  # one by one: the box that fails raises, naming its holder
+            for shard, box, out, _ in items:
+                shard._read_box(box, out)
+
+
 class _Iovec(ctypes.Structure):
     _fields_ = (("base", ctypes.c_uint64), ("len", ctypes.c_uint64))
 
@@ -323,4 +379,4 @@ def runs(shape: tuple[int, ...], itemsize: int, box: list[tuple[int, int]]) -> t
     return offsets, (hi - lo) * strides[k]
 
 
-__all__ = ["BOARD_CELLS", "RemoteShard", "TenureBoard", "available", "read_plan", "runs"]
+__all__ = ["BOARD_CELLS", "Gather", "RemoteShard", "TenureBoard", "available", "read_plan", "runs"]
