@@ -26,10 +26,15 @@ import numpy as np
 from reshard.dtypes import BIT_PATTERN, dtype_name, storage_name
 from reshard.ir.placement import ReduceOp
 
+_STORAGE: dict[str, np.dtype] = {}
+
 
 def storage(dtype: str) -> np.dtype:
     """The numpy (and cupy) element type that holds dtype ``dtype`` (by name)."""
-    return np.dtype(storage_name(dtype))
+    got = _STORAGE.get(dtype)
+    if got is None:
+        got = _STORAGE[dtype] = np.dtype(storage_name(dtype))
+    return got
 
 
 def dtype_of(a) -> str:
@@ -95,7 +100,9 @@ def copy(dst, src) -> None:
     """``dst[...] = src`` between views of any two kinds (a torch source into an array target is
     read through its memory, a bit-pattern dtype as its bit pattern). Into a cupy array it is a
     kernel on the current stream."""
-    if is_device(dst):
+    if type(dst) is np.ndarray and type(src) is np.ndarray:
+        np.copyto(dst, src, casting="no")
+    elif is_device(dst):
         if is_device(src):
             dst[...] = src
         elif is_torch(src) and src.is_cuda:

@@ -399,4 +399,6 @@ def _check_buffer(what: str, t, shape, dtype, device: int) -> None:
 
 def _is(a, dtype: str) -> bool:
     """Whether array ``a`` holds ``dtype`` (a numpy or cupy array: its storage dtype)."""
+    if type(a) is np.ndarray:
+        return a.dtype == arrays.storage(dtype)
     return a.dtype == arrays.torch_dtype(dtype) if arrays.is_torch(a) else a.dtype == arrays.storage(dtype)

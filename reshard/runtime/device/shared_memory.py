@@ -142,17 +142,16 @@ class SharedShards:
             del self.blocks[start]
         os.close(fd)
 
-    def _header(self, a) -> tuple[tuple, np.ndarray] | None:
-        """The block ``a`` fills and its tenure cell, or None (not a whole live block)."""
+    def _header(self, a) -> tuple[tuple, ctypes.c_uint64] | None:
+        """The block ``a`` fills and its tenure cell, or None (not a whole live block). The cell
+        is read through its address: ``a`` keeps the mapping alive meanwhile."""
         if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
             return None
-        block = self.blocks.get(base_address(a))
-        if block is None:
+        start = base_address(a)
+        block = self.blocks.get(start)
+        if block is None or block[2] != a.nbytes or block[3]() is None:
             return None
-        mapping = block[3]()
-        if mapping is None or block[2] != a.nbytes:
-            return None
-        return block, np.frombuffer(mapping, dtype=np.uint64, count=1)
+        return block, ctypes.c_uint64.from_address(start - HEADER)
 
     def begin(self, a, file: tuple[int, int] | None = None) -> None:
         """A shard takes the block ``a`` fills (if it fills one): a fresh tenure. Else ``a`` is in
@@ -160,7 +159,7 @@ class SharedShards:
         owner made: torch's ``share_memory_()``): its cell on the tenure board."""
         found = self._header(a)
         if found is not None:
-            found[1][0] = next(self._tenures)
+            found[1].value = next(self._tenures)
         elif self.private is not None:
             self.private.begin(a, next(self._tenures), file)
 
@@ -168,7 +167,7 @@ class SharedShards:
         """The shard in ``a``'s block is dropped: descriptors of it no longer map."""
         found = self._header(a)
         if found is not None:
-            found[1][0] = 0
+            found[1].value = 0
         elif self.private is not None:
             self.private.end(a)
 
@@ -179,10 +178,11 @@ class SharedShards:
         found = self._header(a)
         if found is None:
             return None if self.private is None else self.private.descriptor(a)
-        if not found[1][0]:
+        block, cell = found
+        tenure = cell.value
+        if not tenure:
             return None
-        block, tenure = found
-        return (os.getpid(), block[0], block[1], tuple(a.shape), int(tenure[0]))
+        return (os.getpid(), block[0], block[1], tuple(a.shape), tenure)
 
 
 def run_key(name: str) -> int:
@@ -248,12 +248,19 @@ class _Mapped:
     """A peer's block mapped here: its descriptor number, its bytes, its tenure cell, and the typed
     views of its data handed out so far (a replay asks for the same ones)."""
 
-    __slots__ = ("block", "fd", "tenure", "views")
+    __slots__ = ("_words", "block", "fd", "tenure", "views")
 
     def __init__(self, fd: int, block: np.ndarray, header: bool = True):
         self.fd, self.block = fd, block
         self.tenure = block[:8].view(np.uint64) if header else None  # None: the tenure is on a board
         self.views: dict = {}
+        self._words: np.ndarray | None = None
+
+    def word(self, index: int) -> int:
+        """The block's ``index``-th uint64 (a tenure board's cell)."""
+        if self._words is None:
+            self._words = self.block[: len(self.block) // 8 * 8].view(np.uint64)
+        return int(self._words[index])
 
     def view(self, dtype: np.dtype, shape: tuple[int, ...], offset: int = HEADER) -> np.ndarray:
         key = (dtype, shape, offset)
@@ -274,13 +281,35 @@ class PeerShards:
         self.device = device
         self.limit = limit
         self.maps: OrderedDict[tuple[int, int], _Mapped] = OrderedDict()  # (pid, inode) -> its mapping
+        self._got: dict = {}  # (holder, descriptor, dtype) -> (key, mapping, what get gave): a replay asks again
         self._cursor = 0  # where the next purge starts looking descriptors up
         self._lock = threading.Lock()
 
     def get(self, holder: int, desc, dtype: np.dtype) -> np.ndarray | RemoteShard:
         """Device ``holder``'s shard named by ``desc``, viewed (read-only) as ``dtype`` of its shape;
         ``ReshardError`` if the shard was dropped (``check`` again after copying from it). A shard in
-        its holder's private memory (``CROSS_MEMORY``) comes as a ``RemoteShard``, read, not mapped."""
+        its holder's private memory (``CROSS_MEMORY``) comes as a ``RemoteShard``, read, not mapped.
+        What a descriptor gave is kept while its mapping is (its tenure checked again each time)."""
+        try:
+            hit = self._got.get((holder, desc, dtype))
+        except TypeError:  # a descriptor that is not a tuple: not kept
+            return self._get(holder, desc, dtype)
+        if hit is not None:
+            key, mapped, got = hit
+            now = self.maps.get(key)
+            if now is not None and now is mapped:
+                self._check(holder, desc, now)
+                return got
+        got = self._get(holder, desc, dtype)
+        key = (desc[1], desc[3]) if desc[0] == CROSS_MEMORY else (desc[0], desc[2])
+        kept = self.maps.get(key)
+        if kept is not None and (desc[0] != CROSS_MEMORY or desc[8] is None):  # not a view of another mapping
+            if len(self._got) >= 4 * self.limit:
+                self._got.clear()
+            self._got[(holder, desc, dtype)] = (key, kept, got)
+        return got
+
+    def _get(self, holder: int, desc, dtype: np.dtype) -> np.ndarray | RemoteShard:
         if desc[0] == CROSS_MEMORY:
             _, pid, fd, inode, _, _, address, shape, file = desc
             self._check(holder, desc, self._mapped(holder, pid, fd, inode))
@@ -364,7 +393,7 @@ class PeerShards:
     def _check(self, holder: int, desc, mapped: _Mapped) -> None:
         if desc[0] == CROSS_MEMORY:  # its cell on the holder's tenure board
             cell, tenure = desc[4], desc[5]
-            now = int(mapped.block[cell * 8 : cell * 8 + 8].view(np.uint64)[0])
+            now = mapped.word(cell)
         else:
             assert mapped.tenure is not None, "a shared block's descriptor names a block with a header"
             now, tenure = int(mapped.tenure[0]), desc[4]
@@ -397,6 +426,7 @@ class PeerShards:
                         live = False
                 if not live:
                     del self.maps[key]
+            self._got = {k: v for k, v in self._got.items() if self.maps.get(v[0]) is v[1]}
 
     def _map(self, holder: int, pid: int, fd: int, inode: int) -> np.ndarray:
         path = f"/proc/{pid}/fd/{fd}"
@@ -428,3 +458,4 @@ class PeerShards:
     def clear(self) -> None:
         with self._lock:
             self.maps.clear()
+            self._got.clear()
