@@ -84,31 +84,42 @@ def decode_plan(data: bytes) -> ReshardPlan:
     )  # fmt: skip
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """An op type's field names in order, kept (``dataclasses.fields`` costs more than the op)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
+
+
 def op_to_obj(op: Op) -> list:
     out: list = [OP_TAGS[type(op)]]
-    for f in fields(op):
-        v = getattr(op, f.name)
+    for name in _field_names(type(op)):
+        v = getattr(op, name)
         if isinstance(v, ReduceOp):
             out.append(v.value)
         elif v is None or isinstance(v, int):
             out.append(int(v) if v is not None else None)
         else:  # a box or a group
-            out.append([list(iv) for iv in v] if f.name in _BOXES else list(v))
+            out.append([list(iv) for iv in v] if name in _BOXES else list(v))
     return out
 
 
 def op_from_obj(obj) -> Op:
     cls = _OP_TYPES[obj[0]]
     values = []
-    for f, v in zip(fields(cls), obj[1:], strict=True):
+    for name, v in zip(_field_names(cls), obj[1:], strict=True):
         if v is not None:
-            if f.name in _BOXES:
+            if name in _BOXES:
                 v = _box(v)
-            elif f.name == "group":
+            elif name == "group":
                 v = tuple(v)
-            elif f.name in ("buffer", "target"):
+            elif name in ("buffer", "target"):
                 v = Buffer(v)
-            elif f.name == "reduce":
+            elif name == "reduce":
                 v = ReduceOp(v)
         values.append(v)
     return cls(*values)
