@@ -41,6 +41,7 @@ from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceCon
 from reshard.runtime.device.current import clear_current, set_current
 from reshard.runtime.device.gpu_memory import GpuBlocks
 from reshard.runtime.device.outcomes import Outcome
+from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import (
     COMMIT_WAIT_S,
     HoldChange,
@@ -246,8 +247,9 @@ class DeviceRole:
         binding = None
         try:
             if req.blob is not None:
-                program, metas = decode_batch_device_program(req.blob)
-                state.programs[req.program_id] = prepare_batch(program, metas)
+                with gc_paused():  # a large tree's program: many acyclic objects at once
+                    program, metas = decode_batch_device_program(req.blob)
+                    state.programs[req.program_id] = prepare_batch(program, metas)
                 ctx.counters["programs_received"] += 1
             prepared = state.programs.get(req.program_id)
             if prepared is None:
@@ -269,7 +271,8 @@ class DeviceRole:
             binding = Binding(ctx, req, bound, prepared)
             channel = state.groups.channel("")
             batch = ctx.backend.batcher
-            runs = binding.runs(channel, state.staging, deadline, active.cancelled, ctx.before_op, batch)
+            with gc_paused():  # an object per part: a large tree's are many (not while the run waits on peers)
+                runs = binding.runs(channel, state.staging, deadline, active.cancelled, ctx.before_op, batch)
             state.groups.connect(keys, deadline - time.monotonic())
             with state.stream.running():
                 state.staging.reserve(prepared.staging_bytes)
@@ -279,9 +282,10 @@ class DeviceRole:
                 run = BatchRun(prepared, runs, channel, state.staging, deadline, ctx.before_op, batch, ctx.after_run)
                 stats = execute_batch(run, verify=req.verify, finish=state.stream.finish)
                 del run, runs  # the scratch buffers' other references
-            binding.recycle()
-            binding.settle(deadline, late_fails=req.commit)
-            descriptors = binding.keep(prepared.metas)
+            with gc_paused():
+                binding.recycle()
+                binding.settle(deadline, late_fails=req.commit)
+                descriptors = binding.keep(prepared.metas)
         except BaseException as e:
             ctx.counters["failed_runs"] += 1
             if binding is not None:

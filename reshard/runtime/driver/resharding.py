@@ -31,6 +31,7 @@ from reshard.runtime.device.batches import first_mismatch
 from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.tensor import ShardedTensor
+from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import maps_shared, shard_name
 from topology.mesh import device_hosts
 
@@ -248,8 +249,9 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
         cluster = runtime().planning_cluster(backend, call.planning_hosts(items))
     if bucket_bytes is None:
         bucket_bytes = compile_target(backend).bucket_bytes
-    compiled = compile_batch(items, strategy=strategy, cluster=cluster, options=compile_options(backend),
-                             bucket_bytes=bucket_bytes)  # fmt: skip
+    with gc_paused():  # a large tree's plans: millions of acyclic objects at once
+        compiled = compile_batch(items, strategy=strategy, cluster=cluster, options=compile_options(backend),
+                                 bucket_bytes=bucket_bytes)  # fmt: skip
     _PLANS[key] = compiled
     while len(_PLANS) > PLANS:
         _PLANS.popitem(last=False)
