@@ -130,7 +130,7 @@ def faults() -> list[tuple[str, str]]:
 
 
 def weights() -> list[tuple[str, str]]:
-    d = result("weights-20261125-full2.json")
+    d = result("weights-20261128-caf0afa.json")
     fit = d["fit"]
     ratios: dict[str, list[float]] = {}
     for r in d["results"]:
@@ -139,6 +139,8 @@ def weights() -> list[tuple[str, str]]:
             m["ours"]["latency_s"]["median"] / m["one_tensor"]["latency_s"]["median"]
         )
     span = {k: f"{min(v):.1f}-{max(v):.1f}×" for k, v in ratios.items()}
+    (moe,) = result("weights-moe-20261128-caf0afa.json")["results"]
+    moe_ours, moe_one = moe["methods"]["ours"], moe["methods"]["one_tensor"]
     return [
         (
             "README.md",
@@ -149,6 +151,16 @@ def weights() -> list[tuple[str, str]]:
             "README.md",
             f"a tree still takes {span['gpt2']} one tensor of the same bytes for the 148-tensor model and "
             f"{span['qwen3']} for the 311-tensor one",
+        ),  # fmt: skip
+        ("bench/WEIGHTS.md", f"default path {fit['default']['per_tensor_s'] * 1e3:.3f} ms per tensor"),
+        (
+            "bench/WEIGHTS.md",
+            f"First call (compile, ship, run) {moe_ours['first_s']:.2f} s; replay median "
+            f"{moe_ours['latency_s']['median']:.2f} s against {moe_one['latency_s']['median'] * 1e3:.1f} ms",
+        ),  # fmt: skip
+        (
+            "bench/WEIGHTS.md",
+            f"{min(moe['descriptors'])}-{max(moe['descriptors'])} open descriptors per device after the case",
         ),  # fmt: skip
     ]
 
