@@ -681,3 +681,27 @@ def test_a_tree_of_thousands_of_small_tensors_costs_no_descriptor_per_shard(view
     assert max(b.call(_open_descriptors) + a.call(_open_descriptors)) < 1000
     for k in ("experts.0.w", "experts.4999.w"):
         assert_bit_exact(out[k].to_numpy(), sd[k])
+
+
+def _shared_blocks(ctx) -> int:
+    return len(ctx.store.shared.blocks)
+
+
+def test_a_tree_of_more_large_shards_than_the_block_budget_keeps_descriptors_bounded(view):
+    """1,100 tensors whose shards are 16 KiB, too large to stay private by size: a device gives
+    ``MAX_BLOCKS`` of them a shared block and keeps the rest in private memory, which peers read
+    by cross-memory attach; moved there and back bit-exact."""
+    from reshard.runtime.device.shared_memory import MAX_BLOCKS, PEER_MAPS
+
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    n = MAX_BLOCKS + 76
+    sd = {f"experts.{i}.w": random_array((64, 128), "float32", i) for i in range(n)}
+    src = distribute(sd, Layout(a, pl("S0")))
+    out = reshard(src, a, Layout(b, pl("S1")))
+    back = reshard(out, b, Layout(a, pl("S0")))
+    assert max(b.call(_shared_blocks) + a.call(_shared_blocks)) <= MAX_BLOCKS  # a: sources and `back`
+    # two descriptors per block, one per peer's block mapped (at most PEER_MAPS): bounded, whatever the tree
+    assert max(b.call(_open_descriptors) + a.call(_open_descriptors)) < 2 * MAX_BLOCKS + PEER_MAPS + 300
+    for k in ("experts.0.w", f"experts.{n // 2}.w", f"experts.{n - 1}.w"):
+        assert_bit_exact(out[k].to_numpy(), sd[k])
+        assert_bit_exact(back[k].to_numpy(), sd[k])

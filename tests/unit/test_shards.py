@@ -3,13 +3,17 @@ descriptors before its memory is reused (``reshard.runtime.device.shared_memory`
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from reshard.errors import ReshardError
 from reshard.runtime import arrays
+from reshard.runtime.device import cross_memory
 from reshard.runtime.device.shards import ShardStore
 from reshard.runtime.device.shared_memory import PeerShards, SharedShards
+from reshard.runtime.messages import maps_shared
 
 pytestmark = [
     pytest.mark.unit,
@@ -109,3 +113,21 @@ def test_a_runs_scratch_goes_back_to_the_pool_once_nothing_else_holds_it():
     again = s.allocate((BIG // 4,), "float32")
     assert s.memory()["pool_hits"] == 1 and np.shares_memory(again, scratch)  # warm memory, reused
     assert not s.recycle(None)
+
+
+@pytest.mark.skipif(not cross_memory.available(), reason="peers may not read this process's memory")
+def test_shards_past_the_block_budget_stay_private_and_peers_still_read_them():
+    s = ShardStore(0, "cpu", 0, shared=SharedShards(max_blocks=2))
+    peers, before = PeerShards(1), len(os.listdir("/proc/self/fd"))
+    made = []
+    for i in range(5):
+        t = s.allocate_destination((64, 256), "float32")  # 64 KiB: a block of its own while there is room
+        t[:] = i
+        s.put(f"t{i}", t, "h", "float32")
+        made.append(t)
+    descs = [s.descriptor(t) for t in made]
+    assert [maps_shared(d) for d in descs] == [True, True, False, False, False]
+    assert len(os.listdir("/proc/self/fd")) == before + 4  # two blocks, two descriptors each (file, mapping)
+    for i, d in enumerate(descs):
+        got = peers.get(0, d, np.dtype(np.float32))
+        np.testing.assert_array_equal(got[2:4, 5:9], np.full((2, 4), i, np.float32))

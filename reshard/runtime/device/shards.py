@@ -45,7 +45,8 @@ RELEASED_TOKENS = 4096  # releases that arrived before their acquire
 ASSEMBLY_MIN_BYTES = 1 << 20
 #: CPU shards smaller than this stay in private (pooled) memory where peers can read it by
 #: cross-memory attach: a shared block costs a descriptor, a file and a mapping per shard (a
-#: 12,000-tensor tree ran out of descriptors), and for a few KiB a kernel copy is as fast.
+#: 12,000-tensor tree ran out of descriptors), and for a few KiB a kernel copy is as fast. Larger
+#: ones do too once the device holds ``SharedShards.max_blocks`` blocks.
 SMALL_SHARD_BYTES = 16 << 10
 
 
@@ -195,16 +196,20 @@ class ShardStore:
         nbytes = _nbytes(shape, storage)
         with self._lock:
             # a pooled small shard is private memory: not for one peers must map
-            flat = self.pool.take(nbytes) if nbytes and not (mapped and self._small(nbytes)) else None
-        if flat is None and nbytes and shared and self.shared is not None and (mapped or not self._small(nbytes)):
+            flat = self.pool.take(nbytes) if nbytes and not (mapped and self._private(nbytes)) else None
+        if flat is None and nbytes and shared and self.shared is not None and (mapped or not self._private(nbytes)):
             flat = self._shared_or_none(self.shared.allocate, nbytes, shape)
         if flat is None:
             return np.empty(tuple(shape), dtype=storage)
         return flat.view(storage).reshape(tuple(shape))
 
-    def _small(self, nbytes: int) -> bool:
-        """A CPU shard kept in private memory: small, and peers can read this process's memory."""
-        return nbytes < SMALL_SHARD_BYTES and getattr(self.shared, "private", None) is not None
+    def _private(self, nbytes: int) -> bool:
+        """A CPU shard kept in private memory: peers can read this process's memory, and the shard
+        is small or the device holds as many shared blocks as it may (``SharedShards.has_room``)."""
+        shared = self.shared
+        if getattr(shared, "private", None) is None:
+            return False
+        return nbytes < SMALL_SHARD_BYTES or not shared.has_room()
 
     def allocate_many(self, specs) -> list:
         """New shards of one call (``(shape, dtype)`` each): on a GPU device whose peers pull through
@@ -254,7 +259,7 @@ class ShardStore:
         shard; else ``allocate``."""
         nbytes = _nbytes(shape, arrays.storage(dtype))
         with self._lock:
-            flat = None if nbytes in self.pool.by_size or self._small(nbytes) else self.assembly.take(nbytes)
+            flat = None if nbytes in self.pool.by_size or self._private(nbytes) else self.assembly.take(nbytes)
             if flat is not None:
                 self._assembling = flat.view(arrays.storage(dtype)).reshape(tuple(shape))
                 return self._assembling

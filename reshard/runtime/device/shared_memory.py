@@ -36,6 +36,7 @@ import itertools
 import mmap
 import os
 import platform
+import resource
 import threading
 import time
 import weakref
@@ -52,8 +53,13 @@ from reshard.runtime.messages import CROSS_MEMORY
 #: Bound on the peer mappings a device keeps: enough for every shard of a large model's state dict
 #: from a few holders. A mapping of a shard its owner still holds costs no memory (the pages are the
 #: owner's); one whose owner dropped the shard pins that memory, so those are dropped whenever the
-#: device runs pulls (``PeerShards.purge``).
+#: device runs pulls (``PeerShards.purge``). Each keeps a descriptor (Python's ``mmap`` keeps a copy
+#: of the one it mapped), so a low descriptor limit lowers it (``_peer_map_budget``).
 PEER_MAPS = 4096
+#: Bound on a device's live shared-memory blocks (two descriptors and one mapping each): a tree of
+#: tens of thousands of shards must not run the process out of descriptors. Shards past it stay in
+#: private memory, which peers read by cross-memory attach (``reshard.runtime.device.cross_memory``).
+MAX_BLOCKS = 1024
 PURGE_STATS = 32
 #: ``madvise`` advice that faults every page of a mapping in at once, writable (Linux >= 5.14; not
 #: named by Python's mmap module yet): a fresh shard's pages are made in one call instead of one
@@ -72,6 +78,32 @@ ALIVE_CHECK_S = 0.05
 
 def base_address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
+
+
+def _descriptor_limit() -> int | None:
+    """The process's soft limit on open descriptors (None: none)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _block_budget() -> int:
+    """Live blocks a device keeps at most: ``MAX_BLOCKS``, or where that is lower as many as take an
+    eighth of the process's descriptor limit, two each (the file, and the copy Python's ``mmap``
+    keeps)."""
+    soft = _descriptor_limit()
+    return MAX_BLOCKS if soft is None else max(1, min(MAX_BLOCKS, soft // 16))
+
+
+def _peer_map_budget() -> int:
+    """Peers' blocks a device keeps mapped at most: ``PEER_MAPS``, or where that is lower a quarter
+    of the process's descriptor limit (each mapping keeps a descriptor). With ``_block_budget``
+    the library takes at most 3/8 of the limit; the rest is the process's sockets, files and the
+    user's own."""
+    soft = _descriptor_limit()
+    return PEER_MAPS if soft is None else max(16, min(PEER_MAPS, soft // 4))
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -95,11 +127,17 @@ class SharedShards:
         """memfd and /proc are there (Linux): elsewhere shards stay in private memory."""
         return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
-    def __init__(self, populate: bool = True):
+    def __init__(self, populate: bool = True, max_blocks: int | None = None):
         self.populate = populate
         self.blocks: dict[int, tuple[int, int, int, weakref.ref]] = {}  # data start -> (fd, inode, nbytes, mapping)
         self._tenures = itertools.count(1)
         self.private = TenureBoard() if cross_memory.available() else None
+        self.max_blocks = _block_budget() if max_blocks is None else max_blocks
+
+    def has_room(self) -> bool:
+        """Whether another block keeps the live ones within ``max_blocks``: each holds a descriptor
+        (beyond it, shards stay in private memory, ``ShardStore``)."""
+        return len(self.blocks) < self.max_blocks
 
     def allocate(self, nbytes: int) -> np.ndarray:
         """A flat uint8 array of ``nbytes`` (> 0) in a fresh memfd, its pages populated (when the
@@ -277,9 +315,9 @@ class PeerShards:
     """Peers' shards mapped into this process, kept while their owners keep them (``purge``, run
     by the actor after mapping a run's holders), at most ``limit`` (least recently used first)."""
 
-    def __init__(self, device: int, limit: int = PEER_MAPS):
+    def __init__(self, device: int, limit: int | None = None):
         self.device = device
-        self.limit = limit
+        self.limit = _peer_map_budget() if limit is None else limit
         self.maps: OrderedDict[tuple[int, int], _Mapped] = OrderedDict()  # (pid, inode) -> its mapping
         self._got: dict = {}  # (holder, descriptor, dtype) -> (key, mapping, what get gave): a replay asks again
         self._cursor = 0  # where the next purge starts looking descriptors up
