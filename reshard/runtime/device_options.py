@@ -1,10 +1,11 @@
 """What each device actor is told when it becomes a device (``DeviceOptions``): one set of
-defaults and one validation for ``DeviceMesh.create`` and ``DeviceMesh.from_actors``."""
+defaults and one validation for ``DeviceMesh.create`` and ``DeviceMesh.from_actors``, shipped to
+the actor as it is (typed, never a dict read back with defaults of its own)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 
 
 def positive_int(name: str, value) -> int:
@@ -35,7 +36,8 @@ class DeviceOptions:
     ``shared_memory`` shards that peers pull from: shared memory on CPU devices (peers of the
     machine), CUDA IPC on GPU devices (peers sharing the GPU); ``caller_check_s`` how often a device
     looks at the processes that called it: the state it kept for one that ended (communicators,
-    programs, staging) is freed, and the staging of one idle that long is given back."""
+    programs, staging) is freed, and the staging of one idle that long is given back;
+    ``device_type`` the kind of device the actor serves ("cpu", "cuda"; None: its backend's)."""
 
     op_timeout_s: float = 300.0
     staging_keep_bytes: int = 64 << 20
@@ -44,6 +46,7 @@ class DeviceOptions:
     torch_threads: int = 1
     shared_memory: bool = True
     caller_check_s: float = 10.0
+    device_type: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op_timeout_s", positive_seconds("op_timeout_s", self.op_timeout_s))
@@ -53,9 +56,9 @@ class DeviceOptions:
         byte_count("torch_threads", self.torch_threads, "0 leaves them as they are")
         object.__setattr__(self, "shared_memory", bool(self.shared_memory))
         object.__setattr__(self, "caller_check_s", positive_seconds("caller_check_s", self.caller_check_s))
+        if self.device_type is not None and self.device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device_type must be 'cpu', 'cuda' or None (its backend's), got {self.device_type!r}")
 
-    def for_device(self, device_type: str) -> dict:
-        """What a device actor receives."""
-        shipped = asdict(self)
-        shipped["device_type"] = device_type
-        return shipped
+    def for_device(self, device_type: str) -> DeviceOptions:
+        """What a device actor of ``device_type`` receives: these options, for that kind of device."""
+        return replace(self, device_type=device_type)

@@ -24,7 +24,7 @@ from reshard import (
     reshard,
 )
 from reshard.runtime import lowered_reshard
-from reshard.runtime.device.context import STAGING_KEEP_BYTES
+from reshard.runtime.device_options import DeviceOptions
 from topology import Mesh
 
 pytestmark = pytest.mark.dist
@@ -310,7 +310,7 @@ def test_timeout_is_bounded_and_recoverable(pool, view, ray_cluster, gate, share
     assert_bit_exact(y.to_numpy(), x)
     assert_shards(t, x)
     stats = pool.stats()
-    assert all(s["staging_bytes"] <= STAGING_KEEP_BYTES for s in stats)
+    assert all(s["staging_bytes"] <= DeviceOptions.staging_keep_bytes for s in stats)
     _still_works(view, 5)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from reshard.runtime.backends.gloo import GlooBackend
 from reshard.runtime.device.context import DeviceContext
+from reshard.runtime.device_options import DeviceOptions
 from scheduler.runtime.pull_lanes import FAILED, SLOTS, LaneBoard, PeerCell, SendRing, peer_slots
 
 pytestmark = pytest.mark.dist
@@ -22,7 +23,7 @@ LANE = (0, 1)
 
 
 def _contexts():
-    make = [DeviceContext(d, GlooBackend(), {"shared_memory": True, "device_type": "cpu"}) for d in (0, 1)]
+    make = [DeviceContext(d, GlooBackend(), DeviceOptions(device_type="cpu")) for d in (0, 1)]
     if any(c.shared is None for c in make):
         pytest.skip("no memfd shared memory on this machine")
     return make

@@ -38,10 +38,10 @@ def test_bad_options_are_refused_naming_the_option(field, bad, says):
 
 def test_every_device_is_told_its_options_and_device_type():
     options = DeviceOptions(op_timeout_s=5, torch_threads=0)
-    assert options.for_device("cpu") == {
-        "op_timeout_s": 5.0, "staging_keep_bytes": 64 << 20, "buffer_pool_bytes": 256 << 20,
-        "assembly_bytes": 256 << 20, "torch_threads": 0, "shared_memory": True, "caller_check_s": 10.0,
-        "device_type": "cpu",
-    }  # fmt: skip
-    assert options.for_device("cuda")["shared_memory"] is True  # GPU devices: CUDA IPC pulls
-    assert DeviceOptions(shared_memory=False).for_device("cuda")["shared_memory"] is False
+    shipped = options.for_device("cpu")
+    assert isinstance(shipped, DeviceOptions) and shipped.device_type == "cpu"  # typed across the boundary
+    assert shipped == DeviceOptions(op_timeout_s=5.0, torch_threads=0, device_type="cpu")
+    assert options.for_device("cuda").shared_memory is True  # GPU devices: CUDA IPC pulls
+    assert DeviceOptions(shared_memory=False).for_device("cuda").shared_memory is False
+    with pytest.raises(ValueError, match="device_type must be 'cpu', 'cuda' or None"):
+        DeviceOptions(device_type="tpu")

@@ -41,6 +41,7 @@ from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceCon
 from reshard.runtime.device.current import clear_current, set_current
 from reshard.runtime.device.gpu_memory import GpuBlocks
 from reshard.runtime.device.outcomes import Outcome
+from reshard.runtime.device_options import DeviceOptions
 from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import (
     COMMIT_WAIT_S,
@@ -76,16 +77,17 @@ class DeviceRole:
 
     _reshard_ctx: DeviceContext | None = None
 
-    def reshard_attach(self, device: int, backend: Backend, options: dict) -> dict:
+    def reshard_attach(self, device: int, backend: Backend, options: DeviceOptions) -> dict:
         """Become device ``device`` (once): set up the device context; returns ``reshard_ready()``."""
         if (ctx := _attached_or_none(self)) is not None:
             raise RuntimeError(
                 f"this actor is device {ctx.device} of a mesh already; "
                 "detach it (DeviceMesh.shutdown) before attaching it again"
             )
-        threads = int(options.get("torch_threads", 0))
-        if threads > 0:
-            set_torch_threads(threads)
+        if not isinstance(options, DeviceOptions):
+            raise TypeError(f"reshard_attach takes DeviceOptions, got a {type(options).__name__}")
+        if options.torch_threads > 0:
+            set_torch_threads(options.torch_threads)
         self._reshard_ctx = ctx = DeviceContext(device, backend, options)
         ctx.threaded = _on_a_pool_thread()
         ctx.actor = self  # the actor instance: ``mesh.call`` functions reach the user's objects through it
@@ -437,8 +439,8 @@ class DeviceActor(DeviceRole):
     """Ray actor of one device (wrapped with ``ray.remote`` by ``DeviceMesh.create``): a
     ``DeviceRole`` whose quick calls run on their own threads (concurrency group ``control``)."""
 
-    def __init__(self, device: int, backend: Backend, options: dict):
-        self.reshard_attach(device, backend, {"torch_threads": 1, **options})
+    def __init__(self, device: int, backend: Backend, options: DeviceOptions):
+        self.reshard_attach(device, backend, options)
         _attached(self).threaded = True  # MAX_CONCURRENCY threads (its constructor runs on the main one)
 
     @ray.method(concurrency_group=CONTROL)

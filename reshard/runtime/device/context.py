@@ -37,10 +37,6 @@ from reshard.runtime.messages import Bound, Updates, group_key, held_in
 
 log = logging.getLogger(__name__)
 
-BUFFER_POOL_BYTES = DeviceOptions.buffer_pool_bytes
-ASSEMBLY_BYTES = DeviceOptions.assembly_bytes
-STAGING_KEEP_BYTES = DeviceOptions.staging_keep_bytes
-
 
 @dataclass(frozen=True)
 class ActiveRun:
@@ -56,12 +52,10 @@ class ControllerState:
     """What one controller has set up on this device: communicators, programs, staging."""
 
     def __init__(self, ctx: DeviceContext):
-        self.groups = GroupCache(
-            ctx.backend, ctx.device, float(ctx.options.get("op_timeout_s", DeviceOptions.op_timeout_s))
-        )
+        self.groups = GroupCache(ctx.backend, ctx.device, ctx.options.op_timeout_s)
         self.programs: OrderedDict[int, PreparedBatch] = OrderedDict()
         self.bindings: dict[int, Bound] = {}  # the controller's mirror says which to drop
-        self.staging = StagingBuffer(ctx.device_type, int(ctx.options.get("staging_keep_bytes", STAGING_KEEP_BYTES)))
+        self.staging = StagingBuffer(ctx.device_type, ctx.options.staging_keep_bytes)
         self.stream = RunStream(ctx.backend, ctx.cuda_device)  # where its runs queue GPU work
         self.active: ActiveRun | None = None  # the run in progress
 
@@ -78,13 +72,13 @@ class ControllerState:
 class DeviceContext:
     """Everything a device actor owns; the first argument of functions run through ``call``."""
 
-    def __init__(self, device: int, backend: Backend, options: dict):
+    def __init__(self, device: int, backend: Backend, options: DeviceOptions):
         self.device = device
         self.backend = backend
-        self.device_type = _device_type(options.get("device_type") or backend.device_type, options.get("cuda_device"))
-        self.options = dict(options)
-        pool_bytes = int(options.get("buffer_pool_bytes", BUFFER_POOL_BYTES))
-        want_shared = bool(options.get("shared_memory", False))
+        self.device_type = _device_type(options.device_type or backend.device_type)
+        self.options = options
+        pool_bytes = options.buffer_pool_bytes
+        want_shared = options.shared_memory
         gpu = self.cuda_device
         shared: SharedShards | GpuBlocks | None = None
         if gpu is None and want_shared and SharedShards.available():
@@ -92,7 +86,7 @@ class DeviceContext:
         elif gpu is not None and want_shared and GpuBlocks.available():
             shared = GpuBlocks(gpu, pool_bytes)
         self.store = ShardStore(device, self.device_type, pool_bytes, shared,
-                                int(options.get("assembly_bytes", ASSEMBLY_BYTES)))  # fmt: skip
+                                options.assembly_bytes)  # fmt: skip
         self.peers: PeerShards | GpuPeers = PeerShards(device) if gpu is None else GpuPeers(device, gpu)
         if gpu is not None:
             box_copies.load(gpu)
@@ -114,7 +108,7 @@ class DeviceContext:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._torch_device = None
-        self.caller_check_s = float(options.get("caller_check_s", DeviceOptions.caller_check_s))
+        self.caller_check_s = options.caller_check_s
         self.watch: callers.Watch | None = None  # started by ``watch_callers`` (a device actor)
 
     @property
@@ -542,21 +536,18 @@ def _location(t) -> str:
     return str(t.device)
 
 
-def _device_type(kind: str, cuda_device: int | None = None) -> str:
-    """ "cpu", or "cuda:<index>" of this device's GPU: ``cuda_device`` when given, else the GPU the
-    actor's torch works on where torch has started CUDA, else the current GPU of the attaching
-    thread (0 under Ray's ``CUDA_VISIBLE_DEVICES``)."""
+def _device_type(kind: str) -> str:
+    """ "cpu", or "cuda:<index>" of this device's GPU: the GPU the actor's torch works on where
+    torch has started CUDA, else the current GPU of the attaching thread (0 under Ray's
+    ``CUDA_VISIBLE_DEVICES``)."""
     if kind != "cuda":
         return kind
-    if cuda_device is None:
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            cuda_device = torch.cuda.current_device()
-        else:
-            import cupy
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return f"cuda:{int(torch.cuda.current_device())}"
+    import cupy
 
-            cuda_device = cupy.cuda.runtime.getDevice()
-    return f"cuda:{int(cuda_device)}"
+    return f"cuda:{int(cupy.cuda.runtime.getDevice())}"
 
 
 def set_torch_threads(threads: int) -> None:
