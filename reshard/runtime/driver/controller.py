@@ -23,6 +23,7 @@ never written, so the source tensor stays intact.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -266,10 +267,20 @@ class Runtime:
                 if self.bindings.to_ship(rec.id, bid, True, rec.max_programs):
                     bound = _bound(compiled, rec.id, sources, outs, self.registry.devices)
                 upd = self.updates_for(rec.id, sets.get(rec.id, ()))
-                req = (pid, blob, upd or None, run, budget, bid, bound, direct, commit, verify)
-                refs[rec.id] = self.submit(
-                    rec, lambda t, rec=rec, req=req: rec.actor.reshard_run.remote(RunRequest(t, *req))
-                )
+                req = functools.partial(
+                    RunRequest,
+                    program_id=pid,
+                    blob=blob,
+                    updates=upd or None,
+                    run=run,
+                    budget_s=budget,
+                    binding=bid,
+                    bound=bound,
+                    direct=direct,
+                    commit=commit,
+                    verify=verify,
+                )  # the ticket comes with the submission
+                refs[rec.id] = self.submit(rec, lambda t, rec=rec, req=req: rec.actor.reshard_run.remote(req(ticket=t)))
             commits = {}
             if commit:
                 participants = tuple((rec.id, rec.actor if rec.threaded else None, refs[rec.id]) for rec in recs)
