@@ -13,8 +13,9 @@ share:
   (NVLink / NVSwitch, or shared memory for CPU "devices"); a local copy inside one device runs at
   that rate too;
 - every network message pays ``latency_us`` and every intra-host message ``intra_host_latency_us``;
-- ``backend`` names the collective library whose broadcast algorithm the simulator models
-  (``"nccl"``: pipelined ring; ``"gloo"``: binomial tree).
+- ``backend`` names the communicator backend; the simulator models its broadcasts as the library
+  it plans as (``topology.links.broadcast_model``: ``"nccl"``, a pipelined ring; gloo and any
+  other backend, a binomial tree).
 
 ``GBps`` is 1e9 bytes per second. Device ``d`` of a cluster built mesh lives on host
 ``d // devices_per_host`` (``Cluster.mesh``); plans may carry their own host ids, which must stay
@@ -32,7 +33,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from topology.links import BACKENDS, LinkFigures, is_bandwidth, spread
+from topology.links import LinkFigures, broadcast_model, check_backend, is_bandwidth, spread
 from topology.mesh import Mesh
 
 # name: (devices per host, NIC GB/s per host, intra-host GB/s per device, network latency us)
@@ -100,8 +101,7 @@ class Cluster:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"Cluster {name} must be a finite latency >= 0 in microseconds, got {value!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"Cluster backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        check_backend("Cluster", self.backend)
         if self.host_names is not None and len(self.host_names) != self.num_hosts:
             raise ValueError(f"Cluster host_names names {len(self.host_names)} hosts, but num_hosts={self.num_hosts}")
         self._check_per_host("host_nic_GBps", "nic_GBps", is_bandwidth, "positive finite bandwidths in GB/s")
@@ -277,7 +277,7 @@ class Cluster:
         missing = sorted(d for d in hosts if d not in node_of)
         if missing:
             raise ValueError(f"Cluster.from_links: node_of has no node for devices {missing[:8]}")
-        gloo = backend == "gloo"
+        gloo = broadcast_model(backend) == "gloo"
         measured = [v for v in links.nic_GBps if v is not None]
         fallback = max(measured) if measured else GUESSED_GLOO["nic_GBps"] if gloo else DEFAULT_NIC_GBPS
         nic: dict[int, float] = {}

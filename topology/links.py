@@ -9,6 +9,17 @@ from dataclasses import dataclass
 BACKENDS = ("nccl", "gloo")  # the collective libraries whose broadcasts the simulator models
 
 
+def broadcast_model(backend: str) -> str:
+    """Which modelled library ``backend`` plans as: NCCL itself (pipelined rings, GPU figures), any
+    other backend (gloo, one registered by a user) as gloo (binomial trees, CPU figures)."""
+    return "nccl" if backend == "nccl" else "gloo"
+
+
+def check_backend(what: str, backend) -> None:
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"{what} backend must name a backend (e.g. {', '.join(BACKENDS)}), got {backend!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class LinkFigures:
     """Link figures measured between device actors on some Ray nodes (``reshard.runtime.driver.probe``).
@@ -17,7 +28,7 @@ class LinkFigures:
     (None when it had no partner node to measure against); ``intra_host_GBps``: one device to
     another of the same node through the backend (None: no node held two devices); latencies: one
     message, half a measured round trip (None: not measured). ``size_bytes``: bytes per timed
-    transfer; ``backend``: the communicator backend measured.
+    transfer; ``backend``: the communicator backend measured (any name; ``broadcast_model``).
     """
 
     node_ids: tuple[str, ...]
@@ -45,8 +56,7 @@ class LinkFigures:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
                 raise ValueError(f"LinkFigures {name} must be a finite latency >= 0 in us or None, got {value!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"LinkFigures backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        check_backend("LinkFigures", self.backend)
         if not isinstance(self.size_bytes, int) or self.size_bytes <= 0:
             raise ValueError(f"LinkFigures size_bytes must be a positive int, got {self.size_bytes!r}")
 

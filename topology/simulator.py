@@ -90,6 +90,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from topology.cluster import Cluster
+from topology.links import broadcast_model, check_backend
 
 NCCL_CHUNK_BYTES = 512 * 1024  # Simple protocol: a 4 MiB channel buffer in 8 steps
 NCCL_BROADCAST_OVERHEAD_US = 10.0
@@ -204,9 +205,8 @@ def simulate_transfers(
     ``window`` messages of at most ``window_bytes`` together; ``local_beside``: a device that
     reads nothing it received runs its local transfers beside its messages (see the module
     docstring)."""
-    backend = cluster.backend if backend is None else backend
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    check_backend("simulated", cluster.backend if backend is None else backend)
+    backend = broadcast_model(cluster.backend if backend is None else backend)
     if window < 1:
         raise ValueError(f"window must be >= 1 transfers in flight per device, got {window}")
     transfers = tuple(transfers)

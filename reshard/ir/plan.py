@@ -12,7 +12,7 @@ from reshard.ir.layout import Layout
 from reshard.ir.placement import ReduceOp
 from reshard.ir.program import Buffer
 from reshard.ir.regions import Box, box_volume, contains, device_regions
-from reshard.ir.target import WINDOW_BYTES, window_ops_for
+from reshard.ir.target import WINDOW_BYTES, target_for, window_ops_for
 from reshard.ir.tasks import UnitTask
 from topology.cluster import Cluster
 from topology.mesh import device_hosts
@@ -185,12 +185,12 @@ class ReshardPlan:
         (``CompiledReshard.pulled``); ``window``: messages a device issues together, moving at most
         ``window_bytes`` (default: the backend's, ``reshard.ir.target``);
         ``local_beside``: local transfers run beside the messages where nothing reads what they
-        write (default: on gloo's CPU devices). A ``SimResult`` with ``.makespan_s``."""
+        write (default: where the backend's target says so: on CPU devices). A ``SimResult`` with ``.makespan_s``."""
         hosts = self.host_map
         cluster = resolve_cluster(cluster, hosts)
         backend = cluster.backend if backend is None else backend
         window = window_ops_for(backend) if window is None else window
-        local_beside = backend == "gloo" if local_beside is None else local_beside
+        local_beside = target_for(backend).copies_beside_messages if local_beside is None else local_beside
         regions = device_regions(self.src, self.shape) if window > 1 else None
         return simulate_transfers(
             sim_transfers(self.transfers, self.itemsize, pulled, src_regions=regions), hosts, cluster,

@@ -27,7 +27,7 @@ from functools import partial
 
 from reshard.ir.plan import Transfer, TransferKind, sim_transfers
 from reshard.ir.regions import box_volume, device_regions
-from reshard.ir.target import WINDOW_BYTES, window_ops_for
+from reshard.ir.target import WINDOW_BYTES, target_for, window_ops_for
 from reshard.planner.baselines import (
     plan_allgather,
     plan_broadcast_first,
@@ -71,6 +71,7 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
     """(the chosen candidate, every candidate simulated), in evaluation order."""
     ctx = Context(problem)
     window = window_ops_for(problem.cluster.backend)
+    beside = target_for(problem.cluster.backend).copies_beside_messages  # local copies run beside messages
     serial, shapes = plan_items(ctx, split=True, serial=True)
     first = order_items(serial, "color")
     if len(first) > MAX_SIMULATED_TRANSFERS:
@@ -108,7 +109,7 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
         budget -= len(transfers)
         sim = simulate_transfers(
             sim_transfers(transfers, problem.itemsize, src_regions=regions), problem.hosts, problem.cluster,
-            window=window, window_bytes=WINDOW_BYTES, local_beside=problem.cluster.backend == "gloo",
+            window=window, window_bytes=WINDOW_BYTES, local_beside=beside,
         )  # fmt: skip
         evaluated.append(Candidate(name, transfers, sim.makespan_s))
     best = min(evaluated, key=lambda c: (_makespan(c), _busiest(c.transfers), not c.name.endswith(DUPLEX),

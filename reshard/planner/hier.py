@@ -32,6 +32,7 @@ from reshard.ir.plan import TransferKind
 from reshard.ir.regions import Box, box_volume
 from reshard.planner.order import Item
 from reshard.planner.problem import Problem
+from topology.links import broadcast_model
 from topology.simulator import NCCL_BROADCAST_OVERHEAD_US, NCCL_CHUNK_BYTES
 
 SPLIT_MIN_BYTES = 1 << 20  # a task is split among holder hosts only into pieces at least this big
@@ -49,7 +50,7 @@ class Context:
         self.problem = problem
         self.hosts = problem.hosts
         self.item = problem.itemsize
-        self.gloo = cluster.backend == "gloo"
+        self.gloo = broadcast_model(cluster.backend) == "gloo"
         self.lat_s = cluster.latency_us * 1e-6
         self.intra_lat_s = cluster.intra_host_latency_us * 1e-6
         self.nic = cluster.nic_Bps

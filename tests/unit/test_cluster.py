@@ -48,8 +48,9 @@ def test_other_fields_are_validated():
         Cluster.homogeneous(2, 1.5, 1, 10)
     with pytest.raises(ValueError, match="latency_us"):
         Cluster.homogeneous(2, 4, 1, 10, latency_us=-1)
-    with pytest.raises(ValueError, match="backend"):
-        Cluster.homogeneous(2, 4, 1, 10, backend="mpi")
+    with pytest.raises(ValueError, match="backend must name a backend"):
+        Cluster.homogeneous(2, 4, 1, 10, backend="")
+    assert Cluster.homogeneous(2, 4, 1, 10, backend="mpi").backend == "mpi"  # a registered one: planned as gloo
     with pytest.raises(ValueError, match="host_names"):
         Cluster(2, 4, 1.0, 10.0, host_names=("a",))
 

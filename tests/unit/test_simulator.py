@@ -183,8 +183,15 @@ def test_bad_input_is_refused():
         SimTransfer(SimKind.P2P, 0, (1,), -1)
     with pytest.raises(ValueError, match="no host for devices"):
         simulate_transfers([p2p(0, 99)], HOSTS, cluster())
-    with pytest.raises(ValueError, match="backend"):
-        simulate_transfers([p2p(0, 4)], HOSTS, cluster(), backend="mpi")
+    with pytest.raises(ValueError, match="backend must name a backend"):
+        simulate_transfers([p2p(0, 4)], HOSTS, cluster(), backend="")
+
+
+def test_a_backend_other_than_nccl_broadcasts_as_gloo_does():
+    """A registered backend (any name) is modelled as gloo: binomial trees, not NCCL's rings."""
+    theirs = simulate_transfers([bcast(0, [4, 8, 12])], HOSTS, cluster(backend="mpi"))
+    gloo = simulate_transfers([bcast(0, [4, 8, 12])], HOSTS, cluster(backend="gloo"))
+    assert theirs.backend == "gloo" and theirs.makespan_s == gloo.makespan_s == pytest.approx(3.0)
 
 
 def test_many_concurrent_flows_stay_feasible():
