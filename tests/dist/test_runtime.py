@@ -15,7 +15,7 @@ from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, plan_resha
 from reshard.ir.regions import box_shape, box_volume, layout_regions
 from reshard.passes.lowering import lower_plan
 from reshard.runtime import ensure_groups, lowered_reshard, runtime, runtime_stats, settle
-from reshard.runtime.device.context import STAGING_KEEP_BYTES
+from reshard.runtime.device_options import DeviceOptions
 from reshard.runtime.device.shards import ASSEMBLY_MIN_BYTES
 
 pytestmark = pytest.mark.dist
@@ -46,7 +46,7 @@ def test_memory_bound(view, pool, shape, shared_memory):
     try:
         _memory_case(pool, src, dst, shape, keep, pulls=shared_memory)
     finally:
-        pool.call(_set_staging_keep, STAGING_KEEP_BYTES)
+        pool.call(_set_staging_keep, DeviceOptions.staging_keep_bytes)
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["pull", "gloo"])
