@@ -160,9 +160,10 @@ class DeviceRole:
                     raise
                 raise ReshardError(f"device {ctx.device}: could not allocate the shards of {run}: {e}") from e
             kept = [(e.name, a, e.dtype, None, False) for e, a in zip(entries, made, strict=True)]
-            if not ctx.store.put_run(run, kept):
+            descriptors = ctx.store.put_run(run, kept)
+            if descriptors is None:
                 raise PeerFailed(f"device {ctx.device}: the controller aborted loading {run}")
-            return {e[0]: ctx.store.descriptor(a) for e, a in zip(entries, made, strict=True)}
+            return {e[0]: d for e, d in zip(entries, descriptors, strict=True)}
 
     def reshard_fetch(self, name: str) -> np.ndarray:
         """Shard ``name`` as a numpy array (bfloat16 as its int16 bit pattern)."""

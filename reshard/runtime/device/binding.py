@@ -217,11 +217,12 @@ class Binding:
             return {}
         dtypes = {p.tensor: p.dtype for p in self.prepared.program.parts}
         entries = [(shard_name(run, t), d, dtypes[t], metas.get(t), t in self.slots) for t, d in self.dsts.items()]
-        if not ctx.store.put_run(run, entries):
+        descriptors = ctx.store.put_run(run, entries)
+        if descriptors is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
         if self.bound.outs is not None:  # staged for a commit: nobody maps them
             return {}
-        return {t: ctx.store.descriptor(d) for t, d in self.dsts.items()}
+        return dict(zip(self.dsts, descriptors, strict=True))
 
     def release(self) -> None:
         """Undo a failed run: new destinations dropped (the user's tensors are left as they are),

@@ -287,8 +287,7 @@ class DeviceContext:
         storage = arrays.storage(dtype)
         nbytes = math.prod(shape) * storage.itemsize
         flat = self.shared.allocate(max(1, nbytes))  # a block is never empty
-        self.shared.begin(flat)
-        pid, fd, inode, _, tenure = self.shared.descriptor(flat)
+        pid, fd, inode, _, tenure = self.shared.begin(flat)
         typed = flat[:nbytes].view(storage).reshape(tuple(shape))
         return typed, (pid, fd, inode, tuple(shape), tenure)
 

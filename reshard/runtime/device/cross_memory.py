@@ -104,21 +104,24 @@ class TenureBoard:
         self._file: dict[int, tuple[int, int, int] | None] = {}  # cell -> (fd, inode, offset) of its file
         self._held: dict[int, np.ndarray] = {}  # cell -> the shard (its memory freed only once the cell is clear)
 
-    def begin(self, a, tenure: int, file: tuple[int, int] | None = None) -> None:
+    def begin(self, a, tenure: int, file: tuple[int, int] | None = None) -> tuple | None:
         """Shard ``a`` (a C-contiguous numpy array in private memory, or at ``(descriptor, offset)``
-        of a shared-memory ``file``: peers map that instead of reading) takes ``tenure``; nothing
-        when every cell is taken (the shard then moves through the backend)."""
+        of a shared-memory ``file``: peers map that instead of reading) takes ``tenure``; returns
+        its descriptor. Nothing (None) when every cell is taken (the shard then moves through the
+        backend)."""
         if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.nbytes:
-            return
-        key = (base_address(a), a.nbytes)
+            return None
+        address = base_address(a)
+        key = (address, a.nbytes)
         cell = self._cell.get(key)
         if cell is None:
             if not self._free:
-                return
+                return None
             cell = self._cell[key] = self._free.pop()
-        self._file[cell] = None if file is None else (file[0], os.fstat(file[0]).st_ino, file[1])
+        where = self._file[cell] = None if file is None else (file[0], os.fstat(file[0]).st_ino, file[1])
         self._held[cell] = a  # its memory lives while the cell names it, whoever else lets go of it
         self.cells[cell] = tenure
+        return (CROSS_MEMORY, os.getpid(), self.fd, self.inode, cell, tenure, address, tuple(a.shape), where)
 
     def end(self, a) -> None:
         """The shard in ``a``'s memory is let go of: its descriptors stop reading."""

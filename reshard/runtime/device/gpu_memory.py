@@ -196,12 +196,14 @@ class GpuBlocks:
             return None
         return block, piece
 
-    def begin(self, a) -> None:
-        """A shard takes the piece ``a`` fills (if it fills one): a fresh tenure."""
+    def begin(self, a) -> tuple | None:
+        """A shard takes the piece ``a`` fills (if it fills one): a fresh tenure. Returns its
+        ``descriptor``."""
         found = self._find(a)
         if found is not None and found[1].slot < 0:
             found[1].slot, found[1].tenure = self.board.begin()
             found[1].released = False
+        return self.descriptor(a)
 
     def end(self, a) -> None:
         """The shard in ``a``'s piece is dropped: descriptors of it no longer map."""

@@ -48,6 +48,7 @@ ASSEMBLY_MIN_BYTES = 1 << 20
 #: 12,000-tensor tree ran out of descriptors), and for a few KiB a kernel copy is as fast. Larger
 #: ones do too once the device holds ``SharedShards.max_blocks`` blocks.
 SMALL_SHARD_BYTES = 16 << 10
+_DROPPED = object()  # what ``ShardStore._put`` returns for a shard of an aborted run
 
 
 def _nbytes(shape, storage: np.dtype) -> int:
@@ -292,10 +293,7 @@ class ShardStore:
     def begin(self, t) -> tuple | None:
         """Give ``t`` (a run's new destination shard) its tenure now, before it is ``put`` (peers
         pull relays out of it while the run goes on); its descriptor, None if it is not shared."""
-        if self.shared is None:
-            return None
-        self.shared.begin(t)
-        return self.shared.descriptor(t)
+        return None if self.shared is None else self.shared.begin(t)
 
     def end(self, t) -> None:
         """``t`` got a tenure (``begin``) but will not be put: descriptors of it stop mapping."""
@@ -306,25 +304,31 @@ class ShardStore:
         """Keep ``t`` (of dtype ``dtype``, by name) as shard ``name`` held by ``holder``; False (and
         ``t`` dropped) when the run that made it was aborted meanwhile. ``meta``: what it is a
         shard of; ``begun``: ``t`` has its tenure already (``begin``)."""
+        return self._put(name, t, holder, dtype, meta, begun) is not _DROPPED
+
+    def _put(self, name: str, t, holder: str, dtype: str, meta: dict | None, begun: bool):
+        """``put``, returning ``t``'s descriptor (None: peers cannot map it) or ``_DROPPED``."""
         with self._lock:
             if name in self._tombstones:
                 self._tombstones.pop(name)
                 if begun:
                     self.end(t)
                 self._give_back(t, 1)
-                return False
+                return _DROPPED
             self.shards[name] = t
             self.dtypes[name] = dtype
             self.holders[name] = {holder}
-            if self.shared is not None and not begun:
-                self.shared.begin(t)
+            desc = None
+            if self.shared is not None:
+                desc = self.shared.descriptor(t) if begun else self.shared.begin(t)
             if meta:
                 self.meta[name] = meta
-            return True
+            return desc
 
-    def put_run(self, run: str, entries) -> bool:
+    def put_run(self, run: str, entries) -> list | None:
         """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), or,
-        when the run was aborted meanwhile (``tombstone``), none of them."""
+        when the run was aborted meanwhile (``tombstone``), none of them (None). Returns each
+        one's descriptor (None: peers cannot map it, or it was aborted by name)."""
         with self._lock:
             if run in self._tombstones:
                 self._tombstones.pop(run)
@@ -332,10 +336,9 @@ class ShardStore:
                     if begun:
                         self.end(t)
                     self._give_back(t, 2)
-                return False
-            for name, t, dtype, meta, begun in entries:
-                self.put(name, t, name, dtype, meta, begun=begun)
-            return True
+                return None
+            kept = [self._put(name, t, name, dtype, meta, begun) for name, t, dtype, meta, begun in entries]
+            return [None if d is _DROPPED else d for d in kept]
 
     def share(self, name: str, t, dtype: str, meta: dict, *, file: tuple[int, int] | None = None) -> None:
         """Make the user's tensor ``t`` (of dtype ``dtype``, by name) shard ``name`` (no copy; held

@@ -191,15 +191,19 @@ class SharedShards:
             return None
         return block, ctypes.c_uint64.from_address(start - HEADER)
 
-    def begin(self, a, file: tuple[int, int] | None = None) -> None:
+    def begin(self, a, file: tuple[int, int] | None = None) -> tuple | None:
         """A shard takes the block ``a`` fills (if it fills one): a fresh tenure. Else ``a`` is in
         private memory, or at ``file`` (``(descriptor, offset)`` of a shared-memory file its
-        owner made: torch's ``share_memory_()``): its cell on the tenure board."""
+        owner made: torch's ``share_memory_()``): its cell on the tenure board. Returns its
+        ``descriptor``."""
         found = self._header(a)
         if found is not None:
-            found[1].value = next(self._tenures)
-        elif self.private is not None:
-            self.private.begin(a, next(self._tenures), file)
+            block, cell = found
+            cell.value = tenure = next(self._tenures)
+            return (os.getpid(), block[0], block[1], tuple(a.shape), tenure)
+        if self.private is not None:
+            return self.private.begin(a, next(self._tenures), file)
+        return None
 
     def end(self, a) -> None:
         """The shard in ``a``'s block is dropped: descriptors of it no longer map."""
