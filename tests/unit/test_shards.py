@@ -131,3 +131,16 @@ def test_shards_past_the_block_budget_stay_private_and_peers_still_read_them():
     for i, d in enumerate(descs):
         got = peers.get(0, d, np.dtype(np.float32))
         np.testing.assert_array_equal(got[2:4, 5:9], np.full((2, 4), i, np.float32))
+
+
+@pytest.mark.skipif(not cross_memory.available(), reason="peers may not read this process's memory")
+def test_idle_pooled_blocks_give_way_to_new_shards_at_the_block_budget():
+    s = ShardStore(0, "cpu", 64 << 20, shared=SharedShards(max_blocks=2))
+    for i in range(2):
+        s.put(f"old{i}", s.allocate_destination((64, 256), "float32"), "h", "float32")
+    s.free("old0")
+    s.free("old1")  # both blocks idle in the pool: the budget is full of them
+    t = s.allocate_destination((32, 256), "float32")  # another size: the pool has none of it
+    s.put("new", t, "h", "float32")
+    assert maps_shared(s.descriptor(t))  # a block of its own: an idle one was freed for it
+    assert len(s.shared.blocks) == 2 and s.memory()["pool_bytes"] == 64 << 10

@@ -110,6 +110,19 @@ class BufferPool:
             self.nbytes -= n
         return True
 
+    def evict(self, which, count: int) -> int:
+        """Free up to ``count`` idle entries that ``which(flat)`` accepts, oldest first; returns
+        how many went."""
+        gone = [key for key, flat in self.idle.items() if which(flat)][: max(0, count)]
+        for nbytes, serial in gone:
+            del self.idle[(nbytes, serial)]
+            lst = self.by_size[nbytes]
+            lst.remove(serial)
+            if not lst:
+                del self.by_size[nbytes]
+            self.nbytes -= nbytes
+        return len(gone)
+
     def clear(self) -> None:
         self.idle.clear()
         self.by_size.clear()
@@ -206,11 +219,18 @@ class ShardStore:
 
     def _private(self, nbytes: int) -> bool:
         """A CPU shard kept in private memory: peers can read this process's memory, and the shard
-        is small or the device holds as many shared blocks as it may (``SharedShards.has_room``)."""
+        is small or the device holds as many shared blocks as it may (``SharedShards.has_room``)
+        even after freeing the idle ones of its pool (a pool of freed blocks must not keep new
+        shards out of shared memory)."""
         shared = self.shared
         if getattr(shared, "private", None) is None:
             return False
-        return nbytes < SMALL_SHARD_BYTES or not shared.has_room()
+        if nbytes < SMALL_SHARD_BYTES:
+            return True
+        if not shared.has_room():
+            with self._lock:
+                self.pool.evict(shared.holds_block, len(shared.blocks) - shared.max_blocks + 1)
+        return not shared.has_room()
 
     def allocate_many(self, specs) -> list:
         """New shards of one call (``(shape, dtype)`` each): on a GPU device whose peers pull through
@@ -258,12 +278,17 @@ class ShardStore:
         """A run's new destination: a freed shard's memory of its size if the pool has one, else
         (shared memory, size within bounds) the assembly buffer, which ``settle`` turns into a
         shard; else ``allocate``."""
-        nbytes = _nbytes(shape, arrays.storage(dtype))
+        storage = arrays.storage(dtype)
+        nbytes = _nbytes(shape, storage)
         with self._lock:
-            flat = None if nbytes in self.pool.by_size or self._private(nbytes) else self.assembly.take(nbytes)
-            if flat is not None:
-                self._assembling = flat.view(arrays.storage(dtype)).reshape(tuple(shape))
-                return self._assembling
+            flat = self.pool.take(nbytes) if nbytes else None
+            if flat is None and not self._private(nbytes):
+                flat = self.assembly.take(nbytes)
+                if flat is not None:
+                    self._assembling = flat.view(storage).reshape(tuple(shape))
+                    return self._assembling
+        if flat is not None:
+            return flat.view(storage).reshape(tuple(shape))
         return self.allocate(shape, dtype)
 
     def assembled(self, t) -> bool:

@@ -134,6 +134,10 @@ class SharedShards:
         self.private = TenureBoard() if cross_memory.available() else None
         self.max_blocks = _block_budget() if max_blocks is None else max_blocks
 
+    def holds_block(self, flat: np.ndarray) -> bool:
+        """Whether ``flat`` is one of this process's blocks (its data, from its start)."""
+        return base_address(flat) in self.blocks
+
     def has_room(self) -> bool:
         """Whether another block keeps the live ones within ``max_blocks``: each holds a descriptor
         (beyond it, shards stay in private memory, ``ShardStore``)."""
