@@ -130,7 +130,7 @@ def faults() -> list[tuple[str, str]]:
 
 
 def weights() -> list[tuple[str, str]]:
-    d = result("weights-20261128-caf0afa.json")
+    d = result("weights-20261128-faef63d.json")
     fit = d["fit"]
     ratios: dict[str, list[float]] = {}
     for r in d["results"]:
@@ -139,7 +139,7 @@ def weights() -> list[tuple[str, str]]:
             m["ours"]["latency_s"]["median"] / m["one_tensor"]["latency_s"]["median"]
         )
     span = {k: f"{min(v):.1f}-{max(v):.1f}×" for k, v in ratios.items()}
-    (moe,) = result("weights-moe-20261128-caf0afa.json")["results"]
+    (moe,) = result("weights-moe-20261128-faef63d.json")["results"]
     moe_ours, moe_one = moe["methods"]["ours"], moe["methods"]["one_tensor"]
     return [
         (
