@@ -139,8 +139,8 @@ class SharedShards:
         return base_address(flat) in self.blocks
 
     def has_room(self) -> bool:
-        """Whether another block keeps the live ones within ``max_blocks``: each holds a descriptor
-        (beyond it, shards stay in private memory, ``ShardStore``)."""
+        """Whether another block keeps the live ones within ``max_blocks``: each holds two
+        descriptors (beyond it, shards stay in private memory, ``ShardStore``)."""
         return len(self.blocks) < self.max_blocks
 
     def allocate(self, nbytes: int) -> np.ndarray:
