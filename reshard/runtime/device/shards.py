@@ -27,6 +27,7 @@ instead of keeping it.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import sys
 import threading
@@ -113,7 +114,7 @@ class BufferPool:
     def evict(self, which, count: int) -> int:
         """Free up to ``count`` idle entries that ``which(flat)`` accepts, oldest first; returns
         how many went."""
-        gone = [key for key, flat in self.idle.items() if which(flat)][: max(0, count)]
+        gone = list(itertools.islice((key for key, flat in self.idle.items() if which(flat)), max(0, count)))
         for nbytes, serial in gone:
             del self.idle[(nbytes, serial)]
             lst = self.by_size[nbytes]
@@ -172,6 +173,7 @@ class ShardStore:
         cpu_shared = shared is not None and device_type == "cpu"
         self.assembly = AssemblyBuffer(assembly_bytes if cpu_shared else 0)
         self._assembling: np.ndarray | None = None  # the destination being assembled
+        self._evict_after = -1  # the pool's serial when it last had no idle block to free (``_private``)
         self.shared = shared  # SharedShards (CPU), GpuBlocks (GPU), or None: private memory
         self.shards: dict = {}  # name -> numpy array (CPU) or torch tensor
         self.holders: dict[str, set[str]] = {}
@@ -227,9 +229,11 @@ class ShardStore:
             return False
         if nbytes < SMALL_SHARD_BYTES:
             return True
-        if not shared.has_room():
+        if not shared.has_room() and self._evict_after != self.pool._serial:
             with self._lock:
-                self.pool.evict(shared.holds_block, len(shared.blocks) - shared.max_blocks + 1)
+                want = len(shared.blocks) - shared.max_blocks + 1
+                if self.pool.evict(shared.holds_block, want) < want:
+                    self._evict_after = self.pool._serial  # none left: look again once the pool changed
         return not shared.has_room()
 
     def allocate_many(self, specs) -> list:
