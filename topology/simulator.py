@@ -205,8 +205,9 @@ def simulate_transfers(
     ``window`` messages of at most ``window_bytes`` together; ``local_beside``: a device that
     reads nothing it received runs its local transfers beside its messages (see the module
     docstring)."""
-    check_backend("simulated", cluster.backend if backend is None else backend)
-    backend = broadcast_model(cluster.backend if backend is None else backend)
+    backend = cluster.backend if backend is None else backend
+    check_backend("simulated", backend)
+    backend = broadcast_model(backend)
     if window < 1:
         raise ValueError(f"window must be >= 1 transfers in flight per device, got {window}")
     transfers = tuple(transfers)
