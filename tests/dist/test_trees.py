@@ -469,6 +469,65 @@ def test_a_read_waits_for_the_pending_work_that_writes_it(view, gate, monkeypatc
     assert_bit_exact(got["w"], sd["w"])
 
 
+def _hold_before_commit(ctx, gate):
+    """The next commit here tells ``gate`` before it decides, and waits to be let go."""
+
+    def hook(stage, run):
+        if stage == "before":
+            ctx.commit_hook = None
+            ray.get(gate.arrive.remote())
+            ray.get(gate.wait_released.remote(60))
+
+    ctx.commit_hook = hook
+
+
+def _hold_at_op(ctx, gate, skip):
+    """The next run holds at its op number ``skip`` (from 0), tells ``gate`` and waits to be let go."""
+    count = iter(range(skip + 1))
+
+    def hook(run, op):
+        if next(count, None) == skip:
+            ctx.before_op = None
+            ray.get(gate.arrive.remote())
+            ray.get(gate.wait_released.remote(60))
+
+    ctx.before_op = hook
+
+
+def _until_the_read_waits(actor, ref) -> None:
+    """Until the device says the read ``ref`` waits for a write (or the read returned)."""
+    for _ in range(1200):
+        if ray.wait([ref], timeout=0.05)[0]:
+            return  # it did not wait: what it read is checked
+        if ray.get(actor.reshard_stats.remote(), timeout=30)["shard_locks"]["reads_waiting"]:
+            return
+    raise AssertionError("the read neither waited nor returned")
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["commit", "direct"])
+def test_a_read_from_another_process_during_a_write_waits_and_sees_it_whole(view, gate, direct):
+    """A read that skips this process's order (another process's ``reshard_fetch``) while an
+    ``out=`` commit decides, or while a ``direct`` run has written part of its output, waits for
+    the write and returns the new values whole, never the old or half of each."""
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    w = random_array((16, 8), "float32", 42)
+    src = distribute({"w": w}, last_dim(a))
+    out = distribute({"w": np.zeros_like(w)}, lambda p, t: Layout(b, pl("S0")))
+    if direct:
+        b.call(_hold_at_op, gate, 1, devices=[0])  # its first pull landed, in place
+    else:
+        b.call(_hold_before_commit, gate, devices=[0])
+    work = reshard(src, a, lambda p, t: Layout(b, pl("S0")), out=out, direct=direct, async_op=True)
+    assert ray.get(gate.wait_arrived.remote(60), timeout=90)
+    read = b.actors[0].reshard_fetch.remote(out["w"].name)
+    _until_the_read_waits(b.actors[0], read)
+    ray.get(gate.release.remote())
+    assert_bit_exact(ray.get(read, timeout=90), w[:8])
+    assert work.wait() is out
+    assert ray.get(b.actors[0].reshard_stats.remote(), timeout=30)["shard_locks"] == {
+        "shards_written": 0, "reads": 0, "reads_waiting": 0}  # fmt: skip
+
+
 def test_one_call_has_one_deadline_whatever_it_waits_for(view, monkeypatch):
     """The wait for earlier works that touch a call's tensors counts against the call's own
     ``timeout_s``: both use one deadline (two would let a blocking call take twice its timeout)."""

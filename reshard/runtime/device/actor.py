@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 OUTCOME_RETRY_S = 0.05  # a commit asks an unreachable participant again after this pause
 CONTROL = "control"  # the concurrency group of calls that must never wait behind a run
 NO_DEADLINE = Deadline(math.inf)
+FETCH_BUDGET_S = 60.0  # how long a read waits for a write into its shard, unless the caller says
 
 
 class DeviceRole:
@@ -165,13 +166,15 @@ class DeviceRole:
                 raise PeerFailed(f"device {ctx.device}: the controller aborted loading {run}")
             return {e[0]: d for e, d in zip(entries, descriptors, strict=True)}
 
-    def reshard_fetch(self, name: str) -> np.ndarray:
-        """Shard ``name`` as a numpy array (bfloat16 as its int16 bit pattern)."""
+    def reshard_fetch(self, name: str, budget_s: float = FETCH_BUDGET_S) -> np.ndarray:
+        """A copy of shard ``name`` as a numpy array (bfloat16 as its int16 bit pattern), taken
+        once no write into it is under way (a commit, a ``direct`` run): never half written."""
         ctx = _attached(self)
-        t = ctx.store.get(name)
-        if t is None:
-            raise KeyError(f"device {ctx.device} holds no shard {name!r} (it was freed)")
-        return t if arrays.is_numpy(t) else arrays.as_numpy(t)  # a GPU shard: copied to the host
+        with ctx.shard_locks.reading(name, Deadline.from_budget(budget_s)):
+            t = ctx.store.get(name)
+            if t is None:
+                raise KeyError(f"device {ctx.device} holds no shard {name!r} (it was freed)")
+            return np.array(t) if arrays.is_numpy(t) else arrays.as_numpy(t)  # a GPU shard: copied to the host
 
     # A hold or free still in flight when the mesh closed finds no shards left: nothing to do.
 
@@ -277,7 +280,8 @@ class DeviceRole:
             with gc_paused():  # an object per part: a large tree's are many (not while the run waits on peers)
                 runs = binding.runs(channel, state.staging, deadline, active.cancelled, ctx.before_op, batch)
             state.groups.connect(keys, deadline - time.monotonic())
-            with state.stream.running():
+            written = bound.outs if req.direct and bound.outs else ()  # reads of them wait meanwhile
+            with ctx.shard_locks.writing(written, until, f"the reshard {req.run}"), state.stream.running():
                 state.staging.reserve(prepared.staging_bytes)
                 ctx.assembled = binding.assembled  # its shards are made at the end: twice their bytes then
                 ctx.peak_bytes = binding.dst_bytes + state.staging.nbytes
@@ -335,23 +339,25 @@ class DeviceRole:
         ctx = _attached(self)
         until = Deadline.from_budget(budget_s).later(COMMIT_WAIT_S)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
-            if ctx.commit_hook is not None:
-                ctx.commit_hook("before", run)
-            failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
             copies: list = []
             src = dst = None
-            try:
-                if failed is None:
-                    for staged, out in pairs:  # every output checked before one is written
-                        src = ctx.store.get(staged)
-                        if src is None:
-                            raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
-                        copies.append((checked_out(ctx, out, src.shape, ctx.store.dtype(staged), strided=True), src))
-                    stream = ctx.controller(ticket.controller).stream
-                    with stream.running():
-                        for dst, src in copies:
-                            arrays.copy(dst, src)
-                        stream.finish(time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}")
+            try:  # reads of the outputs wait from here until the outputs are all old or all new
+                with ctx.shard_locks.writing([out for _, out in pairs], until, f"committing {run}"):
+                    if ctx.commit_hook is not None:
+                        ctx.commit_hook("before", run)
+                    failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
+                    if failed is None:
+                        for staged, out in pairs:  # every output checked before one is written
+                            src = ctx.store.get(staged)
+                            if src is None:
+                                raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
+                            copies.append((checked_out(ctx, out, src.shape, ctx.store.dtype(staged), strided=True),
+                                           src))  # fmt: skip
+                        stream = ctx.controller(ticket.controller).stream
+                        with stream.running():
+                            for dst, src in copies:
+                                arrays.copy(dst, src)
+                            stream.finish(time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}")
             finally:
                 copies.clear()  # no reference here to a staged result: freed, its memory goes back to the pool
                 src = dst = None
@@ -410,6 +416,7 @@ class DeviceRole:
             "peer_maps": len(ctx.peers.maps),
             "fds": len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1,
             "calls": ctx.inbox.state(),
+            "shard_locks": ctx.shard_locks.state(),
             **ctx.counters,
             **ctx.store.memory(),
         }
@@ -453,8 +460,8 @@ class DeviceActor(DeviceRole):
         """The empty call (a floor for latency measurements)."""
 
     @ray.method(concurrency_group=CONTROL)
-    def reshard_fetch(self, name: str) -> np.ndarray:  # type: ignore[override]  # ray.method makes it a remote method
-        return DeviceRole.reshard_fetch(self, name)
+    def reshard_fetch(self, name: str, budget_s: float = FETCH_BUDGET_S) -> np.ndarray:
+        return DeviceRole.reshard_fetch(self, name, budget_s)
 
     @ray.method(concurrency_group=CONTROL)
     def reshard_abort_run(self, controller: str, run: str | None, drop=(), group_drops=()) -> None:

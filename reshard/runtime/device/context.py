@@ -30,6 +30,7 @@ from reshard.runtime.device.group_cache import GroupCache
 from reshard.runtime.device.inbox import OrderedInbox
 from reshard.runtime.device.outcomes import RunOutcomes
 from reshard.runtime.device.run_streams import RunStream
+from reshard.runtime.device.shard_locks import ShardLocks
 from reshard.runtime.device.shards import ShardStore
 from reshard.runtime.device.shared_memory import PeerShards, RelayBoard, SharedShards
 from reshard.runtime.device_options import DeviceOptions
@@ -87,6 +88,7 @@ class DeviceContext:
             shared = GpuBlocks(gpu, pool_bytes)
         self.store = ShardStore(device, self.device_type, pool_bytes, shared,
                                 options.assembly_bytes)  # fmt: skip
+        self.shard_locks = ShardLocks(device)  # reads of a shard wait for a write into it
         self.peers: PeerShards | GpuPeers = PeerShards(device) if gpu is None else GpuPeers(device, gpu)
         if gpu is not None:
             box_copies.load(gpu)

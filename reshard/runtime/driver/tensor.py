@@ -119,7 +119,7 @@ class ShardedTensor:
         deadline = Deadline.after(timeout_s)
         rt.works.after(frozenset({self.name}), frozenset(), deadline)  # this process's pending writes first
         ids = {i: self.mesh.device_ids[i] for i in indices}
-        refs = {ids[i]: self.mesh.actor(i).reshard_fetch.remote(self.name) for i in indices}
+        refs = {ids[i]: self.mesh.actor(i).reshard_fetch.remote(self.name, deadline.budget) for i in indices}
         outcome = rt.wait(refs, deadline, "reading a tensor back")
         if not outcome.ok:
             gone = [d for d, f in outcome.failures.items() if isinstance(f.error, KeyError)]
@@ -142,7 +142,9 @@ class ShardedTensor:
         return out
 
     def to_numpy(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> np.ndarray:
-        """The full tensor, assembled here (one holder per distinct region)."""
+        """The full tensor, assembled here (one holder per distinct region). It waits for this
+        process's pending works that write it, and each shard is read whole: a write into it (a
+        commit, a ``direct`` run) from any process is waited for, never read halfway."""
         if self.dtype_name in BIT_PATTERN:
             raise TypeError(
                 f"{self!r}: numpy has no {self.dtype_name}; use .to_torch() (or .to_torch().float().numpy())"
