@@ -40,7 +40,7 @@ class ShardLocks:
         with self._cond:
             self._writes.update(names)
             self._cond.notify_all()  # for ``state`` watchers
-            if not self._cond.wait_for(lambda: not any(self._reads[n] for n in names), _timeout(until)):
+            if not self._cond.wait_for(lambda: self._unread(names), _timeout(until)):
                 self._drop(self._writes, names)
                 raise ReshardTimeout(f"device {self.device}: {what}: reads of its outputs did not end in time")
         try:
@@ -79,6 +79,9 @@ class ShardLocks:
                 "reads": sum(self._reads.values()),
                 "reads_waiting": self._reads_waiting,
             }
+
+    def _unread(self, names: list[str]) -> bool:
+        return not self._reads or not any(self._reads[n] for n in names)
 
     def _drop(self, counts: Counter[str], names: list[str]) -> None:
         for n in names:
