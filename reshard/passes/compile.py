@@ -123,11 +123,12 @@ def compile_reshard(
 
 
 @lru_cache(maxsize=512)
-def _compile(shape, dtype, src, dst, strategy, cluster, domains, publishers, options) -> CompiledReshard:
+def _compile(shape, dtype, src, dst, strategy, cluster, domains, publishers, options, hosts=None) -> CompiledReshard:
     domain_of = dict(domains)
     plan = plan_reshard(
-        shape, dtype, src, dst, strategy=strategy, cluster=cluster, hosts=planning_hosts(src, dst, domain_of)
-    )
+        shape, dtype, src, dst, strategy=strategy, cluster=cluster,
+        hosts=planning_hosts(src, dst, domain_of) if hosts is None else dict(hosts),
+    )  # fmt: skip
     validate_plan(plan)
     program = lower_plan(plan)
     validate_program(program)
@@ -151,10 +152,16 @@ def _compile(shape, dtype, src, dst, strategy, cluster, domains, publishers, opt
 def planning_hosts(src: Layout, dst: Layout, domain_of: Mapping[int, Hashable]) -> dict[int, int] | None:
     """The device -> host map to plan with: the meshes' hosts, except that the devices of one
     shared-memory domain share one host (the lowest host id among them). None: no domains."""
+    return domain_hosts((src.mesh, dst.mesh), domain_of)
+
+
+def domain_hosts(meshes, domain_of: Mapping[int, Hashable]) -> dict[int, int] | None:
+    """``planning_hosts`` over any meshes (a batch's: one map for all its tensors)."""
     if not domain_of:
         return None
-    hosts = dict(zip(src.mesh.device_ids, src.mesh.host_ids, strict=True))
-    hosts.update(zip(dst.mesh.device_ids, dst.mesh.host_ids, strict=True))
+    hosts: dict[int, int] = {}
+    for mesh in meshes:
+        hosts.update(zip(mesh.device_ids, mesh.host_ids, strict=True))
     merged: dict[Hashable, int] = {}
     for d, dom in domain_of.items():
         if d in hosts:
@@ -193,7 +200,10 @@ class CompiledBatch:
 class BatchItem:
     """One tensor of a batch: its ``shape`` and ``dtype``, from ``src`` to ``dst``; ``domains`` and
     ``publishers`` as ``compile_reshard`` takes them (``domains`` as sorted ``(device, domain)``
-    pairs; ``publishers`` None: every device with a domain)."""
+    pairs; ``publishers`` None: every device with a domain). ``hosts``: the device -> host map it is
+    planned on, as sorted pairs (None: from ``domains``, as ``planning_hosts``); a batch gives every
+    tensor the same one, whichever of its shards peers can pull (``domain_hosts``), so that one
+    cost model fits them all."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -201,6 +211,7 @@ class BatchItem:
     dst: Layout
     domains: tuple[tuple[int, Hashable], ...] = ()
     publishers: frozenset[int] | None = None
+    hosts: tuple[tuple[int, int], ...] | None = None
 
 
 def compile_batch(
@@ -221,7 +232,8 @@ def compile_batch(
 @lru_cache(maxsize=64)
 def _compile_batch(items, strategy, cluster, options, bucket_bytes) -> CompiledBatch:
     singles = tuple(
-        _compile(i.shape, i.dtype, i.src, i.dst, strategy, cluster, i.domains, i.publishers, options) for i in items
+        _compile(i.shape, i.dtype, i.src, i.dst, strategy, cluster, i.domains, i.publishers, options, i.hosts)
+        for i in items
     )
     hosts: dict[int, int] = {}
     for c in singles:

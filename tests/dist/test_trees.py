@@ -764,3 +764,20 @@ def test_a_tree_of_more_large_shards_than_the_block_budget_keeps_descriptors_bou
     for k in ("experts.0.w", f"experts.{n // 2}.w", f"experts.{n - 1}.w"):
         assert_bit_exact(out[k].to_numpy(), sd[k])
         assert_bit_exact(back[k].to_numpy(), sd[k])
+
+
+def test_a_tree_whose_tensors_differ_in_what_peers_can_pull_is_planned_on_one_host_map(view):
+    """A tensor with an empty source shard (not in shared memory: nothing to pull) and one cast in
+    flight (casts are not pulled) beside tensors that are pulled: every tensor of the call is
+    planned on the same hosts (a map merged from each tensor's own made the cost model too small
+    for some of them: ``ValueError: the plan uses host ...``)."""
+    a = view([0, 1, 2], (3,))
+    b = view([3, 4], (2,))
+    sd = {"full": random_array((6, 4), "float32", 80), "uneven": random_array((2, 4), "float32", 81),
+          "cast": random_array((6, 4), "float32", 82)}  # fmt: skip
+    src = distribute(sd, lambda p, t: Layout(a, pl("S0")))
+    assert len(src["uneven"]._shared) < len(src["full"]._shared)  # device 2's shard of it is empty
+    out = reshard(src, a, last_dim(b), dtype={"full": "float32", "uneven": "float32", "cast": "float64"})
+    assert_bit_exact(out["full"].to_numpy(), sd["full"])
+    assert_bit_exact(out["uneven"].to_numpy(), sd["uneven"])
+    assert_bit_exact(out["cast"].to_numpy(), sd["cast"].astype(np.float64))

@@ -22,7 +22,7 @@ from reshard.passes.compile import (
     CompiledReshard,
     CompileOptions,
     compile_batch,
-    planning_hosts,
+    domain_hosts,
 )
 from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.backends.registry import backend_spec
@@ -122,21 +122,26 @@ class _Call:
     def items(self, shared_memory: bool) -> tuple[BatchItem, ...]:
         out = []
         outs: Sequence[ShardedTensor | None] = self.outs or [None] * len(self.leaves)
+        hosts = self.planning_hosts(shared_memory)
+        pairs = tuple(sorted(hosts.items()))
         for t, layout, dmesh, o, dtype in zip(
             self.leaves, self.layouts, self.dst_meshes, outs, self.dtypes, strict=True
         ):
             cast = dtype != t.dtype_name  # cast by its senders: no pulls (a puller reads the source's dtype)
             domains = tuple(sorted(memory_domains(t, dmesh).items())) if shared_memory and not cast else ()
             publishers = relay_publishers(dmesh, domains, o if self.direct else None)
-            out.append(BatchItem(t.shape, dtype, t.layout, layout, domains, publishers))
+            out.append(BatchItem(t.shape, dtype, t.layout, layout, domains, publishers, pairs))
         return tuple(out)
 
-    def planning_hosts(self, items) -> dict[int, int]:
-        hosts: dict[int, int] = {}
-        for i in items:
-            domain_of = dict(i.domains)
-            hosts.update(planning_hosts(i.src, i.dst, domain_of) or device_hosts(i.src.mesh, i.dst.mesh))
-        return hosts
+    def planning_hosts(self, shared_memory: bool) -> dict[int, int]:
+        """The device -> host map every tensor of the call is planned on: the meshes' hosts, the
+        devices of one memory domain on one host (``shared_memory``), whichever shards of each
+        tensor peers can pull."""
+        meshes = [self.src_mesh, *dict.fromkeys(self.dst_meshes)]
+        domain_of = {r.id: r.memory_domain for m in meshes for r in m.records if r.memory_domain is not None}
+        topologies = [m.mesh for m in meshes]
+        merged = domain_hosts(topologies, domain_of) if shared_memory else None
+        return merged or device_hosts(*topologies)
 
 
 def _at(path: str) -> str:
@@ -246,7 +251,7 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
     items = call.items(shared_memory)
     backend = call.src_mesh.backend
     if cluster is None:
-        cluster = runtime().planning_cluster(backend, call.planning_hosts(items))
+        cluster = runtime().planning_cluster(backend, dict(items[0].hosts or ()) if items else {})
     if bucket_bytes is None:
         bucket_bytes = compile_target(backend).bucket_bytes
     with gc_paused():  # a large tree's plans: millions of acyclic objects at once
