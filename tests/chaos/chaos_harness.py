@@ -2,8 +2,11 @@
 steps, and the runtime's failure contract checked after every step.
 
 A ``Chaos`` run keeps a pool of device actors (``DeviceMesh.create``; killed ones are replaced by
-fresh meshes) and a few live tensors. Each step reshards a tensor (a live one, or a new one) from
-its mesh to a random layout on a random mesh over the pool, with a random dtype and size, through
+fresh meshes), a few live tensors and a model (``chaos_model``: a few tensors of random shapes,
+dtypes and layouts on a random mesh). Each step is of a random kind (``Kind``): it reshards a
+tensor (a live one, or a new one) from its mesh to a random layout on a random mesh over the pool,
+blocking or as a ``Work`` waited for; or it syncs the whole model from a new version on a random
+mesh (``reshard(tree, ..., out=model)``, blocking or as a ``Work``). Either goes through
 shared-memory pulls or through gloo only (``shared_memory=False``). Every other step carries a
 fault; the faulty steps cycle through every (fault, phase, transport) combination in a seeded order:
 
@@ -15,9 +18,11 @@ fault; the faulty steps cycle through every (fault, phase, transport) combinatio
   (killed, if it cannot take the call that lifts it);
 - ``INTERRUPT``: a real SIGINT to the driver's main thread while ``reshard`` waits.
 
-Phases: ``BEFORE`` (the fault is in place before the step is submitted) and ``DURING`` (the
+Phases: ``BEFORE`` (the fault is in place before the step is submitted), ``DURING`` (the
 victim's ``before_op`` hook tells a ``Beacon`` actor that it is mid-run and holds there; the fault
-lands then). Synchronisation is on events only: times are measured, never waited for.
+lands then) and ``COMMIT`` (model syncs only: a destination's commit hook holds at the start of its
+commit, before it decides; a kill or a stop lands then). Synchronisation is on events only: times
+are measured, never waited for.
 
 Invariants checked after every step (each breach is a ``Violation``):
 1. the call returned a complete, bit-exact tensor, or raised a ``ReshardError`` subclass naming a
@@ -28,7 +33,12 @@ Invariants checked after every step (each breach is a ``Violation``):
 3. after ``reshard.runtime.settle``, no device holds a shard that no live handle owns, every live
    handle's devices hold its shard, and each shard is held by exactly its handle (``stats()``);
 4. after a fault, the next reshard over the step's surviving devices succeeds on the first try
-   (the same reshard again when all its devices survived): otherwise it counts as a livelock.
+   (the same reshard again when all its devices survived; for a model sync, a sync from them):
+   otherwise it counts as a livelock;
+5. after a model sync, once its devices run no call: every tensor of the model on every live
+   device holds one version, the same everywhere, never half of each (``TORN``): the new one when
+   the call returned, the old one when its error said the outputs were left as they were, the new
+   one when it said they change.
 """
 
 from __future__ import annotations
@@ -47,8 +57,9 @@ import threading
 import time
 import traceback
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
+import chaos_model
 import numpy as np
 import ray
 
@@ -60,10 +71,12 @@ from reshard import (
     Shard,
     WorkerDied,
     distribute,
+    free,
     reshard,
 )
-from reshard.runtime import lowered_reshard, runtime, settle
-from reshard.runtime.messages import DeviceState
+from reshard.ir.regions import layout_regions
+from reshard.runtime import lowered_batch, lowered_reshard, runtime, settle
+from reshard.runtime.messages import COMMIT_WAIT_S, DeviceState
 
 
 class Fault(enum.Enum):
@@ -78,6 +91,13 @@ class Fault(enum.Enum):
 class Phase(enum.Enum):
     BEFORE = "before"  # in place before the step is submitted
     DURING = "during"  # lands while the victim is mid-run (its before_op hook signalled)
+    COMMIT = "commit"  # lands while a destination of a model sync holds at the start of its commit
+
+
+class Kind(enum.Enum):
+    TENSOR = "reshard"  # one tensor into a new one
+    ASYNC = "reshard, async_op"  # the same, as a Work waited for
+    SYNC = "model sync (out=)"  # the whole model written into its outputs (blocking, or as a Work)
 
 
 KILLS = (Fault.RAY_KILL, Fault.SIGKILL)
@@ -86,6 +106,7 @@ COMBOS = (
     (Fault.SIGKILL, Phase.BEFORE), (Fault.SIGKILL, Phase.DURING),
     (Fault.SIGSTOP, Phase.BEFORE), (Fault.SIGSTOP, Phase.DURING),
     (Fault.ALLOC, Phase.BEFORE), (Fault.INTERRUPT, Phase.DURING),
+    (Fault.RAY_KILL, Phase.COMMIT), (Fault.SIGKILL, Phase.COMMIT), (Fault.SIGSTOP, Phase.COMMIT),
 )  # fmt: skip
 TRANSPORTS = (True, False)  # shared_memory: pulls where possible / everything through gloo
 
@@ -99,6 +120,7 @@ HANG_S = 30.0  # a call still running this long after its timeout is a hang (wha
 TARGET_S = 2.0  # a failed call raises within its timeout plus this (the documented promise: asserted)
 PROBE_TIMEOUT_S = 60.0
 SLOW_PROBE_S = 1.0  # a retry slower than this is noted with what the devices did (``Chaos.slow``)
+OLD, NEW = chaos_model.OLD, chaos_model.NEW
 HOLD_S = 120.0  # how long a victim's hook holds when nobody releases it
 ALLOC_MARGIN_BYTES = 64 << 10  # address space left to a capped actor above what it maps
 ALLOC_MIN_BYTES = 4 << 20  # an ALLOC step moves a tensor this big at least (>= 1 MiB per device)
@@ -168,8 +190,22 @@ def _arm(ctx, beacon, tag: str, skip: int) -> None:
     ctx.before_op = hook
 
 
+def _arm_commit(ctx, beacon, tag: str) -> None:
+    """Hold the next commit at its start, before it decides: say "arrived", wait for "go"."""
+
+    def hook(stage, run):
+        if stage != "before":
+            return
+        ctx.commit_hook = None
+        ray.get(beacon.set.remote(f"{tag}/arrived"))
+        ray.get(beacon.wait.remote([f"{tag}/go"], HOLD_S))
+
+    ctx.commit_hook = hook
+
+
 def _disarm(ctx) -> None:
     ctx.before_op = None
+    ctx.commit_hook = None
 
 
 def _cap_address_space(ctx, margin: int) -> int:
@@ -190,6 +226,11 @@ def _lift_cap(ctx) -> None:
     limits = ctx.extensions.pop("chaos_rlimit_as", None)
     if limits is not None:
         resource.setrlimit(resource.RLIMIT_AS, limits)
+
+
+def _on_device(actor_self, fn):
+    """``fn(ctx)`` on a device actor outside its callers' order (through ``__ray_call__``)."""
+    return fn(actor_self.reshard_device)
 
 
 def _pid(ctx) -> int:
@@ -218,6 +259,7 @@ class StepRecord:
     dtype: str
     died: tuple[int, ...]
     step_s: float  # the whole step: replacing dead devices, the call, the fault, every check
+    kind: str = Kind.TENSOR.value
 
     @property
     def failed(self) -> bool:
@@ -229,6 +271,19 @@ class Violation:
     step: int
     invariant: str
     detail: str
+
+
+@dataclass
+class FaultAt:
+    """A step's fault: where it lands, on whom, and what came of it (``landed``: when, whether it killed)."""
+
+    fault: Fault
+    phase: Phase | None
+    victim: int | None
+    tag: str
+    killed: bool = False
+    injector: threading.Thread | None = None
+    landed: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -299,6 +354,7 @@ class Chaos:
         self.views: dict[tuple, DeviceMesh] = {}
         self.retired: list[DeviceMesh] = []  # views over dead devices
         self.held: list[Held] = []
+        self.model: chaos_model.Model | None = None  # what model syncs write into (built by the first)
         self.records: list[StepRecord] = []
         self.violations: list[Violation] = []
         self.deaths: list[tuple[int, int, str]] = []  # (step, device, why)
@@ -391,30 +447,36 @@ class Chaos:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self, steps: int):
-        """``(fault, phase, shared_memory)`` per step: a fault every other step, cycling through
-        every combination in a seeded order."""
+        """``(kind, fault, phase, shared_memory)`` per step: a fault every other step, cycling
+        through every combination in a seeded order; a commit-time fault is a model sync's, other
+        steps are of any kind."""
         combos = [(f, p, s) for f, p in COMBOS for s in TRANSPORTS]
         faulty: list = []
         out = []
         for i in range(steps):
             if i % 2 == 0:
-                out.append((Fault.NONE, None, self.rng.choice(TRANSPORTS)))
+                out.append((self.rng.choice(list(Kind)), Fault.NONE, None, self.rng.choice(TRANSPORTS)))
                 continue
             if not faulty:
                 faulty = list(combos)
                 self.rng.shuffle(faulty)
-            out.append(faulty.pop())
+            fault, phase, shared = faulty.pop()
+            out.append((Kind.SYNC if phase is Phase.COMMIT else self.rng.choice(list(Kind)), fault, phase, shared))
         return out
 
     def run(self, steps: int, progress=None) -> None:
-        for i, (fault, phase, shared) in enumerate(self.schedule(steps)):
-            self.step(i, fault, phase, shared)
+        for i, (kind, fault, phase, shared) in enumerate(self.schedule(steps)):
+            if kind is Kind.SYNC:
+                self.sync_step(i, fault, phase, shared)
+            else:
+                self.step(i, kind, fault, phase, shared)
             if progress is not None:
                 progress(i, self.records[-1])
 
     # ------------------------------------------------------------------ one step
 
-    def step(self, i: int, fault: Fault, phase: Phase | None, shared: bool) -> None:
+    def step(self, i: int, kind: Kind, fault: Fault, phase: Phase | None, shared: bool) -> None:
+        """One tensor resharded into a new one (``async_op`` for ``Kind.ASYNC``)."""
         began = time.monotonic()
         rng = self.rng
         self._replenish()
@@ -429,45 +491,26 @@ class Chaos:
         if victim is None:
             fault, phase = Fault.NONE, None
         timeout_s = TIMEOUT_S[fault]
-        tag = f"step{i}"
-        killed = False
-        injector = None
-        landed: dict = {}
+        fault_at = self._fault_at(
+            i, fault, phase, victim, self._hold_at(compiled, victim) if phase is Phase.DURING else 0
+        )
 
-        if fault is not Fault.NONE and phase is Phase.BEFORE:
-            killed = self._inject(fault, victim, landed)
-            if fault is Fault.RAY_KILL:
-                gone(self.actors[victim])
-        elif phase is Phase.DURING:
-            self._view([victim]).call(_arm, self.beacon, tag, self._hold_at(compiled, victim))
-            injector = threading.Thread(target=self._inject_on_arrival, args=(fault, victim, tag, landed),
-                                        name="chaos-injector", daemon=True)  # fmt: skip
-            injector.start()
-
-        result = error = None
+        result = error = work = None
         t0 = time.monotonic()
         try:
-            result = reshard(t, t.mesh, dst_layout, timeout_s=timeout_s, shared_memory=shared)
+            if kind is Kind.ASYNC:
+                work = reshard(t, t.mesh, dst_layout, timeout_s=timeout_s, shared_memory=shared, async_op=True)
+                result = work.wait()
+            else:
+                result = reshard(t, t.mesh, dst_layout, timeout_s=timeout_s, shared_memory=shared)
         except BaseException as e:  # KeyboardInterrupt included: that is the INTERRUPT fault
             error = e
         seconds = time.monotonic() - t0
         raised_at = time.monotonic()
-        if injector is not None:
-            self.beacon.set.remote(f"{tag}/done")
-            injector.join(HOLD_S + 60)
-            if injector.is_alive():
-                self._violate(i, "harness", "the fault injector did not finish")
-            killed = landed.get("killed", False)
-        if fault is Fault.SIGSTOP:
-            os.kill(self.pids[victim], signal.SIGCONT)
-        if phase is Phase.DURING:
-            ray.get(self.beacon.set.remote(f"{tag}/go"))
-        if killed:
-            self._bury(victim, i, fault.value)
-        elif fault is Fault.ALLOC or phase is Phase.DURING:
-            self._restore(i, victim, fault)
-        for d in self._known_dead():
-            self._bury(d, i, "died (noticed by the runtime)")
+        self._after_fault(i, fault_at)
+        if work is not None and error is not None:
+            work.exception(timeout_s + HANG_S)  # interrupted while waiting: the work goes on, and ends
+        work = None  # it holds its result: only ``self.held`` may keep handles alive (invariant 3)
 
         outcome = "ok" if error is None else type(error).__name__
         message = "" if error is None else first_line(error)
@@ -481,27 +524,139 @@ class Chaos:
         if fault is not Fault.NONE:
             probe_s = self._probe(i, src, dst_layout, step_devices, shared)
         self._check_leaks(i)
-        ray.get(self.beacon.forget.remote(tag))
-        interrupt_s = raised_at - landed["at"] if fault is Fault.INTERRUPT and "at" in landed else None
+        self._record(i, kind.value, fault_at, shared, victim is not None and victim in compiled.participants, outcome,
+                     seconds, timeout_s, message, probe_s, raised_at, nbytes, dtype, began)  # fmt: skip
+
+    def sync_step(self, i: int, fault: Fault, phase: Phase | None, shared: bool) -> None:
+        """The model synced whole from a new version on a random mesh (``reshard(..., out=)``,
+        blocking or ``async_op``); invariant 5 after it."""
+        began = time.monotonic()
+        rng = self.rng
+        self._replenish()
+        pool = sorted(self.pids)
+        model = self._model()
+        shapes = model.shapes()
+        src_mesh = self._random_mesh(pool)
+        src_layouts = chaos_model.random_layouts(rng, src_mesh, shapes)
+        new = chaos_model.new_data(self.data_rng, shapes)
+        src = distribute(new, lambda path, t: src_layouts[path], timeout_s=PROBE_TIMEOUT_S)
+        layouts = {k: v.layout for k, v in model.outs.items()}
+        compiled = lowered_batch(src, src_mesh, lambda path, t: layouts[path], shared_memory=shared)
+        step_devices = sorted(set(src_mesh.device_ids) | set(model.devices))
+        victim = self._sync_victim(fault, phase, compiled, model, pool)
+        if victim is None:
+            fault, phase = Fault.NONE, None
+        timeout_s = TIMEOUT_S[fault]
+        fault_at = self._fault_at(i, fault, phase, victim, 0)
+        as_work = rng.random() < 0.5
+
+        error = work = None
+        t0 = time.monotonic()
+        try:
+            if as_work:
+                work = reshard(src, src_mesh, lambda path, t: layouts[path], out=model.outs, timeout_s=timeout_s,
+                               shared_memory=shared, async_op=True)  # fmt: skip
+                work.wait()
+            else:
+                reshard(src, src_mesh, lambda path, t: layouts[path], out=model.outs, timeout_s=timeout_s,
+                        shared_memory=shared)  # fmt: skip
+        except BaseException as e:  # KeyboardInterrupt included: that is the INTERRUPT fault
+            error = e
+        seconds = time.monotonic() - t0
+        raised_at = time.monotonic()
+        self._after_fault(i, fault_at)
+        if work is not None and error is not None:
+            work.exception(timeout_s + HANG_S)
+        work = None
+        self._check_raised(i, fault, error, seconds, timeout_s)
+        self._quiet(i, step_devices, timeout_s)
+        self._check_versions(i, fault, error, new)
+        outcome = "ok" if error is None else type(error).__name__
+        message = "" if error is None else first_line(error)
+        del error
+        try:
+            free(src)
+        except ReshardError:  # its Ray session's view of dead devices: nothing left to free
+            pass
+        del src
+        self._drop_broken_model()
+        self._check_tensors(i)
+        probe_s = None
+        if fault is not Fault.NONE:
+            probe_s = self._probe_sync(i, step_devices, shared)
+        self._check_leaks(i)
+        nbytes = sum(a.nbytes for a in new.values())
+        self._record(i, Kind.SYNC.value + (", async_op" if as_work else ""), fault_at, shared,
+                     victim is not None and victim in compiled.participants, outcome, seconds, timeout_s, message,
+                     probe_s, raised_at, nbytes, "tree", began)  # fmt: skip
+
+    # ------------------------------------------------------------------ faults
+
+    def _fault_at(self, i: int, fault: Fault, phase: Phase | None, victim: int | None, hold_at: int) -> FaultAt:
+        """Put ``fault`` in place (``BEFORE``), or arm the victim to hold where it lands (its op
+        ``hold_at`` for ``DURING``, the start of its commit for ``COMMIT``) with a thread that
+        injects it once the victim says it holds."""
+        at = FaultAt(fault, phase, victim, f"step{i}")
+        if fault is Fault.NONE:
+            return at
+        if phase is Phase.BEFORE:
+            at.killed = self._inject(fault, victim, at.landed)
+            if fault is Fault.RAY_KILL:
+                gone(self.actors[victim])
+            return at
+        if phase is Phase.DURING:
+            self._view([victim]).call(_arm, self.beacon, at.tag, hold_at)
+        else:
+            self._view([victim]).call(_arm_commit, self.beacon, at.tag)
+        at.injector = threading.Thread(target=self._inject_on_arrival, args=(fault, victim, at.tag, at.landed),
+                                       name="chaos-injector", daemon=True)  # fmt: skip
+        at.injector.start()
+        return at
+
+    def _after_fault(self, i: int, at: FaultAt) -> None:
+        """Once the call returned or raised: the injector joined, a stopped victim continued, a
+        held one let go, a killed one buried, a capped or armed one restored."""
+        fault, victim = at.fault, at.victim
+        if at.injector is not None:
+            self.beacon.set.remote(f"{at.tag}/done")
+            at.injector.join(HOLD_S + 60)
+            if at.injector.is_alive():
+                self._violate(i, "harness", "the fault injector did not finish")
+            at.killed = at.landed.get("killed", False)
+        if fault is Fault.SIGSTOP:
+            os.kill(self.pids[victim], signal.SIGCONT)
+        if at.phase in (Phase.DURING, Phase.COMMIT):
+            ray.get(self.beacon.set.remote(f"{at.tag}/go"))
+        if at.killed:
+            self._bury(victim, i, fault.value)
+        elif fault is Fault.ALLOC or at.phase in (Phase.DURING, Phase.COMMIT):
+            self._restore(i, victim, fault)
+        for d in self._known_dead():
+            self._bury(d, i, "died (noticed by the runtime)")
+
+    def _record(self, i, kind, at: FaultAt, shared, took_part, outcome, seconds, timeout_s, message, probe_s,
+                raised_at, nbytes, dtype, began) -> None:  # fmt: skip
+        ray.get(self.beacon.forget.remote(at.tag))
+        landed = at.landed.get("at")
+        interrupt_s = raised_at - landed if at.fault is Fault.INTERRUPT and landed is not None else None
         self.records.append(StepRecord(
-            i, fault.value, None if phase is None else phase.value, shared,
-            None if victim is None else victim in compiled.participants,
-            outcome, round(seconds, 4), timeout_s, message, probe_s,
-            None if interrupt_s is None else round(interrupt_s, 4),
-            nbytes, dtype, tuple(d for s, d, _ in self.deaths if s == i), round(time.monotonic() - began, 3),
+            i, at.fault.value, None if at.phase is None else at.phase.value, shared, took_part if at.victim is not None
+            else None, outcome, round(seconds, 4), timeout_s, message, probe_s,
+            None if interrupt_s is None else round(interrupt_s, 4), nbytes, dtype,
+            tuple(d for s, d, _ in self.deaths if s == i), round(time.monotonic() - began, 3), kind,
         ))  # fmt: skip
 
     def _victim(self, fault: Fault, phase: Phase | None, compiled, pool) -> int | None:
         rng = self.rng
         if fault is Fault.NONE:
             return None
-        busy = [d for d in compiled.participants if compiled.program.for_device(d).all_ops]
+        busy = [d for d in compiled.participants if _parts(compiled, d)[0]]
         if phase is Phase.DURING:
             return rng.choice(busy) if busy else None
         if fault is Fault.ALLOC:  # the participant that allocates the most
             if not compiled.participants:
                 return None
-            return max(compiled.participants, key=lambda d: math.prod(compiled.program.for_device(d).dst_shape or ()))
+            return max(compiled.participants, key=lambda d: _parts(compiled, d)[1])
         bystanders = [d for d in pool if d not in compiled.participants]
         if bystanders and rng.random() < 0.2:
             return rng.choice(bystanders)
@@ -544,9 +699,9 @@ class Chaos:
         """Lift the cap / disarm the hook on a victim that lives on (an ALLOC victim may not: it
         may die, or be unable to take even the call that lifts its cap, which then kills it)."""
         fn = _lift_cap if fault is Fault.ALLOC else _disarm
-        try:
-            self._view([victim]).call(fn, timeout_s=PROBE_TIMEOUT_S)
-        except WorkerDied as e:
+        try:  # out of the call order: a failed sync's commit may wait ahead for the runs' outcomes
+            ray.get(self.actors[victim].__ray_call__.remote(_on_device, fn), timeout=PROBE_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, WorkerDied) as e:
             if fault is not Fault.ALLOC:
                 self._violate(i, "no unexpected deaths", f"device {victim} died: {first_line(e)}")
             self._bury(victim, i, f"{fault.value}: {first_line(e)}")
@@ -556,6 +711,103 @@ class Chaos:
             os.kill(self.pids[victim], signal.SIGKILL)  # capped so tight that Ray cannot hand it the call
             self._bury(victim, i, f"{fault.value}: could not take the call that lifts its cap: {first_line(e)}")
 
+    def _sync_victim(self, fault: Fault, phase: Phase | None, compiled, model, pool) -> int | None:
+        """``_victim``'s choice for a model sync; at ``COMMIT``, a destination that writes an output."""
+        if phase is not Phase.COMMIT:
+            return self._victim(fault, phase, compiled, pool)
+        writers = [d for d in model.devices if any(
+            math.prod(hi - lo for lo, hi in box) for t in model.outs.values()
+            for box in [layout_regions(t.layout, t.shape)[model.devices.index(d)]])]  # fmt: skip
+        return self.rng.choice(writers) if writers else None
+
+    def _quiet(self, i: int, devices, timeout_s: float) -> None:
+        """Until the live ``devices`` run and wait for no call: a failed sync's commits may still be
+        deciding (a destination learns every run's outcome, up to ``COMMIT_WAIT_S`` past the deadline)."""
+        until = time.monotonic() + timeout_s + COMMIT_WAIT_S + HANG_S
+        while time.monotonic() < until:
+            live = [d for d in devices if d in self.pids]
+            if not live:
+                return
+            try:
+                stats = self._view(live).stats(timeout_s=PROBE_TIMEOUT_S)
+            except WorkerDied:
+                for d in self._known_dead():
+                    self._bury(d, i, "died (noticed by the runtime)")
+                continue
+            if not any(s["calls"]["running"] or s["calls"]["waiting"] for s in stats):
+                return
+            ray.get(self.beacon.wait.remote([f"step{i}/never"], 0.05))  # a pause between looks
+        self._violate(i, "1: bounded", f"devices {devices} still busy {timeout_s + COMMIT_WAIT_S + HANG_S:g}s on")
+
+    def _check_versions(self, i: int, fault: Fault, error, new: dict) -> None:
+        """Invariant 5: every output on every live device holds one version, the same for every
+        tensor, the new one when the call returned, the old one when its error said so."""
+        model = self.model
+        alive = {d: self.actors[d] for d in model.devices if d in self.pids}
+        try:
+            seen = model.versions(alive, new, PROBE_TIMEOUT_S)
+        except Exception as e:
+            self._violate(i, "5: outputs readable", first_line(e))
+            self._drop_broken_model(always=True)
+            return
+        found = set(seen.values()) - {chaos_model.SAME}
+        told = "" if error is None else str(error)
+        if chaos_model.TORN in found:
+            torn = sorted(k for k, v in seen.items() if v == chaos_model.TORN)
+            self._violate(i, "5: all old or all new", f"{fault.value}: torn outputs {torn}")
+        elif len(found) > 1:
+            self._violate(i, "5: one version everywhere", f"{fault.value}: {sorted(seen.items())}")
+        elif error is None and found - {NEW}:
+            self._violate(i, "5: as the caller was told", "the sync returned, the outputs are old")
+        elif found == {NEW} and "left as they were" in told:
+            self._violate(i, "5: as the caller was told", f"the outputs changed: {first_line(error)}")
+        elif found == {OLD} and "so the outputs change" in told:
+            self._violate(i, "5: as the caller was told", f"the outputs kept their old values: {first_line(error)}")
+        if len(found) > 1:
+            self._drop_broken_model(always=True)  # a violation: the next sync starts afresh
+        elif found == {NEW}:
+            model.expected = new
+
+    def _model(self) -> chaos_model.Model:
+        """The model, built on a random mesh of live devices when there is none."""
+        if self.model is None:
+            self._replenish()
+            self.model = chaos_model.build(self.rng, self.data_rng, self._random_mesh(sorted(self.pids)),
+                                           PROBE_TIMEOUT_S)  # fmt: skip
+        return self.model
+
+    def _drop_broken_model(self, always: bool = False) -> None:
+        """Free the model when one of its devices died (or ``always``: its outputs broke); the next
+        model sync builds another."""
+        if self.model is not None and (always or any(d not in self.pids for d in self.model.devices)):
+            self.model.free()
+            self.model = None
+
+    def _probe_sync(self, i: int, step_devices, shared: bool) -> float | None:
+        """Invariant 4 for a model sync: the next sync, from the step's survivors, lands first time."""
+        survivors = [d for d in step_devices if d in self.pids]
+        if not survivors:
+            return None
+        model = self._model()
+        new = chaos_model.new_data(self.data_rng, model.shapes())
+        src_mesh = self._view(survivors)
+        layouts = {k: v.layout for k, v in model.outs.items()}
+        t0 = time.monotonic()
+        src = None
+        try:
+            src = distribute(new, Layout(src_mesh, (Replicate(),)), timeout_s=PROBE_TIMEOUT_S)
+            reshard(src, src_mesh, lambda path, t: layouts[path], out=model.outs, timeout_s=PROBE_TIMEOUT_S,
+                    shared_memory=shared)  # fmt: skip
+            seconds = time.monotonic() - t0
+        except Exception as e:
+            self._violate(i, "4: first retry succeeds (livelock)", first_line(e))
+            return None
+        finally:
+            if src is not None:
+                free(src)
+        self._check_versions(i, Fault.NONE, None, new)
+        return round(seconds, 4)
+
     # ------------------------------------------------------------------ invariants
 
     def _violate(self, i: int, invariant: str, detail: str) -> None:
@@ -563,6 +815,19 @@ class Chaos:
 
     def _check_call(self, i, fault, result, error, src: Held, seconds: float, timeout_s: float) -> None:
         """Invariant 1."""
+        self._check_raised(i, fault, error, seconds, timeout_s)
+        if error is not None:
+            return
+        try:
+            got = read_bits(result, PROBE_TIMEOUT_S)
+        except Exception as e:
+            self._violate(i, "1: complete result", f"reading the result failed: {first_line(e)}")
+            return
+        if not same_bits(got, src.expected):
+            self._violate(i, "1: bit-exact", f"{fault.value}: the result differs from the source")
+
+    def _check_raised(self, i, fault, error, seconds: float, timeout_s: float) -> None:
+        """Invariant 1, but for the result: bounded, and a failure raised as promised."""
         if seconds > timeout_s + HANG_S:
             self._violate(i, "1: bounded", f"the call took {seconds:.1f}s with timeout_s={timeout_s:g}")
         if error is not None:
@@ -577,14 +842,6 @@ class Chaos:
                               f"timeout_s={timeout_s:g}: {first_line(error)}")  # fmt: skip
             if fault is Fault.NONE:
                 self._violate(i, "1: clean steps succeed", first_line(error))
-            return
-        try:
-            got = read_bits(result, PROBE_TIMEOUT_S)
-        except Exception as e:
-            self._violate(i, "1: complete result", f"reading the result failed: {first_line(e)}")
-            return
-        if not same_bits(got, src.expected):
-            self._violate(i, "1: bit-exact", f"{fault.value}: the result differs from the source")
 
     def _keep_or_drop(self, result, expected: np.ndarray) -> None:
         held = Held(result, expected)
@@ -670,6 +927,7 @@ class Chaos:
 
     def _check_leaks(self, i: int) -> None:
         """Invariant 3."""
+        self._drop_broken_model()
         gc.collect()
         everyone = self._view(sorted(self.pids))
         try:
@@ -682,6 +940,9 @@ class Chaos:
         for held in self.held:
             for d in held.tensor.mesh.device_ids:
                 expected[d].add(held.tensor.name)
+        for t in self.model.outs.values() if self.model is not None else ():
+            for d in t.mesh.device_ids:
+                expected[d].add(t.name)
         for d, s in zip(everyone.device_ids, stats, strict=True):
             have = set(s["buffers"])
             if have - expected[d]:
@@ -702,6 +963,8 @@ class Chaos:
                 except ReshardError:
                     pass
         self.held = []
+        if self.model is not None:
+            self.model.free()
         for v in [*self.views.values(), *self.retired]:
             v.shutdown()
         for m in self.owners:
@@ -742,6 +1005,8 @@ class Chaos:
             "seed": self.seed,
             "steps": len(self.records),
             "faults_injected": sum(r.fault != Fault.NONE.value for r in self.records),
+            "steps_by_kind": dict(Counter(r.kind for r in self.records)),
+            "commit_time_faults": sum(r.phase == Phase.COMMIT.value for r in self.records),
             "violations": [asdict(v) for v in self.violations],
             "livelocks": sum(v.invariant.startswith("4") for v in self.violations),
             "deaths": len(self.deaths),
@@ -753,6 +1018,17 @@ class Chaos:
             "by_kind": by_kind,
             "slow_retries": self.slow,
         }
+
+
+def _parts(compiled, device: int) -> tuple[int, int]:
+    """(ops, destination elements) of ``device`` in a compiled reshard, or a tree's (every tensor's)."""
+    ops = elements = 0
+    for c in getattr(compiled, "tensors", (compiled,)):
+        if device in c.participants:
+            p = c.program.for_device(device)
+            ops += len(p.all_ops)
+            elements += math.prod(p.dst_shape) if p.dst_shape is not None else 0
+    return ops, elements
 
 
 def _gist(message: str) -> str:

@@ -1,7 +1,7 @@
 """The chaos tier: a seeded sequence of reshards with faults injected before and during steps
 (``chaos_harness``), every invariant checked after every step.
 
-``RESHARD_CHAOS_STEPS`` (default 64: every fault combination on both transports twice, within a
+``RESHARD_CHAOS_STEPS`` (default 64: every fault combination on both transports at least once, within a
 few minutes on 2 cores), ``RESHARD_CHAOS_SEED`` and ``RESHARD_CHAOS_REPORT`` (a JSON file for the
 summary and every step's record) set up longer runs; RELIABILITY.md has the figures.
 """
@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict
 
 import pytest
-from chaos_harness import COMBOS, TRANSPORTS, Chaos
+from chaos_harness import COMBOS, TRANSPORTS, Chaos, Kind
 
 pytestmark = pytest.mark.chaos
 
@@ -36,6 +36,7 @@ def test_chaos(ray_cluster):
     expected = {(f.value, p.value, s) for f, p in COMBOS for s in TRANSPORTS}
     if STEPS >= 2 * len(expected):
         assert expected <= injected, f"fault combinations never injected: {sorted(expected - injected)}"
+        assert set(summary["steps_by_kind"]) >= {k.value for k in Kind}, summary["steps_by_kind"]
     assert summary["faults_injected"] >= STEPS // 2 - 2
     assert not chaos.violations, "\n".join(f"step {v.step}: {v.invariant}: {v.detail}" for v in chaos.violations)
     assert summary["livelocks"] == 0
@@ -43,7 +44,7 @@ def test_chaos(ray_cluster):
 
 def _progress(i, record):
     print(
-        f"step {i}: {record.fault} {record.phase} {'pull' if record.shared_memory else 'gloo'} "
+        f"step {i}: {record.kind}: {record.fault} {record.phase} {'pull' if record.shared_memory else 'gloo'} "
         f"-> {record.outcome} in {record.seconds:.2f}s probe {record.probe_s} {record.message[:160]}",
         flush=True,
     )
