@@ -97,7 +97,8 @@ class Phase(enum.Enum):
 class Kind(enum.Enum):
     TENSOR = "reshard"  # one tensor into a new one
     ASYNC = "reshard, async_op"  # the same, as a Work waited for
-    SYNC = "model sync (out=)"  # the whole model written into its outputs (blocking, or as a Work)
+    SYNC = "model sync (out=)"  # the whole model written into its outputs (blocking, or as a Work; ", attached":
+    # on actors of the user's attached with ``DeviceMesh.attach``)
 
 
 KILLS = (Fault.RAY_KILL, Fault.SIGKILL)
@@ -121,6 +122,7 @@ TARGET_S = 2.0  # a failed call raises within its timeout plus this (the documen
 PROBE_TIMEOUT_S = 60.0
 SLOW_PROBE_S = 1.0  # a retry slower than this is noted with what the devices did (``Chaos.slow``)
 OLD, NEW = chaos_model.OLD, chaos_model.NEW
+MODEL_SYNCS = 6  # a model serves this many syncs, then the next is built (shapes, layouts, mesh: new)
 HOLD_S = 120.0  # how long a victim's hook holds when nobody releases it
 ALLOC_MARGIN_BYTES = 64 << 10  # address space left to a capped actor above what it maps
 ALLOC_MIN_BYTES = 4 << 20  # an ALLOC step moves a tensor this big at least (>= 1 MiB per device)
@@ -230,7 +232,14 @@ def _lift_cap(ctx) -> None:
 
 def _on_device(actor_self, fn):
     """``fn(ctx)`` on a device actor outside its callers' order (through ``__ray_call__``)."""
-    return fn(actor_self.reshard_device)
+    from reshard.runtime import device_of
+
+    return fn(device_of(actor_self))
+
+
+@ray.remote(num_cpus=0)
+class _Inference:
+    """A user's inference worker: a plain Ray actor, attached as a device as it is."""
 
 
 def _pid(ctx) -> int:
@@ -349,12 +358,16 @@ class Chaos:
         self.data_rng = np.random.default_rng(seed)
         self.pool_size, self.min_live, self.max_tensors, self.max_bytes = pool_size, min_live, max_tensors, max_bytes
         self.pids: dict[int, int] = {}  # live devices -> actor process id
-        self.actors: dict[int, object] = {}
+        self.actors: dict[int, object] = {}  # live devices -> their Ray actor
+        self.callers: dict[int, object] = {}  # live devices -> what takes the runtime's calls (attached: a proxy)
+        self.attached: set[int] = set()  # devices that are the user's own actors, attached (``_inference_mesh``)
+        self.inference: list = []  # those actors, for the end
         self.owners: list[DeviceMesh] = []
         self.views: dict[tuple, DeviceMesh] = {}
         self.retired: list[DeviceMesh] = []  # views over dead devices
         self.held: list[Held] = []
         self.model: chaos_model.Model | None = None  # what model syncs write into (built by the first)
+        self.models_built = 0
         self.records: list[StepRecord] = []
         self.violations: list[Violation] = []
         self.deaths: list[tuple[int, int, str]] = []  # (step, device, why)
@@ -367,9 +380,14 @@ class Chaos:
 
     # ------------------------------------------------------------------ pool
 
+    def _pool(self) -> list[int]:
+        """The live devices of the pool (``DeviceMesh.create``'s; attached actors hold models only)."""
+        return sorted(d for d in self.pids if d not in self.attached)
+
     def _replenish(self) -> None:
-        missing = self.pool_size - len(self.pids)
-        if len(self.pids) >= self.min_live and self.owners:
+        live = len(self._pool())
+        missing = self.pool_size - live
+        if live >= self.min_live and self.owners:
             return
         mesh = DeviceMesh.create((missing,), backend="gloo", startup_timeout_s=300)
         self.replacements += bool(self.owners)
@@ -377,7 +395,19 @@ class Chaos:
         self.devices_started += missing
         for d, pid in zip(mesh.device_ids, mesh.call(_pid), strict=True):
             self.pids[d] = pid
-            self.actors[d] = mesh.actor(mesh.index_of(d))
+            self.actors[d] = self.callers[d] = mesh.actor(mesh.index_of(d))
+
+    def _inference_mesh(self) -> DeviceMesh:
+        """Two plain Ray actors of the user's (single-threaded, a class that knows nothing of the
+        library) attached as a mesh (``DeviceMesh.attach``), as inference workers are."""
+        actors = [_Inference.remote() for _ in range(2)]
+        self.inference += actors
+        mesh = DeviceMesh.attach(actors, (2,), startup_timeout_s=300)
+        self.owners.append(mesh)
+        for d, actor, pid in zip(mesh.device_ids, actors, mesh.call(_pid), strict=True):
+            self.pids[d], self.actors[d], self.callers[d] = pid, actor, mesh.actor(mesh.index_of(d))
+            self.attached.add(d)
+        return mesh
 
     def _view(self, devices, shape=None) -> DeviceMesh:
         devices = tuple(devices)
@@ -393,6 +423,8 @@ class Chaos:
         if self.pids.pop(device, None) is None:
             return
         self.actors.pop(device, None)
+        self.callers.pop(device, None)
+        self.attached.discard(device)
         self.deaths.append((step, device, why))
         for key in [k for k in self.views if device in k[0]]:
             self.retired.append(self.views.pop(key))  # tensors on it must still say WorkerDied
@@ -480,7 +512,7 @@ class Chaos:
         began = time.monotonic()
         rng = self.rng
         self._replenish()
-        pool = sorted(self.pids)
+        pool = self._pool()
         fresh = fault is Fault.ALLOC or not self.held or rng.random() < 0.5
         src = self._new_tensor(pool, ALLOC_MIN_BYTES if fault is Fault.ALLOC else 1) if fresh else rng.choice(self.held)
         t = src.tensor
@@ -533,8 +565,9 @@ class Chaos:
         began = time.monotonic()
         rng = self.rng
         self._replenish()
-        pool = sorted(self.pids)
+        pool = self._pool()
         model = self._model()
+        attached = set(model.devices) <= self.attached  # a model in the user's own actors
         shapes = model.shapes()
         src_mesh = self._random_mesh(pool)
         src_layouts = chaos_model.random_layouts(rng, src_mesh, shapes)
@@ -586,7 +619,8 @@ class Chaos:
             probe_s = self._probe_sync(i, step_devices, shared)
         self._check_leaks(i)
         nbytes = sum(a.nbytes for a in new.values())
-        self._record(i, Kind.SYNC.value + (", async_op" if as_work else ""), fault_at, shared,
+        kind = Kind.SYNC.value + (", async_op" if as_work else "") + (", attached" if attached else "")
+        self._record(i, kind, fault_at, shared,
                      victim is not None and victim in compiled.participants, outcome, seconds, timeout_s, message,
                      probe_s, raised_at, nbytes, "tree", began)  # fmt: skip
 
@@ -743,7 +777,7 @@ class Chaos:
         """Invariant 5: every output on every live device holds one version, the same for every
         tensor, the new one when the call returned, the old one when its error said so."""
         model = self.model
-        alive = {d: self.actors[d] for d in model.devices if d in self.pids}
+        alive = {d: self.callers[d] for d in model.devices if d in self.pids}
         try:
             seen = model.versions(alive, new, PROBE_TIMEOUT_S)
         except Exception as e:
@@ -769,11 +803,16 @@ class Chaos:
             model.expected = new
 
     def _model(self) -> chaos_model.Model:
-        """The model, built on a random mesh of live devices when there is none."""
+        """The model; a new one when there is none or the last served ``MODEL_SYNCS`` syncs, in
+        turn on a random mesh of the pool and on attached actors of the user's."""
+        if self.model is not None and self.model.syncs >= MODEL_SYNCS:
+            self._drop_broken_model(always=True)
         if self.model is None:
             self._replenish()
-            self.model = chaos_model.build(self.rng, self.data_rng, self._random_mesh(sorted(self.pids)),
-                                           PROBE_TIMEOUT_S)  # fmt: skip
+            self.models_built += 1
+            on = self._inference_mesh() if self.models_built % 2 == 0 else self._random_mesh(self._pool())
+            self.model = chaos_model.build(self.rng, self.data_rng, on, PROBE_TIMEOUT_S)
+        self.model.syncs += 1
         return self.model
 
     def _drop_broken_model(self, always: bool = False) -> None:
@@ -969,6 +1008,8 @@ class Chaos:
             v.shutdown()
         for m in self.owners:
             m.shutdown()
+        for a in self.inference:
+            ray.kill(a)
         ray.kill(self.beacon)
 
     def summary(self) -> dict:

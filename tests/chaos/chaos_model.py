@@ -29,6 +29,7 @@ class Model:
     mesh: object
     outs: dict
     expected: dict
+    syncs: int = 0  # the syncs it served
 
     @property
     def devices(self) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""The chaos tier: a seeded sequence of reshards with faults injected before and during steps
+"""The chaos tier: a seeded sequence of reshards and model syncs (into pool devices and into
+attached actors) with faults injected before, during and at the commit of steps
 (``chaos_harness``), every invariant checked after every step.
 
 ``RESHARD_CHAOS_STEPS`` (default 64: every fault combination on both transports at least once, within a
@@ -37,6 +38,7 @@ def test_chaos(ray_cluster):
     if STEPS >= 2 * len(expected):
         assert expected <= injected, f"fault combinations never injected: {sorted(expected - injected)}"
         assert set(summary["steps_by_kind"]) >= {k.value for k in Kind}, summary["steps_by_kind"]
+        assert any(k.endswith("attached") for k in summary["steps_by_kind"]), summary["steps_by_kind"]
     assert summary["faults_injected"] >= STEPS // 2 - 2
     assert not chaos.violations, "\n".join(f"step {v.step}: {v.invariant}: {v.detail}" for v in chaos.violations)
     assert summary["livelocks"] == 0
