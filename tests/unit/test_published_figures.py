@@ -101,7 +101,8 @@ def gpu() -> list[tuple[str, str]]:
 
 
 def faults() -> list[tuple[str, str]]:
-    one = result("chaos-20261127-72defee.json")["summary"]
+    one = result("chaos-20261128-bad1228.json")["summary"]
+    syncs = sum(n for k, n in one["steps_by_kind"].items() if k.startswith("model sync"))
     hosts = result("netchaos-20261127-42c30d3.json")["summary"]
     over = max(k["time_to_error_max_s"] - k["timeout_s"] for k in hosts["by_kind"].values() if k["time_to_error_max_s"])
     soak = result("task-soak-20261127.json")
@@ -109,6 +110,14 @@ def faults() -> list[tuple[str, str]]:
     assert not one["violations"] and not hosts["violations"] and not commit["violations"]
     return [
         ("README.md", f"{one['steps']} seeded chaos steps with {one['faults_injected']} injected faults"),
+        ("README.md", f"{syncs} whole-model `out=`\n  syncs"),
+        ("README.md", f"with {one['commit_time_faults']} faults at commit time"),
+        (
+            "RELIABILITY.md",
+            f"{one['steps']} steps (reshard {one['steps_by_kind']['reshard']}, as a Work "
+            f"{one['steps_by_kind']['reshard, async_op']}; model syncs\n{syncs}",
+        ),  # fmt: skip
+        ("RELIABILITY.md", f"**{one['commit_time_faults']} of\nthem at commit time, 0 invariant violations"),
         (
             "README.md",
             f"{hosts['steps']} seeded steps with {hosts['faults_injected']} faults "
