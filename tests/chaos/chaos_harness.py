@@ -21,8 +21,8 @@ fault; the faulty steps cycle through every (fault, phase, transport) combinatio
 Phases: ``BEFORE`` (the fault is in place before the step is submitted), ``DURING`` (the
 victim's ``before_op`` hook tells a ``Beacon`` actor that it is mid-run and holds there; the fault
 lands then) and ``COMMIT`` (model syncs only: a destination's commit hook holds at the start of its
-commit, before it decides; a kill or a stop lands then). Synchronisation is on events only: times
-are measured, never waited for.
+commit, before it decides; a kill, a stop or the driver's interrupt lands then; half the faults).
+Synchronisation is on events only: times are measured, never waited for.
 
 Invariants checked after every step (each breach is a ``Violation``):
 1. the call returned a complete, bit-exact tensor, or raised a ``ReshardError`` subclass naming a
@@ -108,6 +108,7 @@ COMBOS = (
     (Fault.SIGSTOP, Phase.BEFORE), (Fault.SIGSTOP, Phase.DURING),
     (Fault.ALLOC, Phase.BEFORE), (Fault.INTERRUPT, Phase.DURING),
     (Fault.RAY_KILL, Phase.COMMIT), (Fault.SIGKILL, Phase.COMMIT), (Fault.SIGSTOP, Phase.COMMIT),
+    (Fault.INTERRUPT, Phase.COMMIT),
 )  # fmt: skip
 TRANSPORTS = (True, False)  # shared_memory: pulls where possible / everything through gloo
 
@@ -480,9 +481,9 @@ class Chaos:
 
     def schedule(self, steps: int):
         """``(kind, fault, phase, shared_memory)`` per step: a fault every other step, cycling
-        through every combination in a seeded order; a commit-time fault is a model sync's, other
-        steps are of any kind."""
-        combos = [(f, p, s) for f, p in COMBOS for s in TRANSPORTS]
+        through every combination in a seeded order, those at commit time twice per cycle (half
+        the faults); a commit-time fault is a model sync's, other steps are of any kind."""
+        combos = [(f, p, s) for f, p in COMBOS for s in TRANSPORTS for _ in range(1 + (p is Phase.COMMIT))]
         faulty: list = []
         out = []
         for i in range(steps):
