@@ -101,7 +101,7 @@ def gpu() -> list[tuple[str, str]]:
 
 
 def faults() -> list[tuple[str, str]]:
-    one = result("chaos-20261128-bad1228.json")["summary"]
+    one = result("chaos-20261128-27c26e7.json")["summary"]
     syncs = sum(n for k, n in one["steps_by_kind"].items() if k.startswith("model sync"))
     hosts = result("netchaos-20261127-42c30d3.json")["summary"]
     over = max(k["time_to_error_max_s"] - k["timeout_s"] for k in hosts["by_kind"].values() if k["time_to_error_max_s"])
