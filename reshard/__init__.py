@@ -16,6 +16,7 @@ from reshard.passes.compile import CompiledReshard, CompileOptions, compile_resh
 from reshard.passes.lowering import lower_plan
 from reshard.passes.validate import validate_plan, validate_program
 from reshard.planner import STRATEGIES, plan_reshard
+from reshard.scaling import Scaled
 from reshard.tp_plans import tensor_parallel_layouts
 
 _RUNTIME = {"DeviceMesh", "ShardedTensor", "Work", "adopt", "distribute", "free", "reshard"}
@@ -23,9 +24,10 @@ _RUNTIME = {"DeviceMesh", "ShardedTensor", "Work", "adopt", "distribute", "free"
 __all__ = [
     "STRATEGIES", "Broadcast", "CompileOptions", "CompiledReshard", "Copy", "DeviceMesh", "DeviceProgram", "Layout",
     "MeshClosed", "Op", "Partial", "Placement", "PlanError", "Program", "Pull", "Recv", "ReduceOp", "Replicate",
-    "ReshardError", "ReshardPlan", "ReshardTimeout", "Send", "Shard", "ShardedTensor", "Transfer", "TransferKind",
-    "UnitTask", "Work", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "free", "lower_plan",
-    "plan_reshard", "plan_unit_tasks", "reshard", "tensor_parallel_layouts", "validate_plan", "validate_program",
+    "ReshardError", "ReshardPlan", "ReshardTimeout", "Scaled", "Send", "Shard", "ShardedTensor", "Transfer",
+    "TransferKind", "UnitTask", "Work", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "free",
+    "lower_plan", "plan_reshard", "plan_unit_tasks", "reshard", "tensor_parallel_layouts", "validate_plan",
+    "validate_program",
 ]  # fmt: skip
 
 

@@ -58,7 +58,7 @@ def itemsize(dtype) -> int:
 
 
 #: Casts a reshard applies in flight (``reshard(..., dtype=)``): between these floating types, as
-#: torch's ``Tensor.to`` rounds. Float8 needs a scale, which casts do not take yet.
+#: torch's ``Tensor.to`` rounds; to float8 from any of them with a scale (``reshard.Scaled``).
 CASTABLE = ("float64", "float32", "float16", "bfloat16")
 
 
@@ -68,7 +68,7 @@ def cast_name(src: str, dst) -> str:
     name = dtype_name(dst)
     if name != src and (src not in CASTABLE or name not in CASTABLE):
         raise ValueError(
-            f"a reshard casts between {', '.join(CASTABLE)} only, not {src} -> {name} (float8 needs a scale, "
-            "which casts do not take yet)"
+            f"a reshard casts between {', '.join(CASTABLE)} only, not {src} -> {name} (to float8 with a scale: "
+            "dtype=reshard.Scaled(...))"
         )
     return name

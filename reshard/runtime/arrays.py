@@ -85,6 +85,18 @@ def cast(a, src: str, dst: str):
     return as_device(t) if is_device(a) else as_numpy(t)
 
 
+def scaled_cast(a, cast, dst: str):
+    """A new numpy array of CPU shard ``a`` divided by its scales and cast to float8 ``dst``
+    (``reshard.scaling.ScaledCast``): in float32 (float64 for a float64 shard), rounded as torch's
+    ``Tensor.to`` rounds."""
+    import torch
+
+    x = as_torch(a, cast.src)
+    wide = torch.float64 if cast.src == "float64" else torch.float32
+    scales = torch.from_numpy(cast.expanded(tuple(a.shape))).to(wide)
+    return as_numpy((x.to(wide) / scales).to(torch_dtype(dst)))
+
+
 def same_memory(a, b) -> bool:
     """Whether numpy or cupy arrays ``a`` and ``b`` view the same bytes as the same shape and dtype."""
     if a is b:

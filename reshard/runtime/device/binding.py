@@ -95,16 +95,18 @@ class Binding:
             ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
         return runs
 
-    def _cast(self, name: str, src, cast: str, dtype: str):
-        """Source shard ``name`` cast from ``cast`` to the program's ``dtype``, once, before anything
-        is read from it: the run then moves ``dtype`` (``reshard(..., dtype=)``)."""
+    def _cast(self, name: str, src, cast, dtype: str):
+        """Source shard ``name`` cast from ``cast`` (a dtype name, or a ``ScaledCast``: divided by
+        its scales first) to the program's ``dtype``, once, before anything is read from it: the
+        run then moves ``dtype`` (``reshard(..., dtype=)``)."""
         ctx = self.ctx
         have = ctx.store.dtype(name)
-        if have != cast:
+        scaled = not isinstance(cast, str)
+        if have != (cast.src if scaled else cast):
             raise ReshardError(f"device {ctx.device}: source shard {name!r} is {have}, the run casts from {cast}")
         if ctx.cuda_device is not None:
             raise ReshardError(f"device {ctx.device}: casts in flight run on CPU devices only (not built for GPUs)")
-        return arrays.cast(src, cast, dtype)
+        return arrays.scaled_cast(src, cast, dtype) if scaled else arrays.cast(src, cast, dtype)
 
     def check_outputs(self) -> None:
         """Every user's tensor this run writes exists, is writable and has the shape and dtype of

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError
+from reshard.ir.regions import layout_regions
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device.callers import process_of_this
 from reshard.runtime.driver.device_registry import DeviceRecord, DeviceRegistry
@@ -551,15 +552,27 @@ class Runtime:
 def _bound(compiled, device: int, sources, outs, records) -> Bound:
     """What ``device``'s parts of a batch are bound to (``Bound``): ``sources[t]`` is tensor
     ``t``'s source shard name, ``{device: shared-memory descriptor}`` and the dtype it is cast
-    from (None: none), ``outs[t]`` its output."""
+    from (None: none; ``(dtype, Scaled)``: a scaled cast, of which the device gets its shard's
+    scales), ``outs[t]`` its output."""
     parts = compiled.program.for_device(device).parts
     names = tuple(sources[p.tensor][0] if p.program.src_shape is not None else None for p in parts)
-    casts = tuple(sources[p.tensor][2] if p.program.src_shape is not None else None for p in parts)
+    casts = tuple(_cast_for(sources[p.tensor][2], compiled.tensors[p.tensor].plan, device)
+                  if p.program.src_shape is not None else None for p in parts)  # fmt: skip
     pulls = {t: {h: sources[t][1][h] for h in holders} for t, holders in compiled.pull_sources.get(device, {}).items()}
     mine = None if outs is None else tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
     relaying = compiled.relay_sources.get(device)
     relays = {h: records[h].board for h in relaying} if relaying else None
     return Bound(names, pulls or None, mine, relays, casts if any(casts) else None)
+
+
+def _cast_for(cast, plan, device: int):
+    """What ``device`` casts its source shard of ``plan``'s tensor with: a dtype name, or its part
+    of a scaled cast (``reshard.scaling.ScaledCast``)."""
+    if not isinstance(cast, tuple):
+        return cast
+    src, scaled = cast
+    box = layout_regions(plan.src, plan.shape)[plan.src.mesh.device_ids.index(device)]
+    return scaled.for_box(src, box)
 
 
 def _raise_own_error(outcome: Outcome) -> None:

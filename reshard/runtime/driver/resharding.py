@@ -33,6 +33,7 @@ from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.tensor import ShardedTensor
 from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import maps_shared, shard_name
+from reshard.scaling import Scaled
 from topology.mesh import device_hosts
 
 
@@ -80,7 +81,7 @@ class _Call:
         self.leaves, self.paths, self.treedef = _flatten_tensors(tensors)
         self.layouts = _layouts(dst_layouts, self.leaves, self.paths, self.treedef, self.single)
         self.outs = None if out is None else _outs(out, self.treedef, self.single)
-        self.dtypes = _dtypes(dtype, self.leaves, self.paths, self.treedef)
+        self.dtypes, self.scalings = _dtypes(dtype, self.leaves, self.paths, self.treedef)
         if direct and out is None:
             raise ValueError("direct=True writes into existing shards: pass them as out=")
         meshes = {}
@@ -182,20 +183,30 @@ def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
     return out
 
 
-def _dtypes(dtype, leaves, paths, treedef) -> list[str]:
+def _dtypes(dtype, leaves, paths, treedef) -> tuple[list[str], list[Scaled | None]]:
     """The dtype each leaf arrives as: its own (``dtype`` None), one dtype for all, the same tree
-    of dtypes, or a callable ``(path, tensor) -> dtype`` (None: its own); checked castable."""
+    of dtypes, or a callable ``(path, tensor) -> dtype`` (None: its own); checked castable. And
+    each leaf's ``Scaled`` (float8 with its scales; None: a plain cast or none)."""
     if dtype is None:
-        return [t.dtype_name for t in leaves]
+        return [t.dtype_name for t in leaves], [None] * len(leaves)
     what = "reshard: the tree of dtypes does not match the tree of tensors"
-    given = per_leaf(dtype, leaves, paths, treedef, lambda x: isinstance(x, str) or hasattr(x, "itemsize"), what)
-    out = []
+    given = per_leaf(dtype, leaves, paths, treedef, _one_dtype, what)
+    names, scalings = [], []
     for path, t, d in zip(paths, leaves, given, strict=True):
         try:
-            out.append(t.dtype_name if d is None else cast_name(t.dtype_name, d))
+            if isinstance(d, Scaled):
+                d.check(t.dtype_name, t.shape)
+            names.append(
+                t.dtype_name if d is None else d.dtype if isinstance(d, Scaled) else cast_name(t.dtype_name, d)
+            )
         except (TypeError, ValueError) as e:
             raise type(e)(f"reshard: dtype for {_at(path)}{e}") from None
-    return out
+        scalings.append(d if isinstance(d, Scaled) else None)
+    return names, scalings
+
+
+def _one_dtype(x) -> bool:
+    return isinstance(x, str | Scaled) or hasattr(x, "itemsize")
 
 
 def _outs(out, treedef, single: bool) -> list[ShardedTensor]:
@@ -340,8 +351,8 @@ def reshard(
     compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
     run = rt.new_name()
     what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"
-    sources = [(t.name, t._shared, None if d == t.dtype_name else t.dtype_name)
-               for t, d in zip(call.leaves, call.dtypes, strict=True)]  # fmt: skip
+    sources = [(t.name, t._shared, (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name)
+               for t, d, s in zip(call.leaves, call.dtypes, call.scalings, strict=True)]  # fmt: skip
     outs = None if call.outs is None else [o.name for o in call.outs]
     pending = rt.submit_batch(compiled, sources, run, deadline, what, outs=outs, direct=direct, verify=verify)
 
