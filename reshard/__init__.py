@@ -8,7 +8,7 @@ and ``adopt`` take one tensor or a whole tree of them (a model's state dict).
 from reshard.dtypes import dtype_name
 from reshard.errors import MeshClosed, PlanError, ReshardError, ReshardTimeout, WorkerDied
 from reshard.ir.layout import Layout
-from reshard.ir.placement import Partial, Placement, ReduceOp, Replicate, Shard
+from reshard.ir.placement import Partial, Placement, ReduceOp, Replicate, Shard, StridedShard
 from reshard.ir.plan import ReshardPlan, Transfer, TransferKind
 from reshard.ir.program import Broadcast, Copy, DeviceProgram, Op, Program, Pull, Recv, Send
 from reshard.ir.tasks import UnitTask, plan_unit_tasks
@@ -24,10 +24,10 @@ _RUNTIME = {"DeviceMesh", "ShardedTensor", "Work", "adopt", "distribute", "free"
 __all__ = [
     "STRATEGIES", "Broadcast", "CompileOptions", "CompiledReshard", "Copy", "DeviceMesh", "DeviceProgram", "Layout",
     "MeshClosed", "Op", "Partial", "Placement", "PlanError", "Program", "Pull", "Recv", "ReduceOp", "Replicate",
-    "ReshardError", "ReshardPlan", "ReshardTimeout", "Scaled", "Send", "Shard", "ShardedTensor", "Transfer",
-    "TransferKind", "UnitTask", "Work", "WorkerDied", "adopt", "compile_reshard", "distribute", "dtype_name", "free",
-    "lower_plan", "plan_reshard", "plan_unit_tasks", "reshard", "tensor_parallel_layouts", "validate_plan",
-    "validate_program",
+    "ReshardError", "ReshardPlan", "ReshardTimeout", "Scaled", "Send", "Shard", "ShardedTensor", "StridedShard",
+    "Transfer", "TransferKind", "UnitTask", "Work", "WorkerDied", "adopt", "compile_reshard", "distribute",
+    "dtype_name", "free", "lower_plan", "plan_reshard", "plan_unit_tasks", "reshard", "tensor_parallel_layouts",
+    "validate_plan", "validate_program",
 ]  # fmt: skip
 
 

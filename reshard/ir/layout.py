@@ -1,6 +1,8 @@
 """Layouts: a mesh plus one placement per mesh axis.
 
-Several axes may shard the same tensor dim; the lower-numbered axis splits outermost. ``Partial``
+Several axes may shard the same tensor dim; the lower-numbered axis splits outermost, except a
+``StridedShard`` axis (torch's ``_StridedShard``, FSDP2 over tensor parallelism), which splits
+after the later axes that shard its dim. ``Partial``
 axes hold contributions whose reduction is the tensor (all ``Partial`` axes of a layout use one
 reduce op); for region math a ``Partial`` axis is like ``Replicate``. Placements may be given by
 mesh axis name (``Layout.from_spec``). ``Shard(-1)`` and friends are resolved against the tensor's
@@ -9,9 +11,13 @@ rank by ``for_shape``, which every user of a layout applies before planning.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import math
 from dataclasses import dataclass, field
 
-from reshard.ir.placement import Partial, Placement, ReduceOp, Replicate, Shard, as_placement
+from reshard.ir.chunking import chunk
+from reshard.ir.placement import Partial, Placement, ReduceOp, Replicate, Shard, StridedShard, as_placement
 from topology.mesh import Mesh
 
 
@@ -104,6 +110,38 @@ class Layout:
                     f"layout {self}: mesh axis {axis} shards dim {p.dim} but the tensor of shape {tuple(shape)} "
                     f"has {n} dims; use Shard(d) with {-n} <= d < {n} or Replicate()"
                 )
+        for axis, p in enumerate(self.placements):
+            if isinstance(p, StridedShard):
+                self._check_strided(axis, p, tuple(shape))
+
+    def _check_strided(self, axis: int, p: StridedShard, shape: tuple[int, ...]) -> None:
+        """A ``StridedShard`` axis must be the first to shard its dim, the later axes that shard it
+        must multiply to its split factor, and torch's split must give each device the box this
+        layout's regions give it (true for even splits; not for every uneven one)."""
+        dim = p.dim % len(shape)
+        on_dim = [a for a, q in enumerate(self.placements) if isinstance(q, Shard) and q.dim % len(shape) == dim]
+        later = [a for a in on_dim if a > axis]
+        if on_dim[0] != axis or any(isinstance(self.placements[a], StridedShard) for a in later):
+            raise ValueError(
+                f"layout {self}: a StridedShard axis must be the only one and the first to shard dim {dim}"
+            )
+        sizes = [self.mesh.shape[a] for a in later]
+        if math.prod(sizes) != p.split_factor:
+            raise ValueError(
+                f"layout {self}: StridedShard on mesh axis {axis} has split_factor {p.split_factor}, but the later "
+                f"axes that shard dim {dim} have {math.prod(sizes)} devices; they must be equal"
+            )
+        n, parts = shape[dim], self.mesh.shape[axis]
+        for outer in range(parts):
+            for inner in itertools.product(*(range(k) for k in sizes)):
+                if _torch_strided(n, p.split_factor, parts, outer, sizes, inner) != _nested(
+                    n, sizes, inner, parts, outer
+                ):
+                    raise ValueError(
+                        f"layout {self}: torch's strided split of dim {dim} of size {n} does not give each device "
+                        "the box that splitting by the later axes first gives it (an uneven size); redistribute to "
+                        "plain Shard placements first"
+                    )
 
     def for_shape(self, shape: tuple[int, ...]) -> Layout:
         """This layout for a tensor of ``shape``: checked, negative shard dims resolved."""
@@ -111,12 +149,14 @@ class Layout:
         n = len(shape)
         if not any(isinstance(p, Shard) and p.dim < 0 for p in self.placements):
             return self
-        return Layout(self.mesh, tuple(Shard(p.dim + n) if isinstance(p, Shard) and p.dim < 0 else p
-                                       for p in self.placements))  # fmt: skip
+        return Layout(self.mesh, tuple(dataclasses.replace(p, dim=p.dim + n) if isinstance(p, Shard) and p.dim < 0
+                                       else p for p in self.placements))  # fmt: skip
 
     def sharded_axes(self, dim: int) -> tuple[int, ...]:
-        """Mesh axes that split tensor dim ``dim``, outermost first."""
-        return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)
+        """Mesh axes that split tensor dim ``dim``, outermost first (a ``StridedShard`` axis after
+        the others)."""
+        axes = [a for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim]
+        return tuple(sorted(axes, key=lambda a: isinstance(self.placements[a], StridedShard)))
 
     @property
     def partial_axes(self) -> tuple[int, ...]:
@@ -132,6 +172,33 @@ class Layout:
         Partial axes (``()`` without Partial axes)."""
         coords = self.mesh.coords(flat)
         return tuple(coords[a] for a in self.partial_axes)
+
+
+def _nested(n: int, sizes, inner, parts: int, outer: int) -> tuple[int, int]:
+    """The interval a device holds when the later axes (``sizes``, at ``inner``) split ``[0, n)``
+    first and the strided axis (``parts``, at ``outer``) then splits that piece ((0, 0): none)."""
+    lo, hi = 0, n
+    for k, c in zip(sizes, inner, strict=True):
+        lo, hi = chunk(lo, hi, k, c)
+    lo, hi = chunk(lo, hi, parts, outer)
+    return (lo, hi) if lo < hi else (0, 0)
+
+
+def _torch_strided(n: int, split: int, parts: int, outer: int, sizes, inner) -> tuple[int, int] | None:
+    """The interval torch gives the same device (``_StridedShard._split_tensor``: ``[0, n)`` cut in
+    ``split`` pieces, each cut in ``parts``, the ``outer``-th of each concatenated, which the later
+    axes then split as a plain tensor; (0, 0): none); None when that is not one interval."""
+    runs = [chunk(*chunk(0, n, split, j), parts, outer) for j in range(split)]
+    lo, hi = 0, sum(b - a for a, b in runs)
+    for k, c in zip(sizes, inner, strict=True):
+        lo, hi = chunk(lo, hi, k, c)
+    pos, out = 0, []
+    for a, b in runs:
+        s, e = max(lo, pos), min(hi, pos + b - a)
+        if s < e:
+            out.append((a + s - pos, a + e - pos))
+        pos += b - a
+    return (0, 0) if not out else out[0] if len(out) == 1 else None
 
 
 def _fmt(placements, names) -> str:

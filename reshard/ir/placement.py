@@ -35,6 +35,25 @@ class Shard(Placement):
 
 
 @dataclass(frozen=True, slots=True)
+class StridedShard(Shard):
+    """torch's ``_StridedShard``: the mesh axis splits tensor dim ``dim`` after the later axes that
+    shard it (whose sizes multiply to ``split_factor``), not before them: FSDP2 over tensor
+    parallelism, where the tensor-parallel axis splits a weight first and the data-parallel axis
+    (listed first) splits each piece. Each device still holds one box (``Layout.check_shape``
+    refuses a shape for which torch's split would not give one)."""
+
+    split_factor: int = 1
+
+    def __post_init__(self):
+        Shard.__post_init__(self)
+        if not isinstance(self.split_factor, int) or isinstance(self.split_factor, bool) or self.split_factor < 1:
+            raise ValueError(f"StridedShard needs a positive int split_factor, got {self.split_factor!r}")
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
+
+@dataclass(frozen=True, slots=True)
 class Replicate(Placement):
     """Every device along the mesh axis holds the same data."""
 
@@ -74,8 +93,9 @@ _TORCH_OPS = {"sum": "sum", "avg": "avg", "mean": "avg", "max": "max", "min": "m
 
 
 def as_placement(p) -> Placement:
-    """``p`` as one of our placements: ours as is, torch's ``Shard``/``Replicate``/``Partial``
-    converted (recognised by type, without importing torch); TypeError for anything else."""
+    """``p`` as one of our placements: ours as is, torch's ``Shard``, ``_StridedShard``,
+    ``Replicate`` and ``Partial`` converted (recognised by type, without importing torch);
+    TypeError for anything else."""
     if isinstance(p, Placement):
         return p
     cls = type(p)
@@ -93,11 +113,7 @@ def as_placement(p) -> Placement:
                 )
             return Partial(_TORCH_OPS[op])
         if name == "_StridedShard":
-            raise ValueError(
-                f"torch's {p!r} (a strided shard: several mesh axes split dim {p.dim} in an order other than the "
-                "mesh's, as FSDP2 over tensor parallelism does) has no counterpart here; redistribute it to plain "
-                "Shard placements first (DTensor.redistribute) or share its local shards with an explicit Layout"
-            )
+            return StridedShard(int(p.dim), int(p.split_factor))
     raise TypeError(
         f"placements must be Shard(dim), Replicate() or Partial(op) values (ours or torch.distributed.tensor's), "
         f"got {p!r}"

@@ -10,16 +10,10 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from reshard.ir.chunking import chunk
 from reshard.ir.layout import Layout
 
 Box = tuple[tuple[int, int], ...]
-
-
-def chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
-    """The ``index``-th of ``parts`` torch.chunk pieces of ``[start, stop)``."""
-    step = -(-(stop - start) // parts)
-    lo = min(start + index * step, stop)
-    return lo, min(lo + step, stop)
 
 
 @lru_cache(maxsize=256)

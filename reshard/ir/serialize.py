@@ -12,7 +12,7 @@ import msgpack
 
 from reshard.ir.batch import BatchDeviceProgram, Bucket, Part, Piece
 from reshard.ir.layout import Layout
-from reshard.ir.placement import Partial, ReduceOp, Replicate, Shard
+from reshard.ir.placement import Partial, ReduceOp, Replicate, Shard, StridedShard
 from reshard.ir.plan import ReshardPlan, Transfer, TransferKind
 from reshard.ir.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Program, Publish, Pull, Recv, Scale, Send
 from reshard.ir.tasks import UnitTask
@@ -32,6 +32,8 @@ def _box(obj) -> tuple:
 
 
 def _placement_obj(p) -> list:
+    if isinstance(p, StridedShard):
+        return ["SS", p.dim, p.split_factor]
     if isinstance(p, Shard):
         return ["S", p.dim]
     if isinstance(p, Partial):
@@ -41,6 +43,8 @@ def _placement_obj(p) -> list:
 
 def _placement(obj):
     kind = obj[0]
+    if kind == "SS":
+        return StridedShard(obj[1], obj[2])
     return Shard(obj[1]) if kind == "S" else Partial(obj[1]) if kind == "P" else Replicate()
 
 

@@ -781,3 +781,33 @@ def test_a_tree_whose_tensors_differ_in_what_peers_can_pull_is_planned_on_one_ho
     assert_bit_exact(out["full"].to_numpy(), sd["full"])
     assert_bit_exact(out["uneven"].to_numpy(), sd["uneven"])
     assert_bit_exact(out["cast"].to_numpy(), sd["cast"].astype(np.float64))
+
+
+def _share_strided(ctx, full, coords: dict) -> None:
+    """Share this device's shard of ``full`` as FSDP2 over tensor parallelism lays it out on a
+    (dp, tp) mesh: torch's own ``_StridedShard(0, split_factor=tp)`` then ``Shard(0)``."""
+    import torch
+    from torch.distributed.tensor.placement_types import Shard as TorchShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    i, j = coords[ctx.device]
+    strided = _StridedShard(0, split_factor=2)
+    mine = strided._split_tensor(torch.from_numpy(full), 2, with_padding=False)[0][i]
+    mine = TorchShard(0)._split_tensor(mine, 2, with_padding=False)[0][j].contiguous()
+    ctx.share("fsdp_tp.w", mine, shape=full.shape, placements=(strided, TorchShard(0)), mesh_shape=(2, 2),
+              coordinate=(i, j))  # fmt: skip
+
+
+def test_a_dtensor_sharded_by_fsdp2_over_tensor_parallelism_is_resharded_as_torch_laid_it_out(view):
+    """FSDP2 over tensor parallelism shards a weight by rows twice, tensor-parallel axis first
+    (torch's ``_StridedShard``): the shards each device shares, with torch's placements, are
+    adopted and gathered bit-exact, and resharded into another layout."""
+    a = view([0, 1, 2, 3], (2, 2))
+    b = view([4, 5], (2,))
+    full = random_array((12, 5), "float32", 90)
+    a.call(_share_strided, full, {d: a.mesh.coords(k) for k, d in enumerate(a.device_ids)})
+    w = adopt(a, "fsdp_tp.w")
+    assert str(w.layout.placements[0]) == "_S(0, 2)"
+    assert_bit_exact(w.to_numpy(), full)
+    assert_bit_exact(reshard(w, a, Layout(b, pl("S0"))).to_numpy(), full)
+    assert_bit_exact(reshard(w, a, Layout(b, pl("R"))).local_shards()[1], full)

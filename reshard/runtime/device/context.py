@@ -509,10 +509,14 @@ def _on_device(ctx: DeviceContext, t):
 
 def _torch_placement(p):
     from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     from reshard.ir.placement import Partial as OurPartial
     from reshard.ir.placement import Shard as OurShard
+    from reshard.ir.placement import StridedShard
 
+    if isinstance(p, StridedShard):
+        return _StridedShard(p.dim, split_factor=p.split_factor)
     if isinstance(p, OurShard):
         return Shard(p.dim)
     if isinstance(p, OurPartial):
