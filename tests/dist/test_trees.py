@@ -798,6 +798,10 @@ def _share_strided(ctx, full, coords: dict) -> None:
               coordinate=(i, j))  # fmt: skip
 
 
+def _placements_of(ctx, name) -> list[str]:
+    return [str(p) for p in (ctx.store.meta.get(name) or {}).get("placements") or ()]
+
+
 def test_a_dtensor_sharded_by_fsdp2_over_tensor_parallelism_is_resharded_as_torch_laid_it_out(view):
     """FSDP2 over tensor parallelism shards a weight by rows twice, tensor-parallel axis first
     (torch's ``_StridedShard``): the shards each device shares, with torch's placements, are
@@ -811,3 +815,8 @@ def test_a_dtensor_sharded_by_fsdp2_over_tensor_parallelism_is_resharded_as_torc
     assert_bit_exact(w.to_numpy(), full)
     assert_bit_exact(reshard(w, a, Layout(b, pl("S0"))).to_numpy(), full)
     assert_bit_exact(reshard(w, a, Layout(b, pl("R"))).local_shards()[1], full)
+    back = reshard(reshard(w, a, Layout(b, pl("S0"))), b, w.layout)  # into the strided layout
+    shards = back.local_shards()
+    for k in range(4):
+        assert_bit_exact(shards[k], w.local_shards()[k])
+    assert a.call(_placements_of, back.name) == [["_S(0, 2)", "S(0)"]] * 4  # what a DTensor of it is made with
