@@ -8,7 +8,10 @@ from reshard.errors import ReshardTimeout
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device.shard_locks import ShardLocks
 
-SOON = Deadline.after(30)
+
+def soon() -> Deadline:
+    """30 s from now, made per use (one made at import had passed when a long suite got here)."""
+    return Deadline.after(30)
 
 
 def _wait_until(locks: ShardLocks, **counts) -> None:
@@ -23,10 +26,10 @@ def test_a_read_waits_for_the_write_of_its_shard_and_sees_it_whole():
     seen = []
 
     def read():
-        with locks.reading("w", SOON):
+        with locks.reading("w", soon()):
             seen.append(list(shard))
 
-    with locks.writing(["w"], SOON, "a commit"):
+    with locks.writing(["w"], soon(), "a commit"):
         shard[0] = 1
         reader = threading.Thread(target=read)
         reader.start()
@@ -39,7 +42,7 @@ def test_a_read_waits_for_the_write_of_its_shard_and_sees_it_whole():
 
 def test_a_read_of_another_shard_does_not_wait():
     locks = ShardLocks(0)
-    with locks.writing(["w"], SOON, "a commit"), locks.reading("b", Deadline.after(0.001)):
+    with locks.writing(["w"], soon(), "a commit"), locks.reading("b", Deadline.after(0.001)):
         assert locks.state()["reads"] == 1
 
 
@@ -48,12 +51,12 @@ def test_a_write_waits_for_the_reads_under_way_and_new_reads_wait_for_it():
     reading, let_go, wrote = threading.Event(), threading.Event(), threading.Event()
 
     def read():
-        with locks.reading("w", SOON):
+        with locks.reading("w", soon()):
             reading.set()
             let_go.wait(30)
 
     def write():
-        with locks.writing(["w", "b"], SOON, "a commit"):
+        with locks.writing(["w", "b"], soon(), "a commit"):
             wrote.set()
 
     reader, writer = threading.Thread(target=read), threading.Thread(target=write)
@@ -74,14 +77,14 @@ def test_a_write_waits_for_the_reads_under_way_and_new_reads_wait_for_it():
 
 def test_writes_do_not_wait_for_each_other():
     locks = ShardLocks(0)
-    with locks.writing(["w"], SOON, "one"), locks.writing(["w", None], Deadline.after(0.001), "two"):
+    with locks.writing(["w"], soon(), "one"), locks.writing(["w", None], Deadline.after(0.001), "two"):
         assert locks.state()["shards_written"] == 1
     assert locks.state()["shards_written"] == 0
 
 
 def test_a_write_whose_reads_outlast_its_deadline_writes_nothing_and_says_so():
     locks = ShardLocks(5)
-    with locks.reading("w", SOON):
+    with locks.reading("w", soon()):
         with pytest.raises(ReshardTimeout, match=r"device 5: committing r1: reads of its outputs did not end"):
             with locks.writing(["w"], Deadline.after(0.01), "committing r1"):
                 raise AssertionError("it wrote")
