@@ -66,9 +66,10 @@ class Layout:
     def from_spec(cls, mesh, spec) -> Layout:
         """A layout by mesh axis names: ``{"tp": Shard(0)}`` (axes not named are replicated) or a
         PartitionSpec-like sequence over the TENSOR dims, each entry a mesh axis name, a tuple of
-        names (outermost first, as JAX reads it; the names of one entry must come in mesh order,
-        else ValueError: that split has no layout here) or None: ``("dp", None)`` shards dim 0 over
-        axis ``dp``."""
+        names (outermost first, as JAX reads it) or None: ``("dp", None)`` shards dim 0 over axis
+        ``dp``. The names of one entry come in mesh order, or in mesh order but for the first axis
+        of the mesh last (``("tp", "dp")`` on a ``("dp", "tp")`` mesh: a ``StridedShard``, as
+        FSDP2 over tensor parallelism); any other order raises ValueError (no layout here)."""
         mesh_ = getattr(mesh, "mesh", mesh)
         names = mesh_.axis_names
         if not names:
@@ -87,18 +88,23 @@ class Layout:
         for dim, entry in enumerate(spec):
             entry_names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
             order = [axis(name) for name in entry_names]
-            if order != sorted(order):
+            strided = len(order) > 1 and order == [*sorted(order)[1:], min(order)]
+            if order != sorted(order) and not strided:
                 in_mesh = tuple(names[a] for a in sorted(order))
                 raise ValueError(
                     f"spec {tuple(spec)}: entry {tuple(entry_names)} splits dim {dim} by {entry_names[0]!r} outermost "
                     f"(as JAX and DTensor read it), but a layout here splits the axes of one dim in mesh order, "
-                    f"{in_mesh[0]!r} outermost: that order has no placement here. List them as {in_mesh} (a "
-                    "different layout of the data) or build the mesh with its axes in the spec's order"
+                    f"{in_mesh[0]!r} outermost, or in mesh order with the first last (a StridedShard): that order has "
+                    f"no placement here. List them as {in_mesh} (a different layout of the data) or build the mesh "
+                    "with its axes in the spec's order"
                 )
             for name, a in zip(entry_names, order, strict=True):
                 if placements[a] != Replicate():
                     raise ValueError(f"spec {tuple(spec)} uses mesh axis {name!r} twice")
                 placements[a] = Shard(dim)
+            if strided:  # the mesh's first axis of the entry splits last
+                later = math.prod(mesh_.shape[a] for a in order[:-1])
+                placements[order[-1]] = StridedShard(dim, later)
         return cls(mesh_, placements)
 
     def check_shape(self, shape: tuple[int, ...]) -> None:
