@@ -9,14 +9,15 @@ import sys
 
 import pytest
 
+from reshard.runtime import processes
 from reshard.runtime.device import callers
 
 pytestmark = pytest.mark.unit
 
 
 def _process(pid: int, start=None) -> tuple:
-    start = callers._start_time(pid) if start is None else start
-    return ("this node", callers._boot_id(), callers._pid_namespace(), pid, start)
+    start = processes.start_time(pid) if start is None else start
+    return ("this node", processes.boot_id(), processes.pid_namespace(), pid, start)
 
 
 def test_a_caller_on_this_machine_ends_with_its_process():

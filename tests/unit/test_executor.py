@@ -492,7 +492,7 @@ def test_a_batch_runs_its_buckets_then_its_parts_exactly(as_torch, window_ops):
     on a backend that batches), the big one streamed; every destination bit-exact, every device's
     messages in its program's order, and the checksums of what was read and received agree."""
     from reshard.passes.compile import BatchItem, compile_batch
-    from reshard.runtime.device.batches import first_mismatch
+    from reshard.runtime.checksums import first_mismatch
 
     src_mesh, dst_mesh = Mesh((2,), (0, 1), (0, 1)), Mesh((2,), (2, 3), (2, 3))
     items, fulls = [], []

@@ -121,6 +121,20 @@ def test_the_device_side_loads_no_driver_module():
     assert names == "reshard.runtime.driver.mesh reshard.runtime.driver.resharding"
 
 
+def test_the_driver_side_loads_no_device_module():
+    """A driver's process (a reshard and its handles) imports none of the device side's modules
+    (the executor, its box copies, its cross-memory reads): only ``current_device``, which
+    ``reshard.runtime`` exports, and what both sides share (checksums, where a process runs)."""
+    code = (
+        "import sys, reshard.runtime.driver.resharding, reshard.runtime.driver.controller\n"
+        "import reshard.runtime.driver.mesh\n"
+        "print(sorted(m for m in sys.modules if m.startswith('reshard.runtime.device.')))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "['reshard.runtime.device.current']"
+
+
 # ------------------------------------------------------------------------------- import-linter
 
 

@@ -34,8 +34,9 @@ from reshard.errors import ReshardError, ReshardTimeout
 from reshard.ir.serialize import decode_batch_device_program
 from reshard.runtime import arrays
 from reshard.runtime.backends.communicator import Backend, PeerFailed
+from reshard.runtime.checksums import first_mismatch
 from reshard.runtime.deadlines import Deadline
-from reshard.runtime.device.batches import BatchRun, execute_batch, first_mismatch, prepare_batch
+from reshard.runtime.device.batches import BatchRun, execute_batch, prepare_batch
 from reshard.runtime.device.binding import Binding, checked_out
 from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
 from reshard.runtime.device.current import clear_current, set_current

@@ -367,20 +367,3 @@ def checksums(run: BatchRun) -> list[tuple[int, int, str, int]]:
             if isinstance(op, Recv) or (isinstance(op, Broadcast) and op.write is not None):
                 out.append((tensor, op.step, "wrote", _crc(r.target(step)[step.write])))
     return out
-
-
-def first_mismatch(checks_by_device: dict) -> tuple[int, int, int, int, set[int]] | None:
-    """The first received slice whose checksum is not one its sender read, as ``(tensor, step,
-    device, crc, crcs read)``, or None. ``checks_by_device[d]``: device ``d``'s ``checks``."""
-    read: dict[tuple[int, int], set[int]] = {}
-    wrote: list[tuple[int, int, int, int]] = []
-    for d, checks in sorted(checks_by_device.items()):
-        for tensor, step, kind, crc in checks or ():
-            if kind == "read":
-                read.setdefault((tensor, step), set()).add(crc)
-            else:
-                wrote.append((tensor, step, d, crc))
-    for tensor, step, d, crc in wrote:
-        if crc not in read.get((tensor, step), {crc}):
-            return tensor, step, d, crc, read[(tensor, step)]
-    return None

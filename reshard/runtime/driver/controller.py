@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING
 from reshard.errors import ReshardError
 from reshard.ir.regions import layout_regions
 from reshard.runtime.deadlines import Deadline
-from reshard.runtime.device.callers import process_of_this
 from reshard.runtime.driver.device_registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.driver.dispatch import Outcome, failure_error, gather
 from reshard.runtime.driver.group_table import GroupTable
@@ -61,6 +60,7 @@ from reshard.runtime.messages import (
     group_key,
     shard_name,
 )
+from reshard.runtime.processes import process_of_this
 from topology.cluster import Cluster
 
 if TYPE_CHECKING:

@@ -26,8 +26,8 @@ from reshard.passes.compile import (
 )
 from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.backends.registry import backend_spec
+from reshard.runtime.checksums import first_mismatch
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
-from reshard.runtime.device.batches import first_mismatch
 from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.tensor import ShardedTensor
