@@ -5,7 +5,8 @@
 - ``reshard.runtime.backends``: how bytes move (gloo, NCCL);
 
 and what both sides share: ``messages`` (what controllers and devices say to each other),
-``deadlines``, ``arrays`` (numpy and torch buffers alike), ``device_options``.
+``deadlines``, ``arrays`` (numpy and torch buffers alike), ``device_options``, ``checksums``
+(what ``verify`` compares) and ``processes`` (where a calling process runs).
 """
 
 import importlib
