@@ -528,6 +528,46 @@ def test_a_read_from_another_process_during_a_write_waits_and_sees_it_whole(view
         "shards_written": 0, "reads": 0, "reads_waiting": 0}  # fmt: skip
 
 
+def _version_of(ctx, name):
+    return ctx.store.version(name)
+
+
+def _committed(ctx, name, run):
+    """As if sync ``run`` had committed into shard ``name`` here."""
+    ctx.store.wrote([name], run)
+
+
+def test_a_read_waits_until_every_device_holds_the_same_sync_and_names_a_split(view):
+    """A read whose devices were last committed into by different syncs (another process's sync
+    reached some of them first, or a commit failed on some) reads again until they agree; when
+    they never do, it raises naming which devices hold which sync."""
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    w = random_array((16, 8), "float32", 43)
+    src = distribute({"w": w}, last_dim(a))
+    out = distribute({"w": np.zeros_like(w)}, lambda p, t: Layout(b, pl("S0")))
+    name = out["w"].name
+    assert b.call(_version_of, name) == [None, None]
+    reshard(src, a, lambda p, t: Layout(b, pl("S0")), out=out)
+    synced = b.call(_version_of, name)
+    assert synced[0] is not None and synced == [synced[0]] * 2
+    b.call(_committed, name, "another", devices=[1])
+    with pytest.raises(ReshardError, match=rf"different syncs \(devices \[{b.device_ids[0]}\] hold sync .*; devices "
+                                           rf"\[{b.device_ids[1]}\] hold sync another\)"):  # fmt: skip
+        out["w"].to_numpy(timeout_s=1)
+    fetches = ray.get(b.actors[1].reshard_stats.remote(), timeout=30)["fetches"]
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(w=out["w"].to_numpy(timeout_s=60)))
+    reader.start()
+    for _ in range(1200):  # until it read device 1 again at least once (it waits for the devices to agree)
+        if ray.get(b.actors[1].reshard_stats.remote(), timeout=30)["fetches"] >= fetches + 2 or not reader.is_alive():
+            break
+        ray.wait([b.actors[1].reshard_ping.remote()], timeout=0.05)
+    assert reader.is_alive()
+    b.call(_committed, name, synced[0], devices=[1])
+    reader.join(60)
+    assert_bit_exact(got["w"], w)
+
+
 def test_one_call_has_one_deadline_whatever_it_waits_for(view, monkeypatch):
     """The wait for earlier works that touch a call's tensors counts against the call's own
     ``timeout_s``: both use one deadline (two would let a blocking call take twice its timeout)."""
@@ -665,7 +705,9 @@ def test_attaching_a_busy_single_threaded_actor_says_so(gate):
     try:
         held = worker.hold.remote(gate)
         assert ray.get(gate.wait_arrived.remote(60), timeout=90)
-        with pytest.raises(ReshardTimeout, match=r"DeviceMesh.attach\(\(1,\)\): actors .* did not answer .* busy .* V1"):
+        with pytest.raises(
+            ReshardTimeout, match=r"DeviceMesh.attach\(\(1,\)\): actors .* did not answer .* busy .* V1"
+        ):
             DeviceMesh.attach([worker], (1,), startup_timeout_s=2)
         ray.get(gate.release.remote())
         ray.get(held, timeout=60)

@@ -167,15 +167,19 @@ class DeviceRole:
                 raise PeerFailed(f"device {ctx.device}: the controller aborted loading {run}")
             return {e[0]: d for e, d in zip(entries, descriptors, strict=True)}
 
-    def reshard_fetch(self, name: str, budget_s: float = FETCH_BUDGET_S) -> np.ndarray:
+    def reshard_fetch(self, name: str, budget_s: float = FETCH_BUDGET_S, versioned: bool = False):
         """A copy of shard ``name`` as a numpy array (bfloat16 as its int16 bit pattern), taken
-        once no write into it is under way (a commit, a ``direct`` run): never half written."""
+        once no write into it is under way (a commit, a ``direct`` run): never half written.
+        ``versioned``: ``(array, the last reshard that committed into it)``, which readers compare
+        across devices."""
         ctx = _attached(self)
+        ctx.counters["fetches"] += 1
         with ctx.shard_locks.reading(name, Deadline.from_budget(budget_s)):
             t = ctx.store.get(name)
             if t is None:
                 raise KeyError(f"device {ctx.device} holds no shard {name!r} (it was freed)")
-            return np.array(t) if arrays.is_numpy(t) else arrays.as_numpy(t)  # a GPU shard: copied to the host
+            a = np.array(t) if arrays.is_numpy(t) else arrays.as_numpy(t)  # a GPU shard: copied to the host
+            return (a, ctx.store.version(name)) if versioned else a
 
     # A hold or free still in flight when the mesh closed finds no shards left: nothing to do.
 
@@ -359,6 +363,7 @@ class DeviceRole:
                             for dst, src in copies:
                                 arrays.copy(dst, src)
                             stream.finish(time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}")
+                        ctx.store.wrote([out for _, out in pairs], run)
             finally:
                 copies.clear()  # no reference here to a staged result: freed, its memory goes back to the pool
                 src = dst = None
@@ -461,8 +466,8 @@ class DeviceActor(DeviceRole):
         """The empty call (a floor for latency measurements)."""
 
     @ray.method(concurrency_group=CONTROL)
-    def reshard_fetch(self, name: str, budget_s: float = FETCH_BUDGET_S) -> np.ndarray:
-        return DeviceRole.reshard_fetch(self, name, budget_s)
+    def reshard_fetch(self, name: str, budget_s: float = FETCH_BUDGET_S, versioned: bool = False):
+        return DeviceRole.reshard_fetch(self, name, budget_s, versioned)
 
     @ray.method(concurrency_group=CONTROL)
     def reshard_abort_run(self, controller: str, run: str | None, drop=(), group_drops=()) -> None:

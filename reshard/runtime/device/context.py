@@ -106,7 +106,7 @@ class DeviceContext:
         self.extensions: dict[str, object] = {}  # state that libraries on the runtime keep here (pipelines)
         self.peak_bytes = 0  # destination (twice if assembled) + staging bytes of the last run
         self.assembled = False  # the last run assembled its destination apart (``ShardStore``)
-        self.counters = {"programs_received": 0, "runs": 0, "failed_runs": 0, "dropped_late": 0}
+        self.counters = {"programs_received": 0, "runs": 0, "failed_runs": 0, "dropped_late": 0, "fetches": 0}
         self._local = threading.local()
         self._lock = threading.Lock()
         self._torch_device = None

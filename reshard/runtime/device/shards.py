@@ -181,6 +181,7 @@ class ShardStore:
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.meta: dict[str, dict] = {}  # name -> what its owner said of it (global shape, placements, ...)
         self.dtypes: dict[str, str] = {}  # name -> dtype name (an array of bit patterns does not say it)
+        self.versions: dict[str, str] = {}  # name -> the last reshard that wrote into it (``wrote``)
         self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
         self._lock = threading.RLock()
 
@@ -193,6 +194,19 @@ class ShardStore:
     def dtype(self, name: str) -> str:
         """The dtype name of shard ``name`` (KeyError: no such shard)."""
         return self.dtypes[name]
+
+    def wrote(self, names, run: str) -> None:
+        """Reshard ``run`` committed into the user's shards ``names`` here: readers compare it
+        across devices (``version``; a ``direct`` write is not all or nothing, and sets none)."""
+        with self._lock:
+            for name in names:
+                if name in self.shards:
+                    self.versions[name] = run
+
+    def version(self, name: str) -> str | None:
+        """The last reshard that committed into shard ``name`` (None: none since it was shared or
+        made)."""
+        return self.versions.get(name)
 
     def allocate(self, shape, dtype: str, *, shared: bool = True, mapped: bool = False):
         """A new shard's memory (dtype by name): on a CPU device a numpy array in pooled memory of
@@ -388,6 +402,8 @@ class ShardStore:
             self.users.add(name)
             if self.shared is not None and not again:
                 self.shared.begin(t, file)
+            if not again:
+                self.versions.pop(name, None)  # another tensor: nothing wrote it yet
             self.meta[name] = meta
 
     def unshare(self, name: str) -> None:
@@ -456,6 +472,7 @@ class ShardStore:
         self.holders.pop(name, None)
         self.meta.pop(name, None)
         self.dtypes.pop(name, None)
+        self.versions.pop(name, None)
         if t is None:
             return False
         if self.shared is not None:

@@ -12,12 +12,14 @@ ends by then. bfloat16, float8 and numpy: numpy has no such types, so ``to_numpy
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
 import ray
 
 from reshard.dtypes import BIT_PATTERN, itemsize, storage_name
+from reshard.errors import ReshardError
 from reshard.ir.layout import Layout
 from reshard.ir.regions import box_volume, layout_regions
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
@@ -25,6 +27,10 @@ from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.dispatch import failure_error
 from reshard.runtime.driver.mesh import DeviceMesh
 from reshard.runtime.messages import copy_holder
+
+FETCH_RETRY_S = 0.005  # a read whose shards disagree reads again after this pause, then twice as long
+FETCH_RETRY_MAX_S = 0.2
+VERSIONS_WAIT_S = 10.0  # how long a read waits for its shards' devices to agree on the last sync
 
 
 class ShardedTensor:
@@ -115,18 +121,44 @@ class ShardedTensor:
     # ---------------------------------------------------------------- reading back
 
     def _fetch(self, indices, timeout_s: float | None) -> dict[int, np.ndarray]:
+        """The shards of flat ``indices``, each whole and all last committed into by the same sync:
+        a read from another process while a sync's commits reach some devices before others reads
+        again (with a growing pause) until they agree, for at most ``VERSIONS_WAIT_S``; then it
+        raises (a split: a commit failed on some devices)."""
         rt = runtime()
         deadline = Deadline.after(timeout_s)
         rt.works.after(frozenset({self.name}), frozenset(), deadline)  # this process's pending writes first
         ids = {i: self.mesh.device_ids[i] for i in indices}
-        refs = {ids[i]: self.mesh.actor(i).reshard_fetch.remote(self.name, deadline.budget) for i in indices}
-        outcome = rt.wait(refs, deadline, "reading a tensor back")
-        if not outcome.ok:
-            gone = [d for d, f in outcome.failures.items() if isinstance(f.error, KeyError)]
-            if gone and not outcome.died:
-                raise ValueError(f"reading {self!r}: its shards are gone on devices {gone} (freed by another handle?)")
-            raise failure_error(outcome, f"reading {self!r}", deadline)
-        return {i: outcome.results[ids[i]] for i in indices}
+        regions = layout_regions(self.layout, self.shape)
+        compared = [i for i in indices if box_volume(regions[i])]  # an empty shard is written by none
+        pause = FETCH_RETRY_S
+        agree_by = time.monotonic() + VERSIONS_WAIT_S
+        while True:
+            refs = {ids[i]: self.mesh.actor(i).reshard_fetch.remote(self.name, deadline.budget, True) for i in indices}
+            outcome = rt.wait(refs, deadline, "reading a tensor back")
+            if not outcome.ok:
+                gone = [d for d, f in outcome.failures.items() if isinstance(f.error, KeyError)]
+                if gone and not outcome.died:
+                    raise ValueError(
+                        f"reading {self!r}: its shards are gone on devices {gone} (freed by another handle?)"
+                    )
+                raise failure_error(outcome, f"reading {self!r}", deadline)
+            got = {i: outcome.results[ids[i]] for i in indices}
+            by_version: dict = {}
+            for i in compared:
+                by_version.setdefault(got[i][1], []).append(ids[i])
+            if len(by_version) <= 1:
+                return {i: a for i, (a, _) in got.items()}
+            if deadline.left() <= pause or time.monotonic() + pause >= agree_by:
+                held = "; ".join(f"devices {d} hold {'values no sync wrote' if v is None else f'sync {v}'}"
+                                 for v, d in by_version.items())  # fmt: skip
+                raise ReshardError(
+                    f"reading {self!r}: its shards were last committed into by different syncs ({held}), for "
+                    f"{VERSIONS_WAIT_S:g} s or the read's timeout: a commit failed on some devices (its sync's error "
+                    "said which), or another process's sync is still committing (wait for its Work)"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, FETCH_RETRY_MAX_S)
 
     def _assemble(self, timeout_s: float | None) -> np.ndarray:
         self._check("to_numpy")
@@ -144,7 +176,8 @@ class ShardedTensor:
     def to_numpy(self, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> np.ndarray:
         """The full tensor, assembled here (one holder per distinct region). It waits for this
         process's pending works that write it, and each shard is read whole: a write into it (a
-        commit, a ``direct`` run) from any process is waited for, never read halfway."""
+        commit, a ``direct`` run) from any process is waited for, never read halfway; and every
+        device read holds the same ``out=`` sync's values (``_fetch``)."""
         if self.dtype_name in BIT_PATTERN:
             raise TypeError(
                 f"{self!r}: numpy has no {self.dtype_name}; use .to_torch() (or .to_torch().float().numpy())"
