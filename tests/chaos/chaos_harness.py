@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import gc
 import itertools
 import math
@@ -528,22 +529,10 @@ class Chaos:
             i, fault, phase, victim, self._hold_at(compiled, victim) if phase is Phase.DURING else 0
         )
 
-        result = error = work = None
-        t0 = time.monotonic()
-        try:
-            if kind is Kind.ASYNC:
-                work = reshard(t, t.mesh, dst_layout, timeout_s=timeout_s, shared_memory=shared, async_op=True)
-                result = work.wait()
-            else:
-                result = reshard(t, t.mesh, dst_layout, timeout_s=timeout_s, shared_memory=shared)
-        except BaseException as e:  # KeyboardInterrupt included: that is the INTERRUPT fault
-            error = e
-        seconds = time.monotonic() - t0
-        raised_at = time.monotonic()
-        self._after_fault(i, fault_at)
-        if work is not None and error is not None:
-            work.exception(timeout_s + HANG_S)  # interrupted while waiting: the work goes on, and ends
-        work = None  # it holds its result: only ``self.held`` may keep handles alive (invariant 3)
+        result, error, seconds, raised_at = self._call(
+            i, fault_at, kind is Kind.ASYNC, timeout_s,
+            functools.partial(reshard, t, t.mesh, dst_layout, timeout_s=timeout_s, shared_memory=shared),
+        )  # fmt: skip
 
         outcome = "ok" if error is None else type(error).__name__
         message = "" if error is None else first_line(error)
@@ -584,24 +573,11 @@ class Chaos:
         fault_at = self._fault_at(i, fault, phase, victim, 0)
         as_work = rng.random() < 0.5
 
-        error = work = None
-        t0 = time.monotonic()
-        try:
-            if as_work:
-                work = reshard(src, src_mesh, lambda path, t: layouts[path], out=model.outs, timeout_s=timeout_s,
-                               shared_memory=shared, async_op=True)  # fmt: skip
-                work.wait()
-            else:
-                reshard(src, src_mesh, lambda path, t: layouts[path], out=model.outs, timeout_s=timeout_s,
-                        shared_memory=shared)  # fmt: skip
-        except BaseException as e:  # KeyboardInterrupt included: that is the INTERRUPT fault
-            error = e
-        seconds = time.monotonic() - t0
-        raised_at = time.monotonic()
-        self._after_fault(i, fault_at)
-        if work is not None and error is not None:
-            work.exception(timeout_s + HANG_S)
-        work = None
+        _, error, seconds, raised_at = self._call(
+            i, fault_at, as_work, timeout_s,
+            functools.partial(reshard, src, src_mesh, lambda path, t: layouts[path], out=model.outs,
+                              timeout_s=timeout_s, shared_memory=shared),
+        )  # fmt: skip
         self._check_raised(i, fault, error, seconds, timeout_s)
         self._quiet(i, step_devices, timeout_s)
         self._check_versions(i, fault, error, new)
@@ -624,6 +600,27 @@ class Chaos:
         self._record(i, kind, fault_at, shared,
                      victim is not None and victim in compiled.participants, outcome, seconds, timeout_s, message,
                      probe_s, raised_at, nbytes, "tree", began)  # fmt: skip
+
+    def _call(self, i: int, at: FaultAt, as_work: bool, timeout_s: float, call) -> tuple:
+        """``call(async_op=...)`` (the step's reshard; as a ``Work`` waited for when ``as_work``),
+        timed, then its fault dealt with (``_after_fault``). A work interrupted while waited for
+        goes on: it is let end, and dropped with what it made (only ``self.held`` keeps handles,
+        invariant 3). Returns ``(result, error, seconds, when it returned or raised)``."""
+        result = error = work = None
+        t0 = time.monotonic()
+        try:
+            if as_work:
+                work = call(async_op=True)
+                result = work.wait()
+            else:
+                result = call(async_op=False)
+        except BaseException as e:  # KeyboardInterrupt included: that is the INTERRUPT fault
+            error = e
+        raised_at = time.monotonic()
+        self._after_fault(i, at)
+        if work is not None and error is not None:
+            work.exception(timeout_s + HANG_S)
+        return result, error, raised_at - t0, raised_at
 
     # ------------------------------------------------------------------ faults
 

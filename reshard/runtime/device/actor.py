@@ -346,8 +346,9 @@ class DeviceRole:
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
             copies: list = []
             src = dst = None
+            outs = [out for _, out in pairs]
             try:  # reads of the outputs wait from here until the outputs are all old or all new
-                with ctx.shard_locks.writing([out for _, out in pairs], until, f"committing {run}"):
+                with ctx.shard_locks.writing(outs, until, f"committing {run}"):
                     if ctx.commit_hook is not None:
                         ctx.commit_hook("before", run)
                     failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
@@ -363,7 +364,7 @@ class DeviceRole:
                             for dst, src in copies:
                                 arrays.copy(dst, src)
                             stream.finish(time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}")
-                        ctx.store.wrote([out for _, out in pairs], run)
+                        ctx.store.wrote(outs, run)
             finally:
                 copies.clear()  # no reference here to a staged result: freed, its memory goes back to the pool
                 src = dst = None

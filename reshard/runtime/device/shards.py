@@ -181,7 +181,7 @@ class ShardStore:
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.meta: dict[str, dict] = {}  # name -> what its owner said of it (global shape, placements, ...)
         self.dtypes: dict[str, str] = {}  # name -> dtype name (an array of bit patterns does not say it)
-        self.versions: dict[str, str] = {}  # name -> the last reshard that wrote into it (``wrote``)
+        self.versions: dict[str, str] = {}  # name -> the last reshard that committed into it (``wrote``)
         self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
         self._lock = threading.RLock()
 
