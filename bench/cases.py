@@ -133,27 +133,47 @@ _B = MeshView((2, 2), (4, 5, 6, 7))  # "stage i+1", disjoint
 _ALL = MeshView(POOL_SHAPE, tuple(range(POOL_SIZE)), POOL_HOST_IDS)  # the pool itself: 2 hosts x 4 devices
 
 CASES: tuple[Case, ...] = (
-    Case("rep-to-shard", "replicate -> shard (single sender per slice, 2-D sharded out)",
-         _A, (R, R), _B, (S(0), S(1))),
-    Case("shard-to-rep", "shard -> replicate (every slice multicast to 4 devices)",
-         _A, (S(0), S(1)), _B, (R, R)),
-    Case("shard-dim", "shard dim change on hosts, replicated in host (paper case 3)",
-         _A, (S(1), R), _B, (S(0), R)),
-    Case("flat-dim", "1-D meshes, shard dim 1 -> dim 0: all-to-all (paper case 4)",
-         MeshView((4,), (0, 1, 2, 3)), (S(1),), MeshView((4,), (4, 5, 6, 7)), (S(0),)),
-    Case("2d-transpose", "2-D meshes, (S0,S1) -> (S1,S0)",
-         _A, (S(0), S(1)), _B, (S(1), S(0))),
-    Case("uneven", "uneven 3-D shape, 1x3 S(0) -> 2x2 (S2,S0)",
-         MeshView((1, 3), (0, 1, 2)), (R, S(0)), _B, (S(2), S(0)), ndim=3, uneven=True),
-    Case("2x2-to-1x3", "mesh size change 2x2 -> 1x3",
-         _A, (S(0), S(1)), MeshView((1, 3), (4, 5, 6)), (R, S(1))),
-    Case("1x4-to-2x2", "mesh size change 1x4 -> 2x2",
-         MeshView((1, 4), (0, 1, 2, 3)), (R, S(0)), _B, (S(0), S(1))),
-    Case("2x4-to-2x2", "mesh size change 2x4 -> 2x2 on a subset of the same devices",
-         _ALL, (S(0), R), MeshView((2, 2), (0, 1, 4, 5), _pool_hosts(0, 1, 4, 5)), (R, S(1))),
-    Case("same-mesh", "same-mesh reshard on 2x4, dim1 on hosts -> dim0 on hosts (paper case 3)",
-         _ALL, (S(1), R), _ALL, (S(0), R)),
-)  # fmt: skip
+    Case("rep-to-shard", "replicate -> shard (single sender per slice, 2-D sharded out)", _A, (R, R), _B, (S(0), S(1))),
+    Case("shard-to-rep", "shard -> replicate (every slice multicast to 4 devices)", _A, (S(0), S(1)), _B, (R, R)),
+    Case("shard-dim", "shard dim change on hosts, replicated in host (paper case 3)", _A, (S(1), R), _B, (S(0), R)),
+    Case(
+        "flat-dim",
+        "1-D meshes, shard dim 1 -> dim 0: all-to-all (paper case 4)",
+        MeshView((4,), (0, 1, 2, 3)),
+        (S(1),),
+        MeshView((4,), (4, 5, 6, 7)),
+        (S(0),),
+    ),
+    Case("2d-transpose", "2-D meshes, (S0,S1) -> (S1,S0)", _A, (S(0), S(1)), _B, (S(1), S(0))),
+    Case(
+        "uneven",
+        "uneven 3-D shape, 1x3 S(0) -> 2x2 (S2,S0)",
+        MeshView((1, 3), (0, 1, 2)),
+        (R, S(0)),
+        _B,
+        (S(2), S(0)),
+        ndim=3,
+        uneven=True,
+    ),
+    Case("2x2-to-1x3", "mesh size change 2x2 -> 1x3", _A, (S(0), S(1)), MeshView((1, 3), (4, 5, 6)), (R, S(1))),
+    Case("1x4-to-2x2", "mesh size change 1x4 -> 2x2", MeshView((1, 4), (0, 1, 2, 3)), (R, S(0)), _B, (S(0), S(1))),
+    Case(
+        "2x4-to-2x2",
+        "mesh size change 2x4 -> 2x2 on a subset of the same devices",
+        _ALL,
+        (S(0), R),
+        MeshView((2, 2), (0, 1, 4, 5), _pool_hosts(0, 1, 4, 5)),
+        (R, S(1)),
+    ),
+    Case(
+        "same-mesh",
+        "same-mesh reshard on 2x4, dim1 on hosts -> dim0 on hosts (paper case 3)",
+        _ALL,
+        (S(1), R),
+        _ALL,
+        (S(0), R),
+    ),
+)
 
 CASES_BY_NAME = {c.name: c for c in CASES}
 
@@ -167,8 +187,18 @@ def select_cases(names: list[str] | None) -> tuple[Case, ...]:
     return tuple(CASES_BY_NAME[n] for n in names)
 
 
-_UNITS = {"b": 1, "kib": 1 << 10, "k": 1 << 10, "kb": 1 << 10, "mib": 1 << 20, "m": 1 << 20, "mb": 1 << 20,
-          "gib": 1 << 30, "g": 1 << 30, "gb": 1 << 30}  # fmt: skip
+_UNITS = {
+    "b": 1,
+    "kib": 1 << 10,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "mib": 1 << 20,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "gib": 1 << 30,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+}
 
 
 def parse_size(text: str) -> int:

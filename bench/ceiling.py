@@ -106,13 +106,19 @@ class RawTransfer:
 
     def setup(self) -> None:
         world = len(self.rank)
-        self.call_each({d: (setup, (self.key, self.port, r, world, self.sends[d], self.recvs[d]), {})
-                        for d, r in self.rank.items()}, self.timeout_s)  # fmt: skip
+        self.call_each(
+            {
+                d: (setup, (self.key, self.port, r, world, self.sends[d], self.recvs[d]), {})
+                for d, r in self.rank.items()
+            },
+            self.timeout_s,
+        )
 
     def run(self, fresh: bool = False) -> float:
         t0 = time.perf_counter()
-        inner = self.call_each({d: (transfer, (self.key, self.sends[d], self.recvs[d], fresh), {})
-                                for d in self.rank}, self.timeout_s)  # fmt: skip
+        inner = self.call_each(
+            {d: (transfer, (self.key, self.sends[d], self.recvs[d], fresh), {}) for d in self.rank}, self.timeout_s
+        )
         dt = time.perf_counter() - t0
         (self.in_actor_fresh if fresh else self.in_actor).append(max(inner.values()))
         return dt

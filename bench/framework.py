@@ -96,11 +96,16 @@ def run(args) -> dict:
             for k, a in model.arrays.items():
                 for rank, box in enumerate(layout_regions(src, a.shape)):
                     per_rank[rank][k] = np.ascontiguousarray(a[tuple(slice(lo, hi) for lo, hi in box)])
-            names = ray.get([h.load.remote(s, memory) for h, s in zip(trainers, per_rank, strict=True)],
-                            timeout=args.timeout_s)[0]  # fmt: skip
+            names = ray.get(
+                [h.load.remote(s, memory) for h, s in zip(trainers, per_rank, strict=True)], timeout=args.timeout_s
+            )[0]
             trees[memory] = adopt(src, names, timeout_s=args.timeout_s)
-        runs = {"library": (trees["library"], True), "framework": (trees["framework"], True),
-                "framework-reback": (trees["reback"], True), "framework-gloo": (trees["framework"], False)}  # fmt: skip
+        runs = {
+            "library": (trees["library"], True),
+            "framework": (trees["framework"], True),
+            "framework-reback": (trees["reback"], True),
+            "framework-gloo": (trees["framework"], False),
+        }
         samples: dict[str, list[float]] = {m: [] for m in METHODS}
         verified: dict[str, bool] = {}
 
@@ -126,20 +131,23 @@ def run(args) -> dict:
         lib = stats["library"]["median"]
         ratio = stats["framework"]["median"] / lib
         return {
-            "model": {"name": "gpt2", "layers": args.layers, "tensors": len(model.arrays),
-                      "bytes": model.size_bytes},  # fmt: skip
+            "model": {"name": "gpt2", "layers": args.layers, "tensors": len(model.arrays), "bytes": model.size_bytes},
             "case": "FSDP Shard(0) over 2 trainer actors -> tensor parallel 2 inference actors (attached)",
             "methods": {m: {**stats[m], "verified": verified.get(m, False)} for m in METHODS},
             "moves": {m: _moves(runs[m][0], t_mesh, dst, runs[m][1]) for m in METHODS},
-            "ratios": {"framework/library": ratio,
-                       "framework-reback/library": stats["framework-reback"]["median"] / stats["library"]["median"],
-                       "framework-gloo/framework": stats["framework-gloo"]["median"] / stats["framework"]["median"]},
+            "ratios": {
+                "framework/library": ratio,
+                "framework-reback/library": stats["framework-reback"]["median"] / stats["library"]["median"],
+                "framework-gloo/framework": stats["framework-gloo"]["median"] / stats["framework"]["median"],
+            },
             "targets": {
                 name: {"goal": f"<= {TARGET}x", "value": r, "met": r <= TARGET}
-                for name, r in (("framework/library", ratio),
-                                ("framework-reback/library", stats["framework-reback"]["median"] / lib))
+                for name, r in (
+                    ("framework/library", ratio),
+                    ("framework-reback/library", stats["framework-reback"]["median"] / lib),
+                )
             },
-        }  # fmt: skip
+        }
     finally:
         t_mesh.shutdown()
         i_mesh.shutdown()
@@ -176,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     data, path = recorded_run("framework", argv, args.out, lambda: run(args))
     for m in METHODS:
         s = data["methods"][m]
-        print(f"{m:16s} median {s['median'] * 1e3:8.1f} ms  (p25 {s['p25'] * 1e3:.1f}, p75 {s['p75'] * 1e3:.1f})"
-              f"  bit-exact {s['verified']}  {data['moves'][m]}")  # fmt: skip
+        print(
+            f"{m:16s} median {s['median'] * 1e3:8.1f} ms  (p25 {s['p25'] * 1e3:.1f}, p75 {s['p75'] * 1e3:.1f})"
+            f"  bit-exact {s['verified']}  {data['moves'][m]}"
+        )
     for name, t in data["targets"].items():
         print(f"{name} {t['value']:.2f}x (goal {t['goal']}: {'met' if t['met'] else 'NO'})")
     print(f"framework-gloo/framework {data['ratios']['framework-gloo/framework']:.2f}x")

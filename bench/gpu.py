@@ -58,13 +58,18 @@ def qwen3_spec(layers: int | None = None) -> list[tuple[str, tuple[int, ...], in
     for i in range(c["layers"] if layers is None else layers):
         p = f"model.layers.{i}."
         spec += [
-            (p + "self_attn.q_proj.weight", (q, hidden), 0), (p + "self_attn.k_proj.weight", (kv, hidden), 0),
-            (p + "self_attn.v_proj.weight", (kv, hidden), 0), (p + "self_attn.o_proj.weight", (hidden, q), 1),
-            (p + "self_attn.q_norm.weight", (hd,), None), (p + "self_attn.k_norm.weight", (hd,), None),
-            (p + "mlp.gate_proj.weight", (mlp, hidden), 0), (p + "mlp.up_proj.weight", (mlp, hidden), 0),
+            (p + "self_attn.q_proj.weight", (q, hidden), 0),
+            (p + "self_attn.k_proj.weight", (kv, hidden), 0),
+            (p + "self_attn.v_proj.weight", (kv, hidden), 0),
+            (p + "self_attn.o_proj.weight", (hidden, q), 1),
+            (p + "self_attn.q_norm.weight", (hd,), None),
+            (p + "self_attn.k_norm.weight", (hd,), None),
+            (p + "mlp.gate_proj.weight", (mlp, hidden), 0),
+            (p + "mlp.up_proj.weight", (mlp, hidden), 0),
             (p + "mlp.down_proj.weight", (hidden, mlp), 1),
-            (p + "input_layernorm.weight", (hidden,), None), (p + "post_attention_layernorm.weight", (hidden,), None),
-        ]  # fmt: skip
+            (p + "input_layernorm.weight", (hidden,), None),
+            (p + "post_attention_layernorm.weight", (hidden,), None),
+        ]
     spec += [("model.norm.weight", (hidden,), None), ("lm_head.weight", (c["vocab"], hidden), 0)]
     return spec
 
@@ -77,8 +82,11 @@ def moe_spec(layers: int = 48, experts: int = 128) -> list[tuple[str, tuple[int,
     for layer in range(layers):
         for e in range(experts):
             p = f"model.layers.{layer}.mlp.experts.{e}."
-            spec += [(p + "gate_proj.weight", (64, 256), 0), (p + "up_proj.weight", (64, 256), 0),
-                     (p + "down_proj.weight", (256, 64), 1)]  # fmt: skip
+            spec += [
+                (p + "gate_proj.weight", (64, 256), 0),
+                (p + "up_proj.weight", (64, 256), 0),
+                (p + "down_proj.weight", (256, 64), 1),
+            ]
     return spec
 
 
@@ -410,8 +418,11 @@ def _model_cases(pool, repeats: int, model: str, spec, cases) -> list[dict]:
         src.call(unshare_all)
         rows.append(row)
         tree_ms, one_ms = (statistics.median(row[k]) * 1e3 for k in ("ours_tree_s", "ours_one_s"))
-        print(f"model {model} {case} ({len(spec)} tensors): tree {tree_ms:.2f} ms, one tensor {one_ms:.2f} ms, "
-              f"first call {row['first_call_s']:.2f} s", flush=True)  # fmt: skip
+        print(
+            f"model {model} {case} ({len(spec)} tensors): tree {tree_ms:.2f} ms, one tensor {one_ms:.2f} ms, "
+            f"first call {row['first_call_s']:.2f} s",
+            flush=True,
+        )
     return rows
 
 
@@ -447,10 +458,15 @@ def part_peers(shapes, repeats: int) -> dict:
     finally:
         ray.kill(trainer)
         ray.kill(infer)
-    print(f"peers: ipc refit {statistics.median(peers['ipc_refit_s']) * 1e3:.2f} ms"
-          + (f", broadcast refit {statistics.median(peers['broadcast_refit_s']) * 1e3:.1f} ms"
-             if "broadcast_refit_s" in peers else f", broadcast refit: {peers.get('broadcast_refit_error')}"),
-          flush=True)  # fmt: skip
+    print(
+        f"peers: ipc refit {statistics.median(peers['ipc_refit_s']) * 1e3:.2f} ms"
+        + (
+            f", broadcast refit {statistics.median(peers['broadcast_refit_s']) * 1e3:.1f} ms"
+            if "broadcast_refit_s" in peers
+            else f", broadcast refit: {peers.get('broadcast_refit_error')}"
+        ),
+        flush=True,
+    )
     return peers
 
 
@@ -474,8 +490,9 @@ def _free_port() -> int:
 def _sub(part: str, n: int) -> dict:
     """``part`` in a process of its own (NCCL reads some settings once per process)."""
     code = f"import json, bench.gpu as g; print('RESULT', json.dumps(g.part_{part}({n})))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=str(ROOT.parent))  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(ROOT.parent)
+    )
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -491,19 +508,30 @@ def machine() -> dict:
     _, nccl = import_nccl()
     p = torch.cuda.get_device_properties(0)
     try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         driver = "unknown"
     import ray
 
     return {
-        "gpu": p.name, "gpu_memory_bytes": p.total_memory, "sms": p.multi_processor_count,
+        "gpu": p.name,
+        "gpu_memory_bytes": p.total_memory,
+        "sms": p.multi_processor_count,
         "gpus": torch.cuda.device_count(),
-        "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda, "cupy": cupy.__version__,
-        "nccl": nccl.get_version(), "ray": ray.__version__, "python": sys.version.split()[0],
+        "driver": driver,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cupy": cupy.__version__,
+        "nccl": nccl.get_version(),
+        "ray": ray.__version__,
+        "python": sys.version.split()[0],
         "host_cpus": os.cpu_count(),
-    }  # fmt: skip
+    }
 
 
 def targets(data: dict) -> list[dict]:
@@ -512,30 +540,50 @@ def targets(data: dict) -> list[dict]:
     big = [r for r in data.get("tensor", []) if r["bytes"] >= 64 * MiB]
     if big and peak:
         best = max(r["bytes"] / statistics.median(r["ipc_direct_s"]) / 1e9 / peak for r in big)
-        out.append({"target": "CUDA IPC reshard of one tensor >= 64 MiB: >= 70 % of the copy peak",
-                    "value": f"{best:.0%} (best size, out= direct)", "met": best >= 0.7})  # fmt: skip
+        out.append(
+            {
+                "target": "CUDA IPC reshard of one tensor >= 64 MiB: >= 70 % of the copy peak",
+                "value": f"{best:.0%} (best size, out= direct)",
+                "met": best >= 0.7,
+            }
+        )
     for row in data.get("model", []):
         ratio = statistics.median(row["ours_tree_s"]) / statistics.median(row["ours_one_s"])
         goal = 1.3 if row.get("model", "qwen3") == "qwen3" else 2.0
         what = "Qwen3 bf16 state dict" if goal == 1.3 else f"MoE-shaped tree of {row['tensors']} tensors (beside)"
         value = f"{ratio:.2f}x, first call {row['first_call_s']:.2f} s"
-        out.append({"target": f"{what} ({row['case']}) <= {goal}x one tensor of the same bytes", "value": value,
-                    "met": ratio <= goal})  # fmt: skip
+        out.append(
+            {
+                "target": f"{what} ({row['case']}) <= {goal}x one tensor of the same bytes",
+                "value": value,
+                "met": ratio <= goal,
+            }
+        )
         peers = row.get("peers") or {}
         if "broadcast_refit_s" in peers:
             speed = statistics.median(peers["broadcast_refit_s"]) / statistics.median(row["ours_tree_s"])
-            out.append({"target": "the same against the gather-and-broadcast refit: >= 3x faster",
-                        "value": f"{speed:.1f}x", "met": speed >= 3})  # fmt: skip
+            out.append(
+                {
+                    "target": "the same against the gather-and-broadcast refit: >= 3x faster",
+                    "value": f"{speed:.1f}x",
+                    "met": speed >= 3,
+                }
+            )
         if "ipc_refit_s" in peers:
             speed = statistics.median(peers["ipc_refit_s"]) / statistics.median(row["ours_tree_s"])
-            out.append({"target": "(beside) against the per-tensor CUDA IPC refit", "value": f"{speed:.2f}x",
-                        "met": None})  # fmt: skip
+            out.append(
+                {"target": "(beside) against the per-tensor CUDA IPC refit", "value": f"{speed:.2f}x", "met": None}
+            )
     m = data.get("message")
     if m:
         extra = m["ours"]["per_message_us"] - m["raw"]["per_message_us"]
-        out.append({"target": "fixed cost per message through the backend <= 30 us above raw NCCL's",
-                    "value": f"{extra:+.1f} us ({m['ours']['per_message_us']:.1f} vs {m['raw']['per_message_us']:.1f})",
-                    "met": extra <= 30})  # fmt: skip
+        out.append(
+            {
+                "target": "fixed cost per message through the backend <= 30 us above raw NCCL's",
+                "value": f"{extra:+.1f} us ({m['ours']['per_message_us']:.1f} vs {m['raw']['per_message_us']:.1f})",
+                "met": extra <= 30,
+            }
+        )
     return out
 
 
@@ -552,8 +600,10 @@ def main(argv: list[str] | None = None) -> int:
 
     standin = getattr(cupy, "_standin", False)
     if standin != args.dry_run:
-        print("python -m bench gpu measures a GPU; --dry-run checks its logic on the CPU stand-in, and only there",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "python -m bench gpu measures a GPU; --dry-run checks its logic on the CPU stand-in, and only there",
+            file=sys.stderr,
+        )
         return 2
     if standin:
         args.parts = ",".join(p for p in args.parts.split(",") if p in ("message", "tensor", "model", "moe"))
@@ -563,8 +613,11 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.parts.split(",")
     from bench.local import command_line
 
-    data: dict = {"revision": _git_rev(), "command": command_line("gpu", argv or sys.argv[1:]),
-                  "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
+    data: dict = {
+        "revision": _git_rev(),
+        "command": command_line("gpu", argv or sys.argv[1:]),
+        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
     out = Path(args.out) if args.out else ROOT / "results" / f"gpu-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
 
     def save() -> None:  # after every part: a run cut short keeps what it measured
@@ -601,8 +654,9 @@ def main(argv: list[str] | None = None) -> int:
                 save()
             if "model" in parts:
                 data["model"] = []
-                part_model(pool, args.repeats, 4 if args.quick else None, "peers" in parts, "moe" in parts,
-                           data["model"], save)  # fmt: skip
+                part_model(
+                    pool, args.repeats, 4 if args.quick else None, "peers" in parts, "moe" in parts, data["model"], save
+                )
         finally:
             pool.shutdown()
             ray.shutdown()

@@ -113,20 +113,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description="Our reshard (default path and gloo path) beside the Ray object store, Ray Direct Transport "
         "and torch DTensor, with memcpy and raw-gloo ceilings, on an embedded local Ray cluster.",
     )
-    p.add_argument("--sizes", help=f"comma-separated tensor sizes (default {','.join(DEFAULT_SIZES)}); "
-                   "units B/KiB/MiB/GiB, bare numbers are MiB")  # fmt: skip
+    p.add_argument(
+        "--sizes",
+        help=f"comma-separated tensor sizes (default {','.join(DEFAULT_SIZES)}); "
+        "units B/KiB/MiB/GiB, bare numbers are MiB",
+    )
     p.add_argument("--cases", help="comma-separated case names (default: all): " + ", ".join(c.name for c in CASES))
     p.add_argument("--peers", help=f"comma-separated peers (default: all of {', '.join(PEERS)}); 'none' for none")
-    p.add_argument("--strategies", help="other strategies of ours to time on the default path (default: none; "
-                   f"'{STRATEGY}' is what ours runs)")  # fmt: skip
+    p.add_argument(
+        "--strategies",
+        help=f"other strategies of ours to time on the default path (default: none; '{STRATEGY}' is what ours runs)",
+    )
     p.add_argument("--naive", action="store_true", help="also time distribute(x.to_numpy(), dst_layout)")
     p.add_argument(
         "--repeats",
         type=int,
         help="timed rounds per method (default: 7 up to 1 MiB, 5 up to 16 MiB, 3 up to 64, else 2)",
     )
-    p.add_argument("--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, 2 repeats, verified once "
-                   "per case")  # fmt: skip
+    p.add_argument(
+        "--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, 2 repeats, verified once per case"
+    )
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
     p.add_argument("--out", help="JSON output path (default bench/results/local-<timestamp>.json + latest.json)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the memcpy and raw gloo ceilings")
@@ -134,23 +140,41 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-startup", action="store_true", help="skip the start-up comparison")
     p.add_argument("--timeout", type=float, default=300.0, help="per-call timeout in seconds (default 300)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--staging-keep", type=parse_size, metavar="SIZE",
-                   help="runtime knob: staging bytes each device keeps between reshards "
-                   "(DeviceMesh.create(staging_keep_bytes=...); runtime default 64 MiB)")  # fmt: skip
-    p.add_argument("--buffer-pool", type=parse_size, metavar="SIZE",
-                   help="runtime knob: idle bytes of freed shards each device keeps for reuse "
-                   "(DeviceMesh.create(buffer_pool_bytes=...); runtime default 256 MiB; 0 disables)")  # fmt: skip
-    p.add_argument("--assembly", type=parse_size, metavar="SIZE",
-                   help="runtime knob: the buffer each device assembles new destinations in before writing "
-                   "them into fresh shared memory (DeviceMesh.create(assembly_bytes=...); runtime default "
-                   "256 MiB; 0 writes them in place)")  # fmt: skip
-    p.add_argument("--backend", choices=("gloo", "nccl"),
-                   help="communicator backend of the device pool (default: nccl when Ray reports a GPU per "
-                   "device, else gloo); with nccl the peers and ceilings (CPU) are skipped")  # fmt: skip
-    p.add_argument("--gpus-per-device", metavar="F|auto",
-                   help="with nccl: GPUs each device actor reserves; a fraction shares a GPU among several actors, "
-                   "each its own NCCL host (socket transport: correctness, not speed); auto: the GPUs Ray reports "
-                   "divided among the pool's devices, at most 1")  # fmt: skip
+    p.add_argument(
+        "--staging-keep",
+        type=parse_size,
+        metavar="SIZE",
+        help="runtime knob: staging bytes each device keeps between reshards "
+        "(DeviceMesh.create(staging_keep_bytes=...); runtime default 64 MiB)",
+    )
+    p.add_argument(
+        "--buffer-pool",
+        type=parse_size,
+        metavar="SIZE",
+        help="runtime knob: idle bytes of freed shards each device keeps for reuse "
+        "(DeviceMesh.create(buffer_pool_bytes=...); runtime default 256 MiB; 0 disables)",
+    )
+    p.add_argument(
+        "--assembly",
+        type=parse_size,
+        metavar="SIZE",
+        help="runtime knob: the buffer each device assembles new destinations in before writing "
+        "them into fresh shared memory (DeviceMesh.create(assembly_bytes=...); runtime default "
+        "256 MiB; 0 writes them in place)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        help="communicator backend of the device pool (default: nccl when Ray reports a GPU per "
+        "device, else gloo); with nccl the peers and ceilings (CPU) are skipped",
+    )
+    p.add_argument(
+        "--gpus-per-device",
+        metavar="F|auto",
+        help="with nccl: GPUs each device actor reserves; a fraction shares a GPU among several actors, "
+        "each its own NCCL host (socket transport: correctness, not speed); auto: the GPUs Ray reports "
+        "divided among the pool's devices, at most 1",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.sizes = args.sizes or ",".join(QUICK_SIZES)
@@ -313,10 +337,16 @@ def recorded_run(suite: str, argv, out: str | None, run) -> tuple[dict, Path]:
         if started:
             ray.shutdown()
     data = {
-        "suite": suite, "command": command_line(suite, argv), "revision": _git_rev(),
-        "when": when.isoformat(timespec="seconds"), "python": platform.python_version(),
-        "torch": _torch_version(), "ray": ray.__version__, "cpus": os.cpu_count(), **result,
-    }  # fmt: skip
+        "suite": suite,
+        "command": command_line(suite, argv),
+        "revision": _git_rev(),
+        "when": when.isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": _torch_version(),
+        "ray": ray.__version__,
+        "cpus": os.cpu_count(),
+        **result,
+    }
     path = Path(out) if out else RESULTS_DIR / f"{suite}-{when:%Y%m%d-%H%M%S}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -335,8 +365,11 @@ def _git_rev() -> str:
         )
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "bench", "reshard", "topology"],
-            cwd=root, capture_output=True, text=True, timeout=5,
-        ).stdout.strip()  # fmt: skip
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return (rev.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
     except Exception:
         return "unknown"
@@ -360,8 +393,14 @@ class Ours:
 
         runtime().last_run = {}
         t0 = time.perf_counter()
-        y = reshard(self.x, self.x.mesh, self.dst_layout, strategy=self.strategy, timeout_s=self.timeout_s,
-                    shared_memory=self.shared_memory)  # fmt: skip
+        y = reshard(
+            self.x,
+            self.x.mesh,
+            self.dst_layout,
+            strategy=self.strategy,
+            timeout_s=self.timeout_s,
+            shared_memory=self.shared_memory,
+        )
         dt = time.perf_counter() - t0
         if runtime().last_run:
             self.breakdown.append(_split(dt, runtime().last_run))
@@ -528,8 +567,9 @@ class Suite:
 
     # ---------------------------------------------------------------- one (case, size)
 
-    def run(self, case: Case, size_bytes: int, strategies: list[str], repeats: int, warmed: set,
-            checked: set[str]) -> dict:  # fmt: skip
+    def run(
+        self, case: Case, size_bytes: int, strategies: list[str], repeats: int, warmed: set, checked: set[str]
+    ) -> dict:
         """Measure one (case, size). ``warmed``: methods (and communicator groups) already warmed
         up on this case; ``checked``: methods whose result was already verified (the first result
         of each method not in it is verified, outside its timing)."""
@@ -578,11 +618,15 @@ class Suite:
         methods = entry["methods"]
         for m, (s, shm) in paths.items():
             methods[m] = {
-                "kind": "ours" if m in (OURS, OURS_GLOO) else "strategy", "strategy": s, "mode": "kept",
-                "path": "shared_memory" if shm else "gloo", "ceiling": MEMCPY if shm else CEILING,
-                "transfers": len(lowered[m].plan.transfers), "moved_bytes": sum(pair_bytes(lowered[m].plan).values()),
+                "kind": "ours" if m in (OURS, OURS_GLOO) else "strategy",
+                "strategy": s,
+                "mode": "kept",
+                "path": "shared_memory" if shm else "gloo",
+                "ceiling": MEMCPY if shm else CEILING,
+                "transfers": len(lowered[m].plan.transfers),
+                "moved_bytes": sum(pair_bytes(lowered[m].plan).values()),
                 **program_bytes(lowered[m].program, itemsize),
-            }  # fmt: skip
+            }
         pooled = {} if args.no_pooled else {OURS_POOLED: OURS, OURS_GLOO_POOLED: OURS_GLOO}
         for m, base in pooled.items():
             methods[m] = {**methods[base], "mode": "pooled"}
@@ -592,8 +636,13 @@ class Suite:
             methods[p] = {"kind": "peer", "mode": "kept", "pieces": sum(len(v) for v in pieces.values())}
         if not args.no_ceiling:
             methods[MEMCPY] = {"kind": "ceiling", "for_path": "shared_memory", "bytes": out_bytes}
-            methods[CEILING] = {"kind": "ceiling", "for_path": "gloo", "pairs": len(pairs),
-                                "moved_bytes": sum(pairs.values()), "plan": "gloo path"}  # fmt: skip
+            methods[CEILING] = {
+                "kind": "ceiling",
+                "for_path": "gloo",
+                "pairs": len(pairs),
+                "moved_bytes": sum(pairs.values()),
+                "plan": "gloo path",
+            }
             methods[CEILING_FRESH] = {**methods[CEILING], "memory": "fresh"}
             for m in paths:  # outputs kept alive land in fresh memory: so does this ceiling's receive
                 if not paths[m][1]:
@@ -612,14 +661,16 @@ class Suite:
             try:
                 if p == OBJECT_STORE:
                     handles = dict(zip(devices, self.actors(devices), strict=True))
-                    impl = peers.ObjectStore(f"os/{key}", handles, x.name, src_boxes, dst_boxes, pieces,
-                                             args.dtype, args.timeout)  # fmt: skip
+                    impl = peers.ObjectStore(
+                        f"os/{key}", handles, x.name, src_boxes, dst_boxes, pieces, args.dtype, args.timeout
+                    )
                 elif p == RDT:
                     if self.rdt is None:
                         raise RuntimeError(self.rdt_error or "no RDT actors")
                     position = {d: self.pool.index_of(d) for d in devices}
-                    impl = peers.DirectTransport(f"rdt/{key}", self.rdt, position, source, src_boxes, dst_boxes,
-                                                 pieces, args.timeout)  # fmt: skip
+                    impl = peers.DirectTransport(
+                        f"rdt/{key}", self.rdt, position, source, src_boxes, dst_boxes, pieces, args.timeout
+                    )
                     closers.append(impl.close)
                 else:
                     if case.src != case.dst or tuple(case.src.device_ids) != tuple(range(POOL_SIZE)):
@@ -628,8 +679,9 @@ class Suite:
                     world = self.dtensor_world()
                     if world is None:
                         raise RuntimeError(self.dtensor_error)
-                    impl = peers.DTensorPeer(f"dt/{key}", world, x.name, case.src.shape, case.src_placements,
-                                             case.dst_placements, shape)  # fmt: skip
+                    impl = peers.DTensorPeer(
+                        f"dt/{key}", world, x.name, case.src.shape, case.src_placements, case.dst_placements, shape
+                    )
                     closers.append(impl.close)
                 runners[p] = Peer(impl, dst_boxes)
             except Exception as e:
@@ -786,8 +838,11 @@ class Suite:
             parts = getattr(runners[m], "breakdown", None)
             if parts:
                 methods[m]["breakdown_s"] = {k: statistics.median([p[k] for p in parts]) for k in parts[0]}
-        for name, inner in ((CEILING, raw and raw.in_actor), (CEILING_FRESH, raw and raw.in_actor_fresh),
-                            (MEMCPY, memcpy and memcpy.in_actor)):  # fmt: skip
+        for name, inner in (
+            (CEILING, raw and raw.in_actor),
+            (CEILING_FRESH, raw and raw.in_actor_fresh),
+            (MEMCPY, memcpy and memcpy.in_actor),
+        ):
             if inner:
                 methods[name]["in_actor_s"] = stats_of(inner)
         if DTENSOR in runners and runners[DTENSOR].impl.in_actor:
@@ -798,8 +853,9 @@ class Suite:
                 v["verified_earlier"] = True  # --quick: this method's result was verified at a smaller size
         entry["ok"] = all(
             (v.get("verified") is True or v.get("verified_earlier", False)) and "error" not in v
-            for v in methods.values() if v["kind"] in ("ours", "strategy", "baseline", "peer") and "skipped" not in v
-        )  # fmt: skip
+            for v in methods.values()
+            if v["kind"] in ("ours", "strategy", "baseline", "peer") and "skipped" not in v
+        )
         return entry
 
 
@@ -1004,7 +1060,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
             "loadavg_end": list(os.getloadavg()),
             "ray": ray.__version__,
             "torch": _torch_version(),
-        },  # fmt: skip
+        },
         "pool": list(POOL_SHAPE),
         "staging_keep_bytes": args.staging_keep,
         "buffer_pool_bytes": args.buffer_pool,

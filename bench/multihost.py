@@ -141,7 +141,7 @@ def drive(config: dict) -> dict:
     out: dict = {
         "meshes": {
             k: {"shape": list(m.shape), "hosts": list(m.host_ids), "nodes": list(m.node_ids)} for k, m in meshes.items()
-        },  # fmt: skip
+        },
         "links": {
             "node_ids": list(links.node_ids),
             "nic_GBps": list(links.nic_GBps),
@@ -149,7 +149,7 @@ def drive(config: dict) -> dict:
             "latency_us": links.latency_us,
             "intra_host_latency_us": links.intra_host_latency_us,
             "size_bytes": links.size_bytes,
-        },  # fmt: skip
+        },
         "host_of_node": {n: h for m in meshes.values() for n, h in zip(m.node_ids, m.host_ids, strict=True)},
         "results": [],
     }
@@ -165,13 +165,23 @@ def drive(config: dict) -> dict:
             shape = tensor_shape(size, 4, 2)
             source = make_array(shape, "float32", config["seed"])
             expected = [
-                hashlib.sha256(memoryview(np.ascontiguousarray(source[tuple(slice(lo, hi) for lo, hi in box)])
-                                          .reshape(-1).view(np.uint8))).hexdigest()
+                hashlib.sha256(
+                    memoryview(
+                        np.ascontiguousarray(source[tuple(slice(lo, hi) for lo, hi in box)]).reshape(-1).view(np.uint8)
+                    )
+                ).hexdigest()
                 for box in layout_regions(dst_layout, shape)
-            ]  # fmt: skip
+            ]
             x = distribute(source, src_layout, timeout_s=config["timeout"])
-            entry = {"case": case, "what": what, "src": str(src_layout), "dst": str(dst_layout),
-                     "size_bytes": size, "shape": list(shape), "methods": {}}  # fmt: skip
+            entry = {
+                "case": case,
+                "what": what,
+                "src": str(src_layout),
+                "dst": str(dst_layout),
+                "size_bytes": size,
+                "shape": list(shape),
+                "methods": {},
+            }
             load = os.getloadavg()[0]
             plans = {}
             for s in config["strategies"]:
@@ -179,10 +189,13 @@ def drive(config: dict) -> dict:
                 plan = plans[s] = compiled.plan
                 cluster = rt.planning_cluster(dst_mesh.backend, plan.host_map)
                 guessed = Cluster.for_hosts(
-                    plan.host_map, nic_GBps=GUESSED_GLOO["nic_GBps"], intra_host_GBps=GUESSED_GLOO["intra_host_GBps"],
-                    latency_us=GUESSED_GLOO["latency_us"], intra_host_latency_us=GUESSED_GLOO["intra_host_latency_us"],
+                    plan.host_map,
+                    nic_GBps=GUESSED_GLOO["nic_GBps"],
+                    intra_host_GBps=GUESSED_GLOO["intra_host_GBps"],
+                    latency_us=GUESSED_GLOO["latency_us"],
+                    intra_host_latency_us=GUESSED_GLOO["intra_host_latency_us"],
                     backend="gloo",
-                )  # fmt: skip
+                )
                 entry["methods"][s] = {
                     "transfers": len(plan.transfers),
                     "simulated_s": compiled.simulate(cluster).makespan_s,
@@ -298,31 +311,61 @@ def targets(data: dict) -> list[dict]:
     def row(title, vals, ok, fmt, size=lambda v: v):
         vals = [v for v in vals if v[1] is not None]
         if not vals:
-            return {"target": title, "cases": 0, "passed": 0, "met": False, "worst": None, "worst_str": "-",
-                    "worst_case": "-"}  # fmt: skip
+            return {
+                "target": title,
+                "cases": 0,
+                "passed": 0,
+                "met": False,
+                "worst": None,
+                "worst_str": "-",
+                "worst_case": "-",
+            }
         failing = [v for v in vals if not ok(v[1])]
         worst = max(failing or vals, key=lambda v: size(v[1]))
-        return {"target": title, "cases": len(vals), "passed": len(vals) - len(failing), "met": not failing,
-                "worst": worst[1], "worst_str": fmt.format(worst[1]), "worst_case": worst[0]}  # fmt: skip
+        return {
+            "target": title,
+            "cases": len(vals),
+            "passed": len(vals) - len(failing),
+            "met": not failing,
+            "worst": worst[1],
+            "worst_str": fmt.format(worst[1]),
+            "worst_case": worst[0],
+        }
 
     def label(e, s=None):
         return f"{e['case']} {fmt_size(e['size_bytes'])}" + (f" {s}" if s else "")
 
     auto = [(label(e), e["methods"].get("auto", {}).get("x_bound")) for e in res if e["size_bytes"] == TARGET_SIZE]
-    slower = [(label(e), e["methods"]["auto"].get("x_best_other", 1.0) - 1.0 if "auto" in e["methods"] else None)
-              for e in res if e["size_bytes"] >= BIG]  # fmt: skip
-    sim = [(label(e, s), (m.get("x_simulated") or 0) - 1.0 if m.get("x_simulated") else None)
-           for e in res if e["size_bytes"] >= BIG for s, m in e["methods"].items()]  # fmt: skip
-    small = [(label(e, s), m.get("x_small_bound")) for e in res if e["size_bytes"] <= SMALL
-             for s, m in e["methods"].items() if s == "auto"]  # fmt: skip
+    slower = [
+        (label(e), e["methods"]["auto"].get("x_best_other", 1.0) - 1.0 if "auto" in e["methods"] else None)
+        for e in res
+        if e["size_bytes"] >= BIG
+    ]
+    sim = [
+        (label(e, s), (m.get("x_simulated") or 0) - 1.0 if m.get("x_simulated") else None)
+        for e in res
+        if e["size_bytes"] >= BIG
+        for s, m in e["methods"].items()
+    ]
+    small = [
+        (label(e, s), m.get("x_small_bound"))
+        for e in res
+        if e["size_bytes"] <= SMALL
+        for s, m in e["methods"].items()
+        if s == "auto"
+    ]
     return [
         row(f"auto <= {TARGET_X_BOUND}x the fluid bound at 256 MiB", auto, lambda v: v <= TARGET_X_BOUND, "{:.2f}x"),
-        row("auto never > 3 % slower than another plan (>= 64 MiB)", slower, lambda v: v <= TARGET_SLOWER,
-            "{:+.1%}"),
-        row("simulator within 10 % of measured (every strategy, >= 64 MiB)", sim,
-            lambda v: abs(v) <= TARGET_SIM_ERROR, "{:+.1%}", abs),
+        row("auto never > 3 % slower than another plan (>= 64 MiB)", slower, lambda v: v <= TARGET_SLOWER, "{:+.1%}"),
+        row(
+            "simulator within 10 % of measured (every strategy, >= 64 MiB)",
+            sim,
+            lambda v: abs(v) <= TARGET_SIM_ERROR,
+            "{:+.1%}",
+            abs,
+        ),
         row("small tensors (64 KiB, auto) <= 3 TCP RTT + one Ray call", small, lambda v: v <= 1.0, "{:.2f}x"),
-    ]  # fmt: skip
+    ]
 
 
 def _ms(t) -> str:
@@ -331,8 +374,20 @@ def _ms(t) -> str:
 
 def tables(data: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     out = []
-    head = ["case", "size", "strategy", "plan", "measured ms", "spread", "simulated ms", "meas/sim", "bound ms",
-            "meas/bound", "meas/best", "bit-exact"]  # fmt: skip
+    head = [
+        "case",
+        "size",
+        "strategy",
+        "plan",
+        "measured ms",
+        "spread",
+        "simulated ms",
+        "meas/sim",
+        "bound ms",
+        "meas/bound",
+        "meas/best",
+        "bit-exact",
+    ]
     rows = []
     for e in data["results"]:
         if e["size_bytes"] <= SMALL:
@@ -340,35 +395,64 @@ def tables(data: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         for s, m in e["methods"].items():
             lat = m.get("latency_s", {})
             spread = f"±{(lat['max'] - lat['min']) / lat['median'] * 50:.0f}%" if lat.get("median") else "-"
-            rows.append([
-                e["case"], fmt_size(e["size_bytes"]), s, "= auto" if m.get("same_plan_as_auto") and s != "auto" else "",
-                "ERROR" if "error" in m else _ms(_med(m)), spread,
-                _ms(m["simulated_s"]), f"{m['x_simulated']:.2f}" if m.get("x_simulated") else "-",
-                _ms(m["bound_s"]), f"{m['x_bound']:.2f}" if m.get("x_bound") else "-",
-                f"{m['x_best']:.2f}" if m.get("x_best") else "-", "yes" if m.get("verified") else "NO",
-            ])  # fmt: skip
-    out.append(("Reshards between emulated hosts: measured (median) vs simulated vs fluid bound, probed cluster",
-                head, rows))  # fmt: skip
+            rows.append(
+                [
+                    e["case"],
+                    fmt_size(e["size_bytes"]),
+                    s,
+                    "= auto" if m.get("same_plan_as_auto") and s != "auto" else "",
+                    "ERROR" if "error" in m else _ms(_med(m)),
+                    spread,
+                    _ms(m["simulated_s"]),
+                    f"{m['x_simulated']:.2f}" if m.get("x_simulated") else "-",
+                    _ms(m["bound_s"]),
+                    f"{m['x_bound']:.2f}" if m.get("x_bound") else "-",
+                    f"{m['x_best']:.2f}" if m.get("x_best") else "-",
+                    "yes" if m.get("verified") else "NO",
+                ]
+            )
+    out.append(
+        ("Reshards between emulated hosts: measured (median) vs simulated vs fluid bound, probed cluster", head, rows)
+    )
     small = [e for e in data["results"] if e["size_bytes"] <= SMALL]
     if small:
         bound = data["small_bound_s"]
-        head = ["case", "strategy", "median ms", "p25-p75 ms", f"/ (3 RTT + call = {_ms(bound)} ms)",
-                "empty call to all 8 actors ms", "bit-exact"]  # fmt: skip
+        head = [
+            "case",
+            "strategy",
+            "median ms",
+            "p25-p75 ms",
+            f"/ (3 RTT + call = {_ms(bound)} ms)",
+            "empty call to all 8 actors ms",
+            "bit-exact",
+        ]
         rows = []
         for e in small:
             floor = e.get("empty_call_all_s", {}).get("median")
             for s, m in e["methods"].items():
                 lat = m.get("latency_s", {})
-                rows.append([
-                    e["case"], s, "ERROR" if "error" in m else _ms(lat.get("median")),
-                    f"{_ms(lat.get('p25'))}-{_ms(lat.get('p75'))}" if lat else "-",
-                    f"{m['x_small_bound']:.1f}x" if m.get("x_small_bound") else "-", _ms(floor),
-                    "yes" if m.get("verified") else "NO",
-                ])  # fmt: skip
+                rows.append(
+                    [
+                        e["case"],
+                        s,
+                        "ERROR" if "error" in m else _ms(lat.get("median")),
+                        f"{_ms(lat.get('p25'))}-{_ms(lat.get('p75'))}" if lat else "-",
+                        f"{m['x_small_bound']:.1f}x" if m.get("x_small_bound") else "-",
+                        _ms(floor),
+                        "yes" if m.get("verified") else "NO",
+                    ]
+                )
         out.append((f"Small tensors ({fmt_size(SMALL)}), cached plans", head, rows))
     head = ["target", "passed", "worst (case)", "met"]
-    rows = [[t["target"], f"{t['passed']}/{t['cases']}", f"{t['worst_str']} ({t['worst_case']})",
-             "yes" if t["met"] else "NO"] for t in data["targets"]]  # fmt: skip
+    rows = [
+        [
+            t["target"],
+            f"{t['passed']}/{t['cases']}",
+            f"{t['worst_str']} ({t['worst_case']})",
+            "yes" if t["met"] else "NO",
+        ]
+        for t in data["targets"]
+    ]
     out.append(("Targets", head, rows))
     return out
 
@@ -476,16 +560,28 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown strategies {unknown}; registered: {', '.join(STRATEGIES)}", file=sys.stderr)
         return 2
-    config = {"sizes": args.size_list, "cases": args.case_list, "strategies": strategies, "repeats": args.repeats,
-              "small_repeats": args.small_repeats, "probe_size": args.probe_size, "timeout": args.timeout,
-              "seed": args.seed}  # fmt: skip
+    config = {
+        "sizes": args.size_list,
+        "cases": args.case_list,
+        "strategies": strategies,
+        "repeats": args.repeats,
+        "small_repeats": args.small_repeats,
+        "probe_size": args.probe_size,
+        "timeout": args.timeout,
+        "seed": args.seed,
+    }
     when = _dt.datetime.now()
     t0 = time.time()
     hosts = 4
     top = max(args.size_list + [SMALL])
     store_mib = max(512, 2 * (top >> 20) + 256)
-    with emulate.EmulatedCluster(hosts, nic_gbit=args.nic_gbit, cpus_per_host=1, object_store_mib=store_mib,
-                                 progress=lambda msg: print(f"[emulate] {msg}", flush=True)) as cluster:  # fmt: skip
+    with emulate.EmulatedCluster(
+        hosts,
+        nic_gbit=args.nic_gbit,
+        cpus_per_host=1,
+        object_store_mib=store_mib,
+        progress=lambda msg: print(f"[emulate] {msg}", flush=True),
+    ) as cluster:
         raw = {
             "round_trip_us": cluster.round_trip_us(0, 1),
             "stream_GBps": cluster.stream_GBps(1, 0),
@@ -495,18 +591,27 @@ def main(argv: list[str] | None = None) -> int:
         out_file = cluster.run_dir / "driver-result.json"
         done = cluster.run(
             [sys.executable, "-m", "bench.multihost", "--driver", json.dumps(config), str(out_file)],
-            timeout_s=7200, capture_output=False,
-        )  # fmt: skip
+            timeout_s=7200,
+            capture_output=False,
+        )
         if done.returncode != 0:
             print(f"the driver failed ({done.returncode})", file=sys.stderr)
             return 1
         result = json.loads(out_file.read_text())
     data = {
-        "schema": SCHEMA, "suite": "multihost", "started": when.isoformat(timespec="seconds"),
-        "duration_s": time.time() - t0, "command": command_line("multihost", argv), "git": _git_rev(),
+        "schema": SCHEMA,
+        "suite": "multihost",
+        "started": when.isoformat(timespec="seconds"),
+        "duration_s": time.time() - t0,
+        "command": command_line("multihost", argv),
+        "git": _git_rev(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_end": list(os.getloadavg())},
-        "hosts": hosts, "nic_gbit": args.nic_gbit, "raw": raw, "config": config, **result,
-    }  # fmt: skip
+        "hosts": hosts,
+        "nic_gbit": args.nic_gbit,
+        "raw": raw,
+        "config": config,
+        **result,
+    }
     derive(data)
     data["targets"] = targets(data)
     path = Path(args.out) if args.out else RESULTS_DIR / f"multihost-{when.strftime('%Y%m%d-%H%M%S')}.json"

@@ -82,8 +82,9 @@ def drive(config: dict) -> dict:
     small_layout = Layout(b, (Replicate(), Replicate()))
     from reshard.runtime import runtime
 
-    cluster = runtime().planning_cluster("gloo", {**dict(zip(a.device_ids, a.host_ids, strict=True)),
-                                                  **dict(zip(b.device_ids, b.host_ids, strict=True))})  # fmt: skip
+    cluster = runtime().planning_cluster(
+        "gloo", {**dict(zip(a.device_ids, a.host_ids, strict=True)), **dict(zip(b.device_ids, b.host_ids, strict=True))}
+    )
     bound_tree = lowered_batch(tree, a, tp, bucket_bytes=config["bucket_bytes"]).lower_bound_s(cluster)
     bound_one = lowered_batch(one, a, one_layout).lower_bound_s(cluster)
 
@@ -135,15 +136,21 @@ def drive(config: dict) -> dict:
         ray.get([x.__ray_call__.remote(_compute, sync_s) for x in a.actors], timeout=timeout)
         work.wait()
         both = time.perf_counter() - t0
-        overlap.append({"compute_s": alone_c, "sync_s": alone_s, "both_s": both,
-                        "hidden": (alone_c + alone_s - both) / alone_s})  # fmt: skip
+        overlap.append(
+            {"compute_s": alone_c, "sync_s": alone_s, "both_s": both, "hidden": (alone_c + alone_s - both) / alone_s}
+        )
     for m in (a, b):
         m.shutdown()
     return {
         "links": {"nic_GBps": list(links.nic_GBps), "latency_us": links.latency_us},
-        "tensors": len(model.arrays), "model_bytes": model.size_bytes, "checks": checks, "stats": stats,
-        "bound_tree_s": bound_tree, "bound_one_s": bound_one, "overlap": overlap,
-    }  # fmt: skip
+        "tensors": len(model.arrays),
+        "model_bytes": model.size_bytes,
+        "checks": checks,
+        "stats": stats,
+        "bound_tree_s": bound_tree,
+        "bound_one_s": bound_one,
+        "overlap": overlap,
+    }
 
 
 def targets(data: dict) -> list[dict]:
@@ -165,20 +172,29 @@ def render(data: dict) -> None:
     from rich.table import Table
 
     s = data["stats"]
-    t = Table(title=f"Weight sync across emulated hosts: {data['tensors']} tensors, "
-              f"{data['model_bytes'] / 2**20:.1f} MiB, NICs {data['nic_gbit']:g} Gbit/s")  # fmt: skip
+    t = Table(
+        title=f"Weight sync across emulated hosts: {data['tensors']} tensors, "
+        f"{data['model_bytes'] / 2**20:.1f} MiB, NICs {data['nic_gbit']:g} Gbit/s"
+    )
     for col in ("method", "median ms", "p75 ms", "fluid bound ms", "x bound"):
         t.add_column(col, justify="left" if col == "method" else "right")
     bounds = {"tree": data["bound_tree_s"], "one": data["bound_one_s"]}
     for k, v in s.items():
         bound = bounds.get(k)
-        t.add_row(k, f"{v['median'] * 1e3:.1f}", f"{v['p75'] * 1e3:.1f}", "" if bound is None else f"{bound * 1e3:.1f}",
-                  "" if bound is None else f"{v['median'] / bound:.2f}")  # fmt: skip
+        t.add_row(
+            k,
+            f"{v['median'] * 1e3:.1f}",
+            f"{v['p75'] * 1e3:.1f}",
+            "" if bound is None else f"{bound * 1e3:.1f}",
+            "" if bound is None else f"{v['median'] / bound:.2f}",
+        )
     c = Console(width=120)
     c.print(t)
     for o in data["overlap"]:
-        c.print(f"overlap: compute {o['compute_s'] * 1e3:.0f} ms, sync {o['sync_s'] * 1e3:.0f} ms, both "
-                f"{o['both_s'] * 1e3:.0f} ms: {o['hidden']:.0%} of the sync hidden")  # fmt: skip
+        c.print(
+            f"overlap: compute {o['compute_s'] * 1e3:.0f} ms, sync {o['sync_s'] * 1e3:.0f} ms, both "
+            f"{o['both_s'] * 1e3:.0f} ms: {o['hidden']:.0%} of the sync hidden"
+        )
     for row in data["targets"]:
         c.print(f"{row['target']}: {row['value']} {'met' if row['met'] else 'NO'}")
 
@@ -209,23 +225,45 @@ def main(argv: list[str]) -> int:
     if not ok:
         print(f"python -m bench multihost --weights: cannot emulate hosts here: {why}", file=sys.stderr)
         return 2
-    config = {"layers": args.layers, "repeats": args.repeats, "small_repeats": args.small_repeats,
-              "overlap_repeats": args.overlap_repeats, "bucket_bytes": args.bucket_bytes,
-              "probe_size": args.probe_size, "timeout": args.timeout}  # fmt: skip
+    config = {
+        "layers": args.layers,
+        "repeats": args.repeats,
+        "small_repeats": args.small_repeats,
+        "overlap_repeats": args.overlap_repeats,
+        "bucket_bytes": args.bucket_bytes,
+        "probe_size": args.probe_size,
+        "timeout": args.timeout,
+    }
     when = _dt.datetime.now()
     t0 = time.time()
-    with emulate.EmulatedCluster(4, nic_gbit=args.nic_gbit, cpus_per_host=1, object_store_mib=512,
-                                 progress=lambda msg: print(f"[emulate] {msg}", flush=True)) as cluster:  # fmt: skip
+    with emulate.EmulatedCluster(
+        4,
+        nic_gbit=args.nic_gbit,
+        cpus_per_host=1,
+        object_store_mib=512,
+        progress=lambda msg: print(f"[emulate] {msg}", flush=True),
+    ) as cluster:
         out_file = cluster.run_dir / "driver-result.json"
-        done = cluster.run([sys.executable, "-m", "bench.multihost_weights", "--driver", json.dumps(config),
-                            str(out_file)], timeout_s=3600, capture_output=False)  # fmt: skip
+        done = cluster.run(
+            [sys.executable, "-m", "bench.multihost_weights", "--driver", json.dumps(config), str(out_file)],
+            timeout_s=3600,
+            capture_output=False,
+        )
         if done.returncode != 0:
             print(f"the driver failed ({done.returncode})", file=sys.stderr)
             return 1
         result = json.loads(out_file.read_text())
-    data = {"suite": "multihost-weights", "started": when.isoformat(timespec="seconds"), "duration_s": time.time() - t0,
-            "command": command_line("multihost --weights", argv), "git": _git_rev(),
-            "cpus": os.cpu_count(), "nic_gbit": args.nic_gbit, "config": config, **result}  # fmt: skip
+    data = {
+        "suite": "multihost-weights",
+        "started": when.isoformat(timespec="seconds"),
+        "duration_s": time.time() - t0,
+        "command": command_line("multihost --weights", argv),
+        "git": _git_rev(),
+        "cpus": os.cpu_count(),
+        "nic_gbit": args.nic_gbit,
+        "config": config,
+        **result,
+    }
     data["targets"] = targets(data)
     path = Path(args.out) if args.out else RESULTS_DIR / f"multihost-weights-{when.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

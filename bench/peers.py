@@ -147,8 +147,17 @@ def _actor_drop(actor, key: str) -> None:
 class ObjectStore:
     """The object store between the device actors ``actors`` (global device id -> handle)."""
 
-    def __init__(self, key: str, actors: dict, src_name: str, src_boxes: dict, dst_boxes: dict, pieces: dict,
-                 dtype: str, timeout_s: float):  # fmt: skip
+    def __init__(
+        self,
+        key: str,
+        actors: dict,
+        src_name: str,
+        src_boxes: dict,
+        dst_boxes: dict,
+        pieces: dict,
+        dtype: str,
+        timeout_s: float,
+    ):
         self.key, self.actors, self.name, self.dtype, self.timeout_s = key, actors, src_name, dtype, timeout_s
         self.dst_shapes = {d: box_shape(b) for d, b in dst_boxes.items()}
         self.sends: dict[int, list] = {}  # source -> its local boxes to put, in order
@@ -181,8 +190,13 @@ class ObjectStore:
         return dt
 
     def last(self) -> dict:
-        return dict(zip(self.plan, _get([self.actors[d].__ray_call__.remote(_actor_last, self.key)
-                                         for d in self.plan], self.timeout_s), strict=True))  # fmt: skip
+        return dict(
+            zip(
+                self.plan,
+                _get([self.actors[d].__ray_call__.remote(_actor_last, self.key) for d in self.plan], self.timeout_s),
+                strict=True,
+            )
+        )
 
     def release(self) -> None:
         _get([self.actors[d].__ray_call__.remote(_actor_drop, self.key) for d in self.plan], self.timeout_s)
@@ -287,8 +301,17 @@ class DirectTransport:
     """Ray Direct Transport between the RDT actors of pool positions (``position`` of each global
     device id), moving the same pieces as the object store."""
 
-    def __init__(self, key: str, pool: RdtPool, position: dict, source, src_boxes: dict, dst_boxes: dict,
-                 pieces: dict, timeout_s: float):  # fmt: skip
+    def __init__(
+        self,
+        key: str,
+        pool: RdtPool,
+        position: dict,
+        source,
+        src_boxes: dict,
+        dst_boxes: dict,
+        pieces: dict,
+        timeout_s: float,
+    ):
         self.key, self.timeout_s = key, timeout_s
         self.actor = {d: pool.actors[position[d]] for d in (*src_boxes, *dst_boxes)}
         self.dst_shapes = {d: box_shape(b) for d, b in dst_boxes.items()}
@@ -321,8 +344,9 @@ class DirectTransport:
         return time.perf_counter() - t0
 
     def last(self) -> dict:
-        return dict(zip(self.plan, _get([self.actor[d].last.remote(self.key) for d in self.plan], self.timeout_s),
-                        strict=True))  # fmt: skip
+        return dict(
+            zip(self.plan, _get([self.actor[d].last.remote(self.key) for d in self.plan], self.timeout_s), strict=True)
+        )
 
     def release(self) -> None:
         _get([self.actor[d].drop.remote(self.key) for d in self.plan], self.timeout_s)
@@ -340,8 +364,9 @@ def _dt_init(ctx, store_port: int, prefix: str, rank: int, world: int, timeout_s
     if dist.is_initialized():
         dist.destroy_process_group()
     store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def _dt_exit(ctx) -> None:
@@ -376,8 +401,14 @@ def _dt_load(ctx, key: str, name: str, mesh_shape, placements, shape) -> None:
     stride = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         stride[i] = stride[i + 1] * shape[i + 1]
-    dt = DTensor.from_local(ctx.local(name), mesh, _torch_placements(placements), shape=torch.Size(shape),
-                            stride=tuple(stride), run_check=False)  # fmt: skip
+    dt = DTensor.from_local(
+        ctx.local(name),
+        mesh,
+        _torch_placements(placements),
+        shape=torch.Size(shape),
+        stride=tuple(stride),
+        run_check=False,
+    )
     _STATE[key] = (dt, mesh)
 
 
@@ -413,8 +444,10 @@ class DTensorWorld:
         self.devices, self.call_each, self.timeout_s = list(devices), call_each, timeout_s
         prefix = f"bench-dtensor/{uuid.uuid4().hex}"
         world = len(self.devices)
-        self.call_each({d: (_dt_init, (store_port, prefix, r, world, timeout_s), {})
-                        for r, d in enumerate(self.devices)}, timeout_s)  # fmt: skip
+        self.call_each(
+            {d: (_dt_init, (store_port, prefix, r, world, timeout_s), {}) for r, d in enumerate(self.devices)},
+            timeout_s,
+        )
 
     def close(self) -> None:
         self.call_each({d: (_dt_exit, (), {}) for d in self.devices}, 30.0)
@@ -423,8 +456,7 @@ class DTensorWorld:
 class DTensorPeer:
     """``redistribute`` of the case's source DTensor to the destination placements (same mesh)."""
 
-    def __init__(self, key: str, world: DTensorWorld, src_name: str, mesh_shape, src_placements, dst_placements,
-                 shape):  # fmt: skip
+    def __init__(self, key: str, world: DTensorWorld, src_name: str, mesh_shape, src_placements, dst_placements, shape):
         self.key, self.world, self.dst_placements = key, world, tuple(dst_placements)
         self.in_actor: list[float] = []
         args = (key, src_name, tuple(mesh_shape), tuple(src_placements), tuple(shape))
@@ -432,8 +464,9 @@ class DTensorPeer:
 
     def run(self, keep: bool) -> float:
         t0 = time.perf_counter()
-        inner = self.world.call_each({d: (_dt_run, (self.key, self.dst_placements, keep), {})
-                                      for d in self.world.devices}, self.world.timeout_s)  # fmt: skip
+        inner = self.world.call_each(
+            {d: (_dt_run, (self.key, self.dst_placements, keep), {}) for d in self.world.devices}, self.world.timeout_s
+        )
         dt = time.perf_counter() - t0
         self.in_actor.append(max(inner.values()))
         return dt
@@ -673,13 +706,24 @@ class ObjectStoreTree(_TreePeer):
     def run(self) -> float:
         spec, dtype, shapes = self.spec, str(self.spec.arrays[0].dtype), self.spec.dst_shapes()
         t0 = time.perf_counter()
-        puts = {s: self.actors[s].__ray_call__.remote(_os_put_tree, list(spec.shards), tensors)
-                for s, tensors in self.tensors.items()}  # fmt: skip
+        puts = {
+            s: self.actors[s].__ray_call__.remote(_os_put_tree, list(spec.shards), tensors)
+            for s, tensors in self.tensors.items()
+        }
         done = [
-            self.actors[d].__ray_call__.remote(_os_assemble_tree, self.key, list(spec.shards), shapes[d], dtype, local,
-                                               remote, self.timeout_s, *(puts[s] for s in srcs))
+            self.actors[d].__ray_call__.remote(
+                _os_assemble_tree,
+                self.key,
+                list(spec.shards),
+                shapes[d],
+                dtype,
+                local,
+                remote,
+                self.timeout_s,
+                *(puts[s] for s in srcs),
+            )
             for d, (srcs, local, remote) in self.plans.items()
-        ]  # fmt: skip
+        ]
         _get(done, self.timeout_s)
         return time.perf_counter() - t0
 
@@ -763,14 +807,29 @@ class NaiveRefit(_TreePeer):
             for d in members:
                 own, recvs = (src[root], [(rank[s], b) for s, b in gather]) if d == root else (None, [])
                 self.steps[d].append((shard, a.shape, str(a.dtype), own, recvs, d in senders, d in bcast, dst.get(d)))
-        _get([self.actors[d].__ray_call__.remote(_naive_join, key, store_port, rank[d], len(members),
-                                                 bcast.index(d) if d in bcast else None, len(bcast), self.timeout_s)
-              for d in members], self.timeout_s)  # fmt: skip
+        _get(
+            [
+                self.actors[d].__ray_call__.remote(
+                    _naive_join,
+                    key,
+                    store_port,
+                    rank[d],
+                    len(members),
+                    bcast.index(d) if d in bcast else None,
+                    len(bcast),
+                    self.timeout_s,
+                )
+                for d in members
+            ],
+            self.timeout_s,
+        )
 
     def run(self) -> float:
         t0 = time.perf_counter()
-        _get([self.actors[d].__ray_call__.remote(_naive_run, self.key, steps) for d, steps in self.steps.items()],
-             self.timeout_s)  # fmt: skip
+        _get(
+            [self.actors[d].__ray_call__.remote(_naive_run, self.key, steps) for d, steps in self.steps.items()],
+            self.timeout_s,
+        )
         return time.perf_counter() - t0
 
     def moved_bytes(self) -> int:
@@ -825,9 +884,15 @@ class DirectTransportTree(_TreePeer):
     def __init__(self, key: str, spec: TreeSpec, actors: dict):
         super().__init__(key, spec, actors)
         self.pairs, self.plans = spec.route()
-        _get([actors[s].load_tree.remote(key, [a[_slices(b[s])] for a, b in zip(spec.arrays, spec.src_boxes,
-                                                                                  strict=True)])
-              for s in spec.src_devices], self.timeout_s)  # fmt: skip
+        _get(
+            [
+                actors[s].load_tree.remote(
+                    key, [a[_slices(b[s])] for a, b in zip(spec.arrays, spec.src_boxes, strict=True)]
+                )
+                for s in spec.src_devices
+            ],
+            self.timeout_s,
+        )
 
     def run(self) -> float:
         dtype, shapes = str(self.spec.arrays[0].dtype), self.spec.dst_shapes()

@@ -103,8 +103,9 @@ def _synthetic_stage_fns(forward_s: float, backward_s: float, n_stages: int, sha
     return setup, forward, backward
 
 
-def _make_pipeline(meshes, forward_s: float, backward_s: float, rows: int, timeout_s: float, *,
-                   shared_memory: bool = False):  # fmt: skip
+def _make_pipeline(
+    meshes, forward_s: float, backward_s: float, rows: int, timeout_s: float, *, shared_memory: bool = False
+):
     from reshard import Layout, Replicate
     from scheduler.runtime import Pipeline, Stage
 
@@ -125,7 +126,7 @@ def _make_pipeline(meshes, forward_s: float, backward_s: float, rows: int, timeo
                 out_shape=None if i == n - 1 else shape,
                 out_layout=None if i == n - 1 else layout,
                 name=f"stage{i}",
-            )  # fmt: skip
+            )
         )
     return Pipeline(stages, timeout_s=timeout_s, shared_memory=shared_memory)
 
@@ -240,17 +241,21 @@ def run_real(args, console) -> dict:
         # use are taken inside one group, so machine load that drifts over seconds cancels out
         groups = []
         for name, make in SCHEDULES.items():
-            groups.append([
-                (f"{name} compute-only", tiny, make(n, m), True),
-                (f"{name} overlap", comm, make(n, m), True),
-                (f"{name} no overlap", comm, make(n, m), False),
-            ])  # fmt: skip
-        groups.append([
-            (f"{LANES}gloo, overlap", comm, eager_one_f_one_b(n, m), True),
-            (f"{LANES}pulls, overlap", pulled, eager_one_f_one_b(n, m), True),
-            (f"{LANES}gloo, no overlap", comm, eager_one_f_one_b(n, m), False),
-            (f"{LANES}pulls, no overlap", pulled, eager_one_f_one_b(n, m), False),
-        ])  # fmt: skip
+            groups.append(
+                [
+                    (f"{name} compute-only", tiny, make(n, m), True),
+                    (f"{name} overlap", comm, make(n, m), True),
+                    (f"{name} no overlap", comm, make(n, m), False),
+                ]
+            )
+        groups.append(
+            [
+                (f"{LANES}gloo, overlap", comm, eager_one_f_one_b(n, m), True),
+                (f"{LANES}pulls, overlap", pulled, eager_one_f_one_b(n, m), True),
+                (f"{LANES}gloo, no overlap", comm, eager_one_f_one_b(n, m), False),
+                (f"{LANES}pulls, no overlap", pulled, eager_one_f_one_b(n, m), False),
+            ]
+        )
         configs = [c for g in groups for c in g]
         runs: dict[str, list] = {label: [] for label, *_ in configs}
         results: dict[str, list] = {label: [] for label, *_ in configs}
@@ -319,7 +324,7 @@ def run_real(args, console) -> dict:
             "payload_bytes": comm_rows * ROW_BYTES,
             "compute": "time.sleep",
             "pull_lanes": sorted(pulled.pull_lanes),
-        },  # fmt: skip
+        },
         "calibration": calibration,
         "runs": runs,
         "summary": summary,
@@ -338,46 +343,59 @@ def real_targets(summary: dict, runs: dict, n: int, m: int) -> list[dict]:
     out = []
     ratios = paired_ratios(runs, "eager-1F1B overlap", "eager-1F1B compute-only")
     ratio = statistics.median(ratios)
-    out.append({
-        "target": f"real {n}x{m}: eager 1F1B with overlap <= {REAL_EAGER_VS_COMPUTE_ONLY:.2f} x compute-only "
-                  f"(median of per-round ratios)",
-        "value": f"{ratio:.3f} x (rounds {', '.join(f'{x:.3f}' for x in ratios)})",
-        "ok": ratio <= REAL_EAGER_VS_COMPUTE_ONLY,
-    })  # fmt: skip
+    out.append(
+        {
+            "target": f"real {n}x{m}: eager 1F1B with overlap <= {REAL_EAGER_VS_COMPUTE_ONLY:.2f} x compute-only "
+            f"(median of per-round ratios)",
+            "value": f"{ratio:.3f} x (rounds {', '.join(f'{x:.3f}' for x in ratios)})",
+            "ok": ratio <= REAL_EAGER_VS_COMPUTE_ONLY,
+        }
+    )
     slower = paired_ratios(runs, "eager-1F1B no overlap", "eager-1F1B overlap")
     wins = sum(x > 1 for x in slower) / len(slower)
-    out.append({
-        "target": f"real {n}x{m}: eager 1F1B without overlap measurably slower (median per-round ratio "
-                  f">= {REAL_NO_OVERLAP_SLOWER:.2f}, slower in >= 80 % of rounds)",
-        "value": f"{statistics.median(slower):.3f} x, slower in {wins:.0%} of rounds",
-        "ok": statistics.median(slower) >= REAL_NO_OVERLAP_SLOWER and wins >= 0.8,
-    })  # fmt: skip
+    out.append(
+        {
+            "target": f"real {n}x{m}: eager 1F1B without overlap measurably slower (median per-round ratio "
+            f">= {REAL_NO_OVERLAP_SLOWER:.2f}, slower in >= 80 % of rounds)",
+            "value": f"{statistics.median(slower):.3f} x, slower in {wins:.0%} of rounds",
+            "ok": statistics.median(slower) >= REAL_NO_OVERLAP_SLOWER and wins >= 0.8,
+        }
+    )
     comm = {k: v for k, v in summary.items() if "compute-only" not in k and not k.startswith(LANES)}
     worst_label, worst = max(comm.items(), key=lambda kv: abs(kv[1]["median_prediction_error"]))
-    out.append({
-        "target": f"real: simulator predicts the iteration time within {REAL_PREDICTION_ERROR:.0%} (every config)",
-        "value": f"worst median error {worst['median_prediction_error']:+.1%} ({worst_label})",
-        "ok": all(abs(v["median_prediction_error"]) <= REAL_PREDICTION_ERROR for v in comm.values()),
-    })  # fmt: skip
-    out.append({
-        "target": "real: measured peak held activations per stage == schedule's analytic counts",
-        "value": "; ".join(f"{k.split()[0]} {v['peak_activations']}" for k, v in summary.items()
-                           if k.endswith(" overlap") and "no" not in k and not k.startswith(LANES)),
-        "ok": all(v["peaks_match"] for v in summary.values()),
-    })  # fmt: skip
+    out.append(
+        {
+            "target": f"real: simulator predicts the iteration time within {REAL_PREDICTION_ERROR:.0%} (every config)",
+            "value": f"worst median error {worst['median_prediction_error']:+.1%} ({worst_label})",
+            "ok": all(abs(v["median_prediction_error"]) <= REAL_PREDICTION_ERROR for v in comm.values()),
+        }
+    )
+    out.append(
+        {
+            "target": "real: measured peak held activations per stage == schedule's analytic counts",
+            "value": "; ".join(
+                f"{k.split()[0]} {v['peak_activations']}"
+                for k, v in summary.items()
+                if k.endswith(" overlap") and "no" not in k and not k.startswith(LANES)
+            ),
+            "ok": all(v["peaks_match"] for v in summary.values()),
+        }
+    )
     # without overlap every transfer is on the critical path: pull lanes must be faster; with
     # overlap both hide their transfers behind compute: the same within the bench's 3 % noise bar
     for mode, bound in (("no overlap", 1.0), ("overlap", REAL_NO_OVERLAP_SLOWER)):
         ratios = paired_ratios(runs, f"{LANES}pulls, {mode}", f"{LANES}gloo, {mode}")
         pulled, sent = summary[f"{LANES}pulls, {mode}"], summary[f"{LANES}gloo, {mode}"]
-        out.append({
-            "target": f"real {n}x{m}: eager 1F1B {mode}, pull lanes vs gloo lanes on one machine: iteration "
-                      f"(median of per-round ratios) < {bound:.2f} x",
-            "value": f"{statistics.median(ratios):.3f} x (rounds {', '.join(f'{x:.3f}' for x in ratios)}); forward "
-                     f"payload on its way {_ms(pulled['mean_forward_arrival_s'])} vs "
-                     f"{_ms(sent['mean_forward_arrival_s'])} ms",
-            "ok": statistics.median(ratios) < bound,
-        })  # fmt: skip
+        out.append(
+            {
+                "target": f"real {n}x{m}: eager 1F1B {mode}, pull lanes vs gloo lanes on one machine: iteration "
+                f"(median of per-round ratios) < {bound:.2f} x",
+                "value": f"{statistics.median(ratios):.3f} x (rounds {', '.join(f'{x:.3f}' for x in ratios)}); forward "
+                f"payload on its way {_ms(pulled['mean_forward_arrival_s'])} vs "
+                f"{_ms(sent['mean_forward_arrival_s'])} ms",
+                "ok": statistics.median(ratios) < bound,
+            }
+        )
     return out
 
 
@@ -392,14 +410,26 @@ V100_FP16_FLOPS = 125e12
 MFU = 0.40
 MODELS = {
     "GPT-like": {
-        "stages": 4, "microbatches": 8, "layers": 32, "hidden": 2560, "seq": 1024, "batch": 4,
-        "skips": [], "skip_width": 1,
+        "stages": 4,
+        "microbatches": 8,
+        "layers": 32,
+        "hidden": 2560,
+        "seq": 1024,
+        "batch": 4,
+        "skips": [],
+        "skip_width": 1,
     },
     "U-Transformer-like": {
-        "stages": 6, "microbatches": 12, "layers": 24, "hidden": 2048, "seq": 1024, "batch": 4,
-        "skips": [(0, 5), (1, 4)], "skip_width": 2,  # encoder features concatenated into the decoder
+        "stages": 6,
+        "microbatches": 12,
+        "layers": 24,
+        "hidden": 2048,
+        "seq": 1024,
+        "batch": 4,
+        "skips": [(0, 5), (1, 4)],
+        "skip_width": 2,  # encoder features concatenated into the decoder
     },
-}  # fmt: skip
+}
 
 
 def _layer_flops(b: int, s: int, h: int) -> float:
@@ -446,16 +476,29 @@ def run_sim(args, console) -> dict:
 
     n, m = args.stages, args.microbatches
     unit = _sim_table(n, m, 1.0, args.backward_ratio, transfer_s=args.transfer_ratio)
-    out = {"unit": {"stages": n, "microbatches": m, "forward_s": 1.0, "backward_s": args.backward_ratio,
-                    "transfer_s": args.transfer_ratio, "results": _sim_json(unit)}}  # fmt: skip
+    out = {
+        "unit": {
+            "stages": n,
+            "microbatches": m,
+            "forward_s": 1.0,
+            "backward_s": args.backward_ratio,
+            "transfer_s": args.transfer_ratio,
+            "results": _sim_json(unit),
+        }
+    }
     eager, ofob, free = (unit["eager-1F1B"]["overlap"], unit["1F1B"]["overlap"], unit["eager-1F1B"]["no_comm"])
     out["targets"] = [
-        {"target": f"sim {n}x{m}, transfer = {args.transfer_ratio:g} forward: eager 1F1B <= 1F1B",
-         "value": f"{eager.iteration_s:.2f} vs {ofob.iteration_s:.2f}", "ok": eager.iteration_s <= ofob.iteration_s},
-        {"target": f"sim {n}x{m}: eager 1F1B <= {SIM_EAGER_VS_NO_COMM:.2f} x no-communication iteration",
-         "value": f"{eager.iteration_s / free.iteration_s:.3f} x",
-         "ok": eager.iteration_s <= SIM_EAGER_VS_NO_COMM * free.iteration_s},
-    ]  # fmt: skip
+        {
+            "target": f"sim {n}x{m}, transfer = {args.transfer_ratio:g} forward: eager 1F1B <= 1F1B",
+            "value": f"{eager.iteration_s:.2f} vs {ofob.iteration_s:.2f}",
+            "ok": eager.iteration_s <= ofob.iteration_s,
+        },
+        {
+            "target": f"sim {n}x{m}: eager 1F1B <= {SIM_EAGER_VS_NO_COMM:.2f} x no-communication iteration",
+            "value": f"{eager.iteration_s / free.iteration_s:.3f} x",
+            "ok": eager.iteration_s <= SIM_EAGER_VS_NO_COMM * free.iteration_s,
+        },
+    ]
     out["cluster"] = args.cluster
     out["models"] = {}
     out["_tables"] = {"unit": unit}
@@ -464,9 +507,13 @@ def run_sim(args, console) -> dict:
         d = model_durations(cfg, cluster)
         costs = d["costs"]
         table = _sim_table(
-            cfg["stages"], cfg["microbatches"], d["forward_s"], d["backward_s"], skips=cfg["skips"],
+            cfg["stages"],
+            cfg["microbatches"],
+            d["forward_s"],
+            d["backward_s"],
+            skips=cfg["skips"],
             **costs.simulate_kwargs(),
-        )  # fmt: skip
+        )
         out["_tables"][name] = table
         out["models"][name] = {
             "config": cfg,
@@ -486,7 +533,7 @@ def _sim_json(table: dict) -> dict:
                 "iteration_s": r.iteration_s,
                 "bubble_fraction": r.bubble_fraction,
                 "peak_activations": list(r.peak_activations),
-            }  # fmt: skip
+            }
             for k, r in row.items()
         }
         for name, row in table.items()
@@ -494,6 +541,11 @@ def _sim_json(table: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ output
+
+
+def _skip_costs(costs: dict) -> str:
+    """ ", skips a 1.2, b 3.4 ms" for a model's skip connections' transfer costs ("" for none)."""
+    return f", skips {', '.join(f'{k} {_ms(x)}' for k, x in costs.items())} ms" if costs else ""
 
 
 def _ms(t: float) -> str:
@@ -511,9 +563,18 @@ def print_real(real: dict, console) -> None:
         f"{cfg['payload_bytes'] / 2**20:.1f} MiB (eager overlap: forward transfer = {ratio:.2f} forward step, median), "
         f"median of {cfg['repeats']} rounds",
     )
-    for col in ("config", "iteration ms", "range ms", "vs compute-only (lanes: vs gloo), paired", "predicted ms",
-                "pred. error",
-                "fwd xfer ms", "bwd xfer ms", "fwd arrival ms", "peak act. (measured = analytic)"):  # fmt: skip
+    for col in (
+        "config",
+        "iteration ms",
+        "range ms",
+        "vs compute-only (lanes: vs gloo), paired",
+        "predicted ms",
+        "pred. error",
+        "fwd xfer ms",
+        "bwd xfer ms",
+        "fwd arrival ms",
+        "peak act. (measured = analytic)",
+    ):
         t.add_column(col, justify="left" if col.startswith(("config", "peak")) else "right")
     s = real["summary"]
     for label, v in s.items():
@@ -524,11 +585,17 @@ def print_real(real: dict, console) -> None:
         )
         paired = statistics.median(paired_ratios(real["runs"], label, base))
         t.add_row(
-            label, _ms(v["median_s"]), f"{_ms(v['min_s'])}-{_ms(v['max_s'])}", f"{paired:.3f}",
-            _ms(v["median_predicted_s"]), f"{v['median_prediction_error']:+.1%}",
-            _ms(v["mean_transfer_s"]), _ms(v["mean_backward_transfer_s"]), _ms(v["mean_forward_arrival_s"]),
+            label,
+            _ms(v["median_s"]),
+            f"{_ms(v['min_s'])}-{_ms(v['max_s'])}",
+            f"{paired:.3f}",
+            _ms(v["median_predicted_s"]),
+            f"{v['median_prediction_error']:+.1%}",
+            _ms(v["mean_transfer_s"]),
+            _ms(v["mean_backward_transfer_s"]),
+            _ms(v["mean_forward_arrival_s"]),
             f"{v['peak_activations']} {'==' if v['peaks_match'] else '!='} {v['analytic_peak_activations']}",
-        )  # fmt: skip
+        )
     console.print(t)
 
 
@@ -537,30 +604,50 @@ def print_sim(sim: dict, console) -> None:
 
     u = sim["unit"]
     for title, table, extra in [
-        (f"SIMULATED, units of one forward step: {u['stages']} stages x {u['microbatches']} microbatches, "
-         f"backward {u['backward_s']:g}, transfer {u['transfer_s']:g}", sim["_tables"]["unit"], None),
-        *[(f"SIMULATED {name} on {sim['cluster']} ({m['config']['stages']} stages x "
-           f"{m['config']['microbatches']} microbatches, skips {m['config']['skips'] or 'none'}): forward "
-           f"{m['forward_s'] * 1e3:.1f} ms, backward {m['backward_s'] * 1e3:.1f} ms, transfers "
-           f"{', '.join(_ms(x) for x in m['transfer_costs']['transfer_s'])} ms"
-           + (f", skips {', '.join(k + ' ' + _ms(x) for k, x in m['transfer_costs']['skip_transfer_s'].items())} ms"
-              if m["transfer_costs"]["skip_transfer_s"] else "")
-           + " (plan.simulate)", sim["_tables"][name], name)
-          for name, m in sim["models"].items()],
-    ]:  # fmt: skip
+        (
+            f"SIMULATED, units of one forward step: {u['stages']} stages x {u['microbatches']} microbatches, "
+            f"backward {u['backward_s']:g}, transfer {u['transfer_s']:g}",
+            sim["_tables"]["unit"],
+            None,
+        ),
+        *[
+            (
+                f"SIMULATED {name} on {sim['cluster']} ({m['config']['stages']} stages x "
+                f"{m['config']['microbatches']} microbatches, skips {m['config']['skips'] or 'none'}): forward "
+                f"{m['forward_s'] * 1e3:.1f} ms, backward {m['backward_s'] * 1e3:.1f} ms, transfers "
+                f"{', '.join(_ms(x) for x in m['transfer_costs']['transfer_s'])} ms"
+                + _skip_costs(m["transfer_costs"]["skip_transfer_s"])
+                + " (plan.simulate)",
+                sim["_tables"][name],
+                name,
+            )
+            for name, m in sim["models"].items()
+        ],
+    ]:
         scale = 1.0 if extra is None else 1e3
         unit = "" if extra is None else " ms"
         t = Table(title=title)
-        for col in ("schedule", f"overlap{unit}", f"no overlap{unit}", f"no comm{unit}", "overlap / no comm",
-                    "bubble (overlap)", "peak activations"):  # fmt: skip
+        for col in (
+            "schedule",
+            f"overlap{unit}",
+            f"no overlap{unit}",
+            f"no comm{unit}",
+            "overlap / no comm",
+            "bubble (overlap)",
+            "peak activations",
+        ):
             t.add_column(col, justify="left" if col in ("schedule", "peak activations") else "right")
         for name, row in table.items():
             o, no, free = row["overlap"], row["no_overlap"], row["no_comm"]
             t.add_row(
-                name, f"{o.iteration_s * scale:.2f}", f"{no.iteration_s * scale:.2f}",
-                f"{free.iteration_s * scale:.2f}", f"{o.iteration_s / free.iteration_s:.3f}",
-                f"{o.bubble_fraction:.1%}", str(list(o.peak_activations)),
-            )  # fmt: skip
+                name,
+                f"{o.iteration_s * scale:.2f}",
+                f"{no.iteration_s * scale:.2f}",
+                f"{free.iteration_s * scale:.2f}",
+                f"{o.iteration_s / free.iteration_s:.3f}",
+                f"{o.bubble_fraction:.1%}",
+                str(list(o.peak_activations)),
+            )
         console.print(t)
 
 
@@ -590,8 +677,9 @@ def _draw(ax, events, n_stages: int, title: str, xmax: float) -> None:
         if kind in ("forward", "backward"):
             ax.barh(y + 0.17, end - start, left=start, height=0.46, color=COLORS[kind], edgecolor="white", lw=0.6)
             if end - start > xmax / 80:
-                ax.text((start + end) / 2, y + 0.17, label.lstrip("FB"), ha="center", va="center",
-                        fontsize=6, color="white")  # fmt: skip
+                ax.text(
+                    (start + end) / 2, y + 0.17, label.lstrip("FB"), ha="center", va="center", fontsize=6, color="white"
+                )
             continue
         if kind == "recv":  # the send rows show the transfer; a receive also counts its waiting
             continue
@@ -600,8 +688,16 @@ def _draw(ax, events, n_stages: int, title: str, xmax: float) -> None:
         phase = "B" if "B" in head else "F"
         skip = peer.isdigit() and abs(int(peer) - stage) > 1
         row = y - 0.16 if phase == "F" else y - 0.34
-        ax.barh(row, end - start, left=start, height=0.15, color=COLORS["send_" + phase], edgecolor="white",
-                lw=0.4, hatch="////" if skip else None)  # fmt: skip
+        ax.barh(
+            row,
+            end - start,
+            left=start,
+            height=0.15,
+            color=COLORS["send_" + phase],
+            edgecolor="white",
+            lw=0.4,
+            hatch="////" if skip else None,
+        )
     ax.set_yticks(range(n_stages))
     ax.set_yticklabels([f"stage {n_stages - 1 - i}" for i in range(n_stages)], fontsize=8)
     ax.set_ylim(-0.55, n_stages - 0.45)
@@ -617,8 +713,13 @@ def real_panels(real: dict) -> list:
         tl = real["timelines"][label]
         panels.append((tl["measured"], n, f"REAL {label}: measured {tl['iteration_s'] * 1e3:.0f} ms (median run)"))
     tl = real["timelines"]["eager-1F1B overlap"]
-    panels.append((tl["predicted"], n, "SIMULATED eager-1F1B overlap from that run's measured durations: "
-                   f"{tl['predicted_s'] * 1e3:.0f} ms"))  # fmt: skip
+    panels.append(
+        (
+            tl["predicted"],
+            n,
+            f"SIMULATED eager-1F1B overlap from that run's measured durations: {tl['predicted_s'] * 1e3:.0f} ms",
+        )
+    )
     return panels
 
 
@@ -629,8 +730,13 @@ def sim_panels(sim: dict) -> list:
         for sched in ("1F1B", "eager-1F1B"):
             r = table[sched]["overlap"]
             events = [[s, e.kind.value, e.label, e.start_s, e.end_s] for s, row in enumerate(r.events) for e in row]
-            panels.append((events, len(r.events), f"SIMULATED {name} on {sim['cluster']}, {sched} with overlap: "
-                           f"{r.iteration_s * 1e3:.0f} ms"))  # fmt: skip
+            panels.append(
+                (
+                    events,
+                    len(r.events),
+                    f"SIMULATED {name} on {sim['cluster']}, {sched} with overlap: {r.iteration_s * 1e3:.0f} ms",
+                )
+            )
     return panels
 
 

@@ -114,8 +114,10 @@ def main(argv: list[str]) -> int:
         ray.shutdown()
     for path, steps in result.items():
         for step, sides in steps.items():
-            print(f"{path:8} {step}: {len(sides['all'])} files ({len(sides['driver'])} on the driver, "
-                  f"{len(sides['devices'])} on the devices)")  # fmt: skip
+            print(
+                f"{path:8} {step}: {len(sides['all'])} files ({len(sides['driver'])} on the driver, "
+                f"{len(sides['devices'])} on the devices)"
+            )
             runtime = [f for f in sides["all"] if f.startswith(os.path.join("reshard", "runtime"))]
             print(f"  {len(runtime)} of them in reshard/runtime: {' '.join(runtime)}")
             print(f"  the others: {' '.join(f for f in sides['all'] if f not in runtime)}")

@@ -37,10 +37,19 @@ from bench.methods import (
 )
 
 LABELS = {
-    OURS: "ours", OURS_GLOO: "ours gloo", OURS_POOLED: "ours pooled", OURS_GLOO_POOLED: "ours gloo pooled",
-    OBJECT_STORE: "object store", "rdt": "RDT", "dtensor": "DTensor", NAIVE: "naive", MEMCPY: "memcpy",
-    CEILING: "raw gloo", CEILING_FRESH: "raw gloo fresh", RTT: "empty RTT",
-}  # fmt: skip
+    OURS: "ours",
+    OURS_GLOO: "ours gloo",
+    OURS_POOLED: "ours pooled",
+    OURS_GLOO_POOLED: "ours gloo pooled",
+    OBJECT_STORE: "object store",
+    "rdt": "RDT",
+    "dtensor": "DTensor",
+    NAIVE: "naive",
+    MEMCPY: "memcpy",
+    CEILING: "raw gloo",
+    CEILING_FRESH: "raw gloo fresh",
+    RTT: "empty RTT",
+}
 BIG = 64 << 20  # the gloo path's bandwidth target applies from here up
 SMALL = 64 << 10  # the latency target applies up to here
 TARGET_GLOO_FRAC = 0.85
@@ -138,10 +147,19 @@ def path_rows(data: dict, kept: str, pooled: str) -> tuple[list[str], list[list[
     """One path of ours against its ceiling and each peer, outputs kept; pooled mode beside it."""
     peers = _peers(data)
     ceiling = next((e["methods"][kept]["ceiling"] for e in data["results"] if kept in e["methods"]), MEMCPY)
-    fresh = next((e["methods"][kept]["fresh_ceiling"] for e in data["results"]
-                  if "fresh_ceiling" in e["methods"].get(kept, {})), None)  # fmt: skip
-    head = ["case", "size", f"% of {_label(ceiling)}", *([f"% of {_label(fresh)}"] if fresh else []),
-            *(f"x {_label(p)}" for p in peers), f"pooled % of {_label(ceiling)}", "pooled x fastest peer"]  # fmt: skip
+    fresh = next(
+        (e["methods"][kept]["fresh_ceiling"] for e in data["results"] if "fresh_ceiling" in e["methods"].get(kept, {})),
+        None,
+    )
+    head = [
+        "case",
+        "size",
+        f"% of {_label(ceiling)}",
+        *([f"% of {_label(fresh)}"] if fresh else []),
+        *(f"x {_label(p)}" for p in peers),
+        f"pooled % of {_label(ceiling)}",
+        "pooled x fastest peer",
+    ]
     rows = []
     for e in data["results"]:
         m, mp = e["methods"].get(kept, {}), e["methods"].get(pooled, {})
@@ -176,8 +194,11 @@ def startup_rows(data: dict) -> tuple[list[str], list[list[str]]]:
     s = data.get("startup")
     if not s:
         return [], []
-    head = [f"DeviceMesh.create({tuple(s['mesh_shape'])}) s", f"{s['bare_actors']} bare numpy actors s",
-            "ratio of the fastest"]  # fmt: skip
+    head = [
+        f"DeviceMesh.create({tuple(s['mesh_shape'])}) s",
+        f"{s['bare_actors']} bare numpy actors s",
+        "ratio of the fastest",
+    ]
     mesh, bare = (", ".join(f"{v:.2f}" for v in s[k]) for k in ("mesh_create_s", "bare_s"))
     return head, [[mesh, bare, _x(s["ratio"])]]
 
@@ -221,27 +242,55 @@ def targets(data: dict) -> list[dict]:
     peers = _peers(data)
     in_scope = [(e, p) for e in res for p in peers if p in e["methods"] and "skipped" not in e["methods"][p]]
     out = [
-        _target("default path faster than every peer", OURS,
-                [(where(e, p), ratio(e, OURS, "x_faster_than", p)) for e, p in in_scope], lambda v: v > 1, faster),
-        _target(f"gloo path >= {TARGET_GLOO_FRAC:.0%} of raw gloo (>= {fmt_size(BIG)})", OURS_GLOO,
-                [(where(e), ratio(e, OURS_GLOO, "frac_of_ceiling")) for e in res if e["size_bytes"] >= BIG],
-                lambda v: v >= TARGET_GLOO_FRAC, lambda v: f"{v:.0%}"),
-        _target("gloo path faster than the object store", OURS_GLOO,
-                [(where(e), ratio(e, OURS_GLOO, "x_faster_than", OBJECT_STORE))
-                 for e in res if OBJECT_STORE in e["methods"]], lambda v: v > 1, faster),
-    ]  # fmt: skip
+        _target(
+            "default path faster than every peer",
+            OURS,
+            [(where(e, p), ratio(e, OURS, "x_faster_than", p)) for e, p in in_scope],
+            lambda v: v > 1,
+            faster,
+        ),
+        _target(
+            f"gloo path >= {TARGET_GLOO_FRAC:.0%} of raw gloo (>= {fmt_size(BIG)})",
+            OURS_GLOO,
+            [(where(e), ratio(e, OURS_GLOO, "frac_of_ceiling")) for e in res if e["size_bytes"] >= BIG],
+            lambda v: v >= TARGET_GLOO_FRAC,
+            lambda v: f"{v:.0%}",
+        ),
+        _target(
+            "gloo path faster than the object store",
+            OURS_GLOO,
+            [
+                (where(e), ratio(e, OURS_GLOO, "x_faster_than", OBJECT_STORE))
+                for e in res
+                if OBJECT_STORE in e["methods"]
+            ],
+            lambda v: v > 1,
+            faster,
+        ),
+    ]
     for method in (OURS, OURS_GLOO):
         out.append(
-            _target(f"<= {fmt_size(SMALL)}, cached plan: <= {TARGET_SMALL_X_RTT}x an empty Ray call", method,
-                    [(where(e), ratio(e, method, "x_empty_rtt")) for e in res if e["size_bytes"] <= SMALL],
-                    lambda v: v <= TARGET_SMALL_X_RTT, faster, worst_is_max=True)
-        )  # fmt: skip
+            _target(
+                f"<= {fmt_size(SMALL)}, cached plan: <= {TARGET_SMALL_X_RTT}x an empty Ray call",
+                method,
+                [(where(e), ratio(e, method, "x_empty_rtt")) for e in res if e["size_bytes"] <= SMALL],
+                lambda v: v <= TARGET_SMALL_X_RTT,
+                faster,
+                worst_is_max=True,
+            )
+        )
     s = data.get("startup")
     label = f"DeviceMesh.create({tuple(s['mesh_shape'])})" if s else "DeviceMesh.create"
     out.append(
-        _target(f"mesh start-up <= {TARGET_STARTUP_X:g}x bare numpy actors", "start-up",
-                [(label, s["ratio"])] if s else [], lambda v: v <= TARGET_STARTUP_X, faster, worst_is_max=True)
-    )  # fmt: skip
+        _target(
+            f"mesh start-up <= {TARGET_STARTUP_X:g}x bare numpy actors",
+            "start-up",
+            [(label, s["ratio"])] if s else [],
+            lambda v: v <= TARGET_STARTUP_X,
+            faster,
+            worst_is_max=True,
+        )
+    )
     return out
 
 
@@ -252,22 +301,41 @@ def target_rows(data: dict) -> tuple[list[str], list[list[str]]]:
         if not t["in_run"]:
             rows.append([t["target"], _label(t["method"]), "-", "-", "-", "not in this run"])
             continue
-        rows.append([t["target"], _label(t["method"]), f"{t['passed']}/{t['cases']}", t["median_str"],
-                     f"{t['worst_str']} ({t['worst_case']})", "yes" if t["met"] else "NO"])  # fmt: skip
+        rows.append(
+            [
+                t["target"],
+                _label(t["method"]),
+                f"{t['passed']}/{t['cases']}",
+                t["median_str"],
+                f"{t['worst_str']} ({t['worst_case']})",
+                "yes" if t["met"] else "NO",
+            ]
+        )
     return head, rows
 
 
 def _tables(data: dict):
     out = [
-        ("Latency: median ms ± half the min-max range (% of the median); outputs kept alive unless 'pooled'",
-         *latency_rows(data)),
-        ("Default path (pulls through shared memory), outputs kept: % of the memcpy ceiling, x faster than each "
-         "peer; pooled mode beside it", *path_rows(data, OURS, OURS_POOLED)),
-        ("Gloo path (shared_memory=False), outputs kept: % of the raw gloo ceiling (and of raw gloo into fresh "
-         "memory), x faster than each peer; pooled mode beside it", *path_rows(data, OURS_GLOO, OURS_GLOO_POOLED)),
-        ("Effective bandwidth GB/s (tensor bytes / median latency); output = destination bytes, moved = bytes "
-         "crossing actors", *bandwidth_rows(data)),
-    ]  # fmt: skip
+        (
+            "Latency: median ms ± half the min-max range (% of the median); outputs kept alive unless 'pooled'",
+            *latency_rows(data),
+        ),
+        (
+            "Default path (pulls through shared memory), outputs kept: % of the memcpy ceiling, x faster than each "
+            "peer; pooled mode beside it",
+            *path_rows(data, OURS, OURS_POOLED),
+        ),
+        (
+            "Gloo path (shared_memory=False), outputs kept: % of the raw gloo ceiling (and of raw gloo into fresh "
+            "memory), x faster than each peer; pooled mode beside it",
+            *path_rows(data, OURS_GLOO, OURS_GLOO_POOLED),
+        ),
+        (
+            "Effective bandwidth GB/s (tensor bytes / median latency); output = destination bytes, moved = bytes "
+            "crossing actors",
+            *bandwidth_rows(data),
+        ),
+    ]
     head, rows = rtt_rows(data)
     if rows:
         out.append(("Small tensors: latency / empty Ray round trip to the same actors", head, rows))
@@ -320,8 +388,12 @@ def render(data: dict, console=None) -> None:
             last = row[0]
             table.add_row(*[("[red]" + c) if c in ("NO", "ERROR") else c for c in row])
         console.print(table)
-    bad = [(e["case"], e["size_bytes"], m) for e in data["results"] for m, v in e["methods"].items()
-           if v.get("verified") is False or "error" in v]  # fmt: skip
+    bad = [
+        (e["case"], e["size_bytes"], m)
+        for e in data["results"]
+        for m, v in e["methods"].items()
+        if v.get("verified") is False or "error" in v
+    ]
     if bad:
         for case, size, m in bad:
             v = next(e for e in data["results"] if e["case"] == case and e["size_bytes"] == size)["methods"][m]

@@ -345,9 +345,14 @@ def print_tables(results: list[dict], title: str) -> None:
         for name, s in r["strategies"].items():
             style = "bold green" if s["latency_s"] <= best * (1 + 1e-9) else None
             table.add_row(
-                LABELS.get(name, name), _fmt_s(s["latency_s"]), f"{s['bandwidth_GBps']:.3f} GB/s",
-                f"{s['ratio']:.3f}x", str(s["transfers"]), str(s["groups"]), style=style,
-            )  # fmt: skip
+                LABELS.get(name, name),
+                _fmt_s(s["latency_s"]),
+                f"{s['bandwidth_GBps']:.3f} GB/s",
+                f"{s['ratio']:.3f}x",
+                str(s["transfers"]),
+                str(s["groups"]),
+                style=style,
+            )
         table.add_row("lower bound", _fmt_s(r["lower_bound_s"]), f"{r['lower_bound_GBps']:.3f} GB/s", "1.000x", "", "")
         console.print(table)
     summary = Table(title="ratio to the lower bound (simulated latency / bound)", title_justify="left")
@@ -423,8 +428,19 @@ def _fmt_bytes(n: int) -> str:
 def parse_size(text: str) -> int:
     """'1GiB', '64MiB', '512KiB', '1G', '4096' (bytes) -> bytes."""
     t = text.strip().lower().replace(" ", "")
-    units = {"gib": 1 << 30, "g": 1 << 30, "gb": 1 << 30, "mib": 1 << 20, "m": 1 << 20, "mb": 1 << 20,
-             "kib": 1 << 10, "k": 1 << 10, "kb": 1 << 10, "b": 1, "": 1}  # fmt: skip
+    units = {
+        "gib": 1 << 30,
+        "g": 1 << 30,
+        "gb": 1 << 30,
+        "mib": 1 << 20,
+        "m": 1 << 20,
+        "mb": 1 << 20,
+        "kib": 1 << 10,
+        "k": 1 << 10,
+        "kb": 1 << 10,
+        "b": 1,
+        "": 1,
+    }
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num) :]
     if not num or unit not in units:
@@ -451,9 +467,13 @@ def main(argv: list[str]) -> int:
         help="random cases with this backend (default: the preset's, nccl)",
     )
     ap.add_argument(
-        "--random-log2", type=int, nargs=2, default=(26, 31), metavar=("LO", "HI"),
+        "--random-log2",
+        type=int,
+        nargs=2,
+        default=(26, 31),
+        metavar=("LO", "HI"),
         help="random tensor sizes between 2**LO and 2**HI bytes (default 26 31: 64 MiB to 2 GiB)",
-    )  # fmt: skip
+    )
     args = ap.parse_args(argv)
     if args.hosts < 1:
         ap.error("--hosts must be >= 1")
@@ -489,9 +509,14 @@ def main(argv: list[str]) -> int:
 
 def _cluster_obj(c: Cluster) -> dict:
     return {
-        "name": c.name, "num_hosts": c.num_hosts, "devices_per_host": c.devices_per_host, "nic_GBps": c.nic_GBps,
-        "intra_host_GBps": c.intra_host_GBps, "latency_us": c.latency_us, "backend": c.backend,
-    }  # fmt: skip
+        "name": c.name,
+        "num_hosts": c.num_hosts,
+        "devices_per_host": c.devices_per_host,
+        "nic_GBps": c.nic_GBps,
+        "intra_host_GBps": c.intra_host_GBps,
+        "latency_us": c.latency_us,
+        "backend": c.backend,
+    }
 
 
 def _print_planning(t: dict, name: str) -> None:

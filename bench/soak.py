@@ -82,13 +82,18 @@ def sample(pool, op: int) -> dict:
         "driver_rss_kib": _vm_rss_kib(),
         "devices": [
             {
-                "device": s["device"], "rss_kib": r, "fds": s["fds"], "shards": len(s["buffers"]),
-                "shard_bytes": s["buffer_bytes"], "pool_bytes": s["pool_bytes"], "peer_maps": s["peer_maps"],
+                "device": s["device"],
+                "rss_kib": r,
+                "fds": s["fds"],
+                "shards": len(s["buffers"]),
+                "shard_bytes": s["buffer_bytes"],
+                "pool_bytes": s["pool_bytes"],
+                "peer_maps": s["peer_maps"],
                 "staging_bytes": s["staging_bytes"],
             }
             for s, r in zip(stats, rss, strict=True)
         ],
-    }  # fmt: skip
+    }
 
 
 def run(reshards: int, cycles: int, every: int, seed: int = 0) -> dict:
@@ -134,8 +139,9 @@ def run(reshards: int, cycles: int, every: int, seed: int = 0) -> dict:
             op += 1
             while cycles_done < cycles and cycles_done * reshards < (i + 1) * cycles:
                 c = CASES[cycles_done % len(CASES)]
-                z = distribute(random_array(rng, c.shape, c.dtype), Layout(view(c.src, c.src_shape),
-                                                                           placements(c.src_spec)))  # fmt: skip
+                z = distribute(
+                    random_array(rng, c.shape, c.dtype), Layout(view(c.src, c.src_shape), placements(c.src_spec))
+                )
                 if cycles_done % 2:
                     z.free()
                 del z
@@ -151,9 +157,14 @@ def run(reshards: int, cycles: int, every: int, seed: int = 0) -> dict:
         for _, _, t, _ in sources:
             t.free()
         return {
-            "reshards": reshards, "cycles": cycles_done, "ops": op, "elapsed_s": round(elapsed, 1),
-            "mismatches": mismatches, "samples": samples, "summary": summarize(samples, total),
-        }  # fmt: skip
+            "reshards": reshards,
+            "cycles": cycles_done,
+            "ops": op,
+            "elapsed_s": round(elapsed, 1),
+            "mismatches": mismatches,
+            "samples": samples,
+            "summary": summarize(samples, total),
+        }
     finally:
         for v in views.values():
             v.shutdown()
@@ -171,11 +182,13 @@ def summarize(samples: list[dict], total_ops: int) -> dict:
         rss = np.array([s["devices"][k]["rss_kib"] for s in warm], dtype=float) / 1024
         fds = np.array([s["devices"][k]["fds"] for s in warm], dtype=float)
         out["devices"][first["device"]] = {
-            "rss_mib_min": round(rss.min(), 1), "rss_mib_max": round(rss.max(), 1),
+            "rss_mib_min": round(rss.min(), 1),
+            "rss_mib_max": round(rss.max(), 1),
             "rss_mib_per_1000_ops": round(_slope(ops, rss) * 1000, 2),
-            "fds_min": int(fds.min()), "fds_max": int(fds.max()),
+            "fds_min": int(fds.min()),
+            "fds_max": int(fds.max()),
             "fds_per_1000_ops": round(_slope(ops, fds) * 1000, 2),
-        }  # fmt: skip
+        }
     ops = np.array([s["op"] for s in warm], dtype=float)
     drv = np.array([s["driver_rss_kib"] for s in warm], dtype=float) / 1024
     out["driver"] = {
@@ -209,8 +222,9 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=7)
-    fig.suptitle(f"soak: {result['reshards']} reshards + {result['cycles']} distribute/free cycles (warm-up dotted)",
-                 fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"soak: {result['reshards']} reshards + {result['cycles']} distribute/free cycles (warm-up dotted)", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

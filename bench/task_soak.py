@@ -43,8 +43,15 @@ def _state(ctx) -> dict:
 
 def _model(rng: np.random.Generator) -> dict:
     """A small transformer block's weights (float32)."""
-    shapes = {"embed": (512, 64), "qkv": (64, 192), "proj": (64, 64), "up": (64, 256), "down": (256, 64),
-              "norm": (64,), "head": (64, 512)}  # fmt: skip
+    shapes = {
+        "embed": (512, 64),
+        "qkv": (64, 192),
+        "proj": (64, 64),
+        "up": (64, 256),
+        "down": (256, 64),
+        "norm": (64,),
+        "head": (64, 512),
+    }
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
@@ -84,10 +91,15 @@ def run(tasks: int, every: int, seed: int = 0, command: str = "") -> dict:
                 samples.append({"tasks": done, "settle_s": _settle(pool), "devices": pool.call(_state)})
         elapsed = time.monotonic() - t0
         return {
-            "command": command, "tasks": tasks, "processes": len(pids), "elapsed_s": round(elapsed, 1),
-            "mismatches": mismatches, "caller_check_s": CHECK_S, "samples": samples,
+            "command": command,
+            "tasks": tasks,
+            "processes": len(pids),
+            "elapsed_s": round(elapsed, 1),
+            "mismatches": mismatches,
+            "caller_check_s": CHECK_S,
+            "samples": samples,
             "summary": summarize(samples),
-        }  # fmt: skip
+        }
     finally:
         for m in (src_mesh, dst_mesh, pool):
             m.shutdown()

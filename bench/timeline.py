@@ -178,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                     nxt = ops[i + 1][1] if i + 1 < len(ops) else end
                     spans.append(f"{k.split(':')[1][:5]}@{(t - t0) * 1e3:.0f}+{(nxt - t) * 1e3:.0f}")
                 setup, program, done = (prog - marks["run"]) * 1e3, (end - prog) * 1e3, (end - t0) * 1e3
-                print(f"  device {d}: arrive {arrive:6.1f}  setup {setup:5.1f}  program {program:6.1f}  "
-                      f"done {done:6.1f}  ops {' '.join(spans)}")  # fmt: skip
+                print(
+                    f"  device {d}: arrive {arrive:6.1f}  setup {setup:5.1f}  program {program:6.1f}  "
+                    f"done {done:6.1f}  ops {' '.join(spans)}"
+                )
                 if stats:
                     print("    " + "\n    ".join(stats.splitlines()[:22]))
             if ends:

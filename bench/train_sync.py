@@ -47,8 +47,9 @@ def gpt2(layers: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=layers, n_head=6, n_embd=384, vocab_size=8192, n_positions=1024, bos_token_id=0,
-                        eos_token_id=0)  # fmt: skip
+    config = GPT2Config(
+        n_layer=layers, n_head=6, n_embd=384, vocab_size=8192, n_positions=1024, bos_token_id=0, eos_token_id=0
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -122,8 +123,10 @@ def train(config):
         t0 = time.perf_counter()
         {"ours": sync, "ours-direct": direct, "naive": naive}[method]()
         dt = time.perf_counter() - t0
-        want = {k: hashlib.blake2b(v.full_tensor().detach().numpy().tobytes()).hexdigest()
-                for k, v in model.state_dict().items()}  # fmt: skip
+        want = {
+            k: hashlib.blake2b(v.full_tensor().detach().numpy().tobytes()).hexdigest()
+            for k, v in model.state_dict().items()
+        }
         if group.drives:
             exact = all(d == want for d in ray.get([e.digests.remote() for e in engines], timeout=600))
             ray.get(log.add.remote({"step": step, "method": method, "s": dt, "exact": exact}), timeout=60)
@@ -153,7 +156,7 @@ def run(args) -> dict:
                     "engines": engines,
                     "log": log,
                     "targets": targets,
-                },  # fmt: skip
+                },
                 torch_config=TorchConfig(backend="gloo"),
                 scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
                 run_config=RunConfig(storage_path=storage, name="train-sync"),
@@ -175,15 +178,21 @@ def run(args) -> dict:
     ratio = methods["naive"]["median"] / methods["ours"]["median"]
     model = gpt2(args.layers)
     return {
-        "model": {"name": "gpt2", "layers": args.layers, "d": 384, "vocab": 8192,
-                  "tensors": len(model.state_dict()), "bytes": sum(p.numel() * 4 for p in model.parameters())},
+        "model": {
+            "name": "gpt2",
+            "layers": args.layers,
+            "d": 384,
+            "vocab": 8192,
+            "tensors": len(model.state_dict()),
+            "bytes": sum(p.numel() * 4 for p in model.parameters()),
+        },
         "setup": "TorchTrainer (Ray Train V2), 2 CPU workers, gloo, FSDP2 fully_shard -> 2 inference actors "
-                 "(full copies, attached)",
+        "(full copies, attached)",
         "library_calls": {"setup": SETUP_CALLS, "per_step": 1},
         "methods": methods,
         "ratios": {f"naive/{m}": methods["naive"]["median"] / methods[m]["median"] for m in ("ours", "ours-direct")},
         "targets": {"naive/ours": {"goal": f">= {TARGET}x", "value": ratio, "met": ratio >= TARGET}},
-    }  # fmt: skip
+    }
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -202,12 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     m = data["model"]
     print(f"GPT-2 {m['layers']} blocks: {m['tensors']} tensors, {m['bytes'] / 2**20:.0f} MiB")
     for name, s in data["methods"].items():
-        print(f"{name:6s} median {s['median'] * 1e3:8.1f} ms  (p25 {s['p25'] * 1e3:.1f}, p75 {s['p75'] * 1e3:.1f})"
-              f"  n {s['n']}  bit-exact {s['verified']}")  # fmt: skip
+        print(
+            f"{name:6s} median {s['median'] * 1e3:8.1f} ms  (p25 {s['p25'] * 1e3:.1f}, p75 {s['p75'] * 1e3:.1f})"
+            f"  n {s['n']}  bit-exact {s['verified']}"
+        )
     t = data["targets"]["naive/ours"]
     print(f"naive / ours-direct {data['ratios']['naive/ours-direct']:.2f}x")
-    print(f"naive / ours {t['value']:.2f}x (goal {t['goal']}: {'met' if t['met'] else 'NO'}); library calls in the "
-          f"train function: {SETUP_CALLS} to set up, 1 per step")  # fmt: skip
+    print(
+        f"naive / ours {t['value']:.2f}x (goal {t['goal']}: {'met' if t['met'] else 'NO'}); library calls in the "
+        f"train function: {SETUP_CALLS} to set up, 1 per step"
+    )
     print(f"wrote {path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path}")
     return 0 if all(s["verified"] for s in data["methods"].values()) and np.isfinite(t["value"]) else 1
 

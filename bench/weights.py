@@ -98,13 +98,19 @@ def gpt2(layers: int = 12, seed: int = 0) -> Model:
     for i in range(layers):
         h = f"h.{i}."
         spec += [
-            (h + "ln_1.weight", (d,), None), (h + "ln_1.bias", (d,), None),
-            (h + "attn.c_attn.weight", (d, 3 * d), 1), (h + "attn.c_attn.bias", (3 * d,), 0),
-            (h + "attn.c_proj.weight", (d, d), 0), (h + "attn.c_proj.bias", (d,), None),
-            (h + "ln_2.weight", (d,), None), (h + "ln_2.bias", (d,), None),
-            (h + "mlp.c_fc.weight", (d, 4 * d), 1), (h + "mlp.c_fc.bias", (4 * d,), 0),
-            (h + "mlp.c_proj.weight", (4 * d, d), 0), (h + "mlp.c_proj.bias", (d,), None),
-        ]  # fmt: skip
+            (h + "ln_1.weight", (d,), None),
+            (h + "ln_1.bias", (d,), None),
+            (h + "attn.c_attn.weight", (d, 3 * d), 1),
+            (h + "attn.c_attn.bias", (3 * d,), 0),
+            (h + "attn.c_proj.weight", (d, d), 0),
+            (h + "attn.c_proj.bias", (d,), None),
+            (h + "ln_2.weight", (d,), None),
+            (h + "ln_2.bias", (d,), None),
+            (h + "mlp.c_fc.weight", (d, 4 * d), 1),
+            (h + "mlp.c_fc.bias", (4 * d,), 0),
+            (h + "mlp.c_proj.weight", (4 * d, d), 0),
+            (h + "mlp.c_proj.bias", (d,), None),
+        ]
     spec += [("ln_f.weight", (d,), None), ("ln_f.bias", (d,), None)]
     return _model("gpt2", spec, seed)
 
@@ -118,13 +124,18 @@ def qwen3(layers: int = 28, seed: int = 0) -> Model:
     for i in range(layers):
         p = f"model.layers.{i}."
         spec += [
-            (p + "self_attn.q_proj.weight", (q, hidden), 0), (p + "self_attn.k_proj.weight", (kv, hidden), 0),
-            (p + "self_attn.v_proj.weight", (kv, hidden), 0), (p + "self_attn.o_proj.weight", (hidden, q), 1),
-            (p + "self_attn.q_norm.weight", (head_dim,), None), (p + "self_attn.k_norm.weight", (head_dim,), None),
-            (p + "mlp.gate_proj.weight", (mlp, hidden), 0), (p + "mlp.up_proj.weight", (mlp, hidden), 0),
+            (p + "self_attn.q_proj.weight", (q, hidden), 0),
+            (p + "self_attn.k_proj.weight", (kv, hidden), 0),
+            (p + "self_attn.v_proj.weight", (kv, hidden), 0),
+            (p + "self_attn.o_proj.weight", (hidden, q), 1),
+            (p + "self_attn.q_norm.weight", (head_dim,), None),
+            (p + "self_attn.k_norm.weight", (head_dim,), None),
+            (p + "mlp.gate_proj.weight", (mlp, hidden), 0),
+            (p + "mlp.up_proj.weight", (mlp, hidden), 0),
             (p + "mlp.down_proj.weight", (hidden, mlp), 1),
-            (p + "input_layernorm.weight", (hidden,), None), (p + "post_attention_layernorm.weight", (hidden,), None),
-        ]  # fmt: skip
+            (p + "input_layernorm.weight", (hidden,), None),
+            (p + "post_attention_layernorm.weight", (hidden,), None),
+        ]
     spec += [("model.norm.weight", (hidden,), None), ("lm_head.weight", (vocab, hidden), 0)]
     return _model("qwen3", spec, seed)
 
@@ -137,8 +148,11 @@ def moe(layers: int = 16, seed: int = 0, experts: int = 417) -> Model:
     for i in range(layers):
         for e in range(experts):
             p = f"model.layers.{i}.mlp.experts.{e}."
-            spec += [(p + "gate_proj.weight", (32, 16), 0), (p + "up_proj.weight", (32, 16), 0),
-                     (p + "down_proj.weight", (16, 32), 1)]  # fmt: skip
+            spec += [
+                (p + "gate_proj.weight", (32, 16), 0),
+                (p + "up_proj.weight", (32, 16), 0),
+                (p + "down_proj.weight", (16, 32), 1),
+            ]
     return _model("moe", spec, seed)
 
 
@@ -193,11 +207,15 @@ class Payload:
         self.src_mesh, self.dst_mesh, self.timeout_s = src_mesh, dst_mesh, timeout_s
         self.tree = distribute(dict(zip(self.names, self.arrays, strict=True)), src_layouts, timeout_s=timeout_s)
         self.spec = peers.TreeSpec(
-            tuple(self.names), tuple(self.tree[k].name for k in self.names), tuple(self.arrays),
+            tuple(self.names),
+            tuple(self.tree[k].name for k in self.names),
+            tuple(self.arrays),
             tuple(device_regions(src_layouts[k], a.shape) for k, a in zip(self.names, self.arrays, strict=True)),
             tuple(device_regions(self.dst_layouts[k], a.shape) for k, a in zip(self.names, self.arrays, strict=True)),
-            src_mesh.device_ids, dst_mesh.device_ids, timeout_s,
-        )  # fmt: skip
+            src_mesh.device_ids,
+            dst_mesh.device_ids,
+            timeout_s,
+        )
 
     def plan_bytes(self, shared_memory: bool) -> int:
         """Bytes our plans move between devices (one plan per tensor, as the tree compiles them)."""
@@ -325,13 +343,16 @@ class Suite:
         """The case's methods (``run``, ``last``, ``release``, ``moved_bytes``); a method that
         cannot be set up records its error in ``methods``."""
         make = {
-            OURS: lambda: Ours(tree), OURS_GLOO: lambda: Ours(tree, shared_memory=False),
-            ASYNC: lambda: Ours(tree, mode="async"), LOOP: lambda: Ours(tree, mode="loop"),
-            ONE: lambda: Ours(one), ONE_GLOO: lambda: Ours(one, shared_memory=False),
+            OURS: lambda: Ours(tree),
+            OURS_GLOO: lambda: Ours(tree, shared_memory=False),
+            ASYNC: lambda: Ours(tree, mode="async"),
+            LOOP: lambda: Ours(tree, mode="loop"),
+            ONE: lambda: Ours(one),
+            ONE_GLOO: lambda: Ours(one, shared_memory=False),
             OBJECT_STORE: lambda: peers.ObjectStoreTree(f"os/{key}", tree.spec, self.actors(tree)),
             NAIVE: lambda: peers.NaiveRefit(f"naive/{key}", tree.spec, self.actors(tree), self.store.port),
             RDT: lambda: peers.DirectTransportTree(f"rdt/{key}", tree.spec, self.actors(tree, rdt=True)),
-        }  # fmt: skip
+        }
         out = {}
         for m in self.args.method_list:
             methods[m] = {"kind": "peer" if m in PEERS else "ours"}
@@ -357,17 +378,27 @@ class Suite:
         one_array = make_array((rows, ONE_COLS), "float32", self.args.seed + 10_000)
         one = payload({"one": one_array}, {"one": 1})
         entry: dict = {
-            "model": model.name, "case": case.name, "what": case.what, "tensors": len(tree.names),
-            "tensor_bytes": model.size_bytes, "min_bytes": minimum,
+            "model": model.name,
+            "case": case.name,
+            "what": case.what,
+            "tensors": len(tree.names),
+            "tensor_bytes": model.size_bytes,
+            "min_bytes": minimum,
             "one_tensor": {"shape": [rows, ONE_COLS], "bytes": one_array.nbytes, "min_bytes": one.spec.min_bytes()},
-            "src": f"{src_kind} on {src_mesh!r}", "dst": f"{dst_kind} on {dst_mesh!r}", "repeats": self.args.repeats,
+            "src": f"{src_kind} on {src_mesh!r}",
+            "dst": f"{dst_kind} on {dst_mesh!r}",
+            "repeats": self.args.repeats,
             "methods": {},
-        }  # fmt: skip
+        }
         runners = self.runners(f"{model.name}/{case.name}", tree, one, entry["methods"])
         entry["order"] = list(runners)
         try:
-            time_methods(runners, {m: one if m in (ONE, ONE_GLOO) else tree for m in runners}, entry["methods"],
-                         self.args.repeats)  # fmt: skip
+            time_methods(
+                runners,
+                {m: one if m in (ONE, ONE_GLOO) else tree for m in runners},
+                entry["methods"],
+                self.args.repeats,
+            )
             for m, r in runners.items():  # after the timing: our first call compiles (timed as first_s)
                 try:
                     entry["methods"][m]["moved_bytes"] = r.moved_bytes()
@@ -496,8 +527,10 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         for name in args.model_list:
             model = MODELS[name](**({"layers": args.layers} if args.layers else {}), seed=args.seed)
             for case in args.case_list:
-                console.print(f"{name} ({len(model.arrays)} tensors, {model.size_bytes / 2**20:.1f} MiB) {case.name}: "
-                              f"{case.what}, {args.repeats} rounds of {len(args.method_list)} methods")  # fmt: skip
+                console.print(
+                    f"{name} ({len(model.arrays)} tensors, {model.size_bytes / 2**20:.1f} MiB) {case.name}: "
+                    f"{case.what}, {args.repeats} rounds of {len(args.method_list)} methods"
+                )
                 t1 = time.perf_counter()
                 entries.append(suite.run(model, case))
                 entries[-1]["duration_s"] = time.perf_counter() - t1
@@ -507,15 +540,28 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         if started:
             ray.shutdown()
     data = {
-        "suite": "weights", "started": when.isoformat(timespec="seconds"), "duration_s": time.time() - t0,
+        "suite": "weights",
+        "started": when.isoformat(timespec="seconds"),
+        "duration_s": time.time() - t0,
         "command": command_line("weights", argv if argv is not None else sys.argv[1:]),
-        "git": _git_rev(), "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-        "platform": platform.platform(), "loadavg_start": list(load), "loadavg_end": list(os.getloadavg()),
-        "ray": ray.__version__, "torch": _torch_version()}, "models": args.model_list,
-        "cases": [c.name for c in args.case_list], "methods": args.method_list, "repeats": args.repeats,
+        "git": _git_rev(),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "loadavg_start": list(load),
+            "loadavg_end": list(os.getloadavg()),
+            "ray": ray.__version__,
+            "torch": _torch_version(),
+        },
+        "models": args.model_list,
+        "cases": [c.name for c in args.case_list],
+        "methods": args.method_list,
+        "repeats": args.repeats,
         "rdt_setup_s": getattr(getattr(suite, "rdt", None), "setup_s", None),
-        "listeners": getattr(suite, "listeners", None), "results": entries,
-    }  # fmt: skip
+        "listeners": getattr(suite, "listeners", None),
+        "results": entries,
+    }
     data["fit"] = fit(entries)
     data["targets"] = targets(data)
     out = Path(args.out) if args.out else ROOT / "results" / f"weights-{when.strftime('%Y%m%d-%H%M%S')}.json"

@@ -64,9 +64,15 @@ def _target(title: str, vals: list, ok, worst=max) -> dict:
     """``vals``: (where, ratio or None); a missing ratio (an error) fails."""
     have = [(w, v) for w, v in vals if v is not None]
     bad = worst(have, key=lambda wv: wv[1]) if have else ("", None)
-    return {"target": title, "cases": len(vals), "passed": sum(1 for _, v in have if ok(v)), "worst": bad[1],
-            "worst_case": bad[0], "met": bool(vals) and all(v is not None and ok(v) for _, v in vals),
-            "in_run": bool(vals)}  # fmt: skip
+    return {
+        "target": title,
+        "cases": len(vals),
+        "passed": sum(1 for _, v in have if ok(v)),
+        "worst": bad[1],
+        "worst_case": bad[0],
+        "met": bool(vals) and all(v is not None and ok(v) for _, v in vals),
+        "in_run": bool(vals),
+    }
 
 
 def targets(data: dict) -> list[dict]:
@@ -83,23 +89,39 @@ def targets(data: dict) -> list[dict]:
     out = []
     for path, (tree_m, one_m) in PATHS.items():
         vals = [(where(e), ratio(e, tree_m, one_m)) for e in res if e["model"] == "gpt2"]
-        out.append(_target(f"gpt2 tree <= {TREE_X_ONE}x one tensor of the same bytes ({path} path)", vals,
-                           lambda v: v <= TREE_X_ONE))  # fmt: skip
+        out.append(
+            _target(
+                f"gpt2 tree <= {TREE_X_ONE}x one tensor of the same bytes ({path} path)",
+                vals,
+                lambda v: v <= TREE_X_ONE,
+            )
+        )
     vals = [(where(e), ratio(e, OURS, ONE)) for e in res if e["model"] == "qwen3"]
-    out.append(_target(f"qwen3 tree <= {QWEN3_X_ONE}x one tensor of the same bytes (default path)", vals,
-                       lambda v: v <= QWEN3_X_ONE))  # fmt: skip
+    out.append(
+        _target(
+            f"qwen3 tree <= {QWEN3_X_ONE}x one tensor of the same bytes (default path)",
+            vals,
+            lambda v: v <= QWEN3_X_ONE,
+        )
+    )
     vals = [(where(e), ratio(e, LOOP, OURS)) for e in res]
     out.append(_target(f"tree >= {LOOP_X}x faster than the per-tensor loop", vals, lambda v: v >= LOOP_X, worst=min))
     for path in PATHS:
         c = data["fit"].get(path, {}).get("per_tensor_s")
         vals = [("least squares", None if c is None else c * 1e3)]
-        out.append(_target(f"per-tensor cost in the fit <= {PER_TENSOR_MS} ms ({path} path; ms)", vals,
-                           lambda v: v <= PER_TENSOR_MS))  # fmt: skip
+        out.append(
+            _target(
+                f"per-tensor cost in the fit <= {PER_TENSOR_MS} ms ({path} path; ms)",
+                vals,
+                lambda v: v <= PER_TENSOR_MS,
+            )
+        )
     vals = [(where(e, p), ratio(e, p, OURS)) for e in res for p in PEERS if p in e["methods"]]
     out.append(_target("ours (default path) faster than every peer (peer / ours)", vals, lambda v: v > 1, worst=min))
     vals = [(where(e), _async_frac(e)) for e in res if ASYNC in e["methods"]]
-    out.append(_target(f"async_op=True returns within {ASYNC_FRAC:.0%} of the blocking call", vals,
-                       lambda v: v <= ASYNC_FRAC))  # fmt: skip
+    out.append(
+        _target(f"async_op=True returns within {ASYNC_FRAC:.0%} of the blocking call", vals, lambda v: v <= ASYNC_FRAC)
+    )
     return out
 
 
@@ -111,9 +133,16 @@ def _async_frac(e: dict) -> float | None:
 # ------------------------------------------------------------------------------------ output
 
 LABELS = {
-    OURS: "ours", OURS_GLOO: "ours gloo", ASYNC: "ours async", LOOP: "per-tensor loop", ONE: "one tensor",
-    ONE_GLOO: "one tensor gloo", OBJECT_STORE: "object store", NAIVE: "naive refit", RDT: "RDT",
-}  # fmt: skip
+    OURS: "ours",
+    OURS_GLOO: "ours gloo",
+    ASYNC: "ours async",
+    LOOP: "per-tensor loop",
+    ONE: "one tensor",
+    ONE_GLOO: "one tensor gloo",
+    OBJECT_STORE: "object store",
+    NAIVE: "naive refit",
+    RDT: "RDT",
+}
 
 
 def _ms(t: float | None) -> str:
@@ -139,8 +168,10 @@ def times_table(data: dict) -> tuple:
             if m == ASYNC:
                 row.append(_ms(v.get("return_s", {}).get("median")))
         rows.append(row + [_ms(e.get("fit_s", {}).get("default"))])
-    title = ("Median ms per method (ours async: until wait() returned; async return: until the call returned); "
-             "fit: tensors x per-tensor cost + bytes / bandwidth (default path)")  # fmt: skip
+    title = (
+        "Median ms per method (ours async: until wait() returned; async return: until the call returned); "
+        "fit: tensors x per-tensor cost + bytes / bandwidth (default path)"
+    )
     labels = [label for m in names for label in ((LABELS[m], "async return") if m == ASYNC else (LABELS[m],))]
     return title, ["model", "case", "tensors", "MiB", *labels, "fit"], rows
 
@@ -166,20 +197,38 @@ def fit_table(data: dict) -> tuple:
             cal = e.get("calibration", {}).get(path)
             if cal:
                 bw = "-" if cal["bandwidth_GBps"] is None else f"{cal['bandwidth_GBps']:.2f}"
-                rows.append([e["model"], e["case"], path, _ms(_med(e, one_m)), _ms(_med(e, tree_m)),
-                             f"{cal['per_tensor_s'] * 1e3:.3f}", bw, _ms(e["fit_s"][path])])  # fmt: skip
+                rows.append(
+                    [
+                        e["model"],
+                        e["case"],
+                        path,
+                        _ms(_med(e, one_m)),
+                        _ms(_med(e, tree_m)),
+                        f"{cal['per_tensor_s'] * 1e3:.3f}",
+                        bw,
+                        _ms(e["fit_s"][path]),
+                    ]
+                )
     for path, f in data["fit"].items():
         bw = "-" if f["bandwidth_GBps"] is None else f"{f['bandwidth_GBps']:.2f}"
-        rows.append(["all", f"least squares, {f['points']} points", path, "", "", f"{f['per_tensor_s'] * 1e3:.3f}",
-                     bw, ""])  # fmt: skip
+        rows.append(
+            ["all", f"least squares, {f['points']} points", path, "", "", f"{f['per_tensor_s'] * 1e3:.3f}", bw, ""]
+        )
     title = "Fit: per case from the tree and one tensor of as many bytes (two points); least squares over every case"
     return title, ["model", "case", "path", "one ms", "tree ms", "per tensor ms", "GB/s", "fit ms"], rows
 
 
 def targets_table(data: dict) -> tuple:
-    rows = [[t["target"], f"{t['passed']}/{t['cases']}",
-             "-" if t["worst"] is None else f"{t['worst']:.3f} ({t['worst_case']})", "met" if t["met"] else "NO"]
-            for t in data["targets"] if t["in_run"]]  # fmt: skip
+    rows = [
+        [
+            t["target"],
+            f"{t['passed']}/{t['cases']}",
+            "-" if t["worst"] is None else f"{t['worst']:.3f} ({t['worst_case']})",
+            "met" if t["met"] else "NO",
+        ]
+        for t in data["targets"]
+        if t["in_run"]
+    ]
     title = f"Targets (ratios inside this run; models {', '.join(data['models'])}; cases {', '.join(data['cases'])})"
     return title, ["target", "passed", "worst ratio (where)", "met"], rows
 

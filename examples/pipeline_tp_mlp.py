@@ -113,20 +113,37 @@ def main(argv: list[str]) -> int:
 
     act = (ROWS, HIDDEN)
     stages = [
-        Stage(m0, embed, setup=partial(setup_embed, p=params), in_shape=(ROWS, D_IN), in_layout=rep(m0),
-              out_shape=act, out_layout=rep(m0), dtype="float64"),
-        Stage(m1, mlp, setup=partial(setup_mlp, p=params), in_shape=act, in_layout=rep(m1), out_shape=act,
-              out_layout=rep(m1), dtype="float64"),
+        Stage(
+            m0,
+            embed,
+            setup=partial(setup_embed, p=params),
+            in_shape=(ROWS, D_IN),
+            in_layout=rep(m0),
+            out_shape=act,
+            out_layout=rep(m0),
+            dtype="float64",
+        ),
+        Stage(
+            m1,
+            mlp,
+            setup=partial(setup_mlp, p=params),
+            in_shape=act,
+            in_layout=rep(m1),
+            out_shape=act,
+            out_layout=rep(m1),
+            dtype="float64",
+        ),
         Stage(m2, head, setup=partial(setup_head, p=params), in_shape=act, in_layout=rep(m2), dtype="float64"),
-    ]  # fmt: skip
+    ]
     ok = True
     with Pipeline(stages) as pipe:
         for step in range(args.steps):
             want, params = reference(params, xs, ys)
             result = pipe.run(eager_one_f_one_b(3, m), inputs=xs, targets=ys)
             pipe.apply(sgd, LR)
-            w2 = np.concatenate([r["w2"] for r in pipe.apply(lambda ctx: {"w2": ctx.state["w2"].detach().numpy()},
-                                                             stages=[1])[0]])  # fmt: skip
+            w2 = np.concatenate(
+                [r["w2"] for r in pipe.apply(lambda ctx: {"w2": ctx.state["w2"].detach().numpy()}, stages=[1])[0]]
+            )
             close = np.allclose(result.losses, want, rtol=1e-10) and np.allclose(w2, params["w2"], rtol=1e-10)
             ok &= close
             print(

@@ -35,10 +35,16 @@ import ray  # noqa: E402
 
 TP = 2
 PLAN = {  # torch-style tensor-parallel plan of the inference side (``reshard.tensor_parallel_layouts``)
-    "model.embed_tokens": "vocab", "lm_head": "vocab",
-    "*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise", "*.o_proj": "rowwise",
-    "*.gate_proj": "colwise", "*.up_proj": "colwise", "*.down_proj": "rowwise",
-}  # fmt: skip
+    "model.embed_tokens": "vocab",
+    "lm_head": "vocab",
+    "*.q_proj": "colwise",
+    "*.k_proj": "colwise",
+    "*.v_proj": "colwise",
+    "*.o_proj": "rowwise",
+    "*.gate_proj": "colwise",
+    "*.up_proj": "colwise",
+    "*.down_proj": "rowwise",
+}
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -47,9 +53,18 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=503, max_position_embeddings=64, bos_token_id=0,
-                         eos_token_id=0, pad_token_id=0)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=503,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -146,8 +161,7 @@ def train(config):
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     group = ray_train.attach()
-    sync = group.weight_sync(model.state_dict(), out=config["targets"] if group.drives else None,
-                             dtype=torch.bfloat16)  # fmt: skip
+    sync = group.weight_sync(model.state_dict(), out=config["targets"] if group.drives else None, dtype=torch.bfloat16)
     tokens = torch.arange(32).reshape(2, 16) % 503
     for step in range(config["steps"]):
         loss = model(tokens, labels=tokens).loss
@@ -209,8 +223,10 @@ def main(argv=None) -> Report:
         if started:
             ray.shutdown()
     for row in report.steps:
-        print(f"step {row['step']}: loss {row['loss']:.4f}, inference regions equal the trainers' bf16 "
-              f"weights: {row['exact']}")  # fmt: skip
+        print(
+            f"step {row['step']}: loss {row['loss']:.4f}, inference regions equal the trainers' bf16 "
+            f"weights: {row['exact']}"
+        )
     print(f"fused on each worker: {', '.join(report.fused)}")
     return report
 

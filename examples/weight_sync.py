@@ -149,11 +149,23 @@ PARAMS = (
 def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     d, f, v = cfg.d_model, cfg.ffn, cfg.vocab
     return {
-        "attn.qkv.weight": (3, d, d), "attn.qkv.bias": (3, d), "attn.proj.weight": (d, d), "attn.proj.bias": (d,),
-        "mlp.fc1.weight": (f, d), "mlp.fc1.bias": (f,), "mlp.fc2.weight": (d, f), "mlp.fc2.bias": (d,),
-        "ln1.weight": (d,), "ln1.bias": (d,), "ln2.weight": (d,), "ln2.bias": (d,), "final_norm.weight": (d,),
-        "final_norm.bias": (d,), "embed.weight": (v, d), "head.weight": (v, d),
-    }  # fmt: skip
+        "attn.qkv.weight": (3, d, d),
+        "attn.qkv.bias": (3, d),
+        "attn.proj.weight": (d, d),
+        "attn.proj.bias": (d,),
+        "mlp.fc1.weight": (f, d),
+        "mlp.fc1.bias": (f,),
+        "mlp.fc2.weight": (d, f),
+        "mlp.fc2.bias": (d,),
+        "ln1.weight": (d,),
+        "ln1.bias": (d,),
+        "ln2.weight": (d,),
+        "ln2.bias": (d,),
+        "final_norm.weight": (d,),
+        "final_norm.bias": (d,),
+        "embed.weight": (v, d),
+        "head.weight": (v, d),
+    }
 
 
 def state_dict_names(cfg: Config) -> dict[str, Param]:
@@ -365,9 +377,12 @@ def adam(model: TPModel, cfg: Config):
 
 def join_world(rank: int, size: int, port: int) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------- the actors
@@ -428,9 +443,14 @@ class Trainer(DeviceRole):
         sources, mesh, dst_layouts, targets = self.target
         t0 = time.perf_counter()
         reshard(
-            sources, mesh, dst_layouts, out=targets, direct=path == SyncPath.RESHARD_DIRECT.name,
-            shared_memory=path != SyncPath.RESHARD_GLOO.name, timeout_s=TIMEOUT_S,
-        )  # fmt: skip
+            sources,
+            mesh,
+            dst_layouts,
+            out=targets,
+            direct=path == SyncPath.RESHARD_DIRECT.name,
+            shared_memory=path != SyncPath.RESHARD_GLOO.name,
+            timeout_s=TIMEOUT_S,
+        )
         return time.perf_counter() - t0
 
     def push_async(self) -> None:
@@ -581,8 +601,15 @@ def sync(path: SyncPath, a: Actors, names=None) -> dict[str, np.ndarray] | None:
             raise ValueError("a partial sync is for the reshard paths")
         part = {n: a.sources[n] for n in names}
         layouts_ = {n: a.targets[n].layout for n in names}
-        reshard(part, a.t_mesh, layouts_, out={n: a.targets[n] for n in names}, direct=path is SyncPath.RESHARD_DIRECT,
-                shared_memory=path is not SyncPath.RESHARD_GLOO, timeout_s=TIMEOUT_S)  # fmt: skip
+        reshard(
+            part,
+            a.t_mesh,
+            layouts_,
+            out={n: a.targets[n] for n in names},
+            direct=path is SyncPath.RESHARD_DIRECT,
+            shared_memory=path is not SyncPath.RESHARD_GLOO,
+            timeout_s=TIMEOUT_S,
+        )
         return None
     if path in (SyncPath.RESHARD, SyncPath.RESHARD_DIRECT, SyncPath.RESHARD_GLOO):
         ray.get(a.trainers[0].push.remote(path.name), timeout=TIMEOUT_S)
@@ -745,10 +772,18 @@ def run(cfg: Config, log=print, overlap: bool = False) -> Report:
             ref_eval_loss, ref_logits = reference.eval(eval_tokens)
             logits = outs[0][1]
             result = StepResult(
-                step, tuple(losses), ref_loss, tuple(times), tuple(exact), gathered, outs[0][0], ref_eval_loss,
+                step,
+                tuple(losses),
+                ref_loss,
+                tuple(times),
+                tuple(exact),
+                gathered,
+                outs[0][0],
+                ref_eval_loss,
                 float(np.abs(logits - ref_logits).max()),
-                bool(np.allclose(logits, ref_logits, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)), beside,
-            )  # fmt: skip
+                bool(np.allclose(logits, ref_logits, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)),
+                beside,
+            )
             results.append(result)
             log(
                 f"step {step}: train loss {losses[0]:.6f} (reference {ref_loss:.6f}), "
@@ -779,10 +814,13 @@ def print_report(report: Report) -> None:
     for k, path in enumerate(SyncPath):
         med = report.median_s(path)
         table.add_row(
-            path.value, f"{med * 1e3:.1f}", f"{report.steps[0].sync_s[k] * 1e3:.1f}",
-            f"{report.delivered_bytes / med / 1e9:.2f}", f"{med / base:.2f}",
+            path.value,
+            f"{med * 1e3:.1f}",
+            f"{report.steps[0].sync_s[k] * 1e3:.1f}",
+            f"{report.delivered_bytes / med / 1e9:.2f}",
+            f"{med / base:.2f}",
             "yes" if all(s.inference_bit_exact[k] for s in report.steps) else "NO",
-        )  # fmt: skip
+        )
     Console(width=max(120, Console().width)).print(table)
     if report.hidden is not None:
         print(f"a sync beside the trainers' gradient pass (async_op=True): {report.hidden:.0%} of its time hidden")

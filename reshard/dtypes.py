@@ -27,9 +27,14 @@ ITEMSIZE = {
 BIT_PATTERN = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 _ALIASES = {
-    "double": "float64", "float": "float32", "half": "float16", "long": "int64", "int": "int32", "bool_": "bool",
+    "double": "float64",
+    "float": "float32",
+    "half": "float16",
+    "long": "int64",
+    "int": "int32",
+    "bool_": "bool",
     "short": "int16",
-}  # fmt: skip
+}
 
 
 def dtype_name(dtype) -> str:

@@ -56,8 +56,13 @@ class Scaled:
         checked = [one] if one is not None else list(scales or ())
         if not all(math.isfinite(v) and v > 0 for v in checked):
             raise ValueError("Scaled: every scale must be a positive finite number")
-        for field, value in (("dtype", name), ("scale", one), ("block", block_shape), ("grid", grid),
-                             ("scales", scales)):  # fmt: skip
+        for field, value in (
+            ("dtype", name),
+            ("scale", one),
+            ("block", block_shape),
+            ("grid", grid),
+            ("scales", scales),
+        ):
             object.__setattr__(self, field, value)
 
     def __repr__(self) -> str:

@@ -49,8 +49,9 @@ def tensor_parallel_layouts(mesh, plan: Mapping[str, Any], *, axis: int | str = 
 
     def layout(path: str, tensor) -> Layout:
         ndim = len(tensor.shape)
-        style = next((s for p, s in rules if fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + ".*")),
-                     "replicate")  # fmt: skip
+        style = next(
+            (s for p, s in rules if fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + ".*")), "replicate"
+        )
         placements: list[Placement] = [Replicate()] * abstract.ndim
         dim = _sharded_dim(style, path, ndim)
         if dim is not None:

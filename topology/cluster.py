@@ -138,10 +138,15 @@ class Cluster:
     ) -> Cluster:
         """``num_hosts`` identical hosts."""
         return cls(
-            num_hosts, devices_per_host, _bandwidth("nic_GBps", nic_GBps),
-            _bandwidth("intra_host_GBps", intra_host_GBps), float(latency_us), name,
-            float(intra_host_latency_us), backend,
-        )  # fmt: skip
+            num_hosts,
+            devices_per_host,
+            _bandwidth("nic_GBps", nic_GBps),
+            _bandwidth("intra_host_GBps", intra_host_GBps),
+            float(latency_us),
+            name,
+            float(intra_host_latency_us),
+            backend,
+        )
 
     @classmethod
     def heterogeneous(
@@ -177,10 +182,18 @@ class Cluster:
         top_nic = max(nics) if nics else _bandwidth("nic_GBps", nic_GBps)
         top_count = max(counts) if counts else devices_per_host
         return cls(
-            num_hosts, top_count, top_nic, _bandwidth("intra_host_GBps", intra_host_GBps), float(latency_us), name,
-            float(intra_host_latency_us), backend, None if host_names is None else tuple(host_names),
-            _unless_uniform(nics), _unless_uniform(counts),
-        )  # fmt: skip
+            num_hosts,
+            top_count,
+            top_nic,
+            _bandwidth("intra_host_GBps", intra_host_GBps),
+            float(latency_us),
+            name,
+            float(intra_host_latency_us),
+            backend,
+            None if host_names is None else tuple(host_names),
+            _unless_uniform(nics),
+            _unless_uniform(counts),
+        )
 
     @classmethod
     def preset(cls, name: str, num_hosts: int) -> Cluster:
@@ -228,21 +241,39 @@ class Cluster:
             top = max(rates.values())
             nics = tuple(rates.get(h, top) for h in range(num_hosts))
             return cls(
-                num_hosts, devices, top, _bandwidth("intra_host_GBps", intra_host_GBps), float(latency_us), name,
-                float(intra_host_latency_us), backend, None, _unless_uniform(nics),
-            )  # fmt: skip
+                num_hosts,
+                devices,
+                top,
+                _bandwidth("intra_host_GBps", intra_host_GBps),
+                float(latency_us),
+                name,
+                float(intra_host_latency_us),
+                backend,
+                None,
+                _unless_uniform(nics),
+            )
         return cls(
-            num_hosts, devices, _bandwidth("nic_GBps", nic_GBps), _bandwidth("intra_host_GBps", intra_host_GBps),
-            float(latency_us), name, float(intra_host_latency_us), backend,
-        )  # fmt: skip
+            num_hosts,
+            devices,
+            _bandwidth("nic_GBps", nic_GBps),
+            _bandwidth("intra_host_GBps", intra_host_GBps),
+            float(latency_us),
+            name,
+            float(intra_host_latency_us),
+            backend,
+        )
 
     @classmethod
     def _smallest(cls, pairs: Iterable[tuple[int, int]], nic_GBps, intra_host_GBps) -> Cluster:
         per_host = _devices_per_host(pairs)
         return cls(
-            1 + max(per_host, default=0), max(per_host.values(), default=1), float(nic_GBps), float(intra_host_GBps),
-            DEFAULT_LATENCY_US, "default",
-        )  # fmt: skip
+            1 + max(per_host, default=0),
+            max(per_host.values(), default=1),
+            float(nic_GBps),
+            float(intra_host_GBps),
+            DEFAULT_LATENCY_US,
+            "default",
+        )
 
     @classmethod
     def from_ray(cls, *, links: LinkFigures | None = None, nic_GBps=None, intra_host_GBps=None, latency_us=None):
@@ -284,18 +315,28 @@ class Cluster:
         for d, h in hosts.items():
             rate = links.nic_of(node_of[d]) or fallback
             nic[h] = min(nic.get(h, rate), rate)
-        guess = GUESSED_GLOO if gloo else {"intra_host_GBps": DEFAULT_INTRA_HOST_GBPS, "latency_us": DEFAULT_LATENCY_US,
-                                           "intra_host_latency_us": 2.0}  # fmt: skip
+        guess = (
+            GUESSED_GLOO
+            if gloo
+            else {
+                "intra_host_GBps": DEFAULT_INTRA_HOST_GBPS,
+                "latency_us": DEFAULT_LATENCY_US,
+                "intra_host_latency_us": 2.0,
+            }
+        )
 
         def figure(value, key):
             return guess[key] if value is None else value
 
         return cls.for_hosts(
-            hosts, nic_GBps=nic, intra_host_GBps=figure(links.intra_host_GBps, "intra_host_GBps"),
+            hosts,
+            nic_GBps=nic,
+            intra_host_GBps=figure(links.intra_host_GBps, "intra_host_GBps"),
             latency_us=figure(links.latency_us, "latency_us"),
             intra_host_latency_us=figure(links.intra_host_latency_us, "intra_host_latency_us"),
-            backend=backend, name="ray-probed",
-        )  # fmt: skip
+            backend=backend,
+            name="ray-probed",
+        )
 
     @classmethod
     def from_nodes(
@@ -322,18 +363,24 @@ class Cluster:
         if missing:
             raise ValueError(f"from_nodes host_ids has no host id for nodes {missing}")
         hosts = [host_ids[name] for name in names]
-        if len(set(hosts)) != len(hosts) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
-                                                     for h in hosts):  # fmt: skip
+        if len(set(hosts)) != len(hosts) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hosts
+        ):
             raise ValueError(f"from_nodes host_ids must give the nodes distinct ints >= 0, got {dict(host_ids)}")
         gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
         cpus = [int(n.get("Resources", {}).get("CPU", 0)) for n in nodes]
         has_gpus = max(gpus) > 0
         counts = [max(g, 1) for g in gpus] if has_gpus else [max(c, 1) for c in cpus]
         guess = (
-            {"nic_GBps": DEFAULT_NIC_GBPS, "intra_host_GBps": DEFAULT_INTRA_HOST_GBPS, "latency_us": DEFAULT_LATENCY_US,
-             "intra_host_latency_us": 2.0}
-            if has_gpus else GUESSED_GLOO
-        )  # fmt: skip
+            {
+                "nic_GBps": DEFAULT_NIC_GBPS,
+                "intra_host_GBps": DEFAULT_INTRA_HOST_GBPS,
+                "latency_us": DEFAULT_LATENCY_US,
+                "intra_host_latency_us": 2.0,
+            }
+            if has_gpus
+            else GUESSED_GLOO
+        )
 
         def figure(given, measured, key):
             return given if given is not None else measured if measured is not None else guess[key]
@@ -351,13 +398,18 @@ class Cluster:
         devs = tuple(count_by_host.get(h, top_count) for h in range(num_hosts))
         by_host = dict(zip(hosts, names, strict=True))
         return cls(
-            num_hosts, max(devs), top_nic,
+            num_hosts,
+            max(devs),
+            top_nic,
             _bandwidth("intra_host_GBps", figure(intra_host_GBps, probed.intra_host_GBps, "intra_host_GBps")),
-            float(figure(latency_us, probed.latency_us, "latency_us")), "ray" if links is None else "ray-probed",
+            float(figure(latency_us, probed.latency_us, "latency_us")),
+            "ray" if links is None else "ray-probed",
             float(figure(None, probed.intra_host_latency_us, "intra_host_latency_us")),
-            "nccl" if has_gpus else "gloo", tuple(by_host.get(h, "logical") for h in range(num_hosts)),
-            _unless_uniform(nics), _unless_uniform(devs),
-        )  # fmt: skip
+            "nccl" if has_gpus else "gloo",
+            tuple(by_host.get(h, "logical") for h in range(num_hosts)),
+            _unless_uniform(nics),
+            _unless_uniform(devs),
+        )
 
     @property
     def num_devices(self) -> int:

@@ -170,9 +170,18 @@ class SimResult:
 
 class _Flow:
     __slots__ = (
-        "transfer", "size", "res", "latency", "devices", "children", "remaining", "rate", "t_last", "version",
+        "transfer",
+        "size",
+        "res",
+        "latency",
+        "devices",
+        "children",
+        "remaining",
+        "rate",
+        "t_last",
+        "version",
         "waiting",
-    )  # fmt: skip
+    )
 
     def __init__(self, transfer: int, size: float, res: tuple[int, ...], latency: float, devices: tuple[int, ...]):
         self.transfer = transfer

@@ -155,8 +155,13 @@ class Layout:
         n = len(shape)
         if not any(isinstance(p, Shard) and p.dim < 0 for p in self.placements):
             return self
-        return Layout(self.mesh, tuple(dataclasses.replace(p, dim=p.dim + n) if isinstance(p, Shard) and p.dim < 0
-                                       else p for p in self.placements))  # fmt: skip
+        return Layout(
+            self.mesh,
+            tuple(
+                dataclasses.replace(p, dim=p.dim + n) if isinstance(p, Shard) and p.dim < 0 else p
+                for p in self.placements
+            ),
+        )
 
     def sharded_axes(self, dim: int) -> tuple[int, ...]:
         """Mesh axes that split tensor dim ``dim``, outermost first (a ``StridedShard`` axis after

@@ -78,9 +78,11 @@ class Transfer:
 
 
 _SIM_KIND = {
-    TransferKind.COPY: SimKind.COPY, TransferKind.SEND: SimKind.P2P, TransferKind.BROADCAST: SimKind.BROADCAST,
+    TransferKind.COPY: SimKind.COPY,
+    TransferKind.SEND: SimKind.P2P,
+    TransferKind.BROADCAST: SimKind.BROADCAST,
     TransferKind.SCALE: SimKind.COPY,
-}  # fmt: skip
+}
 
 
 def sim_transfers(
@@ -193,9 +195,14 @@ class ReshardPlan:
         local_beside = target_for(backend).copies_beside_messages if local_beside is None else local_beside
         regions = device_regions(self.src, self.shape) if window > 1 else None
         return simulate_transfers(
-            sim_transfers(self.transfers, self.itemsize, pulled, src_regions=regions), hosts, cluster,
-            backend=backend, window=window, window_bytes=window_bytes, local_beside=local_beside,
-        )  # fmt: skip
+            sim_transfers(self.transfers, self.itemsize, pulled, src_regions=regions),
+            hosts,
+            cluster,
+            backend=backend,
+            window=window,
+            window_bytes=window_bytes,
+            local_beside=local_beside,
+        )
 
     def lower_bound_s(self, cluster: Cluster | None = None) -> float:
         """The fluid lower bound of any plan of this reshard on ``cluster`` (see ``reshard.ir.cost``)."""

@@ -67,25 +67,54 @@ def _check_version(kind: str, obj) -> list:
 
 def encode_plan(plan: ReshardPlan) -> bytes:
     body = [
-        list(plan.shape), plan.dtype, _layout_obj(plan.src), _layout_obj(plan.dst), plan.strategy,
-        [[[list(iv) for iv in t.box], list(t.senders), list(t.receivers), t.size_bytes,
-          [list(c) for c in t.contributions]] for t in plan.tasks],
-        [[int(t.kind), [list(iv) for iv in t.box], t.src, list(t.dsts), t.task, t.reduce,
-          None if t.read is None else int(t.read), int(t.write)] for t in plan.transfers],
+        list(plan.shape),
+        plan.dtype,
+        _layout_obj(plan.src),
+        _layout_obj(plan.dst),
+        plan.strategy,
+        [
+            [
+                [list(iv) for iv in t.box],
+                list(t.senders),
+                list(t.receivers),
+                t.size_bytes,
+                [list(c) for c in t.contributions],
+            ]
+            for t in plan.tasks
+        ],
+        [
+            [
+                int(t.kind),
+                [list(iv) for iv in t.box],
+                t.src,
+                list(t.dsts),
+                t.task,
+                t.reduce,
+                None if t.read is None else int(t.read),
+                int(t.write),
+            ]
+            for t in plan.transfers
+        ],
         [list(pair) for pair in plan.hosts],
-    ]  # fmt: skip
+    ]
     return msgpack.packb(["plan", SCHEMA_VERSION, body])
 
 
 def decode_plan(data: bytes) -> ReshardPlan:
     shape, dtype, src, dst, strategy, tasks, transfers, hosts = _check_version("plan", msgpack.unpackb(data))
     return ReshardPlan(
-        tuple(shape), dtype, _layout(src), _layout(dst), strategy,
+        tuple(shape),
+        dtype,
+        _layout(src),
+        _layout(dst),
+        strategy,
         tuple(UnitTask(_box(b), tuple(s), tuple(r), n, tuple(tuple(c) for c in cs)) for b, s, r, n, cs in tasks),
-        tuple(Transfer(TransferKind(k), _box(b), s, tuple(d), i, red, None if rd is None else Buffer(rd), Buffer(wr))
-              for k, b, s, d, i, red, rd, wr in transfers),
+        tuple(
+            Transfer(TransferKind(k), _box(b), s, tuple(d), i, red, None if rd is None else Buffer(rd), Buffer(wr))
+            for k, b, s, d, i, red, rd, wr in transfers
+        ),
         tuple((d, h) for d, h in hosts),
-    )  # fmt: skip
+    )
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -139,19 +168,35 @@ def _list(s):
 
 def device_program_to_obj(p: DeviceProgram) -> list:
     return [
-        p.device, _list(p.src_shape), _list(p.dst_shape),
-        [op_to_obj(op) for op in p.ops], p.staging_bytes, [list(g) for g in p.connect], list(p.windows),
-        [op_to_obj(op) for op in p.background], p.tmp, p.zero_dst, [[h, list(s)] for h, s in p.relays],
-    ]  # fmt: skip
+        p.device,
+        _list(p.src_shape),
+        _list(p.dst_shape),
+        [op_to_obj(op) for op in p.ops],
+        p.staging_bytes,
+        [list(g) for g in p.connect],
+        list(p.windows),
+        [op_to_obj(op) for op in p.background],
+        p.tmp,
+        p.zero_dst,
+        [[h, list(s)] for h, s in p.relays],
+    ]
 
 
 def device_program_from_obj(obj) -> DeviceProgram:
     device, src, dst, ops, staging, connect, windows, background, tmp, zero_dst, relays = obj
     return DeviceProgram(
-        device, _shape(src), _shape(dst), tuple(op_from_obj(o) for o in ops), staging,
-        tuple(tuple(g) for g in connect), tuple(windows), tuple(op_from_obj(o) for o in background), tmp, zero_dst,
+        device,
+        _shape(src),
+        _shape(dst),
+        tuple(op_from_obj(o) for o in ops),
+        staging,
+        tuple(tuple(g) for g in connect),
+        tuple(windows),
+        tuple(op_from_obj(o) for o in background),
+        tmp,
+        zero_dst,
         tuple((h, tuple(s)) for h, s in relays),
-    )  # fmt: skip
+    )
 
 
 def encode_device_program(program: DeviceProgram, dtype: str) -> bytes:
@@ -188,26 +233,41 @@ def _bucket(obj) -> Bucket:
 def _meta_obj(meta: dict | None) -> list | None:
     if meta is None:
         return None
-    return [list(meta["shape"]), [_placement_obj(p) for p in meta["placements"]], list(meta["mesh_shape"]),
-            list(meta["coordinate"])]  # fmt: skip
+    return [
+        list(meta["shape"]),
+        [_placement_obj(p) for p in meta["placements"]],
+        list(meta["mesh_shape"]),
+        list(meta["coordinate"]),
+    ]
 
 
 def _meta(obj) -> dict | None:
     if obj is None:
         return None
     shape, placements, mesh_shape, coordinate = obj
-    return {"shape": tuple(shape), "placements": tuple(_placement(p) for p in placements),
-            "mesh_shape": tuple(mesh_shape), "coordinate": tuple(coordinate)}  # fmt: skip
+    return {
+        "shape": tuple(shape),
+        "placements": tuple(_placement(p) for p in placements),
+        "mesh_shape": tuple(mesh_shape),
+        "coordinate": tuple(coordinate),
+    }
 
 
 def encode_batch_device_program(program: BatchDeviceProgram, metas: dict[int, dict] | None = None) -> bytes:
     """One device's part of a batch, with ``metas[tensor]``: what its destination shard of that
     tensor is a shard of (global ``shape``, ``placements``, ``mesh_shape``, ``coordinate``)."""
     metas = metas or {}
-    parts = [[p.tensor, p.dtype, device_program_to_obj(p.program), _meta_obj(metas.get(p.tensor))]
-             for p in program.parts]  # fmt: skip
-    body = [program.device, parts, [_bucket_obj(b) for b in program.buckets], list(program.windows),
-            program.staging_bytes, [list(g) for g in program.connect]]  # fmt: skip
+    parts = [
+        [p.tensor, p.dtype, device_program_to_obj(p.program), _meta_obj(metas.get(p.tensor))] for p in program.parts
+    ]
+    body = [
+        program.device,
+        parts,
+        [_bucket_obj(b) for b in program.buckets],
+        list(program.windows),
+        program.staging_bytes,
+        [list(g) for g in program.connect],
+    ]
     return msgpack.packb(["batch_device_program", SCHEMA_VERSION, body])
 
 
@@ -216,7 +276,11 @@ def decode_batch_device_program(data: bytes) -> tuple[BatchDeviceProgram, dict[i
     device, parts, buckets, windows, staging, connect = _check_version("batch_device_program", msgpack.unpackb(data))
     metas = {t: m for t, _, _, obj in parts if (m := _meta(obj)) is not None}
     program = BatchDeviceProgram(
-        device, tuple(Part(t, dtype, device_program_from_obj(obj)) for t, dtype, obj, _ in parts),
-        tuple(_bucket(b) for b in buckets), tuple(windows), staging, tuple(tuple(g) for g in connect),
-    )  # fmt: skip
+        device,
+        tuple(Part(t, dtype, device_program_from_obj(obj)) for t, dtype, obj, _ in parts),
+        tuple(_bucket(b) for b in buckets),
+        tuple(windows),
+        staging,
+        tuple(tuple(g) for g in connect),
+    )
     return program, metas

@@ -42,8 +42,9 @@ class CompileTarget:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"CompileTarget({self.backend!r}).{name} must be a positive int, got {value!r}")
         if not isinstance(self.device_type, str) or not self.device_type:
-            raise ValueError(f"CompileTarget({self.backend!r}).device_type must name a device type, got "
-                             f"{self.device_type!r}")  # fmt: skip
+            raise ValueError(
+                f"CompileTarget({self.backend!r}).device_type must name a device type, got {self.device_type!r}"
+            )
 
     @property
     def copies_beside_messages(self) -> bool:

@@ -49,8 +49,12 @@ class CompileOptions:
         """How ``target``'s devices run their programs: messages in its windows, and local copies
         beside them only where its devices copy on a helper thread (CPUs)."""
         overlap = OVERLAP_COPY_BYTES if target.copies_beside_messages else None
-        return cls(overlap_copy_bytes=overlap, window_ops=target.window_ops, window_bytes=target.window_bytes,
-                   window_staging_bytes=target.window_staging_bytes)  # fmt: skip
+        return cls(
+            overlap_copy_bytes=overlap,
+            window_ops=target.window_ops,
+            window_bytes=target.window_bytes,
+            window_staging_bytes=target.window_staging_bytes,
+        )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -91,9 +95,12 @@ class CompiledReshard:
         (``ReshardPlan.simulate``)."""
         options = self.options
         return self.plan.simulate(
-            cluster, pulled=self.pulled, window=options.window_ops, window_bytes=options.window_bytes,
+            cluster,
+            pulled=self.pulled,
+            window=options.window_ops,
+            window_bytes=options.window_bytes,
             local_beside=options.overlap_copy_bytes is not None,
-        )  # fmt: skip
+        )
 
 
 def compile_reshard(
@@ -126,9 +133,14 @@ def compile_reshard(
 def _compile(shape, dtype, src, dst, strategy, cluster, domains, publishers, options, hosts=None) -> CompiledReshard:
     domain_of = dict(domains)
     plan = plan_reshard(
-        shape, dtype, src, dst, strategy=strategy, cluster=cluster,
+        shape,
+        dtype,
+        src,
+        dst,
+        strategy=strategy,
+        cluster=cluster,
         hosts=planning_hosts(src, dst, domain_of) if hosts is None else dict(hosts),
-    )  # fmt: skip
+    )
     validate_plan(plan)
     program = lower_plan(plan)
     validate_program(program)
@@ -144,9 +156,16 @@ def _compile(shape, dtype, src, dst, strategy, cluster, domains, publishers, opt
     participants = tuple(p.device for p in program.devices if p.ops or p.background or p.dst_shape is not None)
     blobs = {d: encode_device_program(program.for_device(d), program.dtype) for d in participants}
     return CompiledReshard(
-        plan, program, blobs, participants, program.groups, program.pull_sources, program.relay_sources, domains,
+        plan,
+        program,
+        blobs,
+        participants,
+        program.groups,
+        program.pull_sources,
+        program.relay_sources,
+        domains,
         options,
-    )  # fmt: skip
+    )
 
 
 def planning_hosts(src: Layout, dst: Layout, domain_of: Mapping[int, Hashable]) -> dict[int, int] | None:
@@ -239,16 +258,21 @@ def _compile_batch(items, strategy, cluster, options, bucket_bytes) -> CompiledB
     for c in singles:
         hosts.update(c.plan.host_map)
     batch = pack_batch(
-        [c.program for c in singles], bucket_bytes=bucket_bytes, window_ops=options.window_ops,
-        window_bytes=options.window_bytes, window_staging_bytes=options.window_staging_bytes, hosts=hosts,
-    )  # fmt: skip
+        [c.program for c in singles],
+        bucket_bytes=bucket_bytes,
+        window_ops=options.window_ops,
+        window_bytes=options.window_bytes,
+        window_staging_bytes=options.window_staging_bytes,
+        hosts=hosts,
+    )
     validate_batch(batch)
     metas = [shard_meta(i.dst, i.shape) for i in items]
     blobs = {
-        p.device: encode_batch_device_program(p, {part.tensor: metas[part.tensor][p.device] for part in p.parts
-                                                  if part.program.dst_shape is not None})
+        p.device: encode_batch_device_program(
+            p, {part.tensor: metas[part.tensor][p.device] for part in p.parts if part.program.dst_shape is not None}
+        )
         for p in batch.devices
-    }  # fmt: skip
+    }
     pulls: dict[int, dict[int, tuple[int, ...]]] = {}
     relays: dict[int, set[int]] = {}
     for t, c in enumerate(singles):
@@ -257,15 +281,25 @@ def _compile_batch(items, strategy, cluster, options, bucket_bytes) -> CompiledB
         for d, holders in c.relay_sources.items():
             relays.setdefault(d, set()).update(holders)
     return CompiledBatch(
-        singles, batch, blobs, tuple(p.device for p in batch.devices), batch.groups, pulls,
-        {d: tuple(sorted(h)) for d, h in relays.items()}, bucket_bytes,
-    )  # fmt: skip
+        singles,
+        batch,
+        blobs,
+        tuple(p.device for p in batch.devices),
+        batch.groups,
+        pulls,
+        {d: tuple(sorted(h)) for d, h in relays.items()},
+        bucket_bytes,
+    )
 
 
 def shard_meta(layout: Layout, shape) -> dict[int, dict]:
     """Per destination device, what its shard is a shard of (kept with the shard, for DTensor)."""
     return {
-        d: {"shape": tuple(shape), "placements": layout.placements, "mesh_shape": layout.mesh.shape,
-            "coordinate": layout.mesh.coords(flat)}
+        d: {
+            "shape": tuple(shape),
+            "placements": layout.placements,
+            "mesh_shape": layout.mesh.shape,
+            "coordinate": layout.mesh.coords(flat),
+        }
         for flat, d in enumerate(layout.mesh.device_ids)
-    }  # fmt: skip
+    }

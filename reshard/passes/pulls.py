@@ -86,8 +86,18 @@ def to_pulls(
                 box = op_box(root)
                 if root.buffer is Buffer.DST:
                     relays[holder] = _shape(dst_shapes[holder], holder)
-                    ops.append(Pull(op.step, holder, box, op_box(op), target, getattr(op, "reduce", None),
-                                    Buffer.DST, after[op.step]))  # fmt: skip
+                    ops.append(
+                        Pull(
+                            op.step,
+                            holder,
+                            box,
+                            op_box(op),
+                            target,
+                            getattr(op, "reduce", None),
+                            Buffer.DST,
+                            after[op.step],
+                        )
+                    )
                 else:
                     ops.append(Pull(op.step, holder, box, op_box(op), target, getattr(op, "reduce", None)))
         staging = max(

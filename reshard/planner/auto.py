@@ -108,12 +108,24 @@ def choose(problem: Problem) -> tuple[Candidate, list[Candidate]]:
         seen.add(transfers)
         budget -= len(transfers)
         sim = simulate_transfers(
-            sim_transfers(transfers, problem.itemsize, src_regions=regions), problem.hosts, problem.cluster,
-            window=window, window_bytes=WINDOW_BYTES, local_beside=beside,
-        )  # fmt: skip
+            sim_transfers(transfers, problem.itemsize, src_regions=regions),
+            problem.hosts,
+            problem.cluster,
+            window=window,
+            window_bytes=WINDOW_BYTES,
+            local_beside=beside,
+        )
         evaluated.append(Candidate(name, transfers, sim.makespan_s))
-    best = min(evaluated, key=lambda c: (_makespan(c), _busiest(c.transfers), not c.name.endswith(DUPLEX),
-                                         _groups(c.transfers), len(c.transfers)))  # fmt: skip
+    best = min(
+        evaluated,
+        key=lambda c: (
+            _makespan(c),
+            _busiest(c.transfers),
+            not c.name.endswith(DUPLEX),
+            _groups(c.transfers),
+            len(c.transfers),
+        ),
+    )
     return best, evaluated
 
 

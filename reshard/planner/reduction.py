@@ -86,8 +86,11 @@ def plan_reductions(problem: Problem, op: ReduceOp) -> tuple[tuple[Transfer, ...
             leader = group[0]
             local.append(Transfer(TransferKind.COPY, task.box, leader, (leader,), i, read=Buffer.SRC, write=Buffer.TMP))
             for src in group[1:]:
-                local.append(Transfer(TransferKind.SEND, task.box, src, (leader,), i, reduce=True, read=Buffer.SRC,
-                                      write=Buffer.TMP))  # fmt: skip
+                local.append(
+                    Transfer(
+                        TransferKind.SEND, task.box, src, (leader,), i, reduce=True, read=Buffer.SRC, write=Buffer.TMP
+                    )
+                )
             into_root(leader, Buffer.TMP, crossing)
         if op is ReduceOp.AVG:
             scaling.append(Transfer(TransferKind.SCALE, task.box, root, (root,), i))

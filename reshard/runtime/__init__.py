@@ -20,14 +20,21 @@ from reshard.runtime.device.current import current_device
 #: actor never loads the driver, a driver that only creates meshes and reshards never loads the
 #: executor.
 _LAZY = {
-    "runtime": "reshard.runtime.driver.controller", "adopt": "reshard.runtime.driver.loading",
-    "distribute": "reshard.runtime.driver.loading", "DeviceMesh": "reshard.runtime.driver.mesh",
-    "probe_links": "reshard.runtime.driver.probe", "compile_options": "reshard.runtime.driver.resharding",
-    "lowered_batch": "reshard.runtime.driver.resharding", "lowered_reshard": "reshard.runtime.driver.resharding",
-    "reshard": "reshard.runtime.driver.resharding", "ShardedTensor": "reshard.runtime.driver.tensor",
-    "free": "reshard.runtime.driver.tensor", "Work": "reshard.runtime.driver.work",
-    "DeviceRole": "reshard.runtime.device.actor", "DeviceContext": "reshard.runtime.device.actor",
-}  # fmt: skip
+    "runtime": "reshard.runtime.driver.controller",
+    "adopt": "reshard.runtime.driver.loading",
+    "distribute": "reshard.runtime.driver.loading",
+    "DeviceMesh": "reshard.runtime.driver.mesh",
+    "probe_links": "reshard.runtime.driver.probe",
+    "compile_options": "reshard.runtime.driver.resharding",
+    "lowered_batch": "reshard.runtime.driver.resharding",
+    "lowered_reshard": "reshard.runtime.driver.resharding",
+    "reshard": "reshard.runtime.driver.resharding",
+    "ShardedTensor": "reshard.runtime.driver.tensor",
+    "free": "reshard.runtime.driver.tensor",
+    "Work": "reshard.runtime.driver.work",
+    "DeviceRole": "reshard.runtime.device.actor",
+    "DeviceContext": "reshard.runtime.device.actor",
+}
 
 
 def __getattr__(name):
@@ -77,8 +84,29 @@ def runtime_stats() -> dict:
 
 
 __all__ = [
-    "BACKENDS", "Backend", "Communicator", "Deadline", "DeviceContext", "DeviceMesh", "DeviceRole", "Rendezvous",
-    "ShardedTensor", "Work", "adopt", "compile_options", "current_device", "device_of", "distribute",
-    "ensure_groups", "free", "lowered_batch", "lowered_reshard", "probe_links", "register_backend", "reshard",
-    "runtime", "runtime_stats", "settle",
-]  # fmt: skip
+    "BACKENDS",
+    "Backend",
+    "Communicator",
+    "Deadline",
+    "DeviceContext",
+    "DeviceMesh",
+    "DeviceRole",
+    "Rendezvous",
+    "ShardedTensor",
+    "Work",
+    "adopt",
+    "compile_options",
+    "current_device",
+    "device_of",
+    "distribute",
+    "ensure_groups",
+    "free",
+    "lowered_batch",
+    "lowered_reshard",
+    "probe_links",
+    "register_backend",
+    "reshard",
+    "runtime",
+    "runtime_stats",
+    "settle",
+]

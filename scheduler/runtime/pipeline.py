@@ -71,8 +71,18 @@ class PipelineError(ReshardError):
     ran past the iteration deadline), "transfer", "timeout" or "internal"; ``remote_traceback`` is
     the actor-side traceback; ``errors`` lists every worker's report."""
 
-    def __init__(self, message: str, *, kind: ErrorKind = ErrorKind.INTERNAL, stage=None, device=None, microbatch=None,
-                 phase=None, remote_traceback: str = "", errors: Sequence[dict] = ()):  # fmt: skip
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: ErrorKind = ErrorKind.INTERNAL,
+        stage=None,
+        device=None,
+        microbatch=None,
+        phase=None,
+        remote_traceback: str = "",
+        errors: Sequence[dict] = (),
+    ):
         super().__init__(message)
         self.kind, self.stage, self.device = kind, stage, device
         self.microbatch, self.phase = microbatch, phase
@@ -141,8 +151,9 @@ class Pipeline:
     meshes' backend, as between machines.
     """
 
-    def __init__(self, stages: Sequence[Stage], *, strategy: str = "auto", timeout_s: float = 120.0,
-                 shared_memory: bool = True):  # fmt: skip
+    def __init__(
+        self, stages: Sequence[Stage], *, strategy: str = "auto", timeout_s: float = 120.0, shared_memory: bool = True
+    ):
         stages = list(stages)
         if not stages:
             raise ValueError("a pipeline needs at least one stage, got 0")
@@ -179,9 +190,11 @@ class Pipeline:
         self._lane_programs = self._lower_lanes()
         # the lanes whose transfers are NCCL kernels on GPUs (``scheduler.runtime.worker``)
         self.kernel_lanes = frozenset(
-            lane for lane in self._lane_programs if lane not in self.pull_lanes
+            lane
+            for lane in self._lane_programs
+            if lane not in self.pull_lanes
             and getattr(BACKENDS.get(self.stages[lane[1]].mesh.backend), "device_type", "cpu") == "cuda"
-        )  # fmt: skip
+        )
         self._iterations = 0
         self._keys: list = []  # the pipeline's communicator keys, pinned while it lives
         self._installed = False
@@ -213,14 +226,22 @@ class Pipeline:
                 ((b, a), (dst.in_shape, in_layout, out_layout)),
             ):
                 compiled = compile_reshard(
-                    shape, src.dtype, s_layout, d_layout, strategy=self.strategy, cluster=pulled or cluster,
-                    domains=domains, publishers=(), options=options,
-                )  # fmt: skip
+                    shape,
+                    src.dtype,
+                    s_layout,
+                    d_layout,
+                    strategy=self.strategy,
+                    cluster=pulled or cluster,
+                    domains=domains,
+                    publishers=(),
+                    options=options,
+                )
                 if domains and not compiled.program.groups:  # every transfer became a pull
                     self.pull_lanes.add(lane)
                 elif domains:
-                    compiled = compile_reshard(shape, src.dtype, s_layout, d_layout, strategy=self.strategy,
-                                               cluster=cluster, options=options)  # fmt: skip
+                    compiled = compile_reshard(
+                        shape, src.dtype, s_layout, d_layout, strategy=self.strategy, cluster=cluster, options=options
+                    )
                 out[lane] = compiled.program
         return out
 
@@ -247,8 +268,11 @@ class Pipeline:
         flat = mesh.device_ids.index(device)
         in_local = local_shape(stage.in_layout, stage.in_shape, flat)
         out_local = local_shape(stage.out_layout, stage.out_shape, flat)
-        mine = {lane: encode_device_program(prog.for_device(device), stage.dtype)
-                for lane, prog in self._lane_programs.items() if s in lane}  # fmt: skip
+        mine = {
+            lane: encode_device_program(prog.for_device(device), stage.dtype)
+            for lane, prog in self._lane_programs.items()
+            if s in lane
+        }
         send = {lane: blob for lane, blob in mine.items() if lane[0] == s}
         recv = {lane: blob for lane, blob in mine.items() if lane[1] == s}
         channels = {lane: self.channel("lane", lane) for lane in (*send, *recv)}
@@ -257,17 +281,32 @@ class Pipeline:
             sources = self._lane_programs[lane].pull_sources  # receiver -> the devices it pulls from
             pull_peers[lane] = (
                 tuple(r for r, holders in sorted(sources.items()) if device in holders)
-                if lane[0] == s else tuple(sources.get(device, ()))
-            )  # fmt: skip
+                if lane[0] == s
+                else tuple(sources.get(device, ()))
+            )
         return WorkerSpec(
-            pipeline_id=self.pipeline_id, stage=s, n_stages=self.n_stages, device=device,
-            coords=mesh.coords(flat), mesh_shape=mesh.shape, mesh_devices=mesh.device_ids,
-            forward=stage.forward, backward=stage.backward, setup=stage.setup, dtype=stage.dtype,
-            in_local_shape=in_local, out_local_shape=out_local, send_programs=send, recv_programs=recv,
-            timeout_s=self.timeout_s, name=stage.name, lane_channels=channels,
-            stage_channel=self.channel("stage", s), pull_peers=pull_peers,
+            pipeline_id=self.pipeline_id,
+            stage=s,
+            n_stages=self.n_stages,
+            device=device,
+            coords=mesh.coords(flat),
+            mesh_shape=mesh.shape,
+            mesh_devices=mesh.device_ids,
+            forward=stage.forward,
+            backward=stage.backward,
+            setup=stage.setup,
+            dtype=stage.dtype,
+            in_local_shape=in_local,
+            out_local_shape=out_local,
+            send_programs=send,
+            recv_programs=recv,
+            timeout_s=self.timeout_s,
+            name=stage.name,
+            lane_channels=channels,
+            stage_channel=self.channel("stage", s),
+            pull_peers=pull_peers,
             kernel_lanes=self.kernel_lanes & {*send, *recv},
-        )  # fmt: skip
+        )
 
     def _connect_order(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every communicator of this pipeline as a group key ``(channel, devices)``, in one
@@ -289,9 +328,10 @@ class Pipeline:
                 for flat in range(mesh.size):
                     coords = mesh.coords(flat)
                     members = [
-                        d for f, d in enumerate(mesh.device_ids)
+                        d
+                        for f, d in enumerate(mesh.device_ids)
                         if all(c == o for a, (c, o) in enumerate(zip(mesh.coords(f), coords, strict=True)) if a != axis)
-                    ]  # fmt: skip
+                    ]
                     if len(members) > 1:
                         gs.add(tuple(sorted(members)))
             groups[s] = sorted(gs)
@@ -335,12 +375,22 @@ class Pipeline:
             self._keys = rt.ensure_keys(self._connect_order(), timeout_s=self.timeout_s, pin=True)
             self._connected = True
         if not self._installed:
-            infos = self._call(self.devices, _install, lambda d: (self._worker_spec(d),), self.timeout_s,
-                               "setting up the stage workers (setup callables)")  # fmt: skip
+            infos = self._call(
+                self.devices,
+                _install,
+                lambda d: (self._worker_spec(d),),
+                self.timeout_s,
+                "setting up the stage workers (setup callables)",
+            )
             if self.pull_lanes:
                 by_device = {d: info for d, info in zip(self.devices, infos, strict=True) if info is not None}
-                self._call(self.devices, _connect_pulls, lambda d: (self.pipeline_id, by_device), self.timeout_s,
-                           "mapping the pull lanes' boards and rings")  # fmt: skip
+                self._call(
+                    self.devices,
+                    _connect_pulls,
+                    lambda d: (self.pipeline_id, by_device),
+                    self.timeout_s,
+                    "mapping the pull lanes' boards and rings",
+                )
             self._installed = True
 
     def _call(self, devices, fn, args_of, timeout_s: float, what: str):
@@ -403,8 +453,14 @@ class Pipeline:
         def spec(d):
             s = self.stage_of[d]
             last = s == self.n_stages - 1
-            iteration = IterationSpec(plan.stages[s], bool(overlap), per_device_inputs.get(d),
-                                      targets if last else None, timeout_s, self._iterations)  # fmt: skip
+            iteration = IterationSpec(
+                plan.stages[s],
+                bool(overlap),
+                per_device_inputs.get(d),
+                targets if last else None,
+                timeout_s,
+                self._iterations,
+            )
             return self.pipeline_id, iteration
 
         self._iterations += 1
@@ -477,9 +533,14 @@ class Pipeline:
             err = _as_error(errors)
             return PipelineTimeout(
                 f"{err} (and the iteration did not drain within {timeout_s:g} s: {where})",
-                kind=err.kind, stage=err.stage, device=err.device, microbatch=err.microbatch,
-                phase=err.phase, remote_traceback=err.remote_traceback, errors=errors,
-            )  # fmt: skip
+                kind=err.kind,
+                stage=err.stage,
+                device=err.device,
+                microbatch=err.microbatch,
+                phase=err.phase,
+                remote_traceback=err.remote_traceback,
+                errors=errors,
+            )
         return PipelineTimeout(
             f"pipeline iteration did not finish within {timeout_s:g} s; still running: {where}",
             kind=ErrorKind.TIMEOUT,
@@ -560,8 +621,13 @@ class Pipeline:
         self._ensure_installed()
         chosen = range(self.n_stages) if stages is None else list(stages)
         devices = [d for s in chosen for d in self.meshes[s].device_ids]
-        values = dict(zip(devices, self._call(devices, _apply, lambda d: (self.pipeline_id, fn, args),
-                                               self.timeout_s, "apply"), strict=True))  # fmt: skip
+        values = dict(
+            zip(
+                devices,
+                self._call(devices, _apply, lambda d: (self.pipeline_id, fn, args), self.timeout_s, "apply"),
+                strict=True,
+            )
+        )
         return [[values[d] for d in self.meshes[s].device_ids] for s in chosen]
 
     def close(self) -> None:
@@ -604,9 +670,11 @@ def _as_error(errors: Sequence[dict]) -> PipelineError:
     if root["microbatch"] is not None:
         where += f" {phase} of microbatch {root['microbatch']}"
     what = {
-        ErrorKind.USER: "raised", ErrorKind.SLOW: "timed out:", ErrorKind.TRANSFER: "transfer failed:",
+        ErrorKind.USER: "raised",
+        ErrorKind.SLOW: "timed out:",
+        ErrorKind.TRANSFER: "transfer failed:",
         ErrorKind.TIMEOUT: "timed out:",
-    }.get(ErrorKind(root["kind"]), "failed:")  # fmt: skip
+    }.get(ErrorKind(root["kind"]), "failed:")
     extra = f" [{root['transfer']}]" if "transfer" in root else ""
     message = f"{where}{extra} {what} {root['type']}: {root['message']}"
     if len(errors) > 1:

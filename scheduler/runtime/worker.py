@@ -176,10 +176,11 @@ class StageWorker:
             for lane, blob in blobs.items()
         }
         self.runners = {
-            (lane, role): device_ctx.runner(program, spec.dtype, channel=spec.lane_channels[lane],
-                                            staging_keep_bytes=LANE_STAGING_KEEP_BYTES)
+            (lane, role): device_ctx.runner(
+                program, spec.dtype, channel=spec.lane_channels[lane], staging_keep_bytes=LANE_STAGING_KEEP_BYTES
+            )
             for (lane, role), program in self.programs.items()
-        }  # fmt: skip
+        }
         pulls = [(lane, role) for lane, role in self.programs if lane in spec.pull_peers]
         self.board = LaneBoard(device_ctx, [(lane, role.value) for lane, role in pulls]) if pulls else None
         self.rings: dict[Lane, SendRing] = {}
@@ -187,8 +188,9 @@ class StageWorker:
             shape = self.programs[(lane, role)].src_shape
             if role is Role.SEND and spec.pull_peers[lane] and shape is not None:
                 self.rings[lane] = SendRing(device_ctx, shape, spec.dtype)
-        self.ring_tensors = {lane: [torch.from_numpy(s).view(self.dtype) for s in ring.slots]
-                             for lane, ring in self.rings.items()}  # fmt: skip
+        self.ring_tensors = {
+            lane: [torch.from_numpy(s).view(self.dtype) for s in ring.slots] for lane, ring in self.rings.items()
+        }
         self.peer_cells: dict[tuple[Lane, Role], list[PeerCell]] = {}
         self.peer_rings: dict[Lane, dict[int, list]] = {}
         self.lanes: dict[tuple[Lane, str], _LaneThread] = {}
@@ -211,8 +213,11 @@ class StageWorker:
         """What peers need to map this worker's pull lanes: its board, its cells, its rings."""
         if self.board is None:
             return None
-        return {"board": self.board.handle, "cells": self.board.index,
-                "rings": {lane: ring.handles for lane, ring in self.rings.items()}}  # fmt: skip
+        return {
+            "board": self.board.handle,
+            "cells": self.board.index,
+            "rings": {lane: ring.handles for lane, ring in self.rings.items()},
+        }
 
     def connect_pulls(self, infos: dict[int, dict]) -> None:
         """Map the boards and rings of this worker's pull lane peers (``pull_info`` of each)."""
@@ -501,9 +506,17 @@ class StageWorker:
             slot.ready.set()
         if program.ops or pull:
             it.transfers.append(
-                {"payload": str(p), "phase": p.phase.value, "microbatch": p.microbatch, "src": p.src,
-                 "dst": p.dst, "role": role.value, "start": start, "end": end}
-            )  # fmt: skip
+                {
+                    "payload": str(p),
+                    "phase": p.phase.value,
+                    "microbatch": p.microbatch,
+                    "src": p.src,
+                    "dst": p.dst,
+                    "role": role.value,
+                    "start": start,
+                    "end": end,
+                }
+            )
             if role is Role.SEND:
                 it.events.append(("send", f"{p.phase.value}{p.microbatch}->{p.dst}", start, end))
             else:

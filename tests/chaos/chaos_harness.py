@@ -104,20 +104,30 @@ class Kind(enum.Enum):
 
 KILLS = (Fault.RAY_KILL, Fault.SIGKILL)
 COMBOS = (
-    (Fault.RAY_KILL, Phase.BEFORE), (Fault.RAY_KILL, Phase.DURING),
-    (Fault.SIGKILL, Phase.BEFORE), (Fault.SIGKILL, Phase.DURING),
-    (Fault.SIGSTOP, Phase.BEFORE), (Fault.SIGSTOP, Phase.DURING),
-    (Fault.ALLOC, Phase.BEFORE), (Fault.INTERRUPT, Phase.DURING),
-    (Fault.RAY_KILL, Phase.COMMIT), (Fault.SIGKILL, Phase.COMMIT), (Fault.SIGSTOP, Phase.COMMIT),
+    (Fault.RAY_KILL, Phase.BEFORE),
+    (Fault.RAY_KILL, Phase.DURING),
+    (Fault.SIGKILL, Phase.BEFORE),
+    (Fault.SIGKILL, Phase.DURING),
+    (Fault.SIGSTOP, Phase.BEFORE),
+    (Fault.SIGSTOP, Phase.DURING),
+    (Fault.ALLOC, Phase.BEFORE),
+    (Fault.INTERRUPT, Phase.DURING),
+    (Fault.RAY_KILL, Phase.COMMIT),
+    (Fault.SIGKILL, Phase.COMMIT),
+    (Fault.SIGSTOP, Phase.COMMIT),
     (Fault.INTERRUPT, Phase.COMMIT),
-)  # fmt: skip
+)
 TRANSPORTS = (True, False)  # shared_memory: pulls where possible / everything through gloo
 
 #: The timeout_s each kind of step runs with (a stopped device makes its step wait for the whole of it).
 TIMEOUT_S = {
-    Fault.NONE: 30.0, Fault.RAY_KILL: 20.0, Fault.SIGKILL: 20.0, Fault.SIGSTOP: 2.0, Fault.ALLOC: 10.0,
+    Fault.NONE: 30.0,
+    Fault.RAY_KILL: 20.0,
+    Fault.SIGKILL: 20.0,
+    Fault.SIGSTOP: 2.0,
+    Fault.ALLOC: 10.0,
     Fault.INTERRUPT: 20.0,
-}  # fmt: skip
+}
 DEVICE_NAMED = r"devices?(\(s\))? \[?\d"  # an error names a device by its number ("device 3", "device(s) [2]")
 HANG_S = 30.0  # a call still running this long after its timeout is a hang (whatever it ended with)
 TARGET_S = 2.0  # a failed call raises within its timeout plus this (the documented promise: asserted)
@@ -129,8 +139,17 @@ HOLD_S = 120.0  # how long a victim's hook holds when nobody releases it
 ALLOC_MARGIN_BYTES = 64 << 10  # address space left to a capped actor above what it maps
 ALLOC_MIN_BYTES = 4 << 20  # an ALLOC step moves a tensor this big at least (>= 1 MiB per device)
 DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
-ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1,
-            "uint8": 1, "bool": 1}  # fmt: skip
+ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 def gone(actor) -> None:
@@ -353,8 +372,9 @@ def first_line(err: BaseException) -> str:
 class Chaos:
     """A seeded chaos run over a pool of ``pool_size`` device actors (module docstring)."""
 
-    def __init__(self, seed: int, *, pool_size: int = 6, min_live: int = 4, max_tensors: int = 3,
-                 max_bytes: int = 4 << 20):  # fmt: skip
+    def __init__(
+        self, seed: int, *, pool_size: int = 6, min_live: int = 4, max_tensors: int = 3, max_bytes: int = 4 << 20
+    ):
         self.seed = seed
         self.rng = random.Random(seed)
         self.data_rng = np.random.default_rng(seed)
@@ -466,8 +486,9 @@ class Chaos:
 
     def _random_layout(self, mesh: DeviceMesh, ndim: int) -> Layout:
         rng = self.rng
-        return Layout(mesh, tuple(Replicate() if rng.random() < 0.35 else Shard(rng.randrange(ndim))
-                                  for _ in mesh.shape))  # fmt: skip
+        return Layout(
+            mesh, tuple(Replicate() if rng.random() < 0.35 else Shard(rng.randrange(ndim)) for _ in mesh.shape)
+        )
 
     def _new_tensor(self, pool, nbytes_min: int = 1) -> Held:
         shape, dtype = self._random_shape(nbytes_min)
@@ -530,9 +551,12 @@ class Chaos:
         )
 
         result, error, seconds, raised_at = self._call(
-            i, fault_at, kind is Kind.ASYNC, timeout_s,
+            i,
+            fault_at,
+            kind is Kind.ASYNC,
+            timeout_s,
             functools.partial(reshard, t, t.mesh, dst_layout, timeout_s=timeout_s, shared_memory=shared),
-        )  # fmt: skip
+        )
 
         outcome = "ok" if error is None else type(error).__name__
         message = "" if error is None else first_line(error)
@@ -546,8 +570,22 @@ class Chaos:
         if fault is not Fault.NONE:
             probe_s = self._probe(i, src, dst_layout, step_devices, shared)
         self._check_leaks(i)
-        self._record(i, kind.value, fault_at, shared, victim is not None and victim in compiled.participants, outcome,
-                     seconds, timeout_s, message, probe_s, raised_at, nbytes, dtype, began)  # fmt: skip
+        self._record(
+            i,
+            kind.value,
+            fault_at,
+            shared,
+            victim is not None and victim in compiled.participants,
+            outcome,
+            seconds,
+            timeout_s,
+            message,
+            probe_s,
+            raised_at,
+            nbytes,
+            dtype,
+            began,
+        )
 
     def sync_step(self, i: int, fault: Fault, phase: Phase | None, shared: bool) -> None:
         """The model synced whole from a new version on a random mesh (``reshard(..., out=)``,
@@ -574,10 +612,20 @@ class Chaos:
         as_work = rng.random() < 0.5
 
         _, error, seconds, raised_at = self._call(
-            i, fault_at, as_work, timeout_s,
-            functools.partial(reshard, src, src_mesh, lambda path, t: layouts[path], out=model.outs,
-                              timeout_s=timeout_s, shared_memory=shared),
-        )  # fmt: skip
+            i,
+            fault_at,
+            as_work,
+            timeout_s,
+            functools.partial(
+                reshard,
+                src,
+                src_mesh,
+                lambda path, t: layouts[path],
+                out=model.outs,
+                timeout_s=timeout_s,
+                shared_memory=shared,
+            ),
+        )
         self._check_raised(i, fault, error, seconds, timeout_s)
         self._quiet(i, step_devices, timeout_s)
         self._check_versions(i, fault, error, new)
@@ -597,9 +645,22 @@ class Chaos:
         self._check_leaks(i)
         nbytes = sum(a.nbytes for a in new.values())
         kind = Kind.SYNC.value + (", async_op" if as_work else "") + (", attached" if attached else "")
-        self._record(i, kind, fault_at, shared,
-                     victim is not None and victim in compiled.participants, outcome, seconds, timeout_s, message,
-                     probe_s, raised_at, nbytes, "tree", began)  # fmt: skip
+        self._record(
+            i,
+            kind,
+            fault_at,
+            shared,
+            victim is not None and victim in compiled.participants,
+            outcome,
+            seconds,
+            timeout_s,
+            message,
+            probe_s,
+            raised_at,
+            nbytes,
+            "tree",
+            began,
+        )
 
     def _call(self, i: int, at: FaultAt, as_work: bool, timeout_s: float, call) -> tuple:
         """``call(async_op=...)`` (the step's reshard; as a ``Work`` waited for when ``as_work``),
@@ -640,8 +701,9 @@ class Chaos:
             self._view([victim]).call(_arm, self.beacon, at.tag, hold_at)
         else:
             self._view([victim]).call(_arm_commit, self.beacon, at.tag)
-        at.injector = threading.Thread(target=self._inject_on_arrival, args=(fault, victim, at.tag, at.landed),
-                                       name="chaos-injector", daemon=True)  # fmt: skip
+        at.injector = threading.Thread(
+            target=self._inject_on_arrival, args=(fault, victim, at.tag, at.landed), name="chaos-injector", daemon=True
+        )
         at.injector.start()
         return at
 
@@ -666,17 +728,46 @@ class Chaos:
         for d in self._known_dead():
             self._bury(d, i, "died (noticed by the runtime)")
 
-    def _record(self, i, kind, at: FaultAt, shared, took_part, outcome, seconds, timeout_s, message, probe_s,
-                raised_at, nbytes, dtype, began) -> None:  # fmt: skip
+    def _record(
+        self,
+        i,
+        kind,
+        at: FaultAt,
+        shared,
+        took_part,
+        outcome,
+        seconds,
+        timeout_s,
+        message,
+        probe_s,
+        raised_at,
+        nbytes,
+        dtype,
+        began,
+    ) -> None:
         ray.get(self.beacon.forget.remote(at.tag))
         landed = at.landed.get("at")
         interrupt_s = raised_at - landed if at.fault is Fault.INTERRUPT and landed is not None else None
-        self.records.append(StepRecord(
-            i, at.fault.value, None if at.phase is None else at.phase.value, shared, took_part if at.victim is not None
-            else None, outcome, round(seconds, 4), timeout_s, message, probe_s,
-            None if interrupt_s is None else round(interrupt_s, 4), nbytes, dtype,
-            tuple(d for s, d, _ in self.deaths if s == i), round(time.monotonic() - began, 3), kind,
-        ))  # fmt: skip
+        self.records.append(
+            StepRecord(
+                i,
+                at.fault.value,
+                None if at.phase is None else at.phase.value,
+                shared,
+                took_part if at.victim is not None else None,
+                outcome,
+                round(seconds, 4),
+                timeout_s,
+                message,
+                probe_s,
+                None if interrupt_s is None else round(interrupt_s, 4),
+                nbytes,
+                dtype,
+                tuple(d for s, d, _ in self.deaths if s == i),
+                round(time.monotonic() - began, 3),
+                kind,
+            )
+        )
 
     def _victim(self, fault: Fault, phase: Phase | None, compiled, pool) -> int | None:
         rng = self.rng
@@ -747,9 +838,15 @@ class Chaos:
         """``_victim``'s choice for a model sync; at ``COMMIT``, a destination that writes an output."""
         if phase is not Phase.COMMIT:
             return self._victim(fault, phase, compiled, pool)
-        writers = [d for d in model.devices if any(
-            math.prod(hi - lo for lo, hi in box) for t in model.outs.values()
-            for box in [layout_regions(t.layout, t.shape)[model.devices.index(d)]])]  # fmt: skip
+        writers = [
+            d
+            for d in model.devices
+            if any(
+                math.prod(hi - lo for lo, hi in box)
+                for t in model.outs.values()
+                for box in [layout_regions(t.layout, t.shape)[model.devices.index(d)]]
+            )
+        ]
         return self.rng.choice(writers) if writers else None
 
     def _quiet(self, i: int, devices, timeout_s: float) -> None:
@@ -833,8 +930,14 @@ class Chaos:
         src = None
         try:
             src = distribute(new, Layout(src_mesh, (Replicate(),)), timeout_s=PROBE_TIMEOUT_S)
-            reshard(src, src_mesh, lambda path, t: layouts[path], out=model.outs, timeout_s=PROBE_TIMEOUT_S,
-                    shared_memory=shared)  # fmt: skip
+            reshard(
+                src,
+                src_mesh,
+                lambda path, t: layouts[path],
+                out=model.outs,
+                timeout_s=PROBE_TIMEOUT_S,
+                shared_memory=shared,
+            )
             seconds = time.monotonic() - t0
         except Exception as e:
             self._violate(i, "4: first retry succeeds (livelock)", first_line(e))
@@ -875,8 +978,11 @@ class Chaos:
             elif isinstance(error, ReshardError) and not re.search(DEVICE_NAMED, str(error)):
                 self._violate(i, "1: names a device", f"{fault.value}: {first_line(error)}")
             if isinstance(error, ReshardError) and seconds > timeout_s + TARGET_S:
-                self._violate(i, "1: within timeout_s + 2 s", f"{fault.value}: raised after {seconds:.2f}s, "
-                              f"timeout_s={timeout_s:g}: {first_line(error)}")  # fmt: skip
+                self._violate(
+                    i,
+                    "1: within timeout_s + 2 s",
+                    f"{fault.value}: raised after {seconds:.2f}s, timeout_s={timeout_s:g}: {first_line(error)}",
+                )
             if fault is Fault.NONE:
                 self._violate(i, "1: clean steps succeed", first_line(error))
 
@@ -959,8 +1065,9 @@ class Chaos:
     def _note_slow(self, i: int, devices, seconds: float) -> None:
         """What the devices did last, for a retry that took long (diagnostics, not an invariant)."""
         stats = self._view(sorted(devices)).stats(timeout_s=PROBE_TIMEOUT_S)
-        self.slow.append({"step": i, "probe_s": round(seconds, 3),
-                          "recent": {s["device"]: s["calls"]["recent"][-4:] for s in stats}})  # fmt: skip
+        self.slow.append(
+            {"step": i, "probe_s": round(seconds, 3), "recent": {s["device"]: s["calls"]["recent"][-4:] for s in stats}}
+        )
 
     def _check_leaks(self, i: int) -> None:
         """Invariant 3."""
@@ -1022,9 +1129,7 @@ class Chaos:
             times = [r.seconds for r in errors]
             by_kind[f.value] = {
                 "steps": len(recs),
-                "by_phase_transport": dict(
-                    Counter(f"{r.phase}/{'pull' if r.shared_memory else 'gloo'}" for r in recs)
-                ),  # fmt: skip
+                "by_phase_transport": dict(Counter(f"{r.phase}/{'pull' if r.shared_memory else 'gloo'}" for r in recs)),
                 "victim_took_part": sum(bool(r.victim_took_part) for r in recs),
                 "failed": len(errors),
                 "outcomes": dict(Counter(r.outcome for r in recs)),
@@ -1053,7 +1158,7 @@ class Chaos:
             "pool_replacements": self.replacements,
             "wall_s_by_kind": {
                 f.value: round(sum(r.step_s for r in self.records if r.fault == f.value), 1) for f in Fault
-            },  # fmt: skip
+            },
             "by_kind": by_kind,
             "slow_retries": self.slow,
         }
@@ -1073,8 +1178,17 @@ def _parts(compiled, device: int) -> tuple[int, int]:
 def _gist(message: str) -> str:
     """What kind of failure a message names, without its ids and numbers."""
     low = message.lower()
-    for key in ("did not complete", "allocate", "cannot allocate", "resource temporarily", "source shard",
-                "died", "aborted", "deadline", "closed"):  # fmt: skip
+    for key in (
+        "did not complete",
+        "allocate",
+        "cannot allocate",
+        "resource temporarily",
+        "source shard",
+        "died",
+        "aborted",
+        "deadline",
+        "closed",
+    ):
         if key in low:
             return key
     return "other"

@@ -86,9 +86,12 @@ def random_shapes(rng) -> dict:
 
 
 def random_layouts(rng, mesh, shapes: dict) -> dict:
-    return {name: Layout(mesh, tuple(Replicate() if rng.random() < 0.3 else Shard(rng.randrange(len(shape)))
-                                     for _ in mesh.shape))
-            for name, (shape, _) in shapes.items()}  # fmt: skip
+    return {
+        name: Layout(
+            mesh, tuple(Replicate() if rng.random() < 0.3 else Shard(rng.randrange(len(shape))) for _ in mesh.shape)
+        )
+        for name, (shape, _) in shapes.items()
+    }
 
 
 def build(rng, data_rng, mesh, timeout_s: float) -> Model:

@@ -159,8 +159,15 @@ def test_caller_kills_at_commit_time_never_split_a_model(ray_cluster):
                 violations.append(f"step {step} ({point.value}): versions {sorted(seen)}, before {current}")
             elif point is Point.NONE and not landed:
                 violations.append(f"step {step}: a sync nobody killed did not land (versions {sorted(seen)})")
-            records.append({"step": step, "point": point.value, "holder": holder, "landed": landed,
-                            "seconds": time.monotonic() - t0})  # fmt: skip
+            records.append(
+                {
+                    "step": step,
+                    "point": point.value,
+                    "holder": holder,
+                    "landed": landed,
+                    "seconds": time.monotonic() - t0,
+                }
+            )
             if os.environ.get("RESHARD_CHAOS_VERBOSE"):
                 print(records[-1], flush=True)
             current = version if landed else current
@@ -174,11 +181,14 @@ def test_caller_kills_at_commit_time_never_split_a_model(ray_cluster):
         b.shutdown()
     kills = sum(r["point"] != Point.NONE.value for r in records)
     summary = {
-        "steps": len(records), "caller_kills": kills,
+        "steps": len(records),
+        "caller_kills": kills,
         "commit_time_faults": sum(r["point"] in {p.value for p in AT_COMMIT} for r in records),
-        "landed": sum(r["landed"] for r in records), "violations": violations, "seed": SEED,
+        "landed": sum(r["landed"] for r in records),
+        "violations": violations,
+        "seed": SEED,
         "max_step_s": max((r["seconds"] for r in records), default=0.0),
-    }  # fmt: skip
+    }
     path = os.environ.get("RESHARD_COMMIT_CHAOS_REPORT")
     if path:
         with open(path, "w") as f:

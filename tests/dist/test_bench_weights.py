@@ -38,7 +38,7 @@ def test_bench_weights_smoke(pool, tmp_path):
 
     out, figure = tmp_path / "weights.json", tmp_path / "weights.png"
     argv = ["--cases", "fsdp2-tp2", "--models", "gpt2", "--layers", "2", "--repeats", "1", "--out", str(out),
-            "--figure", str(figure)]  # fmt: skip
+            "--figure", str(figure)]
     rc = main(argv, pool=pool)
     data = json.loads(out.read_text())
     assert figure.stat().st_size > 0

@@ -34,7 +34,7 @@ def wire_bytes(batch) -> int:
 def test_a_tree_cast_by_its_senders(view):
     src, dst = view([0, 1], (2,)), view([2, 3], (2,))
     sd = {"w": random_array((16, 12), "float32", 1), "b": random_array((12,), "float32", 2),
-          "f64": random_array((8, 4), "float64", 3)}  # fmt: skip
+          "f64": random_array((8, 4), "float64", 3)}
     tree = distribute(sd, Layout(src, pl("S0")))
     to = Layout(dst, pl("S0"))
     for shared_memory in (True, False):
@@ -61,7 +61,7 @@ def test_a_cast_into_the_receivers_own_tensors(view):
     with pytest.raises(ValueError, match=r"out is float16\[10, 6\] but the reshard moves float32.*pass dtype="):
         reshard(t, src, Layout(dst, pl("R")), out=out)
     with pytest.raises(ValueError, match="casts between float64, float32, float16, bfloat16 only, not float32 -> "
-                                         r"float8_e4m3fn \(to float8 with a scale: dtype=reshard.Scaled"):  # fmt: skip
+                                         r"float8_e4m3fn \(to float8 with a scale: dtype=reshard.Scaled"):
         reshard(t, src, Layout(dst, pl("R")), dtype="float8_e4m3fn")
     with pytest.raises(ValueError, match="not float32 -> int32"):
         reshard(t, src, Layout(dst, pl("R")), dtype=np.int32)
@@ -95,15 +95,15 @@ def test_float8_with_a_scale_per_tensor_or_per_block_is_cast_by_its_senders(view
     src, dst = view([0, 1, 2], (3,)), view([3, 4], (2,))
     rng = np.random.default_rng(9)
     sd = {"w": (rng.standard_normal((10, 9)) * 300).astype(np.float32),  # some past float8's range: saturated
-          "bf": random_array((6, 8), "float32", 5), "b": random_array((9,), "float32", 6)}  # fmt: skip
+          "bf": random_array((6, 8), "float32", 5), "b": random_array((9,), "float32", 6)}
     tree = distribute(sd, Layout(src, pl("S0")))
     tree["bf"] = reshard(tree["bf"], src, Layout(src, pl("S1")), dtype="bfloat16")  # a bfloat16 source
     blocks = rng.uniform(0.5, 2.0, size=(3, 3)).astype(np.float32)  # ceil(10 / 4) x ceil(9 / 4)
     dtypes = {"w": Scaled("float8_e4m3fn", blocks, block=(4, 4)), "bf": Scaled(torch.float8_e5m2, 0.25),
-              "b": Scaled("float8_e4m3fn", np.float32(0.07))}  # fmt: skip
+              "b": Scaled("float8_e4m3fn", np.float32(0.07))}
     want = {"w": torch_scaled(sd["w"], blocks, (4, 4), torch.float8_e4m3fn),
             "bf": (tree["bf"].to_torch().float() / 0.25).to(torch.float8_e5m2),
-            "b": torch_scaled(sd["b"], np.float32(0.07), None, torch.float8_e4m3fn)}  # fmt: skip
+            "b": torch_scaled(sd["b"], np.float32(0.07), None, torch.float8_e4m3fn)}
     to = lambda path, t: Layout(dst, pl("S1") if path == "w" else pl("R"))  # noqa: E731
     for shared_memory in (True, False):
         got = reshard(tree, src, to, dtype=dtypes, shared_memory=shared_memory)
@@ -118,5 +118,5 @@ def test_float8_with_a_scale_per_tensor_or_per_block_is_cast_by_its_senders(view
     with pytest.raises(ValueError, match=r"out at 'w' is float8_e4m3fn\[10, 9\] but the reshard moves float32"):
         reshard({"w": tree["w"]}, src, to, out=out)
     with pytest.raises(ValueError, match=r"dtype for 'w': Scaled: a tensor of shape \[10, 9\] in blocks \[4, 4\] "
-                                         r"takes scales of shape \[3, 3\], got \[2, 2\]"):  # fmt: skip
+                                         r"takes scales of shape \[3, 3\], got \[2, 2\]"):
         reshard({"w": tree["w"]}, src, to, dtype={"w": Scaled("float8_e4m3fn", blocks[:2, :2], block=(4, 4))})

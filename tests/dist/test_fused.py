@@ -24,7 +24,7 @@ H, D, F = 8, 6, 10  # heads' rows of q, k, v; model width; MLP rows of gate and 
 def weights() -> dict:
     rng = np.random.default_rng(7)
     shapes = {"q": (H, D), "k": (H, D), "v": (H, D), "gate": (F, D), "up": (F, D), "c_q": (D, D), "c_k": (D, D),
-              "c_v": (D, D)}  # fmt: skip
+              "c_v": (D, D)}
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
@@ -54,7 +54,7 @@ class Worker(DeviceRole):
 
     def fused(self) -> dict:
         return {"qkv": self.qkv.numpy().copy(), "gate_up": self.gate_up.numpy().copy(),
-                "c_attn": self.c_attn.numpy().copy()}  # fmt: skip
+                "c_attn": self.c_attn.numpy().copy()}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_separate_tensors_land_in_regions_of_fused_ones(sides):
     w = weights()
     fsdp = Layout(t_mesh, (Shard(0),))
     names = ray.get([t.trainer.remote({k: np.array_split(v, 2)[r] for k, v in w.items()})
-                     for r, t in enumerate(trainers)], timeout=60)[0]  # fmt: skip
+                     for r, t in enumerate(trainers)], timeout=60)[0]
     tree = adopt(fsdp, names)
     ray.get([e.engine.remote(r, 2) for r, e in enumerate(engines)], timeout=60)
     tp, whole = Layout(e_mesh, (Shard(0),)), Layout(e_mesh, (Replicate(),))

@@ -150,7 +150,7 @@ def model_pipeline(pool):
               out_layout=Layout(m1, (Replicate(), Replicate())), dtype="float64"),
         Stage(m2, forward2, setup=partial(setup2, p=params), in_shape=(M, H),
               in_layout=Layout(m2, (Replicate(), Replicate())), dtype="float64"),
-    ]  # fmt: skip
+    ]
     pipe = Pipeline(stages, timeout_s=60)
     yield pipe, params, stages
     pipe.close()
@@ -170,7 +170,7 @@ def pipeline_grads(pipe) -> dict[str, np.ndarray]:
         "b1": np.concatenate([g1[0]["b1"], g1[1]["b1"]]),
         "w2": np.concatenate([g1[0]["w2"], g1[1]["w2"]], axis=0),
         "b2": g1[0]["b2"], "w3": g2["w3"], "b3": g2["b3"],
-    }  # fmt: skip
+    }
 
 
 def step_pipeline(pipe) -> None:

@@ -94,7 +94,7 @@ def train(config):
     group = ray_train.attach()
     dtype = getattr(torch, config["dtype"])
     sync = group.weight_sync(model.state_dict(), out=config["engine"] if group.drives else None, dtype=dtype,
-                             reback=config["reback"])  # fmt: skip
+                             reback=config["reback"])
     tokens = torch.arange(16).reshape(2, 8) % 503
     for step in range(STEPS):
         loss = model(tokens, labels=tokens).loss

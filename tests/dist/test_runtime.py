@@ -505,7 +505,7 @@ def test_directory_entries_that_are_not_this_jobs_data_are_refused_and_never_run
     entry = {
         "format": directory.FORMAT, "session": [session.name, session.job], "backend": "gloo",
         "mesh": [[2], [900001, 900002], [77, 77], None], "backend_state": None, "devices": [record, record],
-    }  # fmt: skip
+    }
     other_job = dict(entry, session=[session.name, "ffffffff"])
     forged = {
         "is not msgpack": pickle.dumps(_Runs(marker)),

@@ -30,7 +30,7 @@ def model(seed: int = 0, layers: int = 3) -> dict:
                          "b": random_array((48,), "float32", seed + 10 * i + 2)},
                 "ln": (random_array((16,), "float64", seed + 10 * i + 3), random_array((16,), "int64", seed + i)),
             }
-        )  # fmt: skip
+        )
     sd["step"] = random_array((), "int32", seed + 99)
     return sd
 
@@ -525,7 +525,7 @@ def test_a_read_from_another_process_during_a_write_waits_and_sees_it_whole(view
     assert_bit_exact(ray.get(read, timeout=90), w[:8])
     assert work.wait() is out
     assert ray.get(b.actors[0].reshard_stats.remote(), timeout=30)["shard_locks"] == {
-        "shards_written": 0, "reads": 0, "reads_waiting": 0}  # fmt: skip
+        "shards_written": 0, "reads": 0, "reads_waiting": 0}
 
 
 def _version_of(ctx, name):
@@ -552,7 +552,7 @@ def test_a_read_waits_until_every_device_holds_the_same_sync_and_names_a_split(v
     assert synced[0] is not None and synced == [synced[0]] * 2
     b.call(_committed, name, "another", devices=[1])
     with pytest.raises(ReshardError, match=rf"different syncs \(devices \[{b.device_ids[0]}\] hold sync .*; devices "
-                                           rf"\[{b.device_ids[1]}\] hold sync another\)"):  # fmt: skip
+                                           rf"\[{b.device_ids[1]}\] hold sync another\)"):
         out["w"].to_numpy(timeout_s=1)
     fetches = ray.get(b.actors[1].reshard_stats.remote(), timeout=30)["fetches"]
     got = {}
@@ -816,7 +816,7 @@ def test_a_tree_whose_tensors_differ_in_what_peers_can_pull_is_planned_on_one_ho
     a = view([0, 1, 2], (3,))
     b = view([3, 4], (2,))
     sd = {"full": random_array((6, 4), "float32", 80), "uneven": random_array((2, 4), "float32", 81),
-          "cast": random_array((6, 4), "float32", 82)}  # fmt: skip
+          "cast": random_array((6, 4), "float32", 82)}
     src = distribute(sd, lambda p, t: Layout(a, pl("S0")))
     assert len(src["uneven"]._shared) < len(src["full"]._shared)  # device 2's shard of it is empty
     out = reshard(src, a, last_dim(b), dtype={"full": "float32", "uneven": "float32", "cast": "float64"})
@@ -837,7 +837,7 @@ def _share_strided(ctx, full, coords: dict) -> None:
     mine = strided._split_tensor(torch.from_numpy(full), 2, with_padding=False)[0][i]
     mine = TorchShard(0)._split_tensor(mine, 2, with_padding=False)[0][j].contiguous()
     ctx.share("fsdp_tp.w", mine, shape=full.shape, placements=(strided, TorchShard(0)), mesh_shape=(2, 2),
-              coordinate=(i, j))  # fmt: skip
+              coordinate=(i, j))
 
 
 def _placements_of(ctx, name) -> list[str]:

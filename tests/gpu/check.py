@@ -92,14 +92,14 @@ def steps(bench: bool) -> list[Step]:
             "NCCL INIT/NET lines in the log: socket transport over loopback between NCCL_HOSTIDs",
             300,
             nccl_debug,
-        ),  # fmt: skip
+        ),
         pytest_step(
             "one-gpu-multi-rank",
             "tests/gpu/test_one_gpu_multi_rank.py",
             "NCCL_MULTI_RANK_GPU_ENABLE on NCCL >= 2.30",
             180,
             nccl_debug,
-        ),  # fmt: skip
+        ),
         pytest_step("ranks", "tests/gpu/test_nccl_ranks.py", "several ranks: pairing, aborts", 300),
         pytest_step("dist", "tests/gpu/test_nccl_dist.py", "the dist bodies on NCCL device actors", 420),
         pytest_step("pipeline", "tests/gpu/test_nccl_pipeline.py", "a pipeline on NCCL device actors", 240),
@@ -138,8 +138,9 @@ def run(step: Step, index: int, out_dir: str) -> tuple[str, float]:
         f.write(f"$ {' '.join(step.argv)}\n")
         f.flush()
         try:
-            rc = subprocess.run(step.argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=step.timeout_s).returncode  # fmt: skip
+            rc = subprocess.run(
+                step.argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=step.timeout_s
+            ).returncode
             outcome = "ok" if rc == 0 else f"failed (exit {rc})"
         except subprocess.TimeoutExpired:
             outcome = f"timed out after {step.timeout_s:g} s"

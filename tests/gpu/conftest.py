@@ -148,8 +148,7 @@ def ray_cluster():
     started = False
     if not ray.is_initialized():
         gpus = 0 if standin() else _probe()[1]  # stand-in GPUs are per process, not Ray resources
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpus, include_dashboard=False,
-                 log_to_driver=False)  # fmt: skip
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpus, include_dashboard=False, log_to_driver=False)
         started = True
     yield ray
     if started:

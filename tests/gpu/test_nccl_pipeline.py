@@ -22,7 +22,7 @@ from gpu_bodies import (
     pipe_setup0,
     pipe_setup1,
     pipe_setup2,
-)  # fmt: skip
+)
 
 from reshard import Layout, Replicate, Shard
 from scheduler import eager_one_f_one_b, one_f_one_b, schedule_from_orders
@@ -68,18 +68,41 @@ def test_a_tensor_parallel_pipeline_on_nccl_matches_torch(pool):
     rows = Layout(m0, (Replicate(), Shard(0)))
     whole1, whole2 = Layout(m1, (Replicate(), Replicate())), Layout(m2, (Replicate(), Replicate()))
     stages = [
-        Stage(m0, pipe_forward0, setup=partial(pipe_setup0, p=params), in_shape=(PIPE_M, PIPE_D_IN), in_layout=rows,
-              out_shape=(PIPE_M, PIPE_H), out_layout=rows, dtype="float64"),
-        Stage(m1, pipe_forward1, setup=partial(pipe_setup1, p=params), in_shape=(PIPE_M, PIPE_H), in_layout=whole1,
-              out_shape=(PIPE_M, PIPE_H), out_layout=whole1, dtype="float64"),
-        Stage(m2, pipe_forward2, setup=partial(pipe_setup2, p=params), in_shape=(PIPE_M, PIPE_H), in_layout=whole2,
-              dtype="float64"),
-    ]  # fmt: skip
+        Stage(
+            m0,
+            pipe_forward0,
+            setup=partial(pipe_setup0, p=params),
+            in_shape=(PIPE_M, PIPE_D_IN),
+            in_layout=rows,
+            out_shape=(PIPE_M, PIPE_H),
+            out_layout=rows,
+            dtype="float64",
+        ),
+        Stage(
+            m1,
+            pipe_forward1,
+            setup=partial(pipe_setup1, p=params),
+            in_shape=(PIPE_M, PIPE_H),
+            in_layout=whole1,
+            out_shape=(PIPE_M, PIPE_H),
+            out_layout=whole1,
+            dtype="float64",
+        ),
+        Stage(
+            m2,
+            pipe_forward2,
+            setup=partial(pipe_setup2, p=params),
+            in_shape=(PIPE_M, PIPE_H),
+            in_layout=whole2,
+            dtype="float64",
+        ),
+    ]
     pipe = Pipeline(stages, timeout_s=120)
     try:
         assert not pipe.pull_lanes  # GPU devices: every lane sends through NCCL
-        crossed = schedule_from_orders("crossed", [["F0", "F1", "B0", "B1"], ["F1", "F0", "B0", "B1"],
-                                                   ["F0", "B0", "F1", "B1"]], 2)  # fmt: skip
+        crossed = schedule_from_orders(
+            "crossed", [["F0", "F1", "B0", "B1"], ["F1", "F0", "B0", "B1"], ["F0", "B0", "F1", "B1"]], 2
+        )
         with pytest.raises(ValueError, match="cannot run on these GPU meshes.*stuck at stage 0"):
             pipe.plan(crossed)  # stage 1 reads F1 before F0: stage 0's send of F0 would wait forever
         rng = np.random.default_rng(1)
@@ -96,9 +119,13 @@ def test_a_tensor_parallel_pipeline_on_nccl_matches_torch(pool):
             g2 = pipe.apply(pipe_grads, stages=[2])[0][0]
             np.testing.assert_array_equal(g0[0]["w0"], g0[1]["w0"])  # the all-reduce gives the same bits
             got = {
-                "w0": g0[0]["w0"], "b0": g0[0]["b0"], "w1": np.concatenate([g1[0]["w1"], g1[1]["w1"]], axis=1),
-                "w2": np.concatenate([g1[0]["w2"], g1[1]["w2"]], axis=0), "w3": g2["w3"], "b3": g2["b3"],
-            }  # fmt: skip
+                "w0": g0[0]["w0"],
+                "b0": g0[0]["b0"],
+                "w1": np.concatenate([g1[0]["w1"], g1[1]["w1"]], axis=1),
+                "w2": np.concatenate([g1[0]["w2"], g1[1]["w2"]], axis=0),
+                "w3": g2["w3"],
+                "b3": g2["b3"],
+            }
             for name, g in got.items():
                 np.testing.assert_allclose(g, want[name], rtol=1e-9, atol=1e-12, err_msg=f"{schedule.name} {name}")
     finally:

@@ -46,9 +46,12 @@ def _python(code: str, env: dict | None = None, timeout_s: float = 120) -> subpr
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RESHARD_", "NCCL_"))}
     base["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout_s,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
         env={**base, **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def _status(error: BaseException) -> int | None:

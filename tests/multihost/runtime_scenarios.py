@@ -129,23 +129,35 @@ def tour(rows: int = 512, cols: int = 256, seed: int = 5) -> dict:
                 y = reshard(x, a, layout, strategy=strategy, shared_memory=shared)
                 compiled = lowered_reshard(x, layout, strategy=strategy, shared_memory=shared)
                 node = {i: n for m in (a, b, span) for i, n in zip(m.device_ids, m.node_ids, strict=True)}
-                pulls = [(p.device, op.holder) for p in compiled.program.devices for op in (*p.ops, *p.background)
-                         if isinstance(op, Pull)]  # fmt: skip
-                runs.append({
-                    "dst": repr(dst), "placements": str(layout), "strategy": strategy, "shared_memory": shared,
-                    "nodes": len({node[d] for d in (*a.device_ids, *dst.device_ids)}),
-                    "bit_exact": bool(np.array_equal(y.to_numpy(), data)),
-                    "pulls": len(pulls), "pulls_across_nodes": sum(node[d] != node[h] for d, h in pulls),
-                    "groups_across_nodes": sum(len({node[d] for d in g}) > 1 for g in compiled.groups),
-                })  # fmt: skip
+                pulls = [
+                    (p.device, op.holder)
+                    for p in compiled.program.devices
+                    for op in (*p.ops, *p.background)
+                    if isinstance(op, Pull)
+                ]
+                runs.append(
+                    {
+                        "dst": repr(dst),
+                        "placements": str(layout),
+                        "strategy": strategy,
+                        "shared_memory": shared,
+                        "nodes": len({node[d] for d in (*a.device_ids, *dst.device_ids)}),
+                        "bit_exact": bool(np.array_equal(y.to_numpy(), data)),
+                        "pulls": len(pulls),
+                        "pulls_across_nodes": sum(node[d] != node[h] for d, h in pulls),
+                        "groups_across_nodes": sum(len({node[d] for d in g}) > 1 for g in compiled.groups),
+                    }
+                )
                 y.free()
     out["reshards"] = runs
 
     # -- the sockets our processes listen on (after gloo groups exist everywhere)
     backend = runtime().backends["gloo"]
     out["store_address"] = list(backend.store_address) if backend.store_address else None
-    out["listeners"] = {"driver": listeners(), "actors": [listeners_of for m in (a, b) for listeners_of in
-                                                          m.call(listeners)]}  # fmt: skip
+    out["listeners"] = {
+        "driver": listeners(),
+        "actors": [listeners_of for m in (a, b) for listeners_of in m.call(listeners)],
+    }
 
     # -- handles in a task on another node: reshard, read back, free there
     @ray.remote(num_cpus=0)

@@ -70,8 +70,15 @@ from bench.emulate import _netns_ids, _pids_in, host_addresses, namespace_listen
 FAULTS = ("link cut", "slow link", "partition", "driver cut", "node loss", "long cut")
 LOSSES = ("node loss", "long cut")  # the host is gone afterwards: once per run each, at a chosen step
 PHASES = ("before", "during")
-TIMEOUT_S = {"none": 30.0, "link cut": 2.0, "partition": 2.0, "driver cut": 2.0, "slow link": 60.0,
-             "node loss": 20.0, "long cut": 2.0}  # fmt: skip
+TIMEOUT_S = {
+    "none": 30.0,
+    "link cut": 2.0,
+    "partition": 2.0,
+    "driver cut": 2.0,
+    "slow link": 60.0,
+    "node loss": 20.0,
+    "long cut": 2.0,
+}
 CUT_S = (1.0, 4.0)  # a cut lasts one of these (chosen per step): ends before or after the step's deadline
 LONG_CUT_MAX_S = 120.0  # a long cut waits this long at most for Ray to declare the host's node dead
 SLOW_FACTOR = 10
@@ -166,13 +173,37 @@ class Net:
         self._sh(["nsenter", "-t", str(self.root_pid), "-n", *argv])
 
     def route(self, host: int, peer: int, add: bool) -> None:
-        self._sh(["ip", "-n", self.namespaces[host], "route", "add" if add else "del", "blackhole",
-                  f"{self.addresses[peer]}/32"])  # fmt: skip
+        self._sh(
+            [
+                "ip",
+                "-n",
+                self.namespaces[host],
+                "route",
+                "add" if add else "del",
+                "blackhole",
+                f"{self.addresses[peer]}/32",
+            ]
+        )
 
     def rate(self, host: int, kbit: int) -> None:
         burst = max(1600, kbit * 1000 // 8 // 1000)
-        spec = ["parent", "1:", "classid", "1:1", "htb", "rate", f"{kbit}kbit", "ceil", f"{kbit}kbit",
-                "quantum", str(min(200_000, burst)), "burst", str(burst), "cburst", str(burst)]  # fmt: skip
+        spec = [
+            "parent",
+            "1:",
+            "classid",
+            "1:1",
+            "htb",
+            "rate",
+            f"{kbit}kbit",
+            "ceil",
+            f"{kbit}kbit",
+            "quantum",
+            str(min(200_000, burst)),
+            "burst",
+            str(burst),
+            "cburst",
+            str(burst),
+        ]
         self._sh(["tc", "-n", self.namespaces[host], "class", "change", "dev", "eth0", *spec])
         self._root(["tc", "class", "change", "dev", self.veths[host], *spec])
 
@@ -295,8 +326,10 @@ class NetChaos:
         self.data_rng = np.random.default_rng(seed)
         self.events = Path(tempfile.mkdtemp(prefix="netchaos-"))  # private (0700), unpredictable
         hosts = len(net.addresses)
-        self.owners = [DeviceMesh.create((1, 2), nodes=[net.addresses[k]], backend="gloo", startup_timeout_s=300)
-                       for k in range(hosts)]  # fmt: skip
+        self.owners = [
+            DeviceMesh.create((1, 2), nodes=[net.addresses[k]], backend="gloo", startup_timeout_s=300)
+            for k in range(hosts)
+        ]
         self.devices = {k: tuple(m.device_ids) for k, m in enumerate(self.owners)}
         self.alive_hosts = set(range(hosts))
         self.views: dict = {}
@@ -353,8 +386,10 @@ class NetChaos:
     def random_layout(self, mesh, ndim: int):
         from reshard import Layout, Replicate, Shard
 
-        return Layout(mesh, tuple(Replicate() if self.rng.random() < 0.35 else Shard(self.rng.randrange(ndim))
-                                  for _ in mesh.shape))  # fmt: skip
+        return Layout(
+            mesh,
+            tuple(Replicate() if self.rng.random() < 0.35 else Shard(self.rng.randrange(ndim)) for _ in mesh.shape),
+        )
 
     def random_array(self, min_bytes: int, dtype: str | None = None, max_bytes: int | None = None):
         rng = self.rng
@@ -397,9 +432,12 @@ class NetChaos:
             self.records[-1]["step_s"] = round(time.monotonic() - began, 3)
             if progress:
                 r = self.records[-1]
-                print(f"step {i}: {r['fault']} {r['phase']} {r['kind']} host {r['host']} -> {r['outcome']} "
-                      f"in {r['seconds']:.2f}s (retry {r['retry_s']}) {r['message'][:150]}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"step {i}: {r['fault']} {r['phase']} {r['kind']} host {r['host']} -> {r['outcome']} "
+                    f"in {r['seconds']:.2f}s (retry {r['retry_s']}) {r['message'][:150]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if i % 8 == 3:
                 self.check_listeners(i)
 
@@ -439,13 +477,16 @@ class NetChaos:
         min_bytes = SLOW_MIN_BYTES if fault == "slow link" else 1
         if tree:
             n = rng.randint(3, 6)
-            arrays = {f"t{k}": self.random_array(min_bytes // n, "float32", max(min_bytes // n * 2, 256 << 10))
-                      for k in range(n)}  # fmt: skip
+            arrays = {
+                f"t{k}": self.random_array(min_bytes // n, "float32", max(min_bytes // n * 2, 256 << 10))
+                for k in range(n)
+            }
             src_layouts = {k: self.random_layout(src_mesh, a.ndim) for k, a in arrays.items()}
             dst_layouts = {k: self.random_layout(dst_mesh, a.ndim) for k, a in arrays.items()}
             src = distribute(arrays, src_layouts, timeout_s=RETRY_TIMEOUT_S)
-            old = {k: np.frombuffer(self.data_rng.bytes(a.nbytes), np.float32).reshape(a.shape) for k, a in
-                   arrays.items()}  # fmt: skip
+            old = {
+                k: np.frombuffer(self.data_rng.bytes(a.nbytes), np.float32).reshape(a.shape) for k, a in arrays.items()
+            }
             out = distribute(old, dst_layouts, timeout_s=RETRY_TIMEOUT_S)
             before = self.dst_digests(out)
             expected_new = self.expected_digests(arrays, dst_layouts)
@@ -458,8 +499,11 @@ class NetChaos:
                 held = rng.choice(candidates)
             else:
                 layout = self.random_layout(src_mesh, array.ndim)
-                held = {"tensor": distribute(array, layout, timeout_s=RETRY_TIMEOUT_S), "expected": array,
-                        "hosts": src_hosts}  # fmt: skip
+                held = {
+                    "tensor": distribute(array, layout, timeout_s=RETRY_TIMEOUT_S),
+                    "expected": array,
+                    "hosts": src_hosts,
+                }
                 self.held.append(held)
             src, arrays = held["tensor"], held["expected"]
             del held, candidates  # only ``self.held`` keeps handles alive past the step (invariant 3)
@@ -475,9 +519,15 @@ class NetChaos:
             if phase == "before":
                 injection.apply()
             else:
-                victim = rng.choice([d for h in (victim_host,) for d in self.devices[h]
-                                     if d in (*src_mesh.device_ids, *dst_mesh.device_ids)]
-                                    or list((*src_mesh.device_ids, *dst_mesh.device_ids)))  # fmt: skip
+                victim = rng.choice(
+                    [
+                        d
+                        for h in (victim_host,)
+                        for d in self.devices[h]
+                        if d in (*src_mesh.device_ids, *dst_mesh.device_ids)
+                    ]
+                    or list((*src_mesh.device_ids, *dst_mesh.device_ids))
+                )
                 hook = str(self.events / f"step{i}")
                 self.view_of_device(victim).call(_arm, hook, timeout_s=RETRY_TIMEOUT_S)
                 done = threading.Event()
@@ -531,15 +581,29 @@ class NetChaos:
         del src  # only ``self.held`` keeps handles alive past the step (invariant 3)
         self.check_sources(i)
         self.check_leaks(i)
-        self.records.append({
-            "step": i, "fault": fault, "phase": phase, "kind": "tree" if tree else "tensor",
-            "host": victim_host, "peer": peer, "landed": landed, "cut_s": injection.cut_s if injection else None,
-            "shared_memory": shared, "hosts": step_hosts, "outcome": outcome, "message": message,
-            "seconds": round(seconds, 4), "timeout_s": timeout_s, "retry_s": retry_s, "dead_mesh_s": dead_s,
-            "first_retry_failed": any(f["step"] == i for f in self.first_retry_failures),
-            "node_dead_after_s": injection.dead_after_s if injection else None,
-            "nbytes": int(nbytes),
-        })  # fmt: skip
+        self.records.append(
+            {
+                "step": i,
+                "fault": fault,
+                "phase": phase,
+                "kind": "tree" if tree else "tensor",
+                "host": victim_host,
+                "peer": peer,
+                "landed": landed,
+                "cut_s": injection.cut_s if injection else None,
+                "shared_memory": shared,
+                "hosts": step_hosts,
+                "outcome": outcome,
+                "message": message,
+                "seconds": round(seconds, 4),
+                "timeout_s": timeout_s,
+                "retry_s": retry_s,
+                "dead_mesh_s": dead_s,
+                "first_retry_failed": any(f["step"] == i for f in self.first_retry_failures),
+                "node_dead_after_s": injection.dead_after_s if injection else None,
+                "nbytes": int(nbytes),
+            }
+        )
 
     def _inject_on_arrival(self, injection: Injection, hook: str, done: threading.Event) -> None:
         arrived = Path(hook + ".arrived")
@@ -577,14 +641,20 @@ class NetChaos:
 
         if error is not None:
             if not isinstance(error, ReshardError):
-                self.violate(i, "1: ReshardError", f"{fault}: {_first_line(error)}\n"
-                             + "".join(traceback.format_exception(error)[-6:]))  # fmt: skip
+                self.violate(
+                    i,
+                    "1: ReshardError",
+                    f"{fault}: {_first_line(error)}\n" + "".join(traceback.format_exception(error)[-6:]),
+                )
             elif not re.search(DEVICE_NAMED, str(error)):
                 self.violate(i, "1: names the device", _first_line(error))
             bound = timeout_s + TARGET_S
             if seconds > bound:
-                self.violate(i, "1: within timeout_s + 2 s", f"{fault}: raised after {seconds:.2f}s, "
-                             f"timeout_s={timeout_s:g}: {_first_line(error)}")  # fmt: skip
+                self.violate(
+                    i,
+                    "1: within timeout_s + 2 s",
+                    f"{fault}: raised after {seconds:.2f}s, timeout_s={timeout_s:g}: {_first_line(error)}",
+                )
             if fault in ("none", "slow link"):  # a fault that never landed left a short timeout: may expire
                 self.violate(i, "1: clean and slow steps succeed", f"{fault}: {_first_line(error)}")
             return
@@ -675,8 +745,11 @@ class NetChaos:
         self.first_retry_failures.append({"step": i, "error": error})
         again, error = self._retry_once(i, src, src_mesh, dst_layouts, arrays, step_hosts, tree, shared)
         if error is not None:
-            self.violate(i, "4: the retries succeed (livelock)", f"first: {self.first_retry_failures[-1]['error']}; "
-                         f"second: {error}")  # fmt: skip
+            self.violate(
+                i,
+                "4: the retries succeed (livelock)",
+                f"first: {self.first_retry_failures[-1]['error']}; second: {error}",
+            )
         return None
 
     def _retry_once(self, i, src, src_mesh, dst_layouts, arrays, step_hosts, tree, shared):
@@ -754,8 +827,11 @@ class NetChaos:
                     self.violate(i, "3: nothing left behind", f"device {d}: {name} is held by {holders}")
             busy = {k: v for k, v in s["calls"]["running"].items()}
             if busy or s["calls"]["waiting"]:
-                self.violate(i, "3: nothing left behind", f"device {d}: calls running {busy} waiting "
-                             f"{s['calls']['waiting']} after settle")  # fmt: skip
+                self.violate(
+                    i,
+                    "3: nothing left behind",
+                    f"device {d}: calls running {busy} waiting {s['calls']['waiting']} after settle",
+                )
             self.threads.setdefault(d, []).append((i, th["native"], th["releasing"]))
 
     def check_listeners(self, i: int) -> None:
@@ -771,12 +847,16 @@ class NetChaos:
         for d, got in zip(everyone.device_ids, everyone.call(listeners, timeout_s=RETRY_TIMEOUT_S), strict=True):
             found[f"device {d}"] = got
         ray_ports = {got["ray_core_worker_port"] for got in found.values()}
-        ours = {who: [tuple(x) for x in got["listening"] if x[2] != got["ray_core_worker_port"]]
-                for who, got in found.items()}  # fmt: skip
+        ours = {
+            who: [tuple(x) for x in got["listening"] if x[2] != got["ray_core_worker_port"]]
+            for who, got in found.items()
+        }
         wild = {who: [x for x in socks if x[1] in WILDCARD] for who, socks in ours.items()}
         wild = {k: v for k, v in wild.items() if v}
-        pids = {os.getpid(): "driver", **dict(zip(everyone.call(_pid), (f"device {d}" for d in everyone.device_ids),
-                                                  strict=True))}  # fmt: skip
+        pids = {
+            os.getpid(): "driver",
+            **dict(zip(everyone.call(_pid), (f"device {d}" for d in everyone.device_ids), strict=True)),
+        }
         seen = []
         for host in sorted(self.alive_hosts):
             for udp in (False, True):
@@ -824,8 +904,16 @@ def _same(got, want) -> bool:
     return np.array_equal(np.ascontiguousarray(got).view(np.uint8), np.ascontiguousarray(want).view(np.uint8))
 
 
-def chaos(steps: int, seed: int, namespaces: list, veths: list, root_pid: int, rate_kbit: int,
-          losses: dict | None = None, progress: bool = False) -> dict:  # fmt: skip
+def chaos(
+    steps: int,
+    seed: int,
+    namespaces: list,
+    veths: list,
+    root_pid: int,
+    rate_kbit: int,
+    losses: dict | None = None,
+    progress: bool = False,
+) -> dict:
     from ray import cloudpickle
 
     import tests.multihost.runtime_scenarios as rs

@@ -61,8 +61,11 @@ def _run_segment(steps: int, seed: int, verbose: bool) -> dict:
         done = c.run([sys.executable, str(SCRIPT), "chaos", json.dumps(kwargs)], timeout_s=120 + 60 * steps)
         if verbose:
             print(done.stderr[-20000:], flush=True)
-        results = [ln[len(emulate.SCENARIO_RESULT_MARK) :] for ln in done.stdout.splitlines()
-                   if ln.startswith(emulate.SCENARIO_RESULT_MARK)]  # fmt: skip
+        results = [
+            ln[len(emulate.SCENARIO_RESULT_MARK) :]
+            for ln in done.stdout.splitlines()
+            if ln.startswith(emulate.SCENARIO_RESULT_MARK)
+        ]
         if done.returncode != 0 or len(results) != 1:
             raise AssertionError(f"the chaos driver exited {done.returncode}:\n{done.stderr.strip()[-6000:]}")
         got = json.loads(results[0])
@@ -120,7 +123,9 @@ def test_faults_between_hosts():
     records = [dict(r, segment=k) for k, s in enumerate(segments) for r in s["records"]]
     violations = [dict(v, segment=k) for k, s in enumerate(segments) for v in s["violations"]]
     summary = {
-        "seed": SEED, "steps": len(records), "segments": len(segments),
+        "seed": SEED,
+        "steps": len(records),
+        "segments": len(segments),
         "faults_injected": sum(r["fault"] != "none" for r in records),
         "faults_landed": sum(r["landed"] for r in records),
         "violations": len(violations),
@@ -132,24 +137,33 @@ def test_faults_between_hosts():
         "bring_up_s": [s["bring_up_s"] for s in segments],
         "devices_started_s": [s["devices_started_s"] for s in segments],
         "teardown_s": [s["teardown_s"] for s in segments],
-    }  # fmt: skip
+    }
     path = os.environ.get("RESHARD_NETCHAOS_REPORT")
     if path:
         with open(path, "w") as f:
-            json.dump({"summary": summary, "violations": violations, "steps": records, "segments": segments}, f,
-                      indent=1, default=str)  # fmt: skip
-    _SUMMARY.append(f"{summary['steps']} steps, {summary['faults_landed']}/{summary['faults_injected']} faults landed, "
-                    f"{summary['violations']} violations (seed {SEED})")  # fmt: skip
+            json.dump(
+                {"summary": summary, "violations": violations, "steps": records, "segments": segments},
+                f,
+                indent=1,
+                default=str,
+            )
+    _SUMMARY.append(
+        f"{summary['steps']} steps, {summary['faults_landed']}/{summary['faults_injected']} faults landed, "
+        f"{summary['violations']} violations (seed {SEED})"
+    )
     for kind, s in summary["by_kind"].items():
-        _SUMMARY.append(f"{kind}: {s['steps']} steps {s['outcomes']} error p50/max {s['time_to_error_p50_s']}/"
-                        f"{s['time_to_error_max_s']} s, retry p50 {s['first_retry_p50_s']} s")  # fmt: skip
+        _SUMMARY.append(
+            f"{kind}: {s['steps']} steps {s['outcomes']} error p50/max {s['time_to_error_p50_s']}/"
+            f"{s['time_to_error_max_s']} s, retry p50 {s['first_retry_p50_s']} s"
+        )
     for f in summary["first_retry_failures"]:  # reported, not failed (RELIABILITY.md, invariant 4)
         _SUMMARY.append(f"OPEN: segment {f['segment']} step {f['step']}: first retry failed: {f['error'][:300]}")
     if summary["not_known"]:
         became = Counter(f["became"] for f in summary["not_known"])
         _SUMMARY.append(f"out= syncs told 'not known yet': {len(summary['not_known'])}, then {dict(became)}")
-    assert not violations, "\n".join(f"segment {v['segment']} step {v['step']}: {v['invariant']}: {v['detail']}"
-                                     for v in violations)  # fmt: skip
+    assert not violations, "\n".join(
+        f"segment {v['segment']} step {v['step']}: {v['invariant']}: {v['detail']}" for v in violations
+    )
     assert summary["steps"] == STEPS
     landed = {r["fault"] for r in records if r["landed"]}
     if STEPS >= 24:

@@ -166,9 +166,21 @@ def publish_in_window(order=("recv_a", "publish", "recv_b")) -> Program:
     device 2 pulls the relay ``a`` from 1, then sends ``b``. ``order``: device 1's ops."""
     a, b = ((0, 2),), ((2, 4),)
     ops = {"recv_a": Recv(0, (0, 1), a), "publish": Publish(2, a, 1), "recv_b": Recv(1, (2, 1), b)}
-    return Program("float32", (4,), (
-        DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, a),), 0, ((0, 1),)),
-        DeviceProgram(1, None, (4,), tuple(ops[k] for k in order), 0, ((0, 1), (1, 2)), windows=(3,)),
-        DeviceProgram(2, (4,), (2,), (Pull(2, 1, a, a, buffer=Buffer.DST, after=1), Send(1, (2, 1), Buffer.SRC, b)),
-                      0, ((1, 2),), windows=(1, 1), relays=((1, (4,)),)),
-    ))  # fmt: skip
+    return Program(
+        "float32",
+        (4,),
+        (
+            DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, a),), 0, ((0, 1),)),
+            DeviceProgram(1, None, (4,), tuple(ops[k] for k in order), 0, ((0, 1), (1, 2)), windows=(3,)),
+            DeviceProgram(
+                2,
+                (4,),
+                (2,),
+                (Pull(2, 1, a, a, buffer=Buffer.DST, after=1), Send(1, (2, 1), Buffer.SRC, b)),
+                0,
+                ((1, 2),),
+                windows=(1, 1),
+                relays=((1, (4,)),),
+            ),
+        ),
+    )

@@ -156,8 +156,9 @@ def test_validate_batch_rejects_mismatched_buckets():
     batch = pack_batch([compile_reshard(item.shape, item.dtype, item.src, item.dst).program] * 2)
     receiver = batch.for_device(1)
     bucket = receiver.buckets[0]
-    moved = replace(bucket, pieces=(replace(bucket.pieces[0], offset=bucket.pieces[0].offset + PIECE_ALIGN),
-                                    *bucket.pieces[1:]))  # fmt: skip
+    moved = replace(
+        bucket, pieces=(replace(bucket.pieces[0], offset=bucket.pieces[0].offset + PIECE_ALIGN), *bucket.pieces[1:])
+    )
     broken = replace(batch, devices=(batch.for_device(0), replace(receiver, buckets=(moved,))))
     with pytest.raises(PlanError, match="pieces reach|lay out different"):
         validate_batch(broken)
@@ -197,8 +198,9 @@ def test_relays_of_packed_tensors_are_published_after_the_buckets_and_pulled():
         Cluster.for_hosts({0: 0, 1: 1, 2: 1}, nic_GBps=0.12, intra_host_GBps=2.8), latency_us=900, backend="gloo"
     )
     domains = ((1, "b"), (2, "b"))
-    items = [BatchItem((256, 32), "float32", Layout(src_mesh, (Replicate(),)), Layout(dst_mesh, (Replicate(),)),
-                       domains)] * 3  # fmt: skip
+    items = [
+        BatchItem((256, 32), "float32", Layout(src_mesh, (Replicate(),)), Layout(dst_mesh, (Replicate(),)), domains)
+    ] * 3
     compiled = compile_batch(items, cluster=cluster, bucket_bytes=1 << 20)
     batch = compiled.program
     assert batch.buckets == 1  # the three tensors' slices cross in one message

@@ -297,8 +297,9 @@ def _relay_case():
     crosses the network to one device of a host, which publishes it to the other."""
     src = Layout(Mesh((2, 2), [0, 1, 2, 3], [0, 0, 1, 1]), (Shard(0), Shard(1)))
     dst = Layout(Mesh((2, 2), [4, 5, 6, 7], [2, 2, 3, 3]), (Replicate(), Replicate()))
-    cluster = Cluster(4, 2, nic_GBps=0.12, intra_host_GBps=2.8, latency_us=900, intra_host_latency_us=100,
-                      backend="gloo")  # fmt: skip
+    cluster = Cluster(
+        4, 2, nic_GBps=0.12, intra_host_GBps=2.8, latency_us=900, intra_host_latency_us=100, backend="gloo"
+    )
     # big enough that relaying beats every destination receiving from every source in windows
     compiled = compile_reshard((1024, 512), "float32", src, dst, cluster=cluster, domains={d: d // 2 for d in range(8)})
     full = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)
@@ -408,8 +409,14 @@ def test_a_batching_backend_gets_one_block_per_window():
     one block (a single message too: one group call per window), in program order, and waited for
     after it closes."""
     compiled, shards, full = _case(n=4)
-    compiled = compile_reshard((32, 6), "float32", compiled.plan.src, compiled.plan.dst, strategy="broadcast",
-                               options=CompileOptions(window_ops=3))  # fmt: skip
+    compiled = compile_reshard(
+        (32, 6),
+        "float32",
+        compiled.plan.src,
+        compiled.plan.dst,
+        strategy="broadcast",
+        options=CompileOptions(window_ops=3),
+    )
     blocks: dict[int, list] = defaultdict(list)
 
     def batch(device, fabric):
@@ -503,8 +510,9 @@ def test_a_batch_runs_its_buckets_then_its_parts_exactly(as_torch, window_ops):
         items.append(BatchItem((6, 5), dtype, Layout(src_mesh, (Shard(t % 2),)), Layout(dst_mesh, (Shard(1 - t % 2),))))
     fulls.append(np.arange(256 * 64, dtype=np.float32).reshape(256, 64))
     items.append(BatchItem((256, 64), "float32", Layout(src_mesh, (Shard(0),)), Layout(dst_mesh, (Replicate(),))))
-    compiled = compile_batch(items, strategy="send_recv", options=CompileOptions(window_ops=window_ops),
-                             bucket_bytes=4096)  # fmt: skip
+    compiled = compile_batch(
+        items, strategy="send_recv", options=CompileOptions(window_ops=window_ops), bucket_bytes=4096
+    )
     pieces = sum(len(b.pieces) for p in compiled.program.devices for b in p.buckets if b.group[0] == p.device)
     assert compiled.program.buckets == 4 and pieces == 12 * 4  # one bucket per pair carries every small slice
     sources = {t: source_shards(item.src, fulls[t]) for t, item in enumerate(items)}

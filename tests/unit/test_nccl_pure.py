@@ -89,11 +89,16 @@ def test_every_project_dtype_has_an_exact_nccl_carrier(name):
 @pytest.mark.parametrize(
     "name, code",
     [
-        ("float64", cb.NCCL_FLOAT64), ("float32", cb.NCCL_FLOAT32), ("float16", cb.NCCL_FLOAT16),
-        ("bfloat16", cb.NCCL_BFLOAT16), ("int64", cb.NCCL_INT64), ("int32", cb.NCCL_INT32),
-        ("int8", cb.NCCL_INT8), ("uint8", cb.NCCL_UINT8),
+        ("float64", cb.NCCL_FLOAT64),
+        ("float32", cb.NCCL_FLOAT32),
+        ("float16", cb.NCCL_FLOAT16),
+        ("bfloat16", cb.NCCL_BFLOAT16),
+        ("int64", cb.NCCL_INT64),
+        ("int32", cb.NCCL_INT32),
+        ("int8", cb.NCCL_INT8),
+        ("uint8", cb.NCCL_UINT8),
     ],
-)  # fmt: skip
+)
 def test_native_nccl_types(name, code):
     assert cb.nccl_type_and_count(name, 7, ITEMSIZE[name]) == (code, 7)
 

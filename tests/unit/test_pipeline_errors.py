@@ -11,8 +11,18 @@ pytestmark = pytest.mark.unit
 
 
 def _error(stage, device, t, kind="timeout", **extra):
-    return {"kind": kind, "stage": stage, "device": device, "microbatch": 0, "phase": "B", "type": "TimeoutError",
-            "message": f"waited on stage {stage}\nsecond line", "traceback": "tb", "time": t, **extra}  # fmt: skip
+    return {
+        "kind": kind,
+        "stage": stage,
+        "device": device,
+        "microbatch": 0,
+        "phase": "B",
+        "type": "TimeoutError",
+        "message": f"waited on stage {stage}\nsecond line",
+        "traceback": "tb",
+        "time": t,
+        **extra,
+    }
 
 
 def test_the_follow_on_errors_are_listed_after_the_root_cause():

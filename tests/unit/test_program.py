@@ -237,13 +237,18 @@ def test_pulls_and_sequencing_keep_programs_valid_and_exact(case, overlap_bytes,
 
 def _relaying_program(box=((0, 2),)):
     """Device 0 sends ``box`` to 1 (another machine); 1 relays it to 2 and 3 on its own."""
-    return Program("float32", (2,), (
-        DeviceProgram(0, (2,), None, (Send(0, (0, 1), Buffer.SRC, box),), 0, ((0, 1),)),
-        DeviceProgram(1, None, (2,), (Recv(0, (0, 1), box), Broadcast(1, (1, 2, 3), Buffer.DST, box)), 0,
-                      ((0, 1), (1, 2, 3))),
-        DeviceProgram(2, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
-        DeviceProgram(3, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
-    ))  # fmt: skip
+    return Program(
+        "float32",
+        (2,),
+        (
+            DeviceProgram(0, (2,), None, (Send(0, (0, 1), Buffer.SRC, box),), 0, ((0, 1),)),
+            DeviceProgram(
+                1, None, (2,), (Recv(0, (0, 1), box), Broadcast(1, (1, 2, 3), Buffer.DST, box)), 0, ((0, 1), (1, 2, 3))
+            ),
+            DeviceProgram(2, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
+            DeviceProgram(3, None, (2,), (Broadcast(1, (1, 2, 3), write=box),), 0, ((1, 2, 3),)),
+        ),
+    )
 
 
 def test_pulls_stay_inside_one_domain():
@@ -262,10 +267,14 @@ def test_pulls_stay_inside_one_domain():
 
 
 def _pair(ops0, ops1, *, connect=((0, 1),), src1=None, background1=()):
-    return Program("float32", (4,), (
-        DeviceProgram(0, (4,), None, ops0, 0, connect),
-        DeviceProgram(1, src1, (4,), ops1, 0, connect, (), background1),
-    ))  # fmt: skip
+    return Program(
+        "float32",
+        (4,),
+        (
+            DeviceProgram(0, (4,), None, ops0, 0, connect),
+            DeviceProgram(1, src1, (4,), ops1, 0, connect, (), background1),
+        ),
+    )
 
 
 def test_relays_inside_a_domain_are_published_and_pulled():
@@ -289,13 +298,29 @@ def test_publications_follow_the_last_write_of_their_slice():
     """With two receives into the relayed box, the publication waits for both; a relay of another
     box publishes right after its own receive, before them (publications count in program order)."""
     lo, hi, whole = ((0, 2),), ((2, 4),), ((0, 4),)
-    program = Program("float32", (4,), (
-        DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, lo), Send(1, (0, 1), Buffer.SRC, hi)), 0,
-                      ((0, 1),)),
-        DeviceProgram(1, None, (4,), (Recv(0, (0, 1), lo), Recv(1, (0, 1), hi), Send(2, (1, 2), Buffer.DST, whole),
-                                      Send(3, (1, 2), Buffer.DST, lo)), 0, ((0, 1), (1, 2))),
-        DeviceProgram(2, None, (4,), (Recv(2, (1, 2), whole), Recv(3, (1, 2), lo)), 0, ((1, 2),)),
-    ))  # fmt: skip
+    program = Program(
+        "float32",
+        (4,),
+        (
+            DeviceProgram(
+                0, (4,), None, (Send(0, (0, 1), Buffer.SRC, lo), Send(1, (0, 1), Buffer.SRC, hi)), 0, ((0, 1),)
+            ),
+            DeviceProgram(
+                1,
+                None,
+                (4,),
+                (
+                    Recv(0, (0, 1), lo),
+                    Recv(1, (0, 1), hi),
+                    Send(2, (1, 2), Buffer.DST, whole),
+                    Send(3, (1, 2), Buffer.DST, lo),
+                ),
+                0,
+                ((0, 1), (1, 2)),
+            ),
+            DeviceProgram(2, None, (4,), (Recv(2, (1, 2), whole), Recv(3, (1, 2), lo)), 0, ((1, 2),)),
+        ),
+    )
     validate_program(program)
     out = to_pulls(program, {1: "b", 2: "b"})
     validate_program(out)
@@ -309,8 +334,10 @@ def test_publications_follow_the_last_write_of_their_slice():
     # slices in one window
     windowed = sequence_program(out, window_ops=4)
     validate_program(windowed)
-    assert windowed.devices[1].issue_windows == ((Recv(0, (0, 1), lo), Publish(3, lo, 1)),
-                                                 (Recv(1, (0, 1), hi), Publish(2, whole, 2)))  # fmt: skip
+    assert windowed.devices[1].issue_windows == (
+        (Recv(0, (0, 1), lo), Publish(3, lo, 1)),
+        (Recv(1, (0, 1), hi), Publish(2, whole, 2)),
+    )
     assert windowed.devices[0].windows == (2,)
     assert sequence_program(out, window_ops=4, window_bytes=8).devices[0].windows == (1, 1)  # 8 bytes each
 
@@ -320,23 +347,50 @@ def test_a_relay_forwards_a_slice_while_the_next_comes_in():
     device 1 forwards slice ``a`` in the window that receives ``b``, never in the one that brings
     ``a``. A send of its own source takes both directions: it waits for the big receive."""
     a, b, whole = ((0, 2),), ((2, 4),), ((0, 4),)
-    relay = Program("float32", (4,), (
-        DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, a), Send(2, (0, 1), Buffer.SRC, b)), 0, ((0, 1),)),
-        DeviceProgram(1, None, (4,), (Recv(0, (0, 1), a), Send(1, (1, 2), Buffer.DST, a), Recv(2, (0, 1), b),
-                                      Send(3, (1, 2), Buffer.DST, b)), 0, ((0, 1), (1, 2))),
-        DeviceProgram(2, None, (4,), (Recv(1, (1, 2), a), Recv(3, (1, 2), b)), 0, ((1, 2),)),
-    ))  # fmt: skip
+    relay = Program(
+        "float32",
+        (4,),
+        (
+            DeviceProgram(
+                0, (4,), None, (Send(0, (0, 1), Buffer.SRC, a), Send(2, (0, 1), Buffer.SRC, b)), 0, ((0, 1),)
+            ),
+            DeviceProgram(
+                1,
+                None,
+                (4,),
+                (
+                    Recv(0, (0, 1), a),
+                    Send(1, (1, 2), Buffer.DST, a),
+                    Recv(2, (0, 1), b),
+                    Send(3, (1, 2), Buffer.DST, b),
+                ),
+                0,
+                ((0, 1), (1, 2)),
+            ),
+            DeviceProgram(2, None, (4,), (Recv(1, (1, 2), a), Recv(3, (1, 2), b)), 0, ((1, 2),)),
+        ),
+    )
     validate_program(relay)
     windowed = sequence_program(relay, window_ops=4, window_bytes=4)  # each message is 8 bytes: big
     validate_program(windowed)
     assert windowed.devices[1].windows == (1, 2, 1)
     assert windowed.devices[0].windows == (1, 1) and windowed.devices[2].windows == (1, 1)
-    own = Program("float32", (4,), (
-        DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, a),), 0, ((0, 1),)),
-        DeviceProgram(1, (4,), (4,), (Recv(0, (0, 1), a), Send(1, (1, 2), Buffer.SRC, whole), Recv(2, (2, 1), b)), 0,
-                      ((0, 1), (1, 2))),
-        DeviceProgram(2, (4,), (4,), (Recv(1, (1, 2), whole), Send(2, (2, 1), Buffer.SRC, b)), 0, ((1, 2),)),
-    ))  # fmt: skip
+    own = Program(
+        "float32",
+        (4,),
+        (
+            DeviceProgram(0, (4,), None, (Send(0, (0, 1), Buffer.SRC, a),), 0, ((0, 1),)),
+            DeviceProgram(
+                1,
+                (4,),
+                (4,),
+                (Recv(0, (0, 1), a), Send(1, (1, 2), Buffer.SRC, whole), Recv(2, (2, 1), b)),
+                0,
+                ((0, 1), (1, 2)),
+            ),
+            DeviceProgram(2, (4,), (4,), (Recv(1, (1, 2), whole), Send(2, (2, 1), Buffer.SRC, b)), 0, ((1, 2),)),
+        ),
+    )
     windowed = sequence_program(own, window_ops=4, window_bytes=4)
     validate_program(windowed)
     assert windowed.devices[1].windows == (1, 1, 1)
@@ -359,10 +413,14 @@ def test_validate_rejects_broken_programs():
     strided = ((0, 4), (0, 1))
     validate_program(_pair((Send(0, (0, 1), Buffer.SRC, a),), (Recv(0, (0, 1), a), Copy(1, Buffer.DST, a, b))))
     cases = {
-        "outside device 0's source shard": Program("float32", (2,), (
-            DeviceProgram(0, (2,), None, (), 0),
-            DeviceProgram(1, None, (2,), (Pull(0, 0, ((1, 3),), ((0, 2),)),), 0),
-        )),
+        "outside device 0's source shard": Program(
+            "float32",
+            (2,),
+            (
+                DeviceProgram(0, (2,), None, (), 0),
+                DeviceProgram(1, None, (2,), (Pull(0, 0, ((1, 3),), ((0, 2),)),), 0),
+            ),
+        ),
         "before it arrived": _pair((Send(0, (0, 1), Buffer.SRC, a),), (Copy(1, Buffer.DST, a, b), Recv(0, (0, 1), a))),
         "but its messages use": _pair((Send(0, (0, 1), Buffer.SRC, a),), (Recv(0, (0, 1), a),), connect=()),
         "out of the global order": _pair(
@@ -370,17 +428,21 @@ def test_validate_rejects_broken_programs():
             (Recv(1, (0, 1), b), Recv(0, (0, 1), a)),
         ),
         "unpaired": _pair((Send(0, (0, 1), Buffer.SRC, a),), (Broadcast(0, (0, 1), write=a),)),
-        "passes through staging": Program("float32", (4, 2), (
-            DeviceProgram(0, (4, 2), None, (Send(0, (0, 1), Buffer.SRC, strided, 0),), 16, ((0, 1),)),
-            DeviceProgram(1, None, (4, 2), (Recv(0, (0, 1), strided),), 0, ((0, 1),)),
-        )),
+        "passes through staging": Program(
+            "float32",
+            (4, 2),
+            (
+                DeviceProgram(0, (4, 2), None, (Send(0, (0, 1), Buffer.SRC, strided, 0),), 16, ((0, 1),)),
+                DeviceProgram(1, None, (4, 2), (Recv(0, (0, 1), strided),), 0, ((0, 1),)),
+            ),
+        ),
         "touches what its other ops read": _pair(
             (Send(0, (0, 1), Buffer.SRC, a),),
             (Recv(0, (0, 1), a), Copy(2, Buffer.DST, a, b)),
             src1=(4,),
             background1=(Copy(1, Buffer.SRC, a, a),),
         ),
-    }  # fmt: skip
+    }
     for message, program in cases.items():
         with pytest.raises(PlanError, match=message):
             validate_program(program)
@@ -393,20 +455,28 @@ def test_validate_replays_connects_and_windows():
     g01, g02, g12 = (0, 1), (0, 2), (1, 2)
 
     def prog(connect1, connect2):
-        return Program("float32", (4,), (
-            DeviceProgram(0, (4,), None, (Send(0, g01, Buffer.SRC, a), Send(1, g02, Buffer.SRC, a)), 0, (g01, g02)),
-            DeviceProgram(1, (4,), (4,), (Recv(0, g01, a), Send(2, g12, Buffer.SRC, b)), 0, connect1),
-            DeviceProgram(2, None, (4,), (Recv(1, g02, a), Recv(2, g12, b)), 0, connect2),
-        ))  # fmt: skip
+        return Program(
+            "float32",
+            (4,),
+            (
+                DeviceProgram(0, (4,), None, (Send(0, g01, Buffer.SRC, a), Send(1, g02, Buffer.SRC, a)), 0, (g01, g02)),
+                DeviceProgram(1, (4,), (4,), (Recv(0, g01, a), Send(2, g12, Buffer.SRC, b)), 0, connect1),
+                DeviceProgram(2, None, (4,), (Recv(1, g02, a), Recv(2, g12, b)), 0, connect2),
+            ),
+        )
 
     validate_program(prog((g01, g12), (g02, g12)))
     with pytest.raises(PlanError, match="deadlocks"):
         validate_program(prog((g12, g01), (g02, g12)))
-    together = Program("float32", (4,), (
-        DeviceProgram(0, (4,), None, (Send(0, g02, Buffer.SRC, a),), 0, (g02,)),
-        DeviceProgram(1, (4,), None, (Send(1, g12, Buffer.SRC, b),), 0, (g12,)),
-        DeviceProgram(2, None, (4,), (Recv(0, g02, a), Recv(1, g12, b)), 0, (g02, g12), (2,)),
-    ))  # fmt: skip
+    together = Program(
+        "float32",
+        (4,),
+        (
+            DeviceProgram(0, (4,), None, (Send(0, g02, Buffer.SRC, a),), 0, (g02,)),
+            DeviceProgram(1, (4,), None, (Send(1, g12, Buffer.SRC, b),), 0, (g12,)),
+            DeviceProgram(2, None, (4,), (Recv(0, g02, a), Recv(1, g12, b)), 0, (g02, g12), (2,)),
+        ),
+    )
     validate_program(together)
 
 

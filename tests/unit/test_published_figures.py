@@ -95,7 +95,7 @@ def gpu() -> list[tuple[str, str]]:
             "README.md",
             f"{message['ours']['per_message_us']:.0f} µs per NCCL message through the backend against "
             f"{message['raw']['per_message_us']:.1f} µs raw",
-        ),  # fmt: skip
+        ),
         ("README.md", f"{whole['tensors']} tensors in {tree * 1e3:.1f} ms ({tree / one:.1f}x one tensor"),
     ]
 
@@ -116,25 +116,25 @@ def faults() -> list[tuple[str, str]]:
             "RELIABILITY.md",
             f"{one['steps']} steps (reshard {one['steps_by_kind']['reshard']}, as a Work "
             f"{one['steps_by_kind']['reshard, async_op']}; model syncs\n{syncs}",
-        ),  # fmt: skip
+        ),
         ("RELIABILITY.md", f"**{one['commit_time_faults']} of\nthem at commit time, 0 invariant violations"),
         (
             "README.md",
             f"{hosts['steps']} seeded steps with {hosts['faults_injected']} faults "
             f"({hosts['faults_landed']} landed), 0 invariant violations",
-        ),  # fmt: skip
+        ),
         ("README.md", f"every failed call raised within timeout + {over:.2f} s"),
         ("README.md", f"{soak['processes']} short-lived processes each pushing a"),
         (
             "README.md",
             f"{commit['steps']} whole-model `out=`\n  syncs with {commit['caller_kills']} caller kills, "
             f"{commit['commit_time_faults']} of them during a commit",
-        ),  # fmt: skip
+        ),
         (
             "RELIABILITY.md",
             f"{commit['steps']} steps, **{commit['caller_kills']} caller kills, {commit['commit_time_faults']} "
             f"of them during a commit, 0 violations**; {commit['landed']} syncs",
-        ),  # fmt: skip
+        ),
     ]
 
 
@@ -155,22 +155,22 @@ def weights() -> list[tuple[str, str]]:
             "README.md",
             f"per-tensor cost at {fit['default']['per_tensor_s'] * 1e3:.3f} ms (default path), "
             f"{fit['gloo']['per_tensor_s'] * 1e3:.3f} ms (gloo)",
-        ),  # fmt: skip
+        ),
         (
             "README.md",
             f"a tree still takes {span['gpt2']} one tensor of the same bytes for the 148-tensor model and "
             f"{span['qwen3']} for the 311-tensor one",
-        ),  # fmt: skip
+        ),
         ("bench/WEIGHTS.md", f"default path {fit['default']['per_tensor_s'] * 1e3:.3f} ms per tensor"),
         (
             "bench/WEIGHTS.md",
             f"First call (compile, ship, run) {moe_ours['first_s']:.2f} s; replay median "
             f"{moe_ours['latency_s']['median']:.2f} s against {moe_one['latency_s']['median'] * 1e3:.1f} ms",
-        ),  # fmt: skip
+        ),
         (
             "bench/WEIGHTS.md",
             f"{min(moe['descriptors'])}-{max(moe['descriptors'])} open descriptors per device after the case",
-        ),  # fmt: skip
+        ),
     ]
 
 

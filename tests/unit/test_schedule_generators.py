@@ -109,11 +109,19 @@ def test_eager_forwards_exist_a_clock_before_they_are_needed(n, m):
 def test_streams_send_right_after_the_producer_and_receive_right_before_the_consumer():
     s = one_f_one_b(3, 2)
     assert [str(a) for a in s.streams[1]] == [
-        "R0F<-0", "F0", "S0F->2",
-        "R1F<-0", "F1", "S1F->2",
-        "R0B<-2", "B0", "S0B->0",
-        "R1B<-2", "B1", "S1B->0",
-    ]  # fmt: skip
+        "R0F<-0",
+        "F0",
+        "S0F->2",
+        "R1F<-0",
+        "F1",
+        "S1F->2",
+        "R0B<-2",
+        "B0",
+        "S0B->0",
+        "R1B<-2",
+        "B1",
+        "S1B->0",
+    ]
 
 
 def test_skip_connections_add_sends_and_receives_but_keep_the_clock_table():

@@ -42,15 +42,21 @@ def test_one_stage_runs_back_to_back():
 def test_two_stages_with_overlapped_transfers():
     r = simulate(one_f_one_b(2, 2), forward_s=1.0, backward_s=2.0, transfer_s=0.5)
     assert _spans(r, 0) == [
-        ("F0", 0.0, 1.0), ("S0F->1", 1.0, 1.5),
-        ("F1", 1.0, 2.0), ("S1F->1", 2.0, 2.5),
+        ("F0", 0.0, 1.0),
+        ("S0F->1", 1.0, 1.5),
+        ("F1", 1.0, 2.0),
+        ("S1F->1", 2.0, 2.5),
         ("B0", 5.0, 7.0),
         ("B1", 8.0, 10.0),
-    ]  # fmt: skip
+    ]
     assert _spans(r, 1) == [
-        ("F0", 1.5, 2.5), ("B0", 2.5, 4.5), ("S0B->0", 4.5, 5.0),
-        ("F1", 4.5, 5.5), ("B1", 5.5, 7.5), ("S1B->0", 7.5, 8.0),
-    ]  # fmt: skip
+        ("F0", 1.5, 2.5),
+        ("B0", 2.5, 4.5),
+        ("S0B->0", 4.5, 5.0),
+        ("F1", 4.5, 5.5),
+        ("B1", 5.5, 7.5),
+        ("S1B->0", 7.5, 8.0),
+    ]
     assert r.iteration_s == 10.0
     assert r.idle_waiting_s == (4.0, 1.5)
     assert r.bubble_fraction == pytest.approx(1 - 12 / 20)

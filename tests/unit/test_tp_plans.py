@@ -67,9 +67,12 @@ def test_torch_style_objects_and_the_first_matching_pattern():
 
 @pytest.mark.parametrize(
     ("plan", "axis", "words"),
-    [({"x": "diagonal"}, -1, "unknown style 'diagonal'"), ({"x": "colwise"}, "tp", "mesh axis 'tp'"),
-     ({"x": "colwise"}, 3, "out of range")],
-)  # fmt: skip
+    [
+        ({"x": "diagonal"}, -1, "unknown style 'diagonal'"),
+        ({"x": "colwise"}, "tp", "mesh axis 'tp'"),
+        ({"x": "colwise"}, 3, "out of range"),
+    ],
+)
 def test_bad_plans_are_refused_naming_what_is_wrong(plan, axis, words):
     with pytest.raises(ValueError, match=words):
         tensor_parallel_layouts(Mesh((2,)), plan, axis=axis)

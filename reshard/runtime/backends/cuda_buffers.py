@@ -52,9 +52,17 @@ NCCL_TYPE_NAMES = {
 }
 
 NCCL_TYPE_SIZE = {
-    NCCL_INT8: 1, NCCL_UINT8: 1, NCCL_INT32: 4, NCCL_UINT32: 4, NCCL_INT64: 8, NCCL_UINT64: 8,
-    NCCL_FLOAT16: 2, NCCL_FLOAT32: 4, NCCL_FLOAT64: 8, NCCL_BFLOAT16: 2,
-}  # fmt: skip
+    NCCL_INT8: 1,
+    NCCL_UINT8: 1,
+    NCCL_INT32: 4,
+    NCCL_UINT32: 4,
+    NCCL_INT64: 8,
+    NCCL_UINT64: 8,
+    NCCL_FLOAT16: 2,
+    NCCL_FLOAT32: 4,
+    NCCL_FLOAT64: 8,
+    NCCL_BFLOAT16: 2,
+}
 
 # Element type name (numpy / torch spelling without the "torch." prefix) -> NCCL type that carries
 # it element for element. Anything else, bool included, is carried as bytes (NCCL_UINT8).
@@ -348,13 +356,25 @@ def describe(x) -> DeviceView:
     if fw == "torch":
         name = str(x.dtype).removeprefix("torch.")
         return DeviceView(
-            "torch", int(x.data_ptr()), int(x.numel()), int(x.element_size()), name, tuple(x.shape),
-            bool(x.is_contiguous()), int(x.device.index),
-        )  # fmt: skip
+            "torch",
+            int(x.data_ptr()),
+            int(x.numel()),
+            int(x.element_size()),
+            name,
+            tuple(x.shape),
+            bool(x.is_contiguous()),
+            int(x.device.index),
+        )
     return DeviceView(
-        "cupy", int(x.data.ptr), int(x.size), int(x.itemsize), str(x.dtype.name), tuple(x.shape),
-        bool(x.flags.c_contiguous), int(x.device.id),
-    )  # fmt: skip
+        "cupy",
+        int(x.data.ptr),
+        int(x.size),
+        int(x.itemsize),
+        str(x.dtype.name),
+        tuple(x.shape),
+        bool(x.flags.c_contiguous),
+        int(x.device.id),
+    )
 
 
 def producer_stream(x, view: DeviceView):

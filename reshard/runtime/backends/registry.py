@@ -64,9 +64,13 @@ and those ``register_backend`` added."""
 
 
 def register_backend(
-    name: str, target: type[Backend] | str, *, device_type: str = "cpu", gpus_per_device: float = 0.0,
+    name: str,
+    target: type[Backend] | str,
+    *,
+    device_type: str = "cpu",
+    gpus_per_device: float = 0.0,
     compile_target: CompileTarget | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Register a ``Backend`` subclass (or ``"module:Class"``) under ``name``; ``compile_target``:
     how its devices' programs are sequenced (windows, bucket size; default: one message at a time)."""
     if compile_target is not None:

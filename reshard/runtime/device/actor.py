@@ -139,8 +139,11 @@ class DeviceRole:
             try:
                 with stream.running():
                     shapes = [tuple(hi - lo for lo, hi in box) for _, _, box, _ in entries]
-                    gpu = ctx.store.allocate_many([(s, e.dtype) for s, e in zip(shapes, entries, strict=True)]) if (
-                        ctx.cuda_device is not None) else None  # fmt: skip
+                    gpu = (
+                        ctx.store.allocate_many([(s, e.dtype) for s, e in zip(shapes, entries, strict=True)])
+                        if (ctx.cuda_device is not None)
+                        else None
+                    )
                     for i, ((_, index, box, dtype), shape) in enumerate(zip(entries, shapes, strict=True)):
                         if gpu is not None:
                             t = gpu[i]
@@ -311,8 +314,9 @@ class DeviceRole:
         finally:
             state.active = None
             state.staging.trim()
-        return RunResult(time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], ctx.peak_bytes, descriptors,
-                         stats["checks"])  # fmt: skip
+        return RunResult(
+            time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], ctx.peak_bytes, descriptors, stats["checks"]
+        )
 
     def reshard_describe(self, ticket: Ticket, names, budget_s: float) -> list[dict]:
         """What this device holds under each of ``names``: its local shape, dtype name,
@@ -325,10 +329,14 @@ class DeviceRole:
                 t = ctx.store.get(name)
                 if t is None:
                     ctx.local(name)  # raises, naming the shard
-                out.append({
-                    "local_shape": tuple(t.shape), "dtype": ctx.store.dtype(name),
-                    "descriptor": ctx.store.descriptor(t), **(ctx.store.meta.get(name) or {}),
-                })  # fmt: skip
+                out.append(
+                    {
+                        "local_shape": tuple(t.shape),
+                        "dtype": ctx.store.dtype(name),
+                        "descriptor": ctx.store.descriptor(t),
+                        **(ctx.store.meta.get(name) or {}),
+                    }
+                )
             return out
 
     def reshard_commit(
@@ -357,8 +365,9 @@ class DeviceRole:
                             src = ctx.store.get(staged)
                             if src is None:
                                 raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
-                            copies.append((checked_out(ctx, out, src.shape, ctx.store.dtype(staged), strided=True),
-                                           src))  # fmt: skip
+                            copies.append(
+                                (checked_out(ctx, out, src.shape, ctx.store.dtype(staged), strided=True), src)
+                            )
                         stream = ctx.controller(ticket.controller).stream
                         with stream.running():
                             for dst, src in copies:

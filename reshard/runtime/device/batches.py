@@ -115,8 +115,17 @@ class BatchRun:
     """One batch run on a device: a ``Run`` per part (by tensor), the communicators, the shared
     staging buffer and deadline; ``after_run(runs)``: a test hook that runs before checksums."""
 
-    def __init__(self, prepared: PreparedBatch, runs: dict[int, Run], groups, staging, deadline: float,
-                 before_op=None, batch=None, after_run: Callable | None = None):  # fmt: skip
+    def __init__(
+        self,
+        prepared: PreparedBatch,
+        runs: dict[int, Run],
+        groups,
+        staging,
+        deadline: float,
+        before_op=None,
+        batch=None,
+        after_run: Callable | None = None,
+    ):
         self.prepared = prepared
         self.runs = runs
         self.groups = groups
@@ -126,8 +135,9 @@ class BatchRun:
         self.batch = batch
         self.after_run = after_run
         self.comm_s = 0.0
-        self.gpu = arrays.is_device(staging.buf) or any(arrays.is_device(r.dst) or arrays.is_device(r.src)
-                                                        for r in runs.values())  # fmt: skip
+        self.gpu = arrays.is_device(staging.buf) or any(
+            arrays.is_device(r.dst) or arrays.is_device(r.src) for r in runs.values()
+        )
 
     def left(self, bucket: Bucket) -> float:
         left = self.deadline - time.monotonic()

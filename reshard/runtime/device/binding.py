@@ -55,8 +55,7 @@ class Binding:
         tensors = [p.tensor for p in self.prepared.program.parts]
         fresh = self._fresh_destinations(tensors, outs)
         casts = bound.casts or (None,) * len(self.prepared.parts)
-        for prepared, tensor, source, out, cast in zip(self.prepared.parts, tensors, sources, outs, casts,
-                                                       strict=True):  # fmt: skip
+        for prepared, tensor, source, out, cast in zip(self.prepared.parts, tensors, sources, outs, casts, strict=True):
             prog, dtype = prepared.program, prepared.dtype
             src = None
             if prog.src_shape is not None:
@@ -88,9 +87,20 @@ class Binding:
             tmp = None
             if prog.tmp:
                 tmp = self.tmps[tensor] = ctx.store.allocate(prog.src_shape, dtype)
-            runs[tensor] = Run(prepared, src=src, dst=dst, groups=groups, staging=staging, deadline=deadline,
-                               peers=peers, tmp=tmp, before_op=before_op, batch=batch, relayed=relayed,
-                               publish=publish)  # fmt: skip
+            runs[tensor] = Run(
+                prepared,
+                src=src,
+                dst=dst,
+                groups=groups,
+                staging=staging,
+                deadline=deadline,
+                peers=peers,
+                tmp=tmp,
+                before_op=before_op,
+                batch=batch,
+                relayed=relayed,
+                publish=publish,
+            )
         if bound.pulls:
             ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
         return runs
@@ -124,8 +134,11 @@ class Binding:
         ctx = self.ctx
         if ctx.cuda_device is None or self.req.direct:
             return {}
-        wanted = [(t, p) for t, p in zip(tensors, self.prepared.parts, strict=True)
-                  if p.program.dst_shape is not None and not p.publishes]  # fmt: skip
+        wanted = [
+            (t, p)
+            for t, p in zip(tensors, self.prepared.parts, strict=True)
+            if p.program.dst_shape is not None and not p.publishes
+        ]
         try:
             made = ctx.store.allocate_many([(p.program.dst_shape, p.dtype) for _, p in wanted])
         except (MemoryError, RuntimeError, OSError) as e:

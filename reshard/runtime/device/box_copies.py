@@ -92,8 +92,14 @@ class BoxCopy:
         return self.inner * math.prod(self.extents)
 
 
-def describe(shape: Sequence[int], itemsize: int, src_offset: int, src_strides: Sequence[int], dst_offset: int,
-             dst_strides: Sequence[int]) -> list[BoxCopy]:  # fmt: skip
+def describe(
+    shape: Sequence[int],
+    itemsize: int,
+    src_offset: int,
+    src_strides: Sequence[int],
+    dst_offset: int,
+    dst_strides: Sequence[int],
+) -> list[BoxCopy]:
     """The ``BoxCopy``s that copy a box of ``shape`` (elements of ``itemsize`` bytes) from a view at
     byte ``src_offset`` with byte ``src_strides`` to one at ``dst_offset`` with ``dst_strides``:
     one, unless the box has more than ``OUTER`` outer dimensions that do not merge (each index of
@@ -232,10 +238,12 @@ def _run_by_assignment(table: np.ndarray) -> None:
         shape = tuple(reversed(extents)) + (inner,)
         nbytes_src = sum((n - 1) * s for n, s in zip(extents, src_strides, strict=True)) + inner
         nbytes_dst = sum((n - 1) * s for n, s in zip(extents, dst_strides, strict=True)) + inner
-        s_view = cupy.ndarray(shape, np.uint8, memptr=_pointer(src, nbytes_src),
-                              strides=tuple(reversed(src_strides)) + (1,))  # fmt: skip
-        d_view = cupy.ndarray(shape, np.uint8, memptr=_pointer(dst, nbytes_dst),
-                              strides=tuple(reversed(dst_strides)) + (1,))  # fmt: skip
+        s_view = cupy.ndarray(
+            shape, np.uint8, memptr=_pointer(src, nbytes_src), strides=tuple(reversed(src_strides)) + (1,)
+        )
+        d_view = cupy.ndarray(
+            shape, np.uint8, memptr=_pointer(dst, nbytes_dst), strides=tuple(reversed(dst_strides)) + (1,)
+        )
         d_view[...] = s_view
 
 

@@ -86,8 +86,7 @@ class DeviceContext:
             shared = SharedShards()
         elif gpu is not None and want_shared and GpuBlocks.available():
             shared = GpuBlocks(gpu, pool_bytes)
-        self.store = ShardStore(device, self.device_type, pool_bytes, shared,
-                                options.assembly_bytes)  # fmt: skip
+        self.store = ShardStore(device, self.device_type, pool_bytes, shared, options.assembly_bytes)
         self.shard_locks = ShardLocks(device)  # reads of a shard wait for a write into it
         self.peers: PeerShards | GpuPeers = PeerShards(device) if gpu is None else GpuPeers(device, gpu)
         if gpu is not None:
@@ -301,8 +300,9 @@ class DeviceContext:
             )
         return self.peers.view(holder, handle, arrays.storage(dtype))
 
-    def share(self, name: str, tensor, *, shape=None, placements=None, mesh_shape=None, coordinate=None,
-              reback: bool = False) -> None:  # fmt: skip
+    def share(
+        self, name: str, tensor, *, shape=None, placements=None, mesh_shape=None, coordinate=None, reback: bool = False
+    ) -> None:
         """Offer ``tensor`` (a torch tensor, numpy array or, on a GPU, cupy array: this device's
         shard of a sharded tensor; no copy) as shard ``name``, for ``reshard.runtime.adopt`` on the
         driver. ``shape``/``placements`` say what it is a shard of (the driver checks them against
@@ -331,8 +331,12 @@ class DeviceContext:
                 f"{where} with strides {strides}; pass a contiguous copy on {self.device_type} or allocate it with "
                 "reshard_device.empty(...)"
             )
-        meta = {"shape": None if shape is None else tuple(shape), "placements": placements,
-                "mesh_shape": mesh_shape, "coordinate": coordinate}  # fmt: skip
+        meta = {
+            "shape": None if shape is None else tuple(shape),
+            "placements": placements,
+            "mesh_shape": mesh_shape,
+            "coordinate": coordinate,
+        }
         self.store.share(name, held.view(arrays.storage(dtype)), dtype, meta, file=file)
 
     def _shared_file(self, name: str, tensor, reback: bool) -> tuple[int, int] | None:
@@ -389,9 +393,14 @@ class DeviceContext:
 
         mesh = dt.device_mesh
         self.share(
-            name, dt.to_local(), shape=tuple(dt.shape), placements=tuple(as_placement(p) for p in dt.placements),
-            mesh_shape=tuple(mesh.shape), coordinate=tuple(mesh.get_coordinate() or ()), reback=reback,
-        )  # fmt: skip
+            name,
+            dt.to_local(),
+            shape=tuple(dt.shape),
+            placements=tuple(as_placement(p) for p in dt.placements),
+            mesh_shape=tuple(mesh.shape),
+            coordinate=tuple(mesh.get_coordinate() or ()),
+            reback=reback,
+        )
 
     def share_state_dict(self, state_dict, prefix: str = "", *, reback: bool = False):
         """``share`` every tensor of a state dict (nested dicts, lists and tuples too), each under
@@ -433,11 +442,26 @@ class DeviceContext:
                 f"device {self.device}: {name!r} lives on a mesh of shape {meta['mesh_shape']}, the DeviceMesh given "
                 f"has shape {tuple(device_mesh.shape)}"
             )
-        return DTensor.from_local(local, device_mesh, placements, shape=torch.Size(meta["shape"]),
-                                  stride=_stride(meta["shape"]), run_check=False)  # fmt: skip
+        return DTensor.from_local(
+            local,
+            device_mesh,
+            placements,
+            shape=torch.Size(meta["shape"]),
+            stride=_stride(meta["shape"]),
+            run_check=False,
+        )
 
-    def run_program(self, program: DeviceProgram, src, dst, *, dtype: str | None = None, timeout_s: float = 60.0,
-                    groups=None, peers=None) -> dict:  # fmt: skip
+    def run_program(
+        self,
+        program: DeviceProgram,
+        src,
+        dst,
+        *,
+        dtype: str | None = None,
+        timeout_s: float = 60.0,
+        groups=None,
+        peers=None,
+    ) -> dict:
         """Run one ``DeviceProgram`` over ``src``/``dst`` tensors with the calling controller's
         communicators (or ``groups``, an object with ``get(key)``). On failure the program's groups
         are aborted and the error raised."""
@@ -472,8 +496,9 @@ class ProgramRunner:
     communicators and hooks are this device's; on a GPU its work goes on ``stream`` and is done
     when it returns; the staging buffer is trimmed after each run."""
 
-    def __init__(self, ctx: DeviceContext, program: DeviceProgram, dtype: str, groups, staging: StagingBuffer,
-                 stream: RunStream):  # fmt: skip
+    def __init__(
+        self, ctx: DeviceContext, program: DeviceProgram, dtype: str, groups, staging: StagingBuffer, stream: RunStream
+    ):
         self.ctx, self.groups, self.staging, self.stream = ctx, groups, staging, stream
         self.prepared = prepare(program, dtype)
 
@@ -488,9 +513,18 @@ class ProgramRunner:
                 src, dst = _on_device(ctx, src), _on_device(ctx, dst)
                 self.staging.reserve(program.staging_bytes)
                 tmp = ctx.store.allocate(program.src_shape, self.prepared.dtype) if program.tmp else None
-                run = Run(self.prepared, src=src, dst=dst, groups=self.groups, staging=self.staging,
-                          deadline=deadline, peers=peers, tmp=tmp, before_op=ctx.before_op,
-                          batch=ctx.backend.batcher)  # fmt: skip
+                run = Run(
+                    self.prepared,
+                    src=src,
+                    dst=dst,
+                    groups=self.groups,
+                    staging=self.staging,
+                    deadline=deadline,
+                    peers=peers,
+                    tmp=tmp,
+                    before_op=ctx.before_op,
+                    batch=ctx.backend.batcher,
+                )
                 stats = execute(run)
                 del run  # the scratch buffer's other reference
                 self.stream.finish(deadline, f"device {ctx.device}: a program run")

@@ -45,8 +45,14 @@ IOV_MAX = 1024  # iovec entries per call (Linux's UIO_MAXIOV)
 CALL_BYTES = 1 << 30  # bytes per call, under the kernel's 2 GiB bound on one transfer
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.process_vm_readv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
-                                   ctypes.c_ulong)  # fmt: skip
+_LIBC.process_vm_readv.argtypes = (
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+)
 _LIBC.process_vm_readv.restype = ctypes.c_ssize_t
 
 
@@ -140,8 +146,17 @@ class TenureBoard:
         cell = self._cell.get((base_address(a), a.nbytes))
         if cell is None:
             return None
-        return (CROSS_MEMORY, os.getpid(), self.fd, self.inode, cell, int(self.cells[cell]), base_address(a),
-                tuple(a.shape), self._file.get(cell))  # fmt: skip
+        return (
+            CROSS_MEMORY,
+            os.getpid(),
+            self.fd,
+            self.inode,
+            cell,
+            int(self.cells[cell]),
+            base_address(a),
+            tuple(a.shape),
+            self._file.get(cell),
+        )
 
 
 class RemoteShard:

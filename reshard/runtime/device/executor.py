@@ -134,8 +134,22 @@ class Run:
     ``relayed(holder, after)``: the holder's destination shard once it published ``after`` slices,
     ``publish(count)``: tell pullers this device published ``count`` (relays, ``reshard.passes.pulls``)."""
 
-    def __init__(self, prepared, *, src, dst, groups, staging, deadline, peers=None, tmp=None, before_op=None,
-                 batch=None, relayed=None, publish=None):  # fmt: skip
+    def __init__(
+        self,
+        prepared,
+        *,
+        src,
+        dst,
+        groups,
+        staging,
+        deadline,
+        peers=None,
+        tmp=None,
+        before_op=None,
+        batch=None,
+        relayed=None,
+        publish=None,
+    ):
         self.prepared = prepared
         self.device = prepared.device
         self.src = src
@@ -245,8 +259,14 @@ def _broadcast(run: Run, step: Step[Broadcast]):
 
 
 HANDLERS: dict[type, Callable] = {
-    Copy: _copy, Pull: _pull, Scale: _scale, Publish: _publish, Send: _send, Recv: _recv, Broadcast: _broadcast,
-}  # fmt: skip
+    Copy: _copy,
+    Pull: _pull,
+    Scale: _scale,
+    Publish: _publish,
+    Send: _send,
+    Recv: _recv,
+    Broadcast: _broadcast,
+}
 
 
 def box_index(box):
@@ -262,8 +282,16 @@ def _step(op: Op, device: int) -> Step[Op]:
         root = key.index(group[0])
         other = group[1] if group[0] == device else group[0]
         peer = key.index(other) if isinstance(op, Send | Recv) else -1
-    return Step(HANDLERS[type(op)], op, box_index(getattr(op, "read", None)), box_index(getattr(op, "write", None)),
-                key, -1 if root is None else root, -1 if peer is None else peer, op_shape(op))  # fmt: skip
+    return Step(
+        HANDLERS[type(op)],
+        op,
+        box_index(getattr(op, "read", None)),
+        box_index(getattr(op, "write", None)),
+        key,
+        -1 if root is None else root,
+        -1 if peer is None else peer,
+        op_shape(op),
+    )
 
 
 def prepare(program: DeviceProgram, dtype: str) -> PreparedProgram:
@@ -272,9 +300,14 @@ def prepare(program: DeviceProgram, dtype: str) -> PreparedProgram:
     windows = tuple(tuple(_step(op, d) for op in w) for w in program.issue_windows)
     messages = tuple(any(isinstance(s.op, Send | Recv | Broadcast | Publish) for s in w) for w in windows)
     return PreparedProgram(
-        program, dtype, windows, tuple(_step(op, d) for op in program.background), program.holders,
-        program.publishes, messages,
-    )  # fmt: skip
+        program,
+        dtype,
+        windows,
+        tuple(_step(op, d) for op in program.background),
+        program.holders,
+        program.publishes,
+        messages,
+    )
 
 
 _helper: ThreadPoolExecutor | None = None

@@ -154,8 +154,10 @@ class GpuBlocks:
                 self.blocks[mem.ptr] = block
                 bisect.insort(self._bases, mem.ptr)
         block.pieces = {o: _Piece(o, n) for o, n in zip(offsets, sizes, strict=True)}
-        return [cupy.ndarray((n,), np.uint8, memptr=cupy.cuda.MemoryPointer(block.mem, o))
-                for o, n in zip(offsets, sizes, strict=True)]  # fmt: skip
+        return [
+            cupy.ndarray((n,), np.uint8, memptr=cupy.cuda.MemoryPointer(block.mem, o))
+            for o, n in zip(offsets, sizes, strict=True)
+        ]
 
     def _take(self, nbytes: int) -> _Block | None:
         with self._lock:
@@ -224,8 +226,17 @@ class GpuBlocks:
 
             with cupy.cuda.Device(self.cuda_device):
                 block.handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(block.mem.ptr))
-        return ("cuda", os.getpid(), block.handle, block.nbytes, piece.offset, tuple(a.shape), self.board.descriptor,
-                piece.slot, piece.tenure)  # fmt: skip
+        return (
+            "cuda",
+            os.getpid(),
+            block.handle,
+            block.nbytes,
+            piece.offset,
+            tuple(a.shape),
+            self.board.descriptor,
+            piece.slot,
+            piece.tenure,
+        )
 
     def release(self, a) -> bool:
         """The last use of ``a``'s piece is over (its tenure ends); the block goes back to the pool

@@ -390,8 +390,9 @@ class PeerShards:
                 self.maps.move_to_end(key)
         return hit
 
-    def relay(self, holder: int, board: tuple, name: str, after: int, shape, dtype: np.dtype, deadline: float,
-              cancelled=None) -> tuple[np.ndarray, tuple]:  # fmt: skip
+    def relay(
+        self, holder: int, board: tuple, name: str, after: int, shape, dtype: np.dtype, deadline: float, cancelled=None
+    ) -> tuple[np.ndarray, tuple]:
         """Device ``holder``'s destination shard (of ``shape``) in the run making ``name``, once
         the holder's board (descriptor ``board``) shows publication ``after``; with the shard's
         descriptor, to ``check`` after copying. Raises ``PeerFailed`` when the holder's run failed
@@ -418,8 +419,10 @@ class PeerShards:
                     f"(publication {after}) by the deadline"
                 )
             if cancelled is not None and cancelled():
-                raise PeerFailed(f"device {self.device}: the controller aborted the reshard while it waited for "
-                                 f"device {holder}'s relay")  # fmt: skip
+                raise PeerFailed(
+                    f"device {self.device}: the controller aborted the reshard while it waited for "
+                    f"device {holder}'s relay"
+                )
             if now >= alive_at:
                 if not os.path.exists(f"/proc/{pid}"):
                     raise ReshardError(f"device {self.device}: device {holder}'s process ({pid}) is gone")

@@ -154,9 +154,11 @@ class Runtime:
 
     def updates_for(self, device: int, sets=()) -> Updates:
         return Updates(
-            tuple(self._group_drops.pop(device, ())), tuple(sets), self.programs.take_drops(device),
+            tuple(self._group_drops.pop(device, ())),
+            tuple(sets),
+            self.programs.take_drops(device),
             self.bindings.take_drops(device),
-        )  # fmt: skip
+        )
 
     # ---------------------------------------------------------------- groups
 
@@ -241,8 +243,18 @@ class Runtime:
 
     # ---------------------------------------------------------------- reshards
 
-    def submit_batch(self, compiled: CompiledBatch, sources, run: str, deadline: Deadline, what: str, *,
-                     outs=None, direct: bool = False, verify: bool = False) -> Pending:  # fmt: skip
+    def submit_batch(
+        self,
+        compiled: CompiledBatch,
+        sources,
+        run: str,
+        deadline: Deadline,
+        what: str,
+        *,
+        outs=None,
+        direct: bool = False,
+        verify: bool = False,
+    ) -> Pending:
         """Submit a compiled batch (``reshard.passes.compile.compile_batch``): one ordered ``run`` call per
         participant. ``sources[t]``: tensor ``t``'s source shard name, ``{device: shared-memory
         descriptor}`` (for pulls) and the dtype it is cast from (None: none); ``outs[t]``: the
@@ -287,13 +299,18 @@ class Runtime:
                 participants = tuple((rec.id, rec.actor if rec.threaded else None, refs[rec.id]) for rec in recs)
                 for rec in recs:
                     parts = program.for_device(rec.id).parts
-                    pairs = tuple(Staged(shard_name(run, p.tensor), outs[p.tensor]) for p in parts
-                                  if p.program.dst_shape is not None)  # fmt: skip
+                    pairs = tuple(
+                        Staged(shard_name(run, p.tensor), outs[p.tensor])
+                        for p in parts
+                        if p.program.dst_shape is not None
+                    )
                     if pairs:
                         commits[rec.id] = self.submit(
-                            rec, lambda t, rec=rec, pairs=pairs: rec.actor.reshard_commit.remote(
-                                t, run, pairs, participants, budget, verify)
-                        )  # fmt: skip
+                            rec,
+                            lambda t, rec=rec, pairs=pairs: rec.actor.reshard_commit.remote(
+                                t, run, pairs, participants, budget, verify
+                            ),
+                        )
             self.stats["runs"] += 1
             self.stats["run_calls"] += len(refs) + len(commits)
         return Pending(compiled, run, refs, commits, pid, deadline, what, outs is not None)
@@ -331,17 +348,25 @@ class Runtime:
         self.last_run = outcome.results
         return outcome.results
 
-    def abandon_batch(self, pending: Pending, outcome: Outcome, late: dict | None = None,
-                      until: Deadline | None = None) -> None:  # fmt: skip
+    def abandon_batch(
+        self, pending: Pending, outcome: Outcome, late: dict | None = None, until: Deadline | None = None
+    ) -> None:
         """``abandon`` a batch: the new shards it made are dropped (outputs staged for a commit
         are the commit's to drop). ``late``: runs still pending, collected into ``outcome`` if
         they end by ``until`` too: they decide whether the commits go on."""
         program = pending.compiled.program
-        made = {} if pending.outs else {
-            d: tuple(shard_name(pending.run, p.tensor) for p in program.for_device(d).parts
-                     if p.program.dst_shape is not None)
-            for d in pending.refs
-        }  # fmt: skip
+        made = (
+            {}
+            if pending.outs
+            else {
+                d: tuple(
+                    shard_name(pending.run, p.tensor)
+                    for p in program.for_device(d).parts
+                    if p.program.dst_shape is not None
+                )
+                for d in pending.refs
+            }
+        )
         groups = pending.compiled.groups
         acks = self.abandon(pending.refs, pending.run, made, groups, pending.pid, outcome, wait=not late)
         if late and until is not None:
@@ -351,8 +376,9 @@ class Runtime:
             outcome.pending = ended.pending
             self._wait_acks(acks, until)
 
-    def abandon(self, devices, run: str | None, made: dict, groups, pid: int | None, outcome: Outcome,
-                wait: bool = True) -> dict:  # fmt: skip
+    def abandon(
+        self, devices, run: str | None, made: dict, groups, pid: int | None, outcome: Outcome, wait: bool = True
+    ) -> dict:
         """Clean up after a failed call (module docstring); bounded by ``CLEANUP_S``. ``run``: what
         the devices must keep nothing of; ``made[device]``: the shards it made there, dropped now.
         ``devices``: those the call went to. Returns their acknowledgements (``wait=False``: not
@@ -449,16 +475,31 @@ class Runtime:
             self.mark_dead(d, f"actor died in {what}: {_first(outcome.failures[d].error)}")
         return outcome
 
-    def broadcast_call(self, devices, make, deadline: Deadline, what: str, *, tail: str = "",
-                       on_failure: Callable[[Outcome], None] | None = None) -> dict:  # fmt: skip
+    def broadcast_call(
+        self,
+        devices,
+        make,
+        deadline: Deadline,
+        what: str,
+        *,
+        tail: str = "",
+        on_failure: Callable[[Outcome], None] | None = None,
+    ) -> dict:
         """One ordered call to each of ``devices`` (``make(rec)`` is the ``call(ticket)`` for
         ``submit``; all submitted under the lock), waited for until ``deadline``: ``{device: result}``.
         On failure, ``on_failure(outcome)`` runs first (to clean up, or to raise a more precise
         error), then the failure is raised as one error, root cause first (``failure_error``)."""
         return self.results_of(self.submit_each(devices, make, what), deadline, what, tail=tail, on_failure=on_failure)
 
-    def results_of(self, refs: dict, deadline: Deadline, what: str, *, tail: str = "",
-                   on_failure: Callable[[Outcome], None] | None = None) -> dict:  # fmt: skip
+    def results_of(
+        self,
+        refs: dict,
+        deadline: Deadline,
+        what: str,
+        *,
+        tail: str = "",
+        on_failure: Callable[[Outcome], None] | None = None,
+    ) -> dict:
         """The second half of ``broadcast_call``, for calls submitted under a lock held longer."""
         try:
             outcome = self.wait(refs, deadline, what)
@@ -556,8 +597,12 @@ def _bound(compiled, device: int, sources, outs, records) -> Bound:
     scales), ``outs[t]`` its output."""
     parts = compiled.program.for_device(device).parts
     names = tuple(sources[p.tensor][0] if p.program.src_shape is not None else None for p in parts)
-    casts = tuple(_cast_for(sources[p.tensor][2], compiled.tensors[p.tensor].plan, device)
-                  if p.program.src_shape is not None else None for p in parts)  # fmt: skip
+    casts = tuple(
+        _cast_for(sources[p.tensor][2], compiled.tensors[p.tensor].plan, device)
+        if p.program.src_shape is not None
+        else None
+        for p in parts
+    )
     pulls = {t: {h: sources[t][1][h] for h in holders} for t, holders in compiled.pull_sources.get(device, {}).items()}
     mine = None if outs is None else tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
     relaying = compiled.relay_sources.get(device)

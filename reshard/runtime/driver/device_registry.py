@@ -73,12 +73,21 @@ class DeviceRecord:
     def describe(self) -> dict:
         """What travels in a pickled mesh handle."""
         return {
-            "id": self.id, "actor": self.actor, "host": self.host, "backend": self.backend, "node_id": self.node_id,
-            "node_ip": self.node_ip, "owner": self.owner, "session": self.session,
-            "shared_memory": self.shared_memory, "max_communicators": self.max_communicators,
-            "max_programs": self.max_programs, "board": self.board, "memory_domain": self.memory_domain,
+            "id": self.id,
+            "actor": self.actor,
+            "host": self.host,
+            "backend": self.backend,
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "owner": self.owner,
+            "session": self.session,
+            "shared_memory": self.shared_memory,
+            "max_communicators": self.max_communicators,
+            "max_programs": self.max_programs,
+            "board": self.board,
+            "memory_domain": self.memory_domain,
             "threaded": self.threaded,
-        }  # fmt: skip
+        }
 
 
 class DeviceRegistry:

@@ -46,8 +46,15 @@ def publish_mesh(mesh: Mesh, backend: str, backend_state: Any, described: list[d
     the publishing controller (only it removes the entry)."""
     state = backend_state if _plain(backend_state) else None
     devices = [_record_data(d) for d in described]
-    entry = {"format": FORMAT, "session": [session.name, session.job], "mesh": _mesh_data(mesh),
-             "backend": backend, "backend_state": state, "devices": devices, "writer": writer}  # fmt: skip
+    entry = {
+        "format": FORMAT,
+        "session": [session.name, session.job],
+        "mesh": _mesh_data(mesh),
+        "backend": backend,
+        "backend_state": state,
+        "devices": devices,
+        "writer": writer,
+    }
     publish(_key(mesh, session), msgpack.packb(entry, use_bin_type=True))
 
 
@@ -92,8 +99,9 @@ def find_mesh(mesh: Mesh, session) -> Published | str | None:
     if not isinstance(devices, list) or len(devices) != mesh.size:
         raise EntryRefused(f"the directory entry of mesh {mesh} does not list its {mesh.size} devices")
     state = entry.get("backend_state")
-    return Published(str(entry["backend"]), state if isinstance(state, dict) else None,
-                     [_record(d, session) for d in devices])  # fmt: skip
+    return Published(
+        str(entry["backend"]), state if isinstance(state, dict) else None, [_record(d, session) for d in devices]
+    )
 
 
 def _key(mesh: Mesh, session) -> str:

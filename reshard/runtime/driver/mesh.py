@@ -88,8 +88,9 @@ class DeviceMesh:
         x = distribute(array, Layout(mesh, (Shard(0), Replicate())))
     """
 
-    def __init__(self, mesh: Mesh, backend: str, records, *, owned: bool, placement_group=None, attached=False,
-                 _token=None):  # fmt: skip
+    def __init__(
+        self, mesh: Mesh, backend: str, records, *, owned: bool, placement_group=None, attached=False, _token=None
+    ):
         if _token is not _PRIVATE:
             raise TypeError("use DeviceMesh.create(shape) or DeviceMesh.from_devices(devices, shape)")
         self.mesh = mesh
@@ -207,10 +208,20 @@ class DeviceMesh:
                 )
             raise failure_error(outcome, f"DeviceMesh.create({probe.shape})", deadline)
         return cls._register(
-            probe.shape, axis_names, dph, ids, actors, outcome.results, name, instance, session,
-            (max_communicators, max_programs), f"DeviceMesh{probe.shape}",
-            owned=True, placement_group=where.placement_group,
-        )  # fmt: skip
+            probe.shape,
+            axis_names,
+            dph,
+            ids,
+            actors,
+            outcome.results,
+            name,
+            instance,
+            session,
+            (max_communicators, max_programs),
+            f"DeviceMesh{probe.shape}",
+            owned=True,
+            placement_group=where.placement_group,
+        )
 
     @classmethod
     def from_actors(
@@ -292,10 +303,20 @@ class DeviceMesh:
             raise failure_error(outcome, what, deadline)
         dph = 0 if devices_per_host is None else devices_per_host  # 0: hosts are the Ray nodes
         return cls._register(
-            probe.shape, axis_names, dph, ids, actors, outcome.results, name, instance, session,
-            (max_communicators, max_programs), f"DeviceMesh.from_actors{probe.shape}",
-            owned=False, attached=True,
-        )  # fmt: skip
+            probe.shape,
+            axis_names,
+            dph,
+            ids,
+            actors,
+            outcome.results,
+            name,
+            instance,
+            session,
+            (max_communicators, max_programs),
+            f"DeviceMesh.from_actors{probe.shape}",
+            owned=False,
+            attached=True,
+        )
 
     @classmethod
     def attach(cls, actors, shape, **options) -> DeviceMesh:
@@ -315,9 +336,20 @@ class DeviceMesh:
 
     @classmethod
     def _register(
-        cls, shape, axis_names, dph: int, ids, actors, infos: dict, name: str, instance, session,
-        limits: tuple[int, int], what: str, **flags,
-    ) -> DeviceMesh:  # fmt: skip
+        cls,
+        shape,
+        axis_names,
+        dph: int,
+        ids,
+        actors,
+        infos: dict,
+        name: str,
+        instance,
+        session,
+        limits: tuple[int, int],
+        what: str,
+        **flags,
+    ) -> DeviceMesh:
         """The mesh over started devices (``infos``: what each said when ready): hosts are the
         devices' Ray nodes when they sit on several or ``dph`` is 0, else fresh logical hosts of
         ``dph`` devices; its records join this process's registry."""

@@ -39,9 +39,12 @@ class PlanningClusters:
                 live = self._live
                 sized = Cluster.for_hosts(hosts, nic_GBps=live.nic_GBps, intra_host_GBps=live.intra_host_GBps)
                 hit = dataclasses.replace(
-                    sized, latency_us=live.latency_us, intra_host_latency_us=live.intra_host_latency_us,
-                    backend=backend, name="ray",
-                )  # fmt: skip
+                    sized,
+                    latency_us=live.latency_us,
+                    intra_host_latency_us=live.intra_host_latency_us,
+                    backend=backend,
+                    name="ray",
+                )
             if key not in self._cached:
                 if len(self._cached) > MAX_CACHED:
                     self._cached.clear()

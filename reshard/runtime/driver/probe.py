@@ -90,9 +90,14 @@ def probe_links(
         intra = size_bytes / max(got[r]["recv_s"] for got, r in zip(one_way, pair[::-1], strict=True)) / 1e9
         latency_intra = statistics.median([t for got in one_way for d in pair for t in got[d]["rtt_s"]]) / 2 * 1e6
     links = LinkFigures(
-        tuple(nodes), tuple(nic), intra, statistics.median(net_rtts) / 2 * 1e6 if net_rtts else None,
-        latency_intra, size_bytes, meshes[0].backend if meshes[0].backend in ("gloo", "nccl") else "gloo",
-    )  # fmt: skip
+        tuple(nodes),
+        tuple(nic),
+        intra,
+        statistics.median(net_rtts) / 2 * 1e6 if net_rtts else None,
+        latency_intra,
+        size_bytes,
+        meshes[0].backend if meshes[0].backend in ("gloo", "nccl") else "gloo",
+    )
     if cache:
         record_links(links)
     return links

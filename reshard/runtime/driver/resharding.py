@@ -250,11 +250,17 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
         call.outs if call.direct and call.outs is not None else [None] * len(call.leaves)
     )
     key = (
-        strategy, cluster, shared_memory, bucket_bytes, links_generation(), call.src_mesh.backend,
-        tuple((t.layout, t.shape, t.dtype_name, frozenset(t._shared)) for t in call.leaves), tuple(call.layouts),
+        strategy,
+        cluster,
+        shared_memory,
+        bucket_bytes,
+        links_generation(),
+        call.src_mesh.backend,
+        tuple((t.layout, t.shape, t.dtype_name, frozenset(t._shared)) for t in call.leaves),
+        tuple(call.layouts),
         tuple(call.dtypes),
         tuple(None if o is None else frozenset(o._shared) for o in outs),
-    )  # fmt: skip
+    )
     hit = _PLANS.get(key)
     if hit is not None:
         _PLANS.move_to_end(key)
@@ -266,8 +272,9 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
     if bucket_bytes is None:
         bucket_bytes = compile_target(backend).bucket_bytes
     with gc_paused():  # a large tree's plans: millions of acyclic objects at once
-        compiled = compile_batch(items, strategy=strategy, cluster=cluster, options=compile_options(backend),
-                                 bucket_bytes=bucket_bytes)  # fmt: skip
+        compiled = compile_batch(
+            items, strategy=strategy, cluster=cluster, options=compile_options(backend), bucket_bytes=bucket_bytes
+        )
     _PLANS[key] = compiled
     while len(_PLANS) > PLANS:
         _PLANS.popitem(last=False)
@@ -275,9 +282,14 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
 
 
 def lowered_reshard(
-    tensor: ShardedTensor, dst_layout: Layout, *, strategy: str = "auto", cluster=None, shared_memory: bool = True,
+    tensor: ShardedTensor,
+    dst_layout: Layout,
+    *,
+    strategy: str = "auto",
+    cluster=None,
+    shared_memory: bool = True,
     dtype=None,
-) -> CompiledReshard:  # fmt: skip
+) -> CompiledReshard:
     """What ``reshard(tensor, tensor.mesh, dst_layout, ...)`` runs: its ``CompiledReshard`` (plan,
     validated per-device programs with their pulls, groups, encoded blobs), compiled and cached as
     ``reshard`` does.
@@ -291,9 +303,16 @@ def lowered_reshard(
 
 
 def lowered_batch(
-    tensors, src_mesh: DeviceMesh, dst_layouts, *, strategy: str = "auto", cluster=None, shared_memory: bool = True,
-    bucket_bytes: int | None = None, dtype=None,
-) -> CompiledBatch:  # fmt: skip
+    tensors,
+    src_mesh: DeviceMesh,
+    dst_layouts,
+    *,
+    strategy: str = "auto",
+    cluster=None,
+    shared_memory: bool = True,
+    bucket_bytes: int | None = None,
+    dtype=None,
+) -> CompiledBatch:
     """What ``reshard(tensors, src_mesh, dst_layouts, ...)`` of a tree runs: its ``CompiledBatch``
     (each tensor's compiled reshard, the packed batch program, blobs), compiled and cached as
     ``reshard`` does; e.g. ``.lower_bound_s(cluster)``."""
@@ -302,11 +321,21 @@ def lowered_batch(
 
 
 def reshard(
-    tensors, src_mesh: DeviceMesh, dst_layouts, *, strategy: str = "auto",
-    timeout_s: float | None = DEFAULT_TIMEOUT_S, cluster=None, shared_memory: bool = True,
-    out=None, direct: bool = False, async_op: bool = False, verify: bool = False,
-    bucket_bytes: int | None = None, dtype=None,
-):  # fmt: skip
+    tensors,
+    src_mesh: DeviceMesh,
+    dst_layouts,
+    *,
+    strategy: str = "auto",
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    cluster=None,
+    shared_memory: bool = True,
+    out=None,
+    direct: bool = False,
+    async_op: bool = False,
+    verify: bool = False,
+    bucket_bytes: int | None = None,
+    dtype=None,
+):
     """Move ``tensors`` (a ShardedTensor, or a tree of them: dicts, lists, tuples, nested, all on
     ``src_mesh``) to ``dst_layouts`` (a Layout; for a tree: the same tree of Layouts, one Layout
     for all, or a callable ``(path, tensor) -> Layout``, ``path`` the state-dict key such as
@@ -338,8 +367,9 @@ def reshard(
     ``WorkerDied`` / ``ReshardTimeout`` / ``ReshardError`` if the run fails (within ``timeout_s``
     plus a bounded cleanup), ``MeshClosed`` for a shut-down mesh or a Ray session that is gone."""
     timeout_s = check_timeout(timeout_s)
-    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool)
-                                     or bucket_bytes < 1):  # fmt: skip
+    if bucket_bytes is not None and (
+        not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1
+    ):
         raise ValueError(f"bucket_bytes must be a positive int (or None: the backend's), got {bucket_bytes!r}")
     call = _Call(tensors, src_mesh, dst_layouts, out, direct, dtype)
     rt = runtime()
@@ -351,8 +381,10 @@ def reshard(
     compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
     run = rt.new_name()
     what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"
-    sources = [(t.name, t._shared, (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name)
-               for t, d, s in zip(call.leaves, call.dtypes, call.scalings, strict=True)]  # fmt: skip
+    sources = [
+        (t.name, t._shared, (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name)
+        for t, d, s in zip(call.leaves, call.dtypes, call.scalings, strict=True)
+    ]
     outs = None if call.outs is None else [o.name for o in call.outs]
     pending = rt.submit_batch(compiled, sources, run, deadline, what, outs=outs, direct=direct, verify=verify)
 
@@ -368,11 +400,18 @@ def reshard(
         if call.outs is not None:
             return out  # the user's own tree
         leaves = [
-            ShardedTensor(dmesh, layout, t.shape, dtype, shard_name(run, i),
-                          {d: desc for d, r in results.items() if (desc := r.descriptors.get(i)) is not None})
-            for i, (t, layout, dmesh, dtype) in enumerate(zip(call.leaves, call.layouts, call.dst_meshes, call.dtypes,
-                                                              strict=True))
-        ]  # fmt: skip
+            ShardedTensor(
+                dmesh,
+                layout,
+                t.shape,
+                dtype,
+                shard_name(run, i),
+                {d: desc for d, r in results.items() if (desc := r.descriptors.get(i)) is not None},
+            )
+            for i, (t, layout, dmesh, dtype) in enumerate(
+                zip(call.leaves, call.layouts, call.dst_meshes, call.dtypes, strict=True)
+            )
+        ]
         return leaves[0] if call.single else unflatten(call.treedef, leaves)
 
     if async_op:

@@ -150,8 +150,10 @@ class ShardedTensor:
             if len(by_version) <= 1:
                 return {i: a for i, (a, _) in got.items()}
             if deadline.left() <= pause or time.monotonic() + pause >= agree_by:
-                held = "; ".join(f"devices {d} hold {'values no sync wrote' if v is None else f'sync {v}'}"
-                                 for v, d in by_version.items())  # fmt: skip
+                held = "; ".join(
+                    f"devices {d} hold {'values no sync wrote' if v is None else f'sync {v}'}"
+                    for v, d in by_version.items()
+                )
                 raise ReshardError(
                     f"reading {self!r}: its shards were last committed into by different syncs ({held}), for "
                     f"{VERSIONS_WAIT_S:g} s or the read's timeout: a commit failed on some devices (its sync's error "

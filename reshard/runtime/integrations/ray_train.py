@@ -83,8 +83,9 @@ class WorkerGroup:
         shared memory once, in place; peers then map it); the tree of names, on every rank."""
         return self.device.share_state_dict(state_dict, prefix=prefix, reback=reback)
 
-    def weight_sync(self, state_dict, out, dst_layouts=None, *, prefix: str = "", reback: bool = False,
-                    **options) -> Callable[[], Any]:  # fmt: skip
+    def weight_sync(
+        self, state_dict, out, dst_layouts=None, *, prefix: str = "", reback: bool = False, **options
+    ) -> Callable[[], Any]:
         """Every rank, once: share ``state_dict`` and return ``sync()``, which every rank calls at the
         same point of each step (after its optimizer step): one ``reshard`` of the whole tree into
         ``out`` (a tree of handles of the receivers' tensors, shaped as the state dict; on the
@@ -105,8 +106,9 @@ class WorkerGroup:
         return lambda: self.run(lambda: reshard(tree, self.mesh, dst_layouts, out=out, **options))
 
 
-def attach(shape=None, *, drive_rank: int = 0, process_group=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-           **options) -> WorkerGroup:  # fmt: skip
+def attach(
+    shape=None, *, drive_rank: int = 0, process_group=None, timeout_s: float = DEFAULT_TIMEOUT_S, **options
+) -> WorkerGroup:
     """Every rank of the worker group calls it in its train function: the workers become one
     DeviceMesh of ``shape`` (default ``(world,)``, in rank order), made and held by ``drive_rank``
     (module docstring). ``process_group``: the ranks' torch.distributed group (default: the world

@@ -118,23 +118,36 @@ class NcclBackend(Operations, Backend):
         self._cache_lock = threading.Lock()  # the communicator cache (held for dict updates only)
         self._reaper: ThreadPoolExecutor | None = None  # retires dropped communicators off the runs' path
         self.stats = {
-            "created": 0, "destroyed": 0, "aborted": 0, "create_s": 0.0, "ops": 0, "batches": 0,
-            "peer_aborts": 0, "bootstrap_roots": 0, "retired": 0,
-        }  # fmt: skip
+            "created": 0,
+            "destroyed": 0,
+            "aborted": 0,
+            "create_s": 0.0,
+            "ops": 0,
+            "batches": 0,
+            "peer_aborts": 0,
+            "bootstrap_roots": 0,
+            "retired": 0,
+        }
 
     def __getstate__(self):
         # Ship only the configuration (the driver builds one and sends it to every actor of a mesh).
         return {
-            "env": self.env, "timeout_s": self.timeout_s, "cuda_device": self.cuda_device,
-            "gpus_per_device": self.gpus_per_device, "gpu_sharing": self.gpu_sharing.value,
-        }  # fmt: skip
+            "env": self.env,
+            "timeout_s": self.timeout_s,
+            "cuda_device": self.cuda_device,
+            "gpus_per_device": self.gpus_per_device,
+            "gpu_sharing": self.gpu_sharing.value,
+        }
 
     def __setstate__(self, state):
         type(self).__init__(
             self,
-            env=state["env"], timeout_s=state["timeout_s"], cuda_device=state["cuda_device"],
-            gpus_per_device=state.get("gpus_per_device", 1.0), gpu_sharing=state.get("gpu_sharing", "auto"),
-        )  # fmt: skip
+            env=state["env"],
+            timeout_s=state["timeout_s"],
+            cuda_device=state["cuda_device"],
+            gpus_per_device=state.get("gpus_per_device", 1.0),
+            gpu_sharing=state.get("gpu_sharing", "auto"),
+        )
         # Arriving in an actor: set this mesh's NCCL environment before anything there calls NCCL
         # (NCCL reads some variables once per process, at its first call).
         self.arrive()
@@ -594,8 +607,10 @@ def _nonblocking_fallback() -> None:
     except ImportError:
         return
     if os.environ.get("NCCL_COMM_BLOCKING") != "0":
-        log.warning("NCCL's C API is out of reach: setting NCCL_COMM_BLOCKING=0 for this process (it reaches its "
-                    "other NCCL communicators too)")  # fmt: skip
+        log.warning(
+            "NCCL's C API is out of reach: setting NCCL_COMM_BLOCKING=0 for this process (it reaches its "
+            "other NCCL communicators too)"
+        )
         apply_env(NONBLOCKING_ENV, record=False)
 
 

@@ -125,8 +125,11 @@ def generate_unique_ids(n: int, env: Mapping[str, str] | None = None) -> list[by
     if n:
         roots = bootstrap_root_threads()
         if roots >= BOOTSTRAP_ROOTS_WARN and roots & (roots - 1) == 0:
-            log.warning("%d NCCL bootstrap roots are waiting in this process for groups that were never fully "
-                        "created (each a thread and a socket, kept until the process exits)", roots)  # fmt: skip
+            log.warning(
+                "%d NCCL bootstrap roots are waiting in this process for groups that were never fully "
+                "created (each a thread and a socket, kept until the process exits)",
+                roots,
+            )
     return ids
 
 

@@ -34,8 +34,12 @@ class NcclStatus(RuntimeError):
 
 
 class _Config(ctypes.Structure):
-    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
-                ("blocking", ctypes.c_int)]  # fmt: skip
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+    ]
 
 
 #: The bytes of ``_Config`` NCCL reads: up to ``blocking`` (not the struct's trailing padding).

@@ -423,12 +423,17 @@ class Operations:
         if drained:
             staging.reset()
         else:
-            log.error("device %s: copies queued on an NCCL stream did not finish within %.0fs after a failure; "
-                      "its staging buffer is set aside", self._device, STREAM_DRAIN_S)  # fmt: skip
+            log.error(
+                "device %s: copies queued on an NCCL stream did not finish within %.0fs after a failure; "
+                "its staging buffer is set aside",
+                self._device,
+                STREAM_DRAIN_S,
+            )
             self._tls.staging = None  # never reused; the next batch of this thread makes another
 
-    def _fail(self, batch: _Batch, error: BaseException | None, *, timeout: bool, peer: bool = False,
-              aborted: bool = False) -> NoReturn:  # fmt: skip
+    def _fail(
+        self, batch: _Batch, error: BaseException | None, *, timeout: bool, peer: bool = False, aborted: bool = False
+    ) -> NoReturn:
         if batch.open:
             # never abort a communicator that an unfinished NCCL group still refers to: end it first
             _, nccl = cb.import_nccl()

@@ -29,20 +29,51 @@ NONBLOCKING_ENV = {"NCCL_COMM_BLOCKING": "0", **THREAD_NAMES_ENV}
 #: Settings every rank of one communicator must agree on: NCCL picks algorithm, protocol, buffer
 #: sizes, channels and transports per rank, and ranks that pick differently hang or corrupt data.
 SHARED_SETTINGS = (
-    "NCCL_ALGO", "NCCL_PROTO", "NCCL_BUFFSIZE", "NCCL_LL_BUFFSIZE", "NCCL_LL128_BUFFSIZE", "NCCL_NTHREADS",
-    "NCCL_LL128_NTHREADS", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_MIN_CTAS", "NCCL_MAX_CTAS",
-    "NCCL_NCHANNELS_PER_NET_PEER", "NCCL_P2P_NET_CHUNKSIZE", "NCCL_P2P_PCI_CHUNKSIZE", "NCCL_P2P_NVL_CHUNKSIZE",
-    "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_CROSS_NIC", "NCCL_NVLS_ENABLE",
-    "NCCL_COLLNET_ENABLE", "NCCL_RUNTIME_CONNECT", "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_PXN_DISABLE",
-)  # fmt: skip
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_BUFFSIZE",
+    "NCCL_LL_BUFFSIZE",
+    "NCCL_LL128_BUFFSIZE",
+    "NCCL_NTHREADS",
+    "NCCL_LL128_NTHREADS",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_MIN_CTAS",
+    "NCCL_MAX_CTAS",
+    "NCCL_NCHANNELS_PER_NET_PEER",
+    "NCCL_P2P_NET_CHUNKSIZE",
+    "NCCL_P2P_PCI_CHUNKSIZE",
+    "NCCL_P2P_NVL_CHUNKSIZE",
+    "NCCL_P2P_DISABLE",
+    "NCCL_P2P_LEVEL",
+    "NCCL_SHM_DISABLE",
+    "NCCL_CROSS_NIC",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_COLLNET_ENABLE",
+    "NCCL_RUNTIME_CONNECT",
+    "NCCL_MULTI_RANK_GPU_ENABLE",
+    "NCCL_PXN_DISABLE",
+)
 
 
 #: Settings that are per process or per host by nature: never compared between ranks.
-PER_PROCESS_SETTINGS = frozenset({
-    "NCCL_HOSTID", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "NCCL_COMM_BLOCKING", "NCCL_SOCKET_IFNAME",
-    "NCCL_IB_HCA", "NCCL_COMM_ID", "NCCL_TOPO_FILE", "NCCL_TOPO_DUMP_FILE", "NCCL_GRAPH_DUMP_FILE", "NCCL_CONF_FILE",
-    "NCCL_SET_THREAD_NAME",
-})  # fmt: skip
+PER_PROCESS_SETTINGS = frozenset(
+    {
+        "NCCL_HOSTID",
+        "NCCL_DEBUG",
+        "NCCL_DEBUG_SUBSYS",
+        "NCCL_DEBUG_FILE",
+        "NCCL_COMM_BLOCKING",
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_IB_HCA",
+        "NCCL_COMM_ID",
+        "NCCL_TOPO_FILE",
+        "NCCL_TOPO_DUMP_FILE",
+        "NCCL_GRAPH_DUMP_FILE",
+        "NCCL_CONF_FILE",
+        "NCCL_SET_THREAD_NAME",
+    }
+)
 
 
 #: NCCL >= 2.30 lets several ranks share one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1.
@@ -125,8 +156,14 @@ def settings_mismatch(expected: Mapping[str, str], environ: Mapping[str, str] = 
     return {k: (expected.get(k), environ.get(k)) for k in sorted(keys) if expected.get(k) != environ.get(k)}
 
 
-def sharing_env(mode: GpuSharing, gpus_per_device: float, nccl_version: tuple[int, int, int] | None,
-                pid: int, hostname: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:  # fmt: skip
+def sharing_env(
+    mode: GpuSharing,
+    gpus_per_device: float,
+    nccl_version: tuple[int, int, int] | None,
+    pid: int,
+    hostname: str,
+    environ: Mapping[str, str] = os.environ,
+) -> dict[str, str]:
     """Per-process environment that lets several ranks share one GPU (empty when they do not)."""
     if mode is GpuSharing.AUTO:
         if gpus_per_device >= 1 or gpus_per_device == 0:  # a GPU each, or none reserved through Ray
@@ -152,8 +189,12 @@ def apply_env(env: Mapping[str, str], *, record: bool = True) -> None:
     for k, v in env.items():
         if os.environ.get(k) != v:
             if k == "NCCL_COMM_BLOCKING" and k in os.environ:
-                log.warning("overriding NCCL_COMM_BLOCKING=%s with %s: the NCCL backend aborts safely only "
-                            "non-blocking communicators", os.environ[k], v)  # fmt: skip
+                log.warning(
+                    "overriding NCCL_COMM_BLOCKING=%s with %s: the NCCL backend aborts safely only "
+                    "non-blocking communicators",
+                    os.environ[k],
+                    v,
+                )
             os.environ[k] = v
         if record:
             _APPLIED_KEYS.add(k)

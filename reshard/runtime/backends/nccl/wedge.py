@@ -23,8 +23,11 @@ WEDGED_EXIT_CODE = 86
 def _exit_wedged(what: str) -> None:  # pragma: no cover - ends the process
     log.critical(
         "NCCL call %s is still blocked %.0fs after its deadline: NCCL is wedged in this process; exiting (code %d) "
-        "so that the actor is reported dead", what, WEDGE_GRACE_S, WEDGED_EXIT_CODE,
-    )  # fmt: skip
+        "so that the actor is reported dead",
+        what,
+        WEDGE_GRACE_S,
+        WEDGED_EXIT_CODE,
+    )
     for h in logging.getLogger().handlers:
         with contextlib.suppress(Exception):
             h.flush()

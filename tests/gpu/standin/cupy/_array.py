@@ -125,9 +125,13 @@ class ndarray:
     def __cuda_array_interface__(self):
         c = self.flags.c_contiguous
         return {
-            "shape": self._shape, "typestr": self._dtype.str, "descr": self._dtype.descr,
-            "data": (self._data.ptr, False), "version": 3, "strides": None if c else self._strides,
-        }  # fmt: skip
+            "shape": self._shape,
+            "typestr": self._dtype.str,
+            "descr": self._dtype.descr,
+            "data": (self._data.ptr, False),
+            "version": 3,
+            "strides": None if c else self._strides,
+        }
 
     # -- the stand-in's access to the bytes (only inside kernels or after a synchronisation)
     def _host(self) -> np.ndarray:
@@ -298,8 +302,9 @@ class ndarray:
         return _map(lambda a: a.astype(dtype), (self,), dtype)
 
     def _reduce(self, fn, axis=None, keepdims=False, **kwargs) -> ndarray:
-        probe = np.asarray(fn(np.broadcast_to(np.zeros((), self._dtype), self._shape), axis=axis, keepdims=keepdims,
-                              **kwargs))  # fmt: skip
+        probe = np.asarray(
+            fn(np.broadcast_to(np.zeros((), self._dtype), self._shape), axis=axis, keepdims=keepdims, **kwargs)
+        )
         out = ndarray(probe.shape, probe.dtype)
 
         def kernel():
@@ -375,16 +380,30 @@ def _binary(ufunc, reflected=False):
 
 
 _BINARY = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide, "floordiv": np.floor_divide,
-    "mod": np.remainder, "pow": np.power, "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
-    "lshift": np.left_shift, "rshift": np.right_shift,
-}  # fmt: skip
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "truediv": np.true_divide,
+    "floordiv": np.floor_divide,
+    "mod": np.remainder,
+    "pow": np.power,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+    "lshift": np.left_shift,
+    "rshift": np.right_shift,
+}
 for _name, _ufunc in _BINARY.items():
     setattr(ndarray, f"__{_name}__", _binary(_ufunc))
     setattr(ndarray, f"__r{_name}__", _binary(_ufunc, reflected=True))
 for _name, _ufunc in {
-    "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
-}.items():  # fmt: skip
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+}.items():
     setattr(ndarray, f"__{_name}__", _binary(_ufunc))
 ndarray.__neg__ = lambda self: _map(np.negative, (self,))
 ndarray.__pos__ = lambda self: _map(np.positive, (self,))

@@ -26,9 +26,14 @@ CALLS = ("groupEnd", "check_async_error", "bcast", "send", "recv", "allReduce", 
 
 
 def inject(
-    kind: str, *, count: int = 1, code: int | None = None, at: str = "op", call: str | None = None,
+    kind: str,
+    *,
+    count: int = 1,
+    code: int | None = None,
+    at: str = "op",
+    call: str | None = None,
     rank: int | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Arm a fault in this process (see the module docstring); ``rank``: only on communicators of that rank."""
     if kind not in FAULTS:
         raise ValueError(f"unknown fault {kind!r}; choose one of {', '.join(FAULTS)}")

@@ -7,6 +7,15 @@ from cupy.cuda.memory import BaseMemory, Memory, MemoryPointer, UnownedMemory, a
 from cupy.cuda.stream import Event, ExternalStream, Stream, get_current_stream
 
 __all__ = [
-    "BaseMemory", "Device", "Event", "ExternalStream", "Memory", "MemoryPointer", "Stream", "UnownedMemory", "alloc",
-    "get_current_stream", "runtime",
-]  # fmt: skip
+    "BaseMemory",
+    "Device",
+    "Event",
+    "ExternalStream",
+    "Memory",
+    "MemoryPointer",
+    "Stream",
+    "UnownedMemory",
+    "alloc",
+    "get_current_stream",
+    "runtime",
+]

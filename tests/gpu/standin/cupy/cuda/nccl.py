@@ -94,10 +94,17 @@ NCCL_BFLOAT16 = 9
 NCCL_UNIQUE_ID_BYTES = 128
 
 _NUMPY = {
-    NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32, NCCL_UINT32: np.uint32, NCCL_INT64: np.int64,
-    NCCL_UINT64: np.uint64, NCCL_FLOAT16: np.float16, NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64,
+    NCCL_INT8: np.int8,
+    NCCL_UINT8: np.uint8,
+    NCCL_INT32: np.int32,
+    NCCL_UINT32: np.uint32,
+    NCCL_INT64: np.int64,
+    NCCL_UINT64: np.uint64,
+    NCCL_FLOAT16: np.float16,
+    NCCL_FLOAT32: np.float32,
+    NCCL_FLOAT64: np.float64,
     NCCL_BFLOAT16: np.uint16,  # carried as its bits; reduced through float32
-}  # fmt: skip
+}
 
 #: ``ncclGetVersion``: 2.30.7 by default (ncclTimeout, which the stand-in can inject, exists from 2.30).
 NCCL_VERSION_CODE = int(os.environ.get("CUPY_STANDIN_NCCL_VERSION", "23007"))
@@ -758,8 +765,10 @@ class NcclCommunicator:
         state = c.async_result
         if state != ncclSuccess:
             why = "a call is in progress" if state == ncclInProgress else f"it has asynchronous error {state}"
-            _gpu.note(f"ncclCommDestroy({c}) refused: {why} (ncclCommEnsureReady); cupy discards the result and "
-                      "the communicator leaks")  # fmt: skip
+            _gpu.note(
+                f"ncclCommDestroy({c}) refused: {why} (ncclCommEnsureReady); cupy discards the result and "
+                "the communicator leaks"
+            )
             return
         with c.cv:
             while c.pending and not c.aborted.is_set():
