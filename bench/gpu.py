@@ -303,7 +303,7 @@ def _split(fn) -> dict:
     t0 = time.perf_counter()
     result = fn()
     wall = time.perf_counter() - t0
-    last = runtime().last_run or {}
+    last = runtime().batches.last_run or {}
     _free(result)
     return {
         "wall_s": wall,

@@ -391,7 +391,7 @@ class Ours:
         from reshard import reshard
         from reshard.runtime import runtime
 
-        runtime().last_run = {}
+        runtime().batches.last_run = {}
         t0 = time.perf_counter()
         y = reshard(
             self.x,
@@ -402,8 +402,8 @@ class Ours:
             shared_memory=self.shared_memory,
         )
         dt = time.perf_counter() - t0
-        if runtime().last_run:
-            self.breakdown.append(_split(dt, runtime().last_run))
+        if runtime().batches.last_run:
+            self.breakdown.append(_split(dt, runtime().batches.last_run))
         self.kept.append(y)
         return dt
 
@@ -549,7 +549,7 @@ class Suite:
         """Run ``fn(ctx, *args, **kwargs)`` per device (the runtime's ordered calls)."""
         from reshard.runtime import runtime
 
-        return runtime().call(calls, timeout_s, "bench")
+        return runtime().dispatch.call(calls, timeout_s, "bench")
 
     def pool_state(self, drain: bool) -> tuple[int, int]:
         """(hits, misses) of the pools of freed shards, summed over the devices; ``drain`` empties them."""

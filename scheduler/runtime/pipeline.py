@@ -55,7 +55,7 @@ from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.ir.regions import layout_regions
 from reshard.ir.serialize import encode_device_program
 from reshard.passes.compile import compile_reshard, planning_hosts
-from reshard.runtime import BACKENDS, Deadline, compile_options, runtime
+from reshard.runtime import BACKENDS, Deadline, compile_options
 from scheduler.ir import Schedule, ScheduleError
 from scheduler.pipeline_plan import Lane, PipelinePlan, plan_pipeline
 from scheduler.runtime.results import IterationResult, TimelineEvent
@@ -215,9 +215,9 @@ class Pipeline:
                 raise ValueError(f"stages {a} and {b} need stage {a}'s out_layout and stage {b}'s in_layout")
             domains = self._pull_domains(src.mesh, dst.mesh)
             hosts = device_hosts(src.mesh.mesh, dst.mesh.mesh)
-            cluster = runtime().planning_cluster(dst.mesh.backend, hosts)
+            cluster = dst.mesh.runtime.planning_cluster(dst.mesh.backend, hosts)
             # a pull lane plans its machine as one host (``reshard.passes.compile.planning_hosts``)
-            pulled = domains and runtime().planning_cluster(
+            pulled = domains and dst.mesh.runtime.planning_cluster(
                 dst.mesh.backend, planning_hosts(out_layout, in_layout, domains) or hosts
             )
             options = compile_options(dst.mesh.backend)
@@ -370,7 +370,7 @@ class Pipeline:
             raise ReshardError("this pipeline was closed; build a new one")
         for st in self.stages:
             st.mesh.check_open()
-        rt = runtime()
+        rt = self.stages[0].mesh.runtime
         if not self._connected:
             self._keys = rt.ensure_keys(self._connect_order(), timeout_s=self.timeout_s, pin=True)
             self._connected = True
@@ -398,7 +398,7 @@ class Pipeline:
         device that died or did not answer leaves the workers' state unknown: they are set up again
         before the next use."""
         try:
-            out = runtime().call({d: (fn, args_of(d), {}) for d in devices}, timeout_s, what)
+            out = self.stages[0].mesh.runtime.dispatch.call({d: (fn, args_of(d), {}) for d in devices}, timeout_s, what)
         except (WorkerDied, ReshardTimeout) as e:
             self._installed = self._connected = False
             self._forget_groups()
@@ -407,16 +407,16 @@ class Pipeline:
             raise PipelineTimeout(f"{what}: {e}", kind=ErrorKind.TIMEOUT) from e
         except ReshardError:
             raise
-        except Exception as e:  # a device's own error (Runtime.call raises it as is)
+        except Exception as e:  # a device's own error (``Dispatch.call`` raises it as is)
             raise PipelineError(f"{what} failed: {type(e).__name__}: {e}") from e
         return [out[d] for d in devices]
 
     def _forget_groups(self) -> None:
         """Drop this pipeline's communicators everywhere (new ones are set up before the next run)."""
-        rt = runtime()
+        rt = self.stages[0].mesh.runtime
         with rt.lock:
-            rt.unpin_groups(self._keys)
-            rt.forget_keys(self._keys)
+            rt.communicators.unpin(self._keys)
+            rt.communicators.forget(self._keys)
         self._connected = False
 
     # -- running

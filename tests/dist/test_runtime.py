@@ -687,3 +687,19 @@ def test_the_handles_of_a_process_that_ended_let_go_of_their_shards(view):
     for held in m.call(_holders):
         assert held[mine.name] == [mine.name], held  # the driver's own hold, and no other
     assert_bit_exact(mine.to_numpy(), x)
+
+
+@ray.remote(num_cpus=0)
+def _controllers_seen(mesh, tensor):
+    """In a task: the controller the unpickled mesh and tensor reach, and this process's own."""
+    return mesh.runtime.id, tensor.mesh.runtime.id, runtime().id
+
+
+def test_a_mesh_holds_the_controller_of_the_process_it_lives_in(view):
+    """Handles reach their controller through their mesh: the process's own, and in another process
+    (a pickled handle) that process's, which orders the calls made there."""
+    a = view([0, 1], (2,))
+    t = distribute(random_array((4, 4), "float32", 3), Layout(a, pl("S0")))
+    assert a.runtime is runtime() and t.mesh.runtime is runtime()
+    mesh_there, tensor_there, own_there = ray.get(_controllers_seen.remote(a, t))
+    assert mesh_there == tensor_there == own_there != runtime().id

@@ -574,7 +574,7 @@ def test_one_call_has_one_deadline_whatever_it_waits_for(view, monkeypatch):
     a, b = view([0, 1], (2,)), view([2, 3], (2,))
     src = distribute({"w": random_array((8, 4), "float32", 41)}, last_dim(a))
     rt, seen = runtime(), []
-    waits_for_works, submits = rt.works.after, rt.submit_batch
+    waits_for_works, submits = rt.works.after, rt.batches.submit
 
     def after(reads, writes, deadline):
         seen.append(("after", deadline))
@@ -585,7 +585,7 @@ def test_one_call_has_one_deadline_whatever_it_waits_for(view, monkeypatch):
         return submits(compiled, sources, run, deadline, *args, **kwargs)
 
     monkeypatch.setattr(rt.works, "after", after)
-    monkeypatch.setattr(rt, "submit_batch", submit_batch)
+    monkeypatch.setattr(rt.batches, "submit", submit_batch)
     reshard(src, a, last_dim(b), timeout_s=30)
     assert [k for k, _ in seen] == ["after", "submit"]
     assert seen[0][1] is seen[1][1]

@@ -84,7 +84,7 @@ LONG_CUT_MAX_S = 120.0  # a long cut waits this long at most for Ray to declare 
 SLOW_FACTOR = 10
 TARGET_S = 2.0  # a failed call raises within timeout_s + this
 DEVICE_NAMED = r"devices?(\(s\))? \[?\d"  # an error names a device by its number ("device 3", "device(s) [2]")
-#: What a failed ``out=`` sync says became of the outputs (``Runtime.finish_batch``), and what the
+#: What a failed ``out=`` sync says became of the outputs (``Batches.finish``), and what the
 #: destination shards must then hold once the fault is lifted: all old, all new, or either.
 CLAIMS = (
     ("Whether the outputs changed is not known yet", None),

@@ -1,4 +1,10 @@
-"""Waiting for device actors and turning their failures into one exception.
+"""Ordered calls to device actors, waiting for them, and turning their failures into one exception.
+
+``Dispatch`` gives every state-changing call to a device the device's next ``Ticket`` under one
+lock, so each device runs this controller's calls in the order they were made, and the calls of one
+operation are submitted to all its devices at once: no two operations of one controller interleave
+differently on two devices. ``broadcast_call`` makes one such call on each of some devices, waits
+for them and raises their failure as one error, root cause first.
 
 ``gather`` waits for a set of calls until all finished or the deadline passed (and, once one
 failed, at most ``settle_s`` longer: a peer's failure reaches the others within milliseconds).
@@ -9,20 +15,30 @@ peer's failure.
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.runtime.backends.communicator import PeerFailed
 from reshard.runtime.deadlines import Deadline
-from reshard.runtime.messages import Failure, FailureKind
+from reshard.runtime.driver.device_registry import DeviceRegistry
+from reshard.runtime.messages import DeviceState, Failure, FailureKind, Ticket
+from reshard.runtime.processes import process_of_this
+
+log = logging.getLogger(__name__)
 
 #: After the first failure, how long the controller still collects the other participants' outcomes.
 SETTLE_S = 2.0
 #: While waiting for all of a set of calls, how often the controller looks whether one failed.
 FAILURE_POLL_S = 0.25
 _LONGEST_GET_S = 86400.0  # ray.get needs a finite timeout
+#: How long a failure message waits for the devices to say what they are doing.
+DESCRIBE_S = 1.0
 
 
 @dataclass
@@ -167,3 +183,164 @@ def deadline_words(deadline: Deadline) -> str:
 def _detail(f: Failure) -> str:
     """A device's error says which device it is already; don't say it twice."""
     return first_line(f.error)
+
+
+class Dispatch:
+    """One controller's ordered calls (module docstring). ``lock`` orders them; the controller's
+    other parts take it too where a decision and its submission must be one step (admitting a
+    group and telling its members). ``on_died(device, reason)`` hears of every actor a wait found
+    dead."""
+
+    def __init__(
+        self, controller_id: str, registry: DeviceRegistry, stats: Counter, on_died: Callable[[int, str], None]
+    ):
+        self.id = controller_id
+        self.lock = threading.RLock()
+        self.registry = registry
+        self.stats = stats
+        self._on_died = on_died
+        self._submitting = False
+        self._process: tuple | None = None  # told each device with its first call (``Ticket.caller``)
+
+    def submit(self, rec, call):
+        """``call(ticket)`` submits one ordered call to ``rec``'s actor; the ticket's number is
+        used up only when the submission succeeded (a gap would stall the device's later calls).
+        Submissions never nest (a second one from inside the first would take the same number):
+        garbage collection and pickling change holds through a queue (``HoldQueue``)."""
+        with self.lock:
+            if self._submitting:
+                raise RuntimeError("ordered calls must not be submitted from inside a submission")
+            self._submitting = True
+            try:
+                if self._process is None:
+                    self._process = process_of_this()
+                ref = call(Ticket(self.id, rec.seq, self._process))
+            finally:
+                self._submitting = False
+            rec.seq += 1
+            return ref
+
+    def submit_each(self, devices, make, what: str) -> dict:
+        """One ordered call to each of ``devices`` (``make(rec)`` is the ``call(ticket)`` for
+        ``submit``), all under the lock: every device sees this controller's calls in one order.
+        Returns the calls' refs by device; ``MeshClosed``/``WorkerDied`` for an unusable device."""
+        with self.lock:
+            return {rec.id: self.submit(rec, make(rec)) for rec in self.registry.check(list(devices), what)}
+
+    def fire(self, devices, make) -> None:
+        """``submit_each`` without waiting or raising, to the devices still alive (releases, frees)."""
+        with self.lock:
+            for d in devices:
+                rec = self.registry.devices.get(d)
+                if rec is not None and rec.state is DeviceState.ALIVE:
+                    try:
+                        self.submit(rec, make(rec))
+                    except Exception as e:  # Ray is going away: nothing left to free
+                        log.debug("device %d: %s", d, e)
+
+    def wait(self, refs: dict, deadline: Deadline, what: str) -> Outcome:
+        """``gather`` that reports the devices whose actors died."""
+        outcome = gather(refs, deadline)
+        for d in outcome.died:
+            self._on_died(d, f"actor died in {what}: {first_line(outcome.failures[d].error)}")
+        return outcome
+
+    def wait_acks(self, acks: dict, until: Deadline) -> None:
+        """Wait for cleanup acknowledgements until ``until``; failures other than deaths do not matter."""
+        if not acks:
+            return
+        done = gather(acks, until, settle_s=None)
+        for d, f in done.failures.items():
+            if f.kind is FailureKind.DIED:
+                self._on_died(d, f"actor died: {first_line(f.error)}")
+
+    def broadcast_call(
+        self,
+        devices,
+        make,
+        deadline: Deadline,
+        what: str,
+        *,
+        tail: str = "",
+        on_failure: Callable[[Outcome], None] | None = None,
+    ) -> dict:
+        """One ordered call to each of ``devices`` (``make(rec)`` is the ``call(ticket)`` for
+        ``submit``; all submitted under the lock), waited for until ``deadline``: ``{device: result}``.
+        On failure, ``on_failure(outcome)`` runs first (to clean up, or to raise a more precise
+        error), then the failure is raised as one error, root cause first (``failure_error``)."""
+        return self.results_of(self.submit_each(devices, make, what), deadline, what, tail=tail, on_failure=on_failure)
+
+    def results_of(
+        self,
+        refs: dict,
+        deadline: Deadline,
+        what: str,
+        *,
+        tail: str = "",
+        on_failure: Callable[[Outcome], None] | None = None,
+    ) -> dict:
+        """The second half of ``broadcast_call``, for calls submitted under a lock held longer."""
+        try:
+            outcome = self.wait(refs, deadline, what)
+        except BaseException:  # KeyboardInterrupt, or Ray failing under us
+            if on_failure is not None:
+                on_failure(Outcome(pending=sorted(refs)))
+            raise
+        if not outcome.ok:
+            if on_failure is not None:
+                on_failure(outcome)
+            raise failure_error(outcome, what, deadline, tail=tail)
+        return outcome.results
+
+    def call(self, calls: dict, timeout_s: float, what: str) -> dict:
+        """Ordered ``fn(ctx, *args, **kwargs)`` on each device: ``calls[device] = (fn, args, kwargs)``.
+        Returns ``{device: result}``; a device's own exception is raised as is, other failures as
+        a ``ReshardError``."""
+        deadline = Deadline.after(timeout_s)
+
+        def make(rec):
+            fn, args, kwargs = calls[rec.id]
+            return lambda t: rec.actor.reshard_call.remote(t, fn, args, kwargs, deadline.budget)
+
+        return self.broadcast_call(calls, make, deadline, what, on_failure=_raise_own_error)
+
+    def ask(self, devices) -> tuple[dict, float]:
+        """Ask ``devices`` what they are doing (on their control threads); ``describe`` reads the
+        answers. Returns the calls and when they were made."""
+        refs = {}
+        for d in devices:
+            rec = self.registry.devices.get(d)
+            if rec is not None and rec.state is DeviceState.ALIVE:
+                refs[d] = rec.actor.reshard_stats.remote()
+        return refs, time.monotonic()
+
+    def describe(self, devices, asked: tuple[dict, float] | None = None) -> str:
+        """What ``devices`` are doing (bounded: at most ``DESCRIBE_S`` after they were ``ask``ed):
+        for messages about calls that did not finish."""
+        refs, since = self.ask(devices) if asked is None else asked
+        if not refs:
+            return ""
+        outcome = gather(refs, Deadline(since + DESCRIBE_S), settle_s=None)
+        parts = []
+        for d in sorted(refs):
+            calls = outcome.results.get(d, {}).get("calls")
+            if calls is None:
+                parts.append(f"device {d} did not answer")
+                continue
+            mine = calls["running"].get(self.id)
+            waiting = [w for k, w in calls["waiting"].items() if k.startswith(f"{self.id}#")]
+            recent = [f"#{n} {w}: {o}" for c, n, w, o, _ in calls["recent"] if c == self.id][-3:]
+            if mine:
+                parts.append(f"device {d} is still running {mine[0]} ({mine[1]:.1f}s)")
+            elif waiting:
+                parts.append(f"device {d} waits for call #{calls['next'].get(self.id)} before {waiting[0]}")
+            else:
+                parts.append(f"device {d} runs nothing of ours now (recent: {'; '.join(recent) or 'none'})")
+        return "; ".join(parts) + ". "
+
+
+def _raise_own_error(outcome: Outcome) -> None:
+    """A device's own exception (``fn`` raised it), raised as is where no actor died."""
+    own = [f.error for _, f in sorted(outcome.failures.items()) if f.kind is FailureKind.ERROR]
+    if own and not outcome.died:
+        raise own[0]

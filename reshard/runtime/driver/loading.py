@@ -180,9 +180,9 @@ def _load(arrays: list[np.ndarray], specs: list[tuple], timeout_s) -> list[Shard
         return lambda t, mine=tuple(loads[rec.id]): rec.actor.reshard_load.remote(t, mine, ref, deadline.budget)
 
     def drop(outcome: Outcome) -> None:
-        rt.abandon(loads, names[0], made, (), None, outcome)
+        rt.batches.abandon(loads, names[0], made, (), None, outcome)
 
-    results = rt.broadcast_call(loads, load, deadline, what, tail="Nothing was kept.", on_failure=drop)
+    results = rt.dispatch.broadcast_call(loads, load, deadline, what, tail="Nothing was kept.", on_failure=drop)
     out = []
     for name, (lay, dtype, shape, _) in zip(names, specs, strict=True):
         dmesh = meshes[lay.mesh]
@@ -255,7 +255,7 @@ def adopt(layout, name, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
         if any(isinstance(getattr(f.error, "cause", f.error), KeyError) for f in outcome.failures.values()):
             raise failure_error(outcome, what, deadline)
 
-    results = rt.broadcast_call(
+    results = rt.dispatch.broadcast_call(
         per_device, describe, deadline, what, tail="Nothing was adopted.", on_failure=unknown_name
     )
     said = {d: dict(zip(per_device[d], infos, strict=True)) for d, infos in results.items()}

@@ -36,7 +36,7 @@ from reshard.runtime.backends.registry import backend_class, backend_spec, make_
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device_options import DeviceOptions, positive_int, positive_seconds
 from reshard.runtime.driver import directory, node_placement
-from reshard.runtime.driver.controller import runtime
+from reshard.runtime.driver.controller import Runtime, runtime
 from reshard.runtime.driver.device_registry import DeviceRecord, Session
 from reshard.runtime.driver.dispatch import failure_error, gather
 from reshard.runtime.messages import DeviceState
@@ -89,10 +89,20 @@ class DeviceMesh:
     """
 
     def __init__(
-        self, mesh: Mesh, backend: str, records, *, owned: bool, placement_group=None, attached=False, _token=None
+        self,
+        mesh: Mesh,
+        backend: str,
+        records,
+        *,
+        rt: Runtime,
+        owned: bool,
+        placement_group=None,
+        attached=False,
+        _token=None,
     ):
         if _token is not _PRIVATE:
             raise TypeError("use DeviceMesh.create(shape) or DeviceMesh.from_devices(devices, shape)")
+        self.runtime = rt  # this process's controller: every call on the mesh and its tensors goes through it
         self.mesh = mesh
         self.backend = backend
         self.owned = owned
@@ -383,7 +393,7 @@ class DeviceMesh:
         with rt.lock:
             rt.backends.setdefault(name, instance)
             records = rt.registry.add(records)
-        dmesh = cls(mesh, name, records, _token=_PRIVATE, **flags)
+        dmesh = cls(mesh, name, records, rt=rt, _token=_PRIVATE, **flags)
         rt.registry.register_mesh(dmesh)
         dmesh._publish()
         return dmesh
@@ -426,7 +436,7 @@ class DeviceMesh:
             base = rt.registry.new_logical_hosts(len(devices) // devices_per_host)
             hosts = [base[i // devices_per_host] for i in range(len(devices))]
         mesh = Mesh(probe.shape, devices, hosts, axis_names=axis_names)
-        dmesh = cls(mesh, backends.pop(), records, owned=False, _token=_PRIVATE)
+        dmesh = cls(mesh, backends.pop(), records, rt=rt, owned=False, _token=_PRIVATE)
         rt.registry.register_mesh(dmesh)
         dmesh._publish()
         return dmesh
@@ -440,21 +450,21 @@ class DeviceMesh:
         if self.owned or self.attached:
             directory.publish_closed(self.mesh, reason, Session.current())
             return
-        live, _ = runtime().registry.local_mesh(self.mesh)
+        live, _ = self.runtime.registry.local_mesh(self.mesh)
         if live:
             live[-1]._publish()
         else:
-            directory.remove_mesh(self.mesh, Session.current(), runtime().id)
+            directory.remove_mesh(self.mesh, Session.current(), self.runtime.id)
 
     def _publish(self) -> None:
         """Let every process of the job find this mesh by its abstract mesh (``resolve_mesh``)."""
-        backend = runtime().backends.get(self.backend)
+        backend = self.runtime.backends.get(self.backend)
         state = None if backend is None else backend.__getstate__()  # type: ignore[attr-defined]  # object.__getstate__ (3.11)
         described = [r.describe() for r in self._records]
-        directory.publish_mesh(self.mesh, self.backend, state, described, Session.current(), runtime().id)
+        directory.publish_mesh(self.mesh, self.backend, state, described, Session.current(), self.runtime.id)
 
     def __reduce__(self):
-        backend = runtime().backends.get(self.backend)
+        backend = self.runtime.backends.get(self.backend)
         return _rebuild, (self.mesh, self.backend, backend, [r.describe() for r in self._records], self._closed)
 
     # ---------------------------------------------------------------- properties
@@ -549,7 +559,7 @@ class DeviceMesh:
         """Raise MeshClosed (shut down, or Ray gone) or WorkerDied (a device died) unless usable."""
         if self._closed:
             raise MeshClosed(f"{self!r}: {self._closed}; create a new mesh with DeviceMesh.create(...)")
-        runtime().registry.check(self.device_ids, repr(self))
+        self.runtime.registry.check(self.device_ids, repr(self))
 
     # ---------------------------------------------------------------- remote calls
 
@@ -561,7 +571,7 @@ class DeviceMesh:
         timeout_s = positive_seconds("timeout_s", timeout_s)
         idx = range(self.size) if devices is None else list(devices)
         ids = [self.device_ids[i] for i in idx]
-        out = runtime().call({d: (fn, args, kwargs) for d in ids}, timeout_s, f"{self!r}.call({_name(fn)})")
+        out = self.runtime.dispatch.call({d: (fn, args, kwargs) for d in ids}, timeout_s, f"{self!r}.call({_name(fn)})")
         return [out[d] for d in ids]
 
     def configure(self, *, max_communicators: int | None = None, max_programs: int | None = None) -> None:
@@ -590,7 +600,7 @@ class DeviceMesh:
         self.check_open()
         deadline = Deadline.after(positive_seconds("timeout_s", timeout_s))
         refs = {r.id: r.actor.reshard_stats.remote() for r in self._records}
-        outcome = runtime().wait(refs, deadline, "stats")
+        outcome = self.runtime.dispatch.wait(refs, deadline, "stats")
         if not outcome.ok:
             raise failure_error(outcome, f"{self!r}.stats()", deadline)
         return [outcome.results[d] for d in self.device_ids]
@@ -608,7 +618,7 @@ class DeviceMesh:
             self._finish_calls(timeout_s)
         reason = f"{self!r} was shut down"
         self._closed = "it was shut down" if self.owned else "this view was shut down"
-        rt = runtime()
+        rt = self.runtime
         rt.registry.unregister_mesh(self, reason)
         if ray.is_initialized():
             try:
@@ -641,7 +651,7 @@ class DeviceMesh:
         calls before it, so when it returns they are done (a dead or stuck device: close anyway)."""
         live: dict[int, tuple] = {r.id: (_nothing, (), {}) for r in self._records if r.state is DeviceState.ALIVE}
         try:
-            runtime().call(live, positive_seconds("timeout_s", timeout_s), f"{self!r}.shutdown()")
+            self.runtime.dispatch.call(live, positive_seconds("timeout_s", timeout_s), f"{self!r}.shutdown()")
         except Exception as e:  # the mesh closes whatever its devices did
             log.debug("%r: not every device finished before closing: %s", self, e)
 
@@ -665,7 +675,7 @@ def _rebuild(mesh: Mesh, backend_name: str, backend, described, closed) -> Devic
         if backend is not None:
             rt.backends.setdefault(backend_name, backend)
         records = rt.registry.add([DeviceRecord(**d) for d in described])
-    dmesh = DeviceMesh(mesh, backend_name, records, owned=False, _token=_PRIVATE)
+    dmesh = DeviceMesh(mesh, backend_name, records, rt=rt, owned=False, _token=_PRIVATE)
     dmesh._closed = closed
     if closed is None:
         rt.registry.register_mesh(dmesh)

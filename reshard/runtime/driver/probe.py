@@ -135,9 +135,9 @@ def _measure(
             for me, peer in ((a, b), (b, a)):
                 args = (group, group.index(peer), size_bytes, repeats, pings, _left(deadline))
                 calls[me] = (_exchange, args, {"send": me == a or not one_way, "recv": me == b or not one_way})
-        return rt.call(calls, _left(deadline), "probe_links")
+        return rt.dispatch.call(calls, _left(deadline), "probe_links")
     finally:
-        rt.forget_keys(keys)
+        rt.communicators.forget(keys)
 
 
 def _left(deadline: Deadline) -> float:

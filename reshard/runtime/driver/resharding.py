@@ -9,7 +9,6 @@ tensors, one commit call behind it), whatever the number of tensors. ``async_op=
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from reshard.dtypes import cast_name
@@ -28,7 +27,6 @@ from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.backends.registry import backend_spec
 from reshard.runtime.checksums import first_mismatch
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
-from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.tensor import ShardedTensor
 from reshard.runtime.gc_paused import gc_paused
@@ -236,20 +234,17 @@ def _check_out(out, tensor: ShardedTensor, layout: Layout, path: str, dtype: str
         )
 
 
-_PLANS: OrderedDict = OrderedDict()  # a call's signature -> its CompiledBatch (``_compile``)
-PLANS = 64
-
-
 def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_bytes: int | None) -> CompiledBatch:
-    """The call's compiled batch, cached by its signature: the tensors' shapes, dtypes, layouts and
-    which of their source shards are in shared memory, the destination layouts, the options and
-    the link figures' generation (a replay of a tree costs a lookup)."""
+    """The call's compiled batch, cached by the controller (``Batches.compiled``) under its
+    signature: the tensors' shapes, dtypes, layouts and which of their source shards are in shared
+    memory, the destination layouts, the options and the link figures' generation."""
     from topology.runtime import links_generation
 
     outs: Sequence[ShardedTensor | None] = (
         call.outs if call.direct and call.outs is not None else [None] * len(call.leaves)
     )
-    key = (
+    rt = call.src_mesh.runtime
+    signature = (
         strategy,
         cluster,
         shared_memory,
@@ -261,24 +256,23 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
         tuple(call.dtypes),
         tuple(None if o is None else frozenset(o._shared) for o in outs),
     )
-    hit = _PLANS.get(key)
-    if hit is not None:
-        _PLANS.move_to_end(key)
-        return hit
-    items = call.items(shared_memory)
-    backend = call.src_mesh.backend
-    if cluster is None:
-        cluster = runtime().planning_cluster(backend, dict(items[0].hosts or ()) if items else {})
-    if bucket_bytes is None:
-        bucket_bytes = compile_target(backend).bucket_bytes
-    with gc_paused():  # a large tree's plans: millions of acyclic objects at once
-        compiled = compile_batch(
-            items, strategy=strategy, cluster=cluster, options=compile_options(backend), bucket_bytes=bucket_bytes
-        )
-    _PLANS[key] = compiled
-    while len(_PLANS) > PLANS:
-        _PLANS.popitem(last=False)
-    return compiled
+
+    def build() -> CompiledBatch:
+        items = call.items(shared_memory)
+        backend = call.src_mesh.backend
+        planned = cluster
+        if planned is None:
+            planned = rt.planning_cluster(backend, dict(items[0].hosts or ()) if items else {})
+        with gc_paused():  # a large tree's plans: millions of acyclic objects at once
+            return compile_batch(
+                items,
+                strategy=strategy,
+                cluster=planned,
+                options=compile_options(backend),
+                bucket_bytes=compile_target(backend).bucket_bytes if bucket_bytes is None else bucket_bytes,
+            )
+
+    return rt.batches.compiled(signature, build)
 
 
 def lowered_reshard(
@@ -372,7 +366,7 @@ def reshard(
     ):
         raise ValueError(f"bucket_bytes must be a positive int (or None: the backend's), got {bucket_bytes!r}")
     call = _Call(tensors, src_mesh, dst_layouts, out, direct, dtype)
-    rt = runtime()
+    rt = call.src_mesh.runtime
     reads = frozenset(t.name for t in call.leaves)
     writes = frozenset(o.name for o in call.outs) if call.outs is not None else frozenset()
     deadline = Deadline.after(timeout_s)  # one for the whole call: the wait for earlier works counts
@@ -386,11 +380,11 @@ def reshard(
         for t, d, s in zip(call.leaves, call.dtypes, call.scalings, strict=True)
     ]
     outs = None if call.outs is None else [o.name for o in call.outs]
-    pending = rt.submit_batch(compiled, sources, run, deadline, what, outs=outs, direct=direct, verify=verify)
+    pending = rt.batches.submit(compiled, sources, run, deadline, what, outs=outs, direct=direct, verify=verify)
 
     def finish():
         try:
-            results = rt.finish_batch(pending)
+            results = rt.batches.finish(pending)
         except ReshardError:
             if verify and pending.results:  # every run succeeded; the commit refused a mismatch
                 _raise_mismatch(call, compiled, {d: r.checks for d, r in pending.results.items()})

@@ -23,7 +23,6 @@ from reshard.errors import ReshardError
 from reshard.ir.layout import Layout
 from reshard.ir.regions import box_volume, layout_regions
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
-from reshard.runtime.driver.controller import runtime
 from reshard.runtime.driver.dispatch import failure_error
 from reshard.runtime.driver.mesh import DeviceMesh
 from reshard.runtime.messages import copy_holder
@@ -60,7 +59,7 @@ class ShardedTensor:
         """A copy holds the shards under a token until it is unpickled (module docstring)."""
         self._check("pickling")
         token = f"{self.name}/pickled/{uuid.uuid4().hex[:12]}"
-        runtime().hold_later(True, self.mesh.device_ids, self.name, token)
+        self.mesh.runtime.hold_later(True, self.mesh.device_ids, self.name, token)
         return _rebuild, (self.mesh, self.layout, self.shape, self.dtype_name, self.name, self._shared, token)
 
     @property
@@ -125,7 +124,7 @@ class ShardedTensor:
         a read from another process while a sync's commits reach some devices before others reads
         again (with a growing pause) until they agree, for at most ``VERSIONS_WAIT_S``; then it
         raises (a split: a commit failed on some devices)."""
-        rt = runtime()
+        rt = self.mesh.runtime
         deadline = Deadline.after(timeout_s)
         rt.works.after(frozenset({self.name}), frozenset(), deadline)  # this process's pending writes first
         ids = {i: self.mesh.device_ids[i] for i in indices}
@@ -135,7 +134,7 @@ class ShardedTensor:
         agree_by = time.monotonic() + VERSIONS_WAIT_S
         while True:
             refs = {ids[i]: self.mesh.actor(i).reshard_fetch.remote(self.name, deadline.budget, True) for i in indices}
-            outcome = rt.wait(refs, deadline, "reading a tensor back")
+            outcome = rt.dispatch.wait(refs, deadline, "reading a tensor back")
             if not outcome.ok:
                 gone = [d for d, f in outcome.failures.items() if isinstance(f.error, KeyError)]
                 if gone and not outcome.died:
@@ -217,14 +216,14 @@ class ShardedTensor:
         if self._freed:
             return
         self._freed = True
-        runtime().registry.check_session(self.mesh.device_ids, f"freeing {self!r}")
-        runtime().free(self.mesh.device_ids, self.name)
+        self.mesh.runtime.registry.check_session(self.mesh.device_ids, f"freeing {self!r}")
+        self.mesh.runtime.free(self.mesh.device_ids, self.name)
 
     def __del__(self):
         try:
             if not self._freed and ray.is_initialized():
                 self._freed = True
-                runtime().hold_later(False, self.mesh.device_ids, self.name, self._holder)
+                self.mesh.runtime.hold_later(False, self.mesh.device_ids, self.name, self._holder)
         except Exception:  # interpreter shutdown, Ray gone: nothing to release
             pass
 
@@ -236,26 +235,26 @@ def free(tree) -> None:
     from reshard.pytree import flatten
 
     leaves, _, _ = flatten(tree, lambda x: isinstance(x, ShardedTensor))
-    per_device: dict[int, list[str]] = {}
-    rt = runtime()
+    per_device: dict[tuple, list[str]] = {}  # (runtime, device) -> names
     checked: set[int] = set()
     for t in leaves:
         if not isinstance(t, ShardedTensor):
             raise TypeError(f"free takes ShardedTensors or a tree of them, got a {type(t).__name__}")
         if t._freed:
             continue
+        rt = t.mesh.runtime
         if id(t.mesh) not in checked:
             rt.registry.check_session(t.mesh.device_ids, f"freeing {t!r}")
             checked.add(id(t.mesh))
         t._freed = True
         for d in t.mesh.device_ids:
-            per_device.setdefault(d, []).append(t.name)
-    for d, names in per_device.items():
+            per_device.setdefault((rt, d), []).append(t.name)
+    for (rt, d), names in per_device.items():
         rt.free([d], *names)
 
 
 def _rebuild(mesh, layout, shape, dtype, name, shared, token) -> ShardedTensor:
-    rt = runtime()
+    rt = mesh.runtime
     holder = copy_holder(name, rt.id, uuid.uuid4().hex[:12])
     rt.acquire(mesh.device_ids, name, holder)
     rt.release(mesh.device_ids, name, token)
