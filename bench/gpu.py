@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.local import command_line
 
     data: dict = {
-        "revision": _git_rev(),
+        "revision": revision(),
         "command": command_line("gpu", argv or sys.argv[1:]),
         "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -672,10 +672,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _git_rev() -> str:
-    from bench.local import _git_rev as rev
+def revision() -> str:
+    from bench.provenance import revision as measured
 
-    return rev()
+    return measured()
 
 
 if __name__ == "__main__":

@@ -55,13 +55,13 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+from bench import provenance  # noqa: E402
 from bench.cases import (  # noqa: E402
     CASES,
     POOL_HOST_IDS,
@@ -308,17 +308,8 @@ def _pool_state(ctx, drain: bool) -> tuple[int, int]:
 
 
 def command_line(suite: str, argv) -> str:
-    """The command a result records, with any absolute path shown relative to the repository (or by
-    its name): results name no path of the machine they ran on."""
-    root = Path(__file__).resolve().parent.parent
-
-    def shown(arg: str) -> str:
-        if not os.path.isabs(arg):
-            return arg
-        path = Path(arg)
-        return str(path.relative_to(root)) if path.is_relative_to(root) else path.name
-
-    return " ".join(["python -m bench", *([suite] if suite else []), *(shown(str(a)) for a in argv)])
+    """The command a result records (``bench.provenance.command_line``)."""
+    return provenance.command_line(" ".join(["python -m bench", *([suite] if suite else [])]), argv)
 
 
 def recorded_run(suite: str, argv, out: str | None, run) -> tuple[dict, Path]:
@@ -339,7 +330,7 @@ def recorded_run(suite: str, argv, out: str | None, run) -> tuple[dict, Path]:
     data = {
         "suite": suite,
         "command": command_line(suite, argv),
-        "revision": _git_rev(),
+        "revision": provenance.revision(),
         "when": when.isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": _torch_version(),
@@ -351,28 +342,6 @@ def recorded_run(suite: str, argv, out: str | None, run) -> tuple[dict, Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
     return data, path
-
-
-def _git_rev() -> str:
-    """The revision measured (``git rev-parse``; ``RESHARD_REVISION`` where the copy has no git, e.g. a
-    lent GPU machine)."""
-    if os.environ.get("RESHARD_REVISION"):
-        return os.environ["RESHARD_REVISION"]
-    try:
-        root = Path(__file__).resolve().parent.parent
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "bench", "reshard", "topology"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-        return (rev.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
-    except Exception:
-        return "unknown"
 
 
 # ------------------------------------------------------------------------------------ methods
@@ -1051,7 +1020,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         "started": when.isoformat(timespec="seconds"),
         "duration_s": time.time() - t_start,
         "command": command_line("", argv if argv is not None else sys.argv[1:]),
-        "git": _git_rev(),
+        "revision": provenance.revision(),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

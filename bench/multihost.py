@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.cases import fmt_size, parse_size, tensor_shape
+from bench.provenance import revision_of
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FIGURE = Path(__file__).resolve().parent / "figures" / "multihost.png"
@@ -462,7 +463,7 @@ def header(data: dict) -> str:
     loads = [v for e in data["results"] for v in e.get("loadavg", ())] or [0.0]
     nics = ", ".join(f"{v:.4f}" if v else "-" for v in links["nic_GBps"])
     return (
-        f"`{data['command']}` at {data['started']} (git {data['git']}), {data['duration_s']:.0f} s; "
+        f"`{data['command']}` at {data['started']} (git {revision_of(data)}), {data['duration_s']:.0f} s; "
         f"{data['hosts']} emulated hosts, NIC {data['nic_gbit']:g} Gbit/s = {data['nic_gbit'] / 8:.4f} GB/s; "
         f"TCP: round trip {raw['round_trip_us']:.0f} us, one stream {raw['stream_GBps']:.4f} GB/s; empty Ray "
         f"actor call head -> host 1 {raw['actor_call_us']:.0f} us. Probed (gloo, {links['size_bytes'] >> 20} MiB): "
@@ -548,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(data)) if args.markdown else render(data)
         return 0
     from bench import emulate
-    from bench.local import _git_rev, command_line
+    from bench.local import command_line
+    from bench.provenance import revision
     from reshard import STRATEGIES
 
     ok, why = emulate.available()
@@ -604,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": when.isoformat(timespec="seconds"),
         "duration_s": time.time() - t0,
         "command": command_line("multihost", argv),
-        "git": _git_rev(),
+        "revision": revision(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_end": list(os.getloadavg())},
         "hosts": hosts,
         "nic_gbit": args.nic_gbit,

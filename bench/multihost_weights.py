@@ -219,7 +219,8 @@ def main(argv: list[str]) -> int:
         Path(args.driver[1]).write_text(json.dumps(drive(json.loads(args.driver[0]))))
         return 0
     from bench import emulate
-    from bench.local import _git_rev, command_line
+    from bench.local import command_line
+    from bench.provenance import revision
 
     ok, why = emulate.available()
     if not ok:
@@ -258,7 +259,7 @@ def main(argv: list[str]) -> int:
         "started": when.isoformat(timespec="seconds"),
         "duration_s": time.time() - t0,
         "command": command_line("multihost --weights", argv),
-        "git": _git_rev(),
+        "revision": revision(),
         "cpus": os.cpu_count(),
         "nic_gbit": args.nic_gbit,
         "config": config,

@@ -783,12 +783,13 @@ def main(argv: list[str] | None = None) -> int:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else RESULTS_DIR / f"pipeline-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    from bench.local import _git_rev, command_line
+    from bench.local import command_line
+    from bench.provenance import revision
 
     data: dict = {
         "schema": SCHEMA,
         "command": command_line("pipeline", argv if argv is not None else sys.argv[1:]),
-        "git": _git_rev(),
+        "revision": revision(),
         "when": stamp,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg": _load()},
     }

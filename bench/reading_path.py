@@ -23,6 +23,8 @@ import os
 import sys
 import threading
 
+from bench.provenance import header
+
 ROOTS = ("reshard", "scheduler", "topology")
 _SEEN: set[str] = set()
 _BARRIERS: dict[int, threading.Barrier] = {}
@@ -123,5 +125,5 @@ def main(argv: list[str]) -> int:
             print(f"  the others: {' '.join(f for f in sides['all'] if f not in runtime)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({**header("python -m bench path", argv), **result}, f, indent=1)
     return 0

@@ -35,6 +35,7 @@ from bench.methods import (
     RTT,
     SCHEMA,
 )
+from bench.provenance import revision_of
 
 LABELS = {
     OURS: "ours",
@@ -350,7 +351,7 @@ def check_schema(data: dict) -> None:
     if data.get("schema") != SCHEMA:
         raise SystemExit(
             f"results of schema {data.get('schema')}; this report reads schema {SCHEMA}: render the file with "
-            f"bench/report.py as of the run's git revision ({data.get('git', 'unknown')})"
+            f"bench/report.py as of the run's git revision ({revision_of(data)})"
         )
 
 
@@ -362,7 +363,7 @@ def header(data: dict) -> str:
     hits = sum(e.get("pool_hits_kept", 0) for e in data["results"])
     releases = sum(e.get("kept_releases", 0) for e in data["results"])
     return (
-        f"`{data['command']}` at {data['started']} (git {data['git']}), {data['duration_s']:.0f} s; "
+        f"`{data['command']}` at {data['started']} (git {revision_of(data)}), {data['duration_s']:.0f} s; "
         f"{m.get('cpus')} CPUs, ray {m.get('ray')}, torch {m.get('torch')}{load}; dtype {data['dtype']}; "
         f"outputs kept alive: {hits} reuses of freed memory, kept outputs released {releases} times, untimed "
         + (f"(limit {fmt_size(data['keep_limit_bytes'])})" if "keep_limit_bytes" in data else "(before every method)")

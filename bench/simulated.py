@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.provenance import header
 from reshard import STRATEGIES, Layout, Replicate, Shard, plan_reshard
 from reshard.ir.target import window_ops_for
 from reshard.ir.tasks import plan_unit_tasks
@@ -484,7 +485,8 @@ def main(argv: list[str]) -> int:
         if args.planning_time:
             times = planning_times(name, args.hosts)
             _print_planning(times, name)
-            (args.out / f"planning_{name}.json").write_text(json.dumps(times, indent=1))
+            planning = {**header("python -m bench --simulate", argv), "times": times}
+            (args.out / f"planning_{name}.json").write_text(json.dumps(planning, indent=1))
             continue
         cluster = Cluster.preset(name, required_hosts(args.hosts))
         sizes = {} if args.size is None else {"size_single": args.size, "size_multi": args.size}
@@ -492,7 +494,12 @@ def main(argv: list[str]) -> int:
         results = [evaluate(c, cluster, args.strategies) for c in cases]
         title = f"Cross-mesh resharding, simulated on {args.hosts}-host meshes of {name} ({cluster})"
         print_tables(results, title)
-        report = {"cluster": _cluster_obj(cluster), "hosts": args.hosts, "cases": results}
+        report = {
+            **header("python -m bench --simulate", argv),
+            "cluster": _cluster_obj(cluster),
+            "hosts": args.hosts,
+            "cases": results,
+        }
         if args.random:
             lo, hi = args.random_log2
             report["random"] = random_stats(name, args.random, args.seed, args.random_backend, min_log2=lo, max_log2=hi)

@@ -19,10 +19,13 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from bench.provenance import header
 
 WARMUP_FRACTION = 0.2
 
@@ -238,7 +241,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file (default bench/results/soak-<time>.json)")
     ap.add_argument("--png", default=None, help="a figure of RSS and descriptors over the run")
     args = ap.parse_args(argv)
-    result = run(args.reshards, args.cycles, args.every, args.seed)
+    result = {**header("python -m bench.soak", sys.argv[1:] if argv is None else argv)}
+    result.update(run(args.reshards, args.cycles, args.every, args.seed))
     out = args.out or os.path.join("bench", "results", f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:

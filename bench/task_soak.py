@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from bench.local import command_line
+from bench.provenance import header
 
 CHECK_S = 1.0  # how often the devices look at their callers here (the default is 10 s)
 SETTLE_S = 120.0  # the longest a sample waits for the devices to forget the ended tasks
@@ -55,7 +55,7 @@ def _model(rng: np.random.Generator) -> dict:
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
-def run(tasks: int, every: int, seed: int = 0, command: str = "") -> dict:
+def run(tasks: int, every: int, seed: int = 0) -> dict:
     import ray
 
     from reshard import DeviceMesh, Layout, Replicate, Shard, distribute, reshard
@@ -91,7 +91,6 @@ def run(tasks: int, every: int, seed: int = 0, command: str = "") -> dict:
                 samples.append({"tasks": done, "settle_s": _settle(pool), "devices": pool.call(_state)})
         elapsed = time.monotonic() - t0
         return {
-            "command": command,
             "tasks": tasks,
             "processes": len(pids),
             "elapsed_s": round(elapsed, 1),
@@ -137,8 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file (default bench/results/task-soak-<time>.json)")
     args = ap.parse_args(argv)
     argv = list(argv) if argv is not None else sys.argv[1:]
-    command = command_line("", argv).replace("python -m bench", "python -m bench.task_soak", 1)
-    result = run(args.tasks, args.every, args.seed, command)
+    result = {**header("python -m bench.task_soak", argv), **run(args.tasks, args.every, args.seed)}
     out = args.out or os.path.join("bench", "results", f"task-soak-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:

@@ -43,7 +43,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 
 from bench import peers  # noqa: E402
-from bench.local import _error, _git_rev, _torch_version, command_line, make_array, pair_bytes, stats_of  # noqa: E402
+from bench.local import _error, _torch_version, command_line, make_array, pair_bytes, stats_of  # noqa: E402
+from bench.provenance import revision  # noqa: E402
 from bench.weights_report import (  # noqa: E402
     ASYNC,
     LOOP,
@@ -544,7 +545,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         "started": when.isoformat(timespec="seconds"),
         "duration_s": time.time() - t0,
         "command": command_line("weights", argv if argv is not None else sys.argv[1:]),
-        "git": _git_rev(),
+        "revision": revision(),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

@@ -16,6 +16,8 @@ from dataclasses import asdict
 import pytest
 from chaos_harness import COMBOS, TRANSPORTS, Chaos, Kind
 
+from bench.provenance import header, tier_command
+
 pytestmark = pytest.mark.chaos
 
 STEPS = int(os.environ.get("RESHARD_CHAOS_STEPS", "64"))
@@ -32,7 +34,8 @@ def test_chaos(ray_cluster):
     path = os.environ.get("RESHARD_CHAOS_REPORT")
     if path:
         with open(path, "w") as f:
-            json.dump({"summary": summary, "steps": [asdict(r) for r in chaos.records]}, f, indent=1, default=str)
+            report = {**header(tier_command(), []), "summary": summary, "steps": [asdict(r) for r in chaos.records]}
+            json.dump(report, f, indent=1, default=str)
     injected = {(r.fault, r.phase, r.shared_memory) for r in chaos.records}
     expected = {(f.value, p.value, s) for f, p in COMBOS for s in TRANSPORTS}
     if STEPS >= 2 * len(expected):

@@ -28,6 +28,7 @@ import pytest
 import ray
 from chaos_harness import Beacon, gone
 
+from bench.provenance import header, tier_command
 from reshard import DeviceMesh, Layout, Shard, distribute, reshard
 
 pytestmark = pytest.mark.chaos
@@ -192,6 +193,6 @@ def test_caller_kills_at_commit_time_never_split_a_model(ray_cluster):
     path = os.environ.get("RESHARD_COMMIT_CHAOS_REPORT")
     if path:
         with open(path, "w") as f:
-            json.dump({"summary": summary, "steps": records}, f, indent=1)
+            json.dump({**header(tier_command(), []), "summary": summary, "steps": records}, f, indent=1)
     assert not violations, "\n".join(violations)
     assert {r["point"] for r in records} == {p.value for p in Point} or STEPS < len(Point)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from bench import emulate
+from bench.provenance import header, tier_command
 
 from .conftest import _SUMMARY
 
@@ -142,7 +143,13 @@ def test_faults_between_hosts():
     if path:
         with open(path, "w") as f:
             json.dump(
-                {"summary": summary, "violations": violations, "steps": records, "segments": segments},
+                {
+                    **header(tier_command(), []),
+                    "summary": summary,
+                    "violations": violations,
+                    "steps": records,
+                    "segments": segments,
+                },
                 f,
                 indent=1,
                 default=str,
