@@ -209,7 +209,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed rounds of every method (default 5)")
     p.add_argument("--small-repeats", type=int, default=20, help="extra rounds of the 64 KiB reshard and empty call")
     p.add_argument("--overlap-repeats", type=int, default=3, help="rounds of the overlap measurement (0: skip)")
-    p.add_argument("--bucket-bytes", type=int, default=4 << 20, help="reshard(bucket_bytes=...) (default 4 MiB)")
+    p.add_argument(
+        "--bucket-bytes", type=int, default=None, help="reshard(bucket_bytes=...) (default: the backend's: 1 MiB, gloo)"
+    )
     p.add_argument("--probe-size", type=int, default=16 << 20, help="bytes per probe transfer (default 16 MiB)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--out", help="JSON output path (default bench/results/multihost-weights-<timestamp>.json)")

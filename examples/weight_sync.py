@@ -833,6 +833,7 @@ def main(argv: list[str] | None = None) -> Report:
     ap.add_argument("--steps", type=int, help="training steps (each followed by the syncs)")
     ap.add_argument("--layers", type=int, help="transformer blocks")
     ap.add_argument("--overlap", action="store_true", help="also time a sync beside the trainers' compute")
+    ap.add_argument("--json", help="also write the medians to this file (with the revision and the command)")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else Config()
     if args.steps is not None:
@@ -842,7 +843,30 @@ def main(argv: list[str] | None = None) -> Report:
     report = run(cfg, overlap=args.overlap)
     print_report(report)
     print("all checks passed" if report.ok else "CHECKS FAILED")
+    if args.json:
+        write_json(report, args.json, sys.argv[1:] if argv is None else argv)
     return report
+
+
+def write_json(report: Report, path: str, argv) -> None:
+    """The per-path medians and what was moved, under the header every result file carries."""
+    import json
+
+    from bench.provenance import header
+
+    data = {
+        **header("python examples/weight_sync.py", argv),
+        "tensors": report.tensors,
+        "weight_bytes": report.weight_bytes,
+        "delivered_bytes": report.delivered_bytes,
+        "steps": len(report.steps),
+        "median_s": {p.value: report.median_s(p) for p in SyncPath},
+        "bit_exact": {p.value: all(s.inference_bit_exact[k] for s in report.steps) for k, p in enumerate(SyncPath)},
+        "hidden": report.hidden,
+        "ok": report.ok,
+    }
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":
