@@ -398,6 +398,9 @@ class Chaos:
         self.replacements = 0
         self.beacon = ray.remote(num_cpus=0)(Beacon).remote()
         self._main = threading.main_thread().ident
+        # A process started in the background of a shell inherits SIGINT ignored, and Python then
+        # raises no KeyboardInterrupt for it: the INTERRUPT fault must reach the driver all the same.
+        self._sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
         self._replenish()
 
     # ------------------------------------------------------------------ pool
@@ -1116,6 +1119,7 @@ class Chaos:
         for a in self.inference:
             ray.kill(a)
         ray.kill(self.beacon)
+        signal.signal(signal.SIGINT, self._sigint)
 
     def summary(self) -> dict:
         """Counts, outcomes and times by fault kind (times to error against timeout + TARGET_S)."""

@@ -24,6 +24,7 @@ STEPS = int(os.environ.get("RESHARD_CHAOS_STEPS", "64"))
 SEED = int(os.environ.get("RESHARD_CHAOS_SEED", "20261123"))
 
 
+@pytest.mark.timeout(300 + 3 * STEPS)  # a step takes about 1.4 s; a long run outlasts the default
 def test_chaos(ray_cluster):
     chaos = Chaos(SEED)
     try:

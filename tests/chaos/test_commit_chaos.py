@@ -120,6 +120,7 @@ def _settled(mesh, d: int, beacon, done: str) -> bool:
     return False
 
 
+@pytest.mark.timeout(300 + 2 * STEPS)  # a long run outlasts the default
 def test_caller_kills_at_commit_time_never_split_a_model(ray_cluster):
     rng = random.Random(SEED)
     points = [p for _ in range(-(-STEPS // len(Point))) for p in Point]
