@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every figure the README and the bench pages publish, measured again on one clean commit: each suite
 # writes bench/results/<suite>-<revision>.json (its header names the revision and the exact command)
-# and its figures. The emulated-host suites need root. About 70 minutes on the 2-core development
-# machine. A suite that fails is named at the end; the others still run.
+# and its figures. The emulated-host suites need root. About 50 minutes on the 2-core development
+# machine. A suite that fails is named at the end (the pipeline suite also exits non-zero when one of
+# its targets is missed; its result is written all the same); the others still run.
 #
 #   bench/headline.sh                 # every suite
 #   bench/headline.sh weights local   # only these (names below)
@@ -34,6 +35,11 @@ ONLY=("$@")
 suite simulated $PY -m bench --simulate --cluster p3.8xlarge --random 300 --out $R/simulated-$REV
 suite simulated-small $PY -m bench --simulate --random 200 --random-log2 20 26 --suite single --out $R/simulated-small-$REV
 suite planning $PY -m bench --simulate --planning-time --cluster p3.16xlarge --out $R/simulated-$REV
+suite simulated-p3.16xlarge $PY -m bench --simulate --cluster p3.16xlarge --random 300 --out $R/simulated-p3.16xlarge-$REV
+suite simulated-presets $PY -m bench --simulate --cluster all --suite multi --out $R/simulated-presets-$REV
+suite simulated-tiny $PY -m bench --simulate --random 150 --random-log2 16 20 --suite single --out $R/simulated-tiny-$REV
+suite simulated-tiny-gloo $PY -m bench --simulate --random 150 --random-log2 16 20 --random-backend gloo --suite single \
+    --out $R/simulated-tiny-gloo-$REV
 suite weights $PY -m bench weights --out $R/weights-$REV.json --figure bench/figures/weights.png
 suite weights-moe $PY -m bench weights --models moe --cases fsdp2-tp4 --methods ours,one_tensor --repeats 3 \
     --out $R/weights-moe-$REV.json --figure none
