@@ -26,7 +26,7 @@ Synchronisation is on events only: times are measured, never waited for.
 
 Invariants checked after every step (each breach is a ``Violation``):
 1. the call returned a complete, bit-exact tensor, or raised a ``ReshardError`` subclass naming a
-   device by its number within ``timeout_s`` + 2 s (``KeyboardInterrupt`` for ``INTERRUPT``); no
+   device by its number within ``timeout_s`` + 2 s (for ``INTERRUPT``: ``KeyboardInterrupt``, always); no
    call runs past a hang-catching bound; a step without a fault succeeds;
 2. every live tensor (the step's source included) reads back bit-exact, or raises ``WorkerDied``
    when a device holding it died;
@@ -988,6 +988,8 @@ class Chaos:
                 )
             if fault is Fault.NONE:
                 self._violate(i, "1: clean steps succeed", first_line(error))
+            if fault is Fault.INTERRUPT and not isinstance(error, KeyboardInterrupt):
+                self._violate(i, "1: an interrupt raises KeyboardInterrupt", f"it raised {first_line(error)}")
 
     def _keep_or_drop(self, result, expected: np.ndarray) -> None:
         held = Held(result, expected)
