@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.provenance import revision
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 ROOT = Path(__file__).resolve().parent
@@ -670,12 +672,6 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print(f"wrote {out}")
     return 0
-
-
-def revision() -> str:
-    from bench.provenance import revision as measured
-
-    return measured()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import datetime as _dt
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,8 +64,6 @@ def header(program: str, argv) -> dict:
 def tier_command() -> str:
     """The command that runs this pytest session, with the ``RESHARD_`` settings it was given (for
     the reports of the fault tiers, which run as tests)."""
-    import sys
-
     settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("RESHARD_")]
     return command_line(" ".join([*settings, "python -m pytest"]), sys.argv[1:])
 

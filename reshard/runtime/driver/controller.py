@@ -42,7 +42,7 @@ class Runtime:
         self.registry = DeviceRegistry()
         self.backends: dict[str, Backend] = {}
         self.stats: Counter = Counter()
-        self.dispatch = Dispatch(self.id, self.registry, self.stats, self.mark_dead)
+        self.dispatch = Dispatch(self.id, self.registry, self.mark_dead)
         self.communicators = Communicators(self.dispatch, self.registry, self.backends, self.stats)
         self.batches = Batches(self.dispatch, self.communicators, self.registry, self.stats, self.mark_dead)
         self.works = WorkQueue()

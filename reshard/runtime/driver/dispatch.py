@@ -19,7 +19,6 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -191,13 +190,10 @@ class Dispatch:
     group and telling its members). ``on_died(device, reason)`` hears of every actor a wait found
     dead."""
 
-    def __init__(
-        self, controller_id: str, registry: DeviceRegistry, stats: Counter, on_died: Callable[[int, str], None]
-    ):
+    def __init__(self, controller_id: str, registry: DeviceRegistry, on_died: Callable[[int, str], None]):
         self.id = controller_id
         self.lock = threading.RLock()
         self.registry = registry
-        self.stats = stats
         self._on_died = on_died
         self._submitting = False
         self._process: tuple | None = None  # told each device with its first call (``Ticket.caller``)
