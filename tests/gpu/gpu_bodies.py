@@ -309,3 +309,10 @@ def pipe_grads(ctx, reduce_axis=None):
         out[name] = g.cpu().numpy()
         p.grad = None
     return out
+
+
+def share_device_array(ctx, name: str, n: int) -> None:
+    """The user's own device memory (``arange(n)``, float32) shared as shard ``name``."""
+    import cupy
+
+    ctx.share(name, cupy.arange(n, dtype=cupy.float32))

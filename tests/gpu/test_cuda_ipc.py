@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_bodies import ipc_allocate, ipc_free, ipc_opened, ipc_pull
+from gpu_bodies import ipc_allocate, ipc_free, ipc_opened, ipc_pull, share_device_array
 
 from reshard import Layout, Replicate, Shard, distribute, reshard
 from reshard.errors import ReshardError
@@ -70,3 +70,15 @@ def test_a_reshard_whose_holder_freed_its_shard_meanwhile_fails_and_says_so(pair
     a.call(lambda ctx, n: ctx.store.free(n), name)  # dropped on the devices behind the handle's back
     with pytest.raises(ReshardError, match="source shard|freed"):
         reshard(t, a, dst)
+
+
+def test_a_device_array_shared_on_a_gpu_device_is_adopted_and_resharded(pair):
+    """``share`` of the user's own device memory (as an engine's weights) on a GPU device: the
+    shard is adopted by name, resharded onto other devices and read back."""
+    from reshard import adopt
+
+    a, b = pair
+    a.call(share_device_array, "w", 256)
+    t = adopt(Layout(a, (Replicate(),)), "w")
+    y = reshard(t, a, Layout(b, (Shard(0),)))
+    np.testing.assert_array_equal(y.to_numpy(), np.arange(256, dtype=np.float32))
