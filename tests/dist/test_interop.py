@@ -202,7 +202,7 @@ def test_holds_and_frees_still_in_flight_when_the_mesh_closed_do_nothing(ray_clu
     try:
         DeviceMesh.from_actors([w], (1,)).shutdown()
         late = Ticket("a controller whose mesh is gone", 1)
-        assert ray.get(w.reshard_free.remote(late, "x"), timeout=30) == 0
+        assert ray.get(w.reshard_free.remote(late, ("x",)), timeout=30) == 0
         assert ray.get(w.reshard_acquire.remote(late, "x", "h"), timeout=30) is False
         assert ray.get(w.reshard_release.remote(late, "x", "h"), timeout=30) is None
         assert ray.get(w.user_method.remote(), timeout=30).startswith("rank 0")

@@ -209,7 +209,7 @@ class DeviceRole:
             for acquire, name, holder in changes:
                 (ctx.store.acquire if acquire else ctx.store.release)(name, holder)
 
-    def reshard_free(self, ticket: Ticket, *names: str) -> int:
+    def reshard_free(self, ticket: Ticket, names: tuple[str, ...]) -> int:
         ctx = _attached_or_none(self)
         if ctx is None:
             return 0

@@ -109,10 +109,11 @@ class Runtime:
     def acquire(self, devices, name: str, holder: str) -> None:
         self.dispatch.fire(devices, lambda rec: lambda t: rec.actor.reshard_acquire.remote(t, name, holder))
 
-    def free(self, devices, *names: str) -> None:
+    def free(self, devices, names) -> None:
         """Drop shards ``names`` on ``devices`` for every holder (fire and forget, ordered): one
-        call per device for all of them."""
-        self.dispatch.fire(devices, lambda rec: lambda t: rec.actor.reshard_free.remote(t, *names))
+        call per device for all of them, the names as one argument (Ray's cost is per argument)."""
+        names = tuple(names)
+        self.dispatch.fire(devices, lambda rec: lambda t: rec.actor.reshard_free.remote(t, names))
 
     # ---------------------------------------------------------------- planning
 

@@ -217,7 +217,7 @@ class ShardedTensor:
             return
         self._freed = True
         self.mesh.runtime.registry.check_session(self.mesh.device_ids, f"freeing {self!r}")
-        self.mesh.runtime.free(self.mesh.device_ids, self.name)
+        self.mesh.runtime.free(self.mesh.device_ids, (self.name,))
 
     def __del__(self):
         try:
@@ -250,7 +250,7 @@ def free(tree) -> None:
         for d in t.mesh.device_ids:
             per_device.setdefault((rt, d), []).append(t.name)
     for (rt, d), names in per_device.items():
-        rt.free([d], *names)
+        rt.free([d], names)
 
 
 def _rebuild(mesh, layout, shape, dtype, name, shared, token) -> ShardedTensor:
