@@ -294,7 +294,9 @@ class DeviceRole:
                 ctx.assembled = binding.assembled  # its shards are made at the end: twice their bytes then
                 ctx.peak_bytes = binding.dst_bytes + state.staging.nbytes
                 ctx.counters["runs"] += 1
-                run = BatchRun(prepared, runs, channel, state.staging, deadline, ctx.before_op, batch, ctx.after_run)
+                run = BatchRun(
+                    prepared, runs, channel, state.staging, deadline, ctx.before_op, batch, ctx.after_run, binding.unit
+                )
                 stats = execute_batch(run, verify=req.verify, finish=state.stream.finish)
                 del run, runs  # the scratch buffers' other references
             with gc_paused():

@@ -10,8 +10,9 @@ The parts whose programs only copy (their messages packed, nothing combined, not
 or relayed: a state dict's small tensors, pulls between devices of one machine) run together as
 one flat unit, before the other parts: on a GPU device one kernel for all their copies and pulls
 (as the pieces of a window are packed, and unpacked, by one kernel: ``box_copies``); on a CPU
-device their ops in order with their reads out of peers' private memory gathered into one system
-call per holder.
+device the small ones that only pull out of peers' private memory as one block and one table of
+reads (``host_unit``, bound by ``Binding``), the others' ops in order with their reads out of
+peers' private memory gathered into one system call per holder.
 
 ``verify``: after the run, a checksum (CRC-32) of every slice the device read to send or pull, and
 of every slice it received, as it lies in its destination shard, keyed by tensor and plan step; the
@@ -125,9 +126,11 @@ class BatchRun:
         before_op=None,
         batch=None,
         after_run: Callable | None = None,
+        unit=None,
     ):
         self.prepared = prepared
         self.runs = runs
+        self.unit = unit  # the parts run as one unit, without a ``Run`` each (``host_unit.UnitRun``), or None
         self.groups = groups
         self.staging = staging
         self.deadline = deadline
@@ -153,20 +156,30 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
     ``[(tensor, step, "read" | "wrote", crc)]`` with ``verify``, else None). ``finish(deadline,
     what)``: waits for the work a GPU device queued (``RunStream.finish``)."""
     t0 = time.monotonic()
-    ordered = [run.runs[part.tensor] for part in run.prepared.program.parts]
+    parts = run.prepared.program.parts
+    ordered = [run.runs.get(part.tensor) for part in parts]  # None: in the unit
     for r in ordered:
-        begin_run(r)
+        if r is not None:
+            begin_run(r)
     for window in run.prepared.windows:
         _run_window(run, window)
+    if run.unit is not None:
+        if run.before_op is not None:
+            for i in run.unit.dsts:
+                for op in run.prepared.parts[i].program.ops:
+                    run.before_op(run, op)
+        run.unit.read()
     flat = set(run.prepared.flat)
-    if flat:
-        (_run_flat if run.gpu else _run_flat_host)(run, ordered)
+    if run.gpu and flat:
+        _run_flat(run, [run.runs[part.tensor] for part in parts])  # a GPU device has no unit
+    elif flat:
+        _run_flat_host(run, ordered, [i for i in run.prepared.flat if ordered[i] is not None])
     for i, r in enumerate(ordered):
-        if i not in flat:
+        if i not in flat and r is not None:
             run_windows(r)
     if finish is not None:
         finish(run.deadline, f"device {run.prepared.device}: a reshard")
-    comm_s = run.comm_s + sum(r.comm_s for r in ordered)
+    comm_s = run.comm_s + sum(r.comm_s for r in ordered if r is not None)
     if run.after_run is not None:
         run.after_run(run.runs)
     checks = checksums(run) if verify else None
@@ -289,14 +302,15 @@ def _run_flat(run: BatchRun, ordered: list[Run]) -> None:
     table.launch(bases)
 
 
-def _run_flat_host(run: BatchRun, ordered: list[Run]) -> None:
-    """The parts that only copy, on a CPU device: their ops in order, without a run of the
-    executor each, and every read out of a peer's private memory gathered (``Gather``: one system
-    call per holder for as many as fit)."""
+def _run_flat_host(run: BatchRun, ordered: list[Run | None], flat: list[int]) -> None:
+    """The parts ``flat`` that only copy, on a CPU device: their ops in order, without a run of
+    the executor each, and every read out of a peer's private memory gathered (``Gather``: one
+    system call per holder for as many as fit)."""
     gather = Gather()
     before = run.before_op
-    for i in run.prepared.flat:
+    for i in flat:
         r = ordered[i]
+        assert r is not None, "a part of the unit has no run"
         for window in r.prepared.windows:
             for s in window:
                 op = s.op

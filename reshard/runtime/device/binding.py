@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime import arrays
 from reshard.runtime.backends.communicator import PeerFailed
+from reshard.runtime.device import host_unit
 from reshard.runtime.device.batches import PreparedBatch
 from reshard.runtime.device.executor import Run
+from reshard.runtime.device.host_unit import UnitRun
 from reshard.runtime.messages import Bound, RunRequest, shard_name
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ class Binding:
         self.tmps: dict[int, np.ndarray | torch.Tensor] = {}
         self.pulled: dict[int, dict] = {}  # tensor -> {holder: descriptor of the shard pulled from}
         self.relayed: dict[int, dict] = {}  # tensor -> {holder: descriptor of the destination shard relayed from}
+        self.unit: UnitRun | None = None  # the parts run as one unit (``host_unit``): no ``Run`` each
 
     def runs(self, groups, staging, deadline: float, cancelled, before_op, batch) -> dict[int, Run]:
         """A ``Run`` per part, its buffers bound (module docstring)."""
@@ -55,7 +58,17 @@ class Binding:
         tensors = [p.tensor for p in self.prepared.program.parts]
         fresh = self._fresh_destinations(tensors, outs)
         casts = bound.casts or (None,) * len(self.prepared.parts)
-        for prepared, tensor, source, out, cast in zip(self.prepared.parts, tensors, sources, outs, casts, strict=True):
+        unit = host_unit.unit_for(ctx, self.prepared, bound, self.req)
+        if unit is not None:
+            self.unit = UnitRun(unit, ctx.device, ctx.peers, ctx.store.allocate_block(unit.nbytes))
+            ctx.counters["unit_parts"] = ctx.counters.get("unit_parts", 0) + len(unit.index)
+        in_unit = self.unit.dsts if self.unit is not None else {}
+        for i, (prepared, tensor, source, out, cast) in enumerate(
+            zip(self.prepared.parts, tensors, sources, outs, casts, strict=True)
+        ):
+            if i in in_unit:
+                self.dsts[tensor] = in_unit[i]
+                continue
             prog, dtype = prepared.program, prepared.dtype
             src = None
             if prog.src_shape is not None:
@@ -219,6 +232,8 @@ class Binding:
         for seen in (*self.pulled.values(), *self.relayed.values()):
             for h, desc in seen.items():
                 ctx.peers.check(h, desc)
+        if self.unit is not None:
+            self.unit.check()
         if not self.req.direct:
             self.check_outputs()  # still what the commit writes into: it changes all or none
         if late_fails and time.monotonic() >= deadline:

@@ -224,19 +224,25 @@ class RemoteShard:
                 self._failed(got, want)
 
     def _failed(self, got: int, want: int):
-        code = -got if got < 0 else 0
-        if code == errno.EPERM:
-            raise ReshardError(
-                f"device {self.device} may not read device {self.holder}'s shard out of its process ({self.pid}): "
-                f"{os.strerror(code)}. The kernel allows it only where the process may be traced (same user, Yama "
-                "ptrace_scope 0, or CAP_SYS_PTRACE); allocate shared tensors with reshard_device.empty(...) or "
-                "create the meshes with shared_memory=False"
-            )
-        what = os.strerror(code) if code else f"read {got} of {want} bytes"
-        raise ReshardError(
-            f"device {self.device}: device {self.holder}'s source shard is gone (the tensor was freed, or the actor "
-            f"of device {self.holder} died): {what}"
+        raise read_failed(self.device, self.holder, self.pid, got, want)
+
+
+def read_failed(device: int, holder: int, pid: int, got: int, want: int) -> ReshardError:
+    """The error of a read out of ``holder``'s process ``pid`` that got ``got`` of ``want`` bytes
+    (negative: ``-errno``)."""
+    code = -got if got < 0 else 0
+    if code == errno.EPERM:
+        return ReshardError(
+            f"device {device} may not read device {holder}'s shard out of its process ({pid}): "
+            f"{os.strerror(code)}. The kernel allows it only where the process may be traced (same user, Yama "
+            "ptrace_scope 0, or CAP_SYS_PTRACE); allocate shared tensors with reshard_device.empty(...) or "
+            "create the meshes with shared_memory=False"
         )
+    what = os.strerror(code) if code else f"read {got} of {want} bytes"
+    return ReshardError(
+        f"device {device}: device {holder}'s source shard is gone (the tensor was freed, or the actor "
+        f"of device {holder} died): {what}"
+    )
 
 
 class Gather:
@@ -397,4 +403,4 @@ def runs(shape: tuple[int, ...], itemsize: int, box: list[tuple[int, int]]) -> t
     return offsets, (hi - lo) * strides[k]
 
 
-__all__ = ["BOARD_CELLS", "Gather", "RemoteShard", "TenureBoard", "available", "read_plan", "runs"]
+__all__ = ["BOARD_CELLS", "Gather", "RemoteShard", "TenureBoard", "available", "read_failed", "read_plan", "runs"]

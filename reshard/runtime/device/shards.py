@@ -183,6 +183,7 @@ class ShardStore:
         self.dtypes: dict[str, str] = {}  # name -> dtype name (an array of bit patterns does not say it)
         self.versions: dict[str, str] = {}  # name -> the last reshard that committed into it (``wrote``)
         self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
+        self.blocks: dict[int, np.ndarray] = {}  # id -> a unit's block of small destinations (``allocate_block``)
         self._lock = threading.RLock()
 
     def __contains__(self, name: str) -> bool:
@@ -263,6 +264,31 @@ class ShardStore:
             next(flats).view(st).reshape(tuple(shape)) if n else self.allocate(shape, dtype)
             for (shape, dtype), st, n in zip(specs, storages, sizes, strict=True)
         ]
+
+    def allocate_block(self, nbytes: int) -> np.ndarray:
+        """Private bytes for one run's unit of small destinations, each a view of them
+        (``host_unit``): a block of that size whose views are all gone (a run's before, its shards
+        freed), else fresh memory. Idle blocks of other sizes are let go."""
+        with self._lock:
+            found = None
+            for key in list(self.blocks):
+                block = self.blocks[key]
+                if sys.getrefcount(block) > 3:  # this dict, ``block`` and the call's own: views are alive
+                    continue
+                if found is None and block.nbytes == nbytes:
+                    found = block
+                else:
+                    del self.blocks[key]
+            if found is not None:
+                self.pool.hits += 1
+                return found
+            self.pool.misses += 1
+            block = np.empty(nbytes, np.uint8)
+            self.blocks[id(block)] = block
+            return block
+
+    def _idle_blocks(self) -> list[int]:
+        return [k for k in self.blocks if sys.getrefcount(self.blocks[k]) <= 2]  # the dict's and the call's
 
     def recycle(self, scratch) -> bool:
         """Give ``scratch`` (memory from ``allocate`` that never became a shard: a run's scratch
@@ -495,6 +521,7 @@ class ShardStore:
                 "buffer_bytes": sum(sizes.values()),
                 "holders": {k: sorted(v) for k, v in self.holders.items()},
                 "pool_bytes": self.pool.nbytes
+                + sum(int(self.blocks[k].nbytes) for k in self._idle_blocks())
                 + (
                     0 if self.device_type == "cpu" or self.shared is None else self.shared.idle_bytes
                 ),  # idle freed shards kept for reuse
@@ -511,6 +538,8 @@ class ShardStore:
         with self._lock:
             freed = self.pool.nbytes
             self.pool.clear()
+            for k in self._idle_blocks():
+                freed += int(self.blocks.pop(k).nbytes)
             if self.device_type != "cpu" and self.shared is not None:
                 freed += self.shared.empty_cache()
             if not self.assembly.busy:
@@ -524,5 +553,6 @@ class ShardStore:
             self.dtypes.clear()
             self.holders.clear()
             self.pool.clear()
+            self.blocks.clear()
             self.assembly.clear()
             self._assembling = None

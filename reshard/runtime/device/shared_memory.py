@@ -302,11 +302,16 @@ class _Mapped:
         self.views: dict = {}
         self._words: np.ndarray | None = None
 
-    def word(self, index: int) -> int:
-        """The block's ``index``-th uint64 (a tenure board's cell)."""
+    @property
+    def words(self) -> np.ndarray:
+        """The block as uint64 words (a tenure board's cells)."""
         if self._words is None:
             self._words = self.block[: len(self.block) // 8 * 8].view(np.uint64)
-        return int(self._words[index])
+        return self._words
+
+    def word(self, index: int) -> int:
+        """The block's ``index``-th uint64 (a tenure board's cell)."""
+        return int(self.words[index])
 
     def view(self, dtype: np.dtype, shape: tuple[int, ...], offset: int = HEADER) -> np.ndarray:
         key = (dtype, shape, offset)
@@ -317,6 +322,14 @@ class _Mapped:
                 numel *= n
             v = self.views[key] = self.block[offset : offset + numel * dtype.itemsize].view(dtype).reshape(shape)
         return v
+
+
+def shard_gone(device: int, holder: int) -> ReshardError:
+    """The error of a pull whose source shard's tenure changed: it was let go of."""
+    return ReshardError(
+        f"device {device}: device {holder}'s source shard is gone (the tensor was freed, through this "
+        "handle or another); its memory no longer holds it"
+    )
 
 
 class PeerShards:
@@ -371,6 +384,11 @@ class PeerShards:
         mapped = self._mapped(holder, pid, fd, inode)
         self._check(holder, desc, mapped)
         return mapped.view(dtype, tuple(shape))
+
+    def board(self, holder: int, pid: int, fd: int, inode: int) -> np.ndarray:
+        """Process ``pid``'s tenure board (memfd ``fd``, ``inode``) as its uint64 cells, mapped once
+        and kept (``cross_memory.TenureBoard``)."""
+        return self._mapped(holder, pid, fd, inode).words
 
     def mapped_block(self, holder: int, pid: int, fd: int, inode: int) -> np.ndarray:
         """Process ``pid``'s memfd ``fd`` (``inode``) as a read-only uint8 array, mapped once and kept."""
@@ -447,10 +465,7 @@ class PeerShards:
             assert mapped.tenure is not None, "a shared block's descriptor names a block with a header"
             now, tenure = int(mapped.tenure[0]), desc[4]
         if now != tenure:
-            raise ReshardError(
-                f"device {self.device}: device {holder}'s source shard is gone (the tensor was freed, through this "
-                "handle or another); its memory no longer holds it"
-            )
+            raise shard_gone(self.device, holder)
 
     def purge(self) -> None:
         """Drop the mappings of blocks whose owner has let go of the shard in them: its tenure is

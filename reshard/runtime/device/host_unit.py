@@ -1,0 +1,234 @@
+"""A CPU device's small pulls of one batch as one unit: one destination block, one table of reads.
+
+A state dict of thousands of small tensors between two meshes of one machine is, on each device,
+thousands of parts that only pull slices out of peers' private memory. Run part by part, each
+costs a ``Run``, a destination allocation, a mapped peer shard per holder and a read per slice:
+tens of microseconds of Python per tensor, far more than its bytes. As a unit, the parts get one
+destination block (each destination a view of it), and every slice they read is a row of one
+table (the address in the holder, the offset in the block, the length), issued in
+``process_vm_readv`` calls of up to ``IOV_MAX`` rows; every tenure is checked at once, before the
+reads and after (``Binding.settle``), as ``PeerShards`` checks one shard's.
+
+The table is worked out once per prepared batch and binding (``HostUnit``; a replay binds the same
+source shards, so only the block's address changes), and a run adds the block's address to it.
+
+A part joins the unit when its program only pulls source shards (no local copy, nothing combined,
+no relay), its destination is new and small (under ``SMALL_SHARD_BYTES``: private memory either
+way), no bucket lands in it, and every shard it pulls lies in its holder's private memory (a
+``CROSS_MEMORY`` descriptor without a file). The others run as before (``batches``). A run that
+returns checksums (``verify``) or has a test hook that looks at its parts (``after_run``) has no
+unit.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from reshard.errors import ReshardError
+from reshard.ir.program import Buffer, Pull
+from reshard.ir.regions import box_shape
+from reshard.runtime import arrays
+from reshard.runtime.device.cross_memory import IOV_MAX, _read, available, read_failed, runs
+from reshard.runtime.device.shards import SMALL_SHARD_BYTES
+from reshard.runtime.device.shared_memory import shard_gone
+from reshard.runtime.messages import CROSS_MEMORY
+
+ALIGN = 64  # bytes between destinations in the block
+CACHED = 4  # units kept per prepared batch (one per binding)
+
+
+@dataclass(frozen=True, eq=False)
+class Source:
+    """The shards a unit reads out of one holder's process: its tenure board (``(fd, inode)``), the
+    cells and tenures to check, and the reads as rows: ``remote`` ``(address, length)`` in the
+    holder, ``local`` offsets in the block, and ``calls`` ``(first row, end row, bytes)``."""
+
+    holder: int
+    pid: int
+    board: tuple[int, int]
+    cells: np.ndarray
+    tenures: np.ndarray
+    remote: np.ndarray
+    local: np.ndarray
+    calls: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True, eq=False)
+class HostUnit:
+    """A batch's parts run as one unit on a CPU device (module docstring): ``index`` maps a part's
+    index to its place ``(offset in the block, shape, storage dtype)``; ``nbytes``, the block."""
+
+    bound: object
+    index: dict
+    nbytes: int
+    sources: tuple[Source, ...]
+
+
+def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
+    """The unit of ``prepared`` bound as ``bound`` on this device (cached), or None: none of its
+    parts qualifies, or the run needs them one by one (module docstring)."""
+    if (
+        ctx.cuda_device is not None
+        or req.direct
+        or req.verify
+        or ctx.after_run is not None
+        or not prepared.flat
+        or not bound.pulls
+        or not available()
+    ):
+        return None
+    key = ("host unit", id(bound))
+    hit = prepared.tables.get(key)
+    if hit is not None and hit[0] is bound:
+        return hit[1]
+    kept = [k for k in prepared.tables if isinstance(k, tuple) and k[0] == "host unit"]
+    for old in kept[: max(0, len(kept) + 1 - CACHED)]:
+        del prepared.tables[old]
+    unit = _build(prepared, bound)
+    prepared.tables[key] = (bound, unit)
+    return unit
+
+
+def _build(prepared, bound) -> HostUnit | None:
+    landed = {q[0] for window in prepared.windows for pb in window for q in pb.pieces}  # buckets land in them
+    casts = bound.casts or ()
+    index: dict = {}
+    rows: dict = {}  # (holder, pid, board fd, board inode) -> [cells, tenures, reads, places]
+    offset = 0
+    for i in prepared.flat:
+        part, tensor = prepared.parts[i], prepared.program.parts[i].tensor
+        prog = part.program
+        if tensor in landed or (i < len(casts) and casts[i] is not None) or prog.dst_shape is None:
+            continue
+        storage = arrays.storage(part.dtype)
+        nbytes = storage.itemsize * _numel(prog.dst_shape)
+        if not 0 < nbytes < SMALL_SHARD_BYTES:
+            continue
+        reads = _reads(prog, bound.pulls.get(tensor) or {}, storage.itemsize)
+        if reads is None:
+            continue
+        index[i] = (offset, tuple(prog.dst_shape), storage)
+        for holder, desc, table in reads:
+            _, pid, fd, inode, cell, tenure, address = desc[:7]
+            entry = rows.setdefault((holder, pid, fd, inode), [[], [], [], []])
+            entry[0].append(cell)
+            entry[1].append(tenure)
+            entry[2].append((address, table))
+            entry[3].append(offset)
+        offset += -(-nbytes // ALIGN) * ALIGN
+    if not index:
+        return None
+    return HostUnit(bound, index, offset, tuple(_source(key, *entry) for key, entry in rows.items()))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _reads(prog, pulls: dict, itemsize: int):
+    """``[(holder, descriptor, (offsets in the shard, offsets in the destination, run length))]``
+    of a part's pulls, or None when it does more than pull shards out of private memory."""
+    out = []
+    for op in prog.ops:
+        if type(op) is not Pull or op.reduce is not None or op.buffer is not Buffer.SRC:
+            return None
+        desc = pulls.get(op.holder)
+        if not isinstance(desc, tuple) or len(desc) != 9 or desc[0] != CROSS_MEMORY or desc[8] is not None:
+            return None
+        shape = tuple(desc[7])
+        if not _within(op.read, shape) or not _within(op.write, prog.dst_shape):
+            raise ReshardError(
+                f"device {prog.device}: step {op.step} reads {op.read} of device {op.holder}'s shard of shape "
+                f"{list(shape)} into {op.write} of {list(prog.dst_shape)} (program bug)"
+            )
+        out.append((op.holder, desc, _rows(shape, tuple(prog.dst_shape), itemsize, op.read, op.write)))
+    return out
+
+
+def _within(box, shape) -> bool:
+    return len(box) == len(shape) and all(0 <= lo <= hi <= n for (lo, hi), n in zip(box, shape, strict=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rows(src_shape, dst_shape, itemsize: int, read, write) -> tuple[np.ndarray, np.ndarray, int]:
+    """The runs that copy box ``read`` of a C-contiguous array of ``src_shape`` into box ``write``
+    of one of ``dst_shape``: ``(source offsets, destination offsets, length)``, paired in order
+    (the longer runs of one side cut to the other's: both are the box's trailing extents)."""
+    shape = box_shape(read)
+    if shape != box_shape(write):
+        raise ReshardError(f"a pull reads box {read} into box {write} of another shape (program bug)")
+    if 0 in shape:
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint64), 0
+    src, src_len = runs(src_shape, itemsize, list(read))
+    dst, dst_len = runs(dst_shape, itemsize, list(write))
+    length = min(src_len, dst_len)
+    return _cut(src, src_len, length), _cut(dst, dst_len, length), length
+
+
+def _cut(offsets: np.ndarray, length: int, to: int) -> np.ndarray:
+    if length == to:
+        return offsets
+    pieces = np.arange(length // to, dtype=np.uint64) * np.uint64(to)
+    return (offsets[:, None] + pieces[None, :]).ravel()
+
+
+def _source(key, cells: list, tenures: list, reads: list, places: list) -> Source:
+    """The rows of every read out of one holder's process, in the order the parts were listed."""
+    holder, pid, fd, inode = key
+    counts = [len(table[0]) for _, table in reads]
+    lengths = np.repeat(np.array([table[2] for _, table in reads], np.uint64), counts)
+    remote = np.empty((len(lengths), 2), np.uint64)
+    remote[:, 0] = np.repeat(np.array([a for a, _ in reads], np.uint64), counts)
+    remote[:, 0] += np.concatenate([table[0] for _, table in reads])
+    remote[:, 1] = lengths
+    local = np.repeat(np.array(places, np.uint64), counts) + np.concatenate([table[1] for _, table in reads])
+    ends = np.concatenate([[0], np.cumsum(lengths)])
+    bounds = [*range(0, len(lengths), IOV_MAX), len(lengths)]
+    calls = tuple((a, b, int(ends[b] - ends[a])) for a, b in zip(bounds, bounds[1:], strict=False))
+    return Source(
+        holder, pid, (fd, inode), np.array(cells, np.int64), np.array(tenures, np.uint64), remote, local, calls
+    )
+
+
+class UnitRun:
+    """One run of a unit on a device: its block, each part's destination a view of it (``dsts``,
+    by part index); ``read`` fills them, ``check`` says every shard read is still its holder's."""
+
+    def __init__(self, unit: HostUnit, device: int, peers, block: np.ndarray):
+        self.unit, self.device, self.peers = unit, device, peers
+        self.block = block
+        block = self.block
+        self.dsts = {
+            i: block[o : o + storage.itemsize * _numel(shape)].view(storage).reshape(shape)
+            for i, (o, shape, storage) in unit.index.items()
+        }
+
+    def read(self) -> None:
+        base = np.uint64(self.block.ctypes.data)
+        for s in self.unit.sources:
+            self._check(s)
+            local = np.empty_like(s.remote)
+            local[:, 0] = s.local + base
+            local[:, 1] = s.remote[:, 1]
+            for start, stop, want in s.calls:
+                got = _read(s.pid, local[start:stop], s.remote[start:stop])
+                if got != want:
+                    raise read_failed(self.device, s.holder, s.pid, got, want)
+
+    def check(self) -> None:
+        for s in self.unit.sources:
+            self._check(s)
+
+    def _check(self, s: Source) -> None:
+        cells = self.peers.board(s.holder, s.pid, *s.board)
+        if not np.array_equal(cells[s.cells], s.tenures):
+            raise shard_gone(self.device, s.holder)
+
+
+__all__ = ["HostUnit", "UnitRun", "unit_for"]

@@ -1,0 +1,124 @@
+"""Small pulls of a batch run as one unit on a CPU device (``reshard.runtime.device.host_unit``):
+trees of small tensors between two meshes of this machine in many layouts, bit-exact into fresh
+outputs and with ``out=``, the unit's parts counted on the devices; a source shard let go of
+behind the caller's back fails the run, naming its holder; and the unit's read rows against numpy
+slicing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from dist_helpers import BIT_PATTERN, assert_bit_exact, pl, random_array
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reshard import Layout, ReshardError, distribute, free, reshard
+from reshard.runtime.device import cross_memory, host_unit
+
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.skipif(not cross_memory.available(), reason="this kernel does not let the user read its processes"),
+]
+
+# (shape, source placements, destination placements, dtype): splits that cut rows into short runs,
+# uneven splits, 3-D, replicated sources and destinations
+TENSORS = {
+    "down": ((16, 32), "S0", "S1", "float32"),
+    "gate": ((32, 16), "S0", "S0", "float32"),
+    "uneven": ((7, 5), "S1", "S0", "float64"),
+    "cube": ((4, 6, 10), "S2", "S1", "int16"),
+    "bias": ((9,), "R", "S0", "bfloat16"),
+    "gathered": ((6, 4), "S0", "R", "int8"),
+    "scalar": ((), "R", "R", "float32"),
+}
+
+
+def _unit_parts(ctx) -> int:
+    return ctx.counters.get("unit_parts", 0)
+
+
+def _tree(seed: int) -> dict:
+    return {k: random_array(shape, dtype, seed + i) for i, (k, (shape, _, _, dtype)) in enumerate(TENSORS.items())}
+
+
+def _layouts(mesh, which: int) -> dict:
+    return {k: Layout(mesh, pl(spec[1 + which])) for k, spec in TENSORS.items()}
+
+
+def _zeros(v):
+    return np.zeros_like(v) if isinstance(v, np.ndarray) else torch.zeros_like(v)
+
+
+def _numpy(t):
+    return t.to_torch() if t.dtype_name in BIT_PATTERN else t.to_numpy()
+
+
+def test_a_tree_of_small_tensors_moves_as_one_unit_bit_exact(view):
+    a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
+    sd = _tree(10)
+    src = distribute(sd, _layouts(a, 0))
+    before = b.call(_unit_parts)
+    for _ in range(2):  # a first call and a replay (its unit cached)
+        out = reshard(src, a, _layouts(b, 1))
+        for k, v in sd.items():
+            assert_bit_exact(_numpy(out[k]), v)
+        free(out)
+    after = b.call(_unit_parts)
+    assert all(n > m for n, m in zip(after, before, strict=True)), (before, after)
+
+
+def test_a_unit_commits_into_outputs_and_its_results_move_on(view):
+    a, b, c = view([0, 1], (2,)), view([2, 3, 4], (3,)), view([5, 6], (2,))
+    sd, new = _tree(20), _tree(30)
+    out = distribute({k: _zeros(v) for k, v in sd.items()}, _layouts(b, 1))
+    for tree in (sd, new):
+        src = distribute(tree, _layouts(a, 0))
+        assert reshard(src, a, _layouts(b, 1), out=out) is out
+        for k, v in tree.items():
+            assert_bit_exact(_numpy(out[k]), v)
+        free(src)
+    onward = reshard(out, b, _layouts(c, 0))  # the committed outputs are pulled in turn
+    for k, v in new.items():
+        assert_bit_exact(_numpy(onward[k]), v)
+
+
+def _drop(ctx, name: str) -> None:
+    ctx.store.free(name)
+
+
+def test_a_source_let_go_of_behind_the_callers_back_fails_the_unit_naming_its_holder(view):
+    a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
+    src = distribute(_tree(40), _layouts(a, 0))
+    free(reshard(src, a, _layouts(b, 1)))
+    a.call(_drop, src["down"].name, devices=[1])  # as another process's handle would
+    with pytest.raises(ReshardError, match=f"device {a.device_ids[1]}'s source shard is gone"):
+        reshard(src, a, _layouts(b, 1))
+
+
+@st.composite
+def _pairs(draw):
+    """A box of one shape, placed in two arrays that hold it."""
+    box = draw(st.lists(st.integers(0, 5), min_size=0, max_size=4))
+    src, dst, read, write = [], [], [], []
+    for n in box:
+        for shape, where in ((src, read), (dst, write)):
+            lo = draw(st.integers(0, 3))
+            shape.append(lo + n + draw(st.integers(0, 3)))
+            where.append((lo, lo + n))
+    return tuple(src), tuple(dst), tuple(read), tuple(write)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_pairs(), st.sampled_from([1, 2, 8]))
+def test_the_read_rows_copy_what_numpy_slicing_does(pair, itemsize):
+    src_shape, dst_shape, read, write = pair
+    dtype = {1: np.uint8, 2: np.uint16, 8: np.uint64}[itemsize]
+    a = np.arange(int(np.prod(src_shape)), dtype=dtype).reshape(src_shape)
+    got, want = np.zeros(dst_shape, dtype), np.zeros(dst_shape, dtype)
+    src_rows, dst_rows, length = host_unit._rows(src_shape, dst_shape, itemsize, read, write)
+    raw_a, raw_got = a.reshape(-1).view(np.uint8), got.reshape(-1).view(np.uint8)
+    for s, d in zip(src_rows.tolist(), dst_rows.tolist(), strict=True):
+        raw_got[d : d + length] = raw_a[s : s + length]
+    want[tuple(slice(lo, hi) for lo, hi in write)] = a[tuple(slice(lo, hi) for lo, hi in read)]
+    np.testing.assert_array_equal(got, want)
