@@ -19,6 +19,9 @@ RESULTS = ROOT / "bench" / "results"
 HEADLINE = "18d18da"
 #: The chaos tier's run, on the commit after HEADLINE (the headline's own run got no SIGINT through).
 CHAOS = "chaos-a422216.json"
+#: The MoE tree and the trees' ratios, measured again after the host unit changed the device path.
+MOE = "weights-moe-bada3c3.json"
+UNIT = "weights-trees-bada3c3.json"
 QUOTED: list[str] = []  # every result file a figure below comes from
 
 
@@ -374,8 +377,14 @@ def weights() -> list[tuple[str, str]]:
         cells += [med[k] for k in ("one_tensor", "object_store", "naive_refit", "rdt")]
         rows.append(f"| {r['model']} | {r['case']} | " + " | ".join(_ms(c) for c in cells) + " |")
     span = {k: f"{min(v):.1f}-{max(v):.1f}×" for k, v in ratios.items()}
-    moe = headline("weights-moe")["results"][0]
+    moe = result(MOE)["results"][0]
     moe_ours, moe_one = moe["methods"]["ours"], moe["methods"]["one_tensor"]
+    moe_run, unit = result(MOE), result(UNIT)
+    unit_ratios: dict[str, list[float]] = {}
+    for r in unit["results"]:
+        med = {k: v["latency_s"]["median"] for k, v in r["methods"].items()}
+        unit_ratios.setdefault(r["model"], []).append(med["ours"] / med["one_tensor"])
+    unit_span = {k: f"{min(v):.2f}-{max(v):.2f}×" for k, v in unit_ratios.items()}
     per_tensor = (
         f"{fit['default']['per_tensor_s'] * 1e3:.3f} ms (default path), "
         f"{fit['gloo']['per_tensor_s'] * 1e3:.3f} ms (gloo)"
@@ -390,6 +399,12 @@ def weights() -> list[tuple[str, str]]:
         ("bench/WEIGHTS.md", f"`{d['command']}` (`bench/results/weights-{HEADLINE}.json`, {d['revision']}"),
         *(("bench/WEIGHTS.md", row) for row in rows),
         ("bench/WEIGHTS.md", f"default path {fit['default']['per_tensor_s'] * 1e3:.3f} ms per tensor"),
+        ("bench/WEIGHTS.md", f"`{moe_run['command']}` (`bench/results/{MOE}`, {moe_run['revision']}"),
+        (
+            "bench/WEIGHTS.md",
+            f"GPT-2 {unit_span['gpt2']} one tensor, Qwen3 {unit_span['qwen3']}, per-tensor cost in the fit "
+            f"{unit['fit']['default']['per_tensor_s'] * 1e3:.3f} ms",
+        ),
         (
             "bench/WEIGHTS.md",
             f"First call (compile, ship, run) {moe_ours['first_s']:.2f} s; replay median "
