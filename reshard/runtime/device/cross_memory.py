@@ -105,19 +105,21 @@ class TenureBoard:
             raise
         self.cells = np.frombuffer(self._mapping, dtype=np.uint64)
         self.cells[0] = LIVE
+        self.pid = os.getpid()
         self._free = list(range(BOARD_CELLS - 1, 0, -1))
         self._cell: dict[tuple[int, int], int] = {}  # (address, bytes) -> its cell
         self._file: dict[int, tuple[int, int, int] | None] = {}  # cell -> (fd, inode, offset) of its file
         self._held: dict[int, np.ndarray] = {}  # cell -> the shard (its memory freed only once the cell is clear)
 
-    def begin(self, a, tenure: int, file: tuple[int, int] | None = None) -> tuple | None:
+    def begin(self, a, tenure: int, file: tuple[int, int] | None = None, address: int | None = None) -> tuple | None:
         """Shard ``a`` (a C-contiguous numpy array in private memory, or at ``(descriptor, offset)``
         of a shared-memory ``file``: peers map that instead of reading) takes ``tenure``; returns
         its descriptor. Nothing (None) when every cell is taken (the shard then moves through the
-        backend)."""
+        backend). ``address``: where ``a`` starts, when the caller knows."""
         if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.nbytes:
             return None
-        address = base_address(a)
+        if address is None:
+            address = base_address(a)
         key = (address, a.nbytes)
         cell = self._cell.get(key)
         if cell is None:
@@ -127,33 +129,35 @@ class TenureBoard:
         where = self._file[cell] = None if file is None else (file[0], os.fstat(file[0]).st_ino, file[1])
         self._held[cell] = a  # its memory lives while the cell names it, whoever else lets go of it
         self.cells[cell] = tenure
-        return (CROSS_MEMORY, os.getpid(), self.fd, self.inode, cell, tenure, address, tuple(a.shape), where)
+        return (CROSS_MEMORY, self.pid, self.fd, self.inode, cell, tenure, address, tuple(a.shape), where)
 
-    def end(self, a) -> None:
+    def end(self, a, address: int | None = None) -> None:
         """The shard in ``a``'s memory is let go of: its descriptors stop reading."""
         if not isinstance(a, np.ndarray):
             return
-        cell = self._cell.pop((base_address(a), a.nbytes), None)
+        cell = self._cell.pop((base_address(a) if address is None else address, a.nbytes), None)
         if cell is not None:
             self.cells[cell] = 0
             self._file.pop(cell, None)
             self._held.pop(cell, None)
             self._free.append(cell)
 
-    def descriptor(self, a) -> tuple | None:
+    def descriptor(self, a, address: int | None = None) -> tuple | None:
         if not isinstance(a, np.ndarray):
             return None
-        cell = self._cell.get((base_address(a), a.nbytes))
+        if address is None:
+            address = base_address(a)
+        cell = self._cell.get((address, a.nbytes))
         if cell is None:
             return None
         return (
             CROSS_MEMORY,
-            os.getpid(),
+            self.pid,
             self.fd,
             self.inode,
             cell,
             int(self.cells[cell]),
-            base_address(a),
+            address,
             tuple(a.shape),
             self._file.get(cell),
         )

@@ -132,6 +132,7 @@ class SharedShards:
         self.blocks: dict[int, tuple[int, int, int, weakref.ref]] = {}  # data start -> (fd, inode, nbytes, mapping)
         self._tenures = itertools.count(1)
         self.private = TenureBoard() if cross_memory.available() else None
+        self.pid = os.getpid()
         self.max_blocks = _block_budget() if max_blocks is None else max_blocks
 
     def holds_block(self, flat: np.ndarray) -> bool:
@@ -184,51 +185,52 @@ class SharedShards:
             del self.blocks[start]
         os.close(fd)
 
-    def _header(self, a) -> tuple[tuple, ctypes.c_uint64] | None:
-        """The block ``a`` fills and its tenure cell, or None (not a whole live block). The cell
-        is read through its address: ``a`` keeps the mapping alive meanwhile."""
+    def _header(self, a) -> tuple[int | None, tuple[tuple, ctypes.c_uint64] | None]:
+        """Where ``a`` starts (None: not a C-contiguous numpy array), and the block it fills with
+        its tenure cell (None: not a whole live block). The cell is read through its address:
+        ``a`` keeps the mapping alive meanwhile."""
         if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
-            return None
+            return None, None
         start = base_address(a)
         block = self.blocks.get(start)
         if block is None or block[2] != a.nbytes or block[3]() is None:
-            return None
-        return block, ctypes.c_uint64.from_address(start - HEADER)
+            return start, None
+        return start, (block, ctypes.c_uint64.from_address(start - HEADER))
 
     def begin(self, a, file: tuple[int, int] | None = None) -> tuple | None:
         """A shard takes the block ``a`` fills (if it fills one): a fresh tenure. Else ``a`` is in
         private memory, or at ``file`` (``(descriptor, offset)`` of a shared-memory file its
         owner made: torch's ``share_memory_()``): its cell on the tenure board. Returns its
         ``descriptor``."""
-        found = self._header(a)
+        start, found = self._header(a)
         if found is not None:
             block, cell = found
             cell.value = tenure = next(self._tenures)
-            return (os.getpid(), block[0], block[1], tuple(a.shape), tenure)
+            return (self.pid, block[0], block[1], tuple(a.shape), tenure)
         if self.private is not None:
-            return self.private.begin(a, next(self._tenures), file)
+            return self.private.begin(a, next(self._tenures), file, start)
         return None
 
     def end(self, a) -> None:
         """The shard in ``a``'s block is dropped: descriptors of it no longer map."""
-        found = self._header(a)
+        start, found = self._header(a)
         if found is not None:
             found[1].value = 0
         elif self.private is not None:
-            self.private.end(a)
+            self.private.end(a, start)
 
     def descriptor(self, a) -> tuple | None:
         """``(pid, fd, inode, shape, tenure)`` of shard ``a`` if it fills a live memfd block held
         by a shard; else its ``TenureBoard`` descriptor if it is a held shard in private memory
         that peers may read; else None."""
-        found = self._header(a)
+        start, found = self._header(a)
         if found is None:
-            return None if self.private is None else self.private.descriptor(a)
+            return None if self.private is None else self.private.descriptor(a, start)
         block, cell = found
         tenure = cell.value
         if not tenure:
             return None
-        return (os.getpid(), block[0], block[1], tuple(a.shape), tenure)
+        return (self.pid, block[0], block[1], tuple(a.shape), tenure)
 
 
 def run_key(name: str) -> int:
