@@ -112,13 +112,48 @@ def _pairs(draw):
 @settings(max_examples=300, deadline=None)
 @given(_pairs(), st.sampled_from([1, 2, 8]))
 def test_the_read_rows_copy_what_numpy_slicing_does(pair, itemsize):
+    """The kernel reads the remote rows as one stream of bytes and writes it over the local rows in
+    order; the rows of a pull, so read, write what numpy's slicing does (gaps into scratch)."""
     src_shape, dst_shape, read, write = pair
     dtype = {1: np.uint8, 2: np.uint16, 8: np.uint64}[itemsize]
     a = np.arange(int(np.prod(src_shape)), dtype=dtype).reshape(src_shape)
     got, want = np.zeros(dst_shape, dtype), np.zeros(dst_shape, dtype)
-    src_rows, dst_rows, length = host_unit._rows(src_shape, dst_shape, itemsize, read, write)
+    rows = host_unit._rows(src_shape, dst_shape, itemsize, read, write)
     raw_a, raw_got = a.reshape(-1).view(np.uint8), got.reshape(-1).view(np.uint8)
-    for s, d in zip(src_rows.tolist(), dst_rows.tolist(), strict=True):
-        raw_got[d : d + length] = raw_a[s : s + length]
+    stream = np.concatenate([raw_a[o : o + n] for o, n in rows.remote.tolist()] or [np.zeros(0, np.uint8)])
+    at = 0
+    for (o, n), trash in zip(rows.local.tolist(), rows.trash.tolist(), strict=True):
+        if trash:
+            assert n <= host_unit.GAP_BYTES
+        else:
+            raw_got[o : o + n] = stream[at : at + n]
+        at += n
+    assert at == len(stream) and int(rows.per_span.sum()) == len(rows.local) == len(rows.trash)
+    assert len(rows.per_span) == len(rows.remote) and rows.per_span.max(initial=0) < 2 * host_unit.SPAN_RUNS
     want[tuple(slice(lo, hi) for lo, hi in write)] = a[tuple(slice(lo, hi) for lo, hi in read)]
     np.testing.assert_array_equal(got, want)
+
+
+def test_short_runs_close_together_are_read_as_spans():
+    """A column block of a row-major shard (a row-parallel weight's slice): one span row, the gaps
+    between its runs into scratch, instead of one row out of the holder per run."""
+    rows = host_unit._rows((8, 32), (16, 8), 4, ((0, 8), (8, 16)), ((0, 8), (0, 8)))
+    assert rows.remote.tolist() == [[32, 7 * 128 + 32]]
+    assert len(rows.local) == 15 and rows.trash.sum() == 7
+    wide = host_unit._rows((8, 4096), (8, 8), 4, ((0, 8), (0, 8)), ((0, 8), (0, 8)))
+    assert len(wide.remote) == 8 and not wide.trash.any()  # runs 16 KiB apart: a row each
+
+
+def test_a_sources_calls_cover_its_rows_at_most_iov_max_a_side():
+    rows = host_unit._rows((8, 32), (16, 8), 4, ((0, 8), (8, 16)), ((0, 8), (0, 8)))  # a span, 15 local rows
+    n = 300
+    s = host_unit._source(
+        (1, 2, 3, 4), [1] * n, [5] * n, [((1 << 20) * i, rows) for i in range(n)], [512 * i for i in range(n)]
+    )
+    assert [c[0] for c in s.calls] == [0, *(c[1] for c in s.calls[:-1])] and s.calls[-1][1] == n
+    assert [c[2] for c in s.calls] == [0, *(c[3] for c in s.calls[:-1])] and s.calls[-1][3] == n * 15
+    for first, end, local_first, local_end, nbytes in s.calls:
+        assert 0 < end - first <= cross_memory.IOV_MAX and 0 < local_end - local_first <= cross_memory.IOV_MAX
+        assert nbytes == int(s.remote[first:end, 1].sum()) == int(s.local[local_first:local_end, 1].sum())
+    assert s.remote[:, 0].tolist() == [(1 << 20) * i + 32 for i in range(n)]
+    assert s.local[~s.trash, 0].tolist()[:16] == [32 * k for k in range(8)] + [512 + 32 * k for k in range(8)]

@@ -37,14 +37,20 @@ from reshard.runtime.device.shared_memory import shard_gone
 from reshard.runtime.messages import CROSS_MEMORY
 
 ALIGN = 64  # bytes between destinations in the block
+#: Runs of a holder's shard at most this far apart are read as one span, the gap into scratch: the
+#: kernel's cost is per row it reads out of the holder (it pins that row's pages), far more than
+#: copying a few KiB; a row into this process costs little.
+GAP_BYTES = 2048
+SPAN_RUNS = 64  # runs to a span at most
 CACHED = 4  # units kept per prepared batch (one per binding)
 
 
 @dataclass(frozen=True, eq=False)
 class Source:
     """The shards a unit reads out of one holder's process: its tenure board (``(fd, inode)``), the
-    cells and tenures to check, and the reads as rows: ``remote`` ``(address, length)`` in the
-    holder, ``local`` offsets in the block, and ``calls`` ``(first row, end row, bytes)``."""
+    cells and tenures to check, and the reads as rows (``Rows``): ``remote`` ``(address,
+    length)`` in the holder, ``local`` ``(offset, length)`` in the block (``trash``: in the
+    scratch buffer), and ``calls`` ``(first remote row, end, first local row, end, bytes)``."""
 
     holder: int
     pid: int
@@ -53,7 +59,8 @@ class Source:
     tenures: np.ndarray
     remote: np.ndarray
     local: np.ndarray
-    calls: tuple[tuple[int, int, int], ...]
+    trash: np.ndarray
+    calls: tuple[tuple[int, int, int, int, int], ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,20 +162,54 @@ def _within(box, shape) -> bool:
     return len(box) == len(shape) and all(0 <= lo <= hi <= n for (lo, hi), n in zip(box, shape, strict=True))
 
 
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """How one pull is read: ``remote`` ``(offset in the holder's shard, length)`` rows, each a
+    span of the shard; ``local`` ``(offset in the destination, length)`` rows the spans' bytes go
+    to, in order (``trash``: a gap between two runs of a span, read into scratch); ``per_span``,
+    how many local rows each span fills."""
+
+    remote: np.ndarray
+    local: np.ndarray
+    trash: np.ndarray
+    per_span: np.ndarray
+
+
 @functools.lru_cache(maxsize=4096)
-def _rows(src_shape, dst_shape, itemsize: int, read, write) -> tuple[np.ndarray, np.ndarray, int]:
-    """The runs that copy box ``read`` of a C-contiguous array of ``src_shape`` into box ``write``
-    of one of ``dst_shape``: ``(source offsets, destination offsets, length)``, paired in order
-    (the longer runs of one side cut to the other's: both are the box's trailing extents)."""
+def _rows(src_shape, dst_shape, itemsize: int, read, write) -> Rows:
+    """The rows that copy box ``read`` of a C-contiguous array of ``src_shape`` into box ``write``
+    of one of ``dst_shape`` (module docstring). The runs of both sides are paired in order (the
+    longer ones cut to the other's: both are the box's trailing extents); runs of the source less
+    than ``GAP_BYTES`` apart are read as one span, at most ``SPAN_RUNS`` to a span."""
     shape = box_shape(read)
     if shape != box_shape(write):
         raise ReshardError(f"a pull reads box {read} into box {write} of another shape (program bug)")
     if 0 in shape:
-        return np.zeros(0, np.uint64), np.zeros(0, np.uint64), 0
+        empty = np.zeros((0, 2), np.int64)
+        return Rows(empty, empty, np.zeros(0, bool), np.zeros(0, np.int64))
     src, src_len = runs(src_shape, itemsize, list(read))
     dst, dst_len = runs(dst_shape, itemsize, list(write))
     length = min(src_len, dst_len)
-    return _cut(src, src_len, length), _cut(dst, dst_len, length), length
+    src = _cut(src, src_len, length).astype(np.int64)
+    dst = _cut(dst, dst_len, length).astype(np.int64)
+    n = len(src)
+    gaps = np.append(src[1:] - src[:-1] - length, 0)  # after each run, to the next (C order: never negative)
+    starts = np.append(True, gaps[:-1] > GAP_BYTES)
+    group = np.cumsum(starts) - 1
+    at = np.arange(n) - np.flatnonzero(starts)[group]  # runs since its group began
+    starts |= at % SPAN_RUNS == 0
+    ends = np.append(starts[1:], True)
+    span = np.cumsum(starts) - 1
+    first, last = np.flatnonzero(starts), np.flatnonzero(ends)
+    remote = np.stack([src[first], src[last] + length - src[first]], axis=1)
+    gap_after = ~ends & (gaps > 0)  # a trash row after the run
+    local = np.zeros((n, 2, 2), np.int64)
+    local[:, 0] = np.stack([dst, np.full(n, length)], axis=1)
+    local[:, 1, 1] = gaps
+    keep = np.stack([np.ones(n, bool), gap_after], axis=1).ravel()
+    trash = np.stack([np.zeros(n, bool), gap_after], axis=1).ravel()[keep]
+    per_span = np.bincount(span, weights=1 + gap_after, minlength=len(first)).astype(np.int64)
+    return Rows(remote, local.reshape(-1, 2)[keep], trash, per_span)
 
 
 def _cut(offsets: np.ndarray, length: int, to: int) -> np.ndarray:
@@ -179,20 +220,35 @@ def _cut(offsets: np.ndarray, length: int, to: int) -> np.ndarray:
 
 
 def _source(key, cells: list, tenures: list, reads: list, places: list) -> Source:
-    """The rows of every read out of one holder's process, in the order the parts were listed."""
+    """The rows of every read out of one holder's process, in the order the parts were listed,
+    cut into calls of at most ``IOV_MAX`` rows a side (at spans' ends)."""
     holder, pid, fd, inode = key
-    counts = [len(table[0]) for _, table in reads]
-    lengths = np.repeat(np.array([table[2] for _, table in reads], np.uint64), counts)
-    remote = np.empty((len(lengths), 2), np.uint64)
-    remote[:, 0] = np.repeat(np.array([a for a, _ in reads], np.uint64), counts)
-    remote[:, 0] += np.concatenate([table[0] for _, table in reads])
-    remote[:, 1] = lengths
-    local = np.repeat(np.array(places, np.uint64), counts) + np.concatenate([table[1] for _, table in reads])
-    ends = np.concatenate([[0], np.cumsum(lengths)])
-    bounds = [*range(0, len(lengths), IOV_MAX), len(lengths)]
-    calls = tuple((a, b, int(ends[b] - ends[a])) for a, b in zip(bounds, bounds[1:], strict=False))
+    tables = [t for _, t in reads]
+    remote = np.concatenate([t.remote for t in tables]).astype(np.uint64)
+    remote[:, 0] += np.repeat(np.array([a for a, _ in reads], np.uint64), [len(t.remote) for t in tables])
+    local = np.concatenate([t.local for t in tables]).astype(np.uint64)
+    trash = np.concatenate([t.trash for t in tables])
+    local[:, 0] += np.repeat(np.array(places, np.uint64), [len(t.local) for t in tables])
+    local[trash, 0] = 0  # the scratch buffer's start, added at run time
+    per_span = np.concatenate([t.per_span for t in tables])
+    local_ends = np.concatenate([[0], np.cumsum(per_span)])
+    byte_ends = np.concatenate([[0], np.cumsum(remote[:, 1].astype(np.int64))])
+    calls, span = [], 0
+    while span < len(per_span):  # as many spans as fit IOV_MAX rows on both sides
+        stop = min(span + IOV_MAX, int(np.searchsorted(local_ends, local_ends[span] + IOV_MAX, side="right")) - 1)
+        stop = max(stop, span + 1)
+        calls.append((span, stop, int(local_ends[span]), int(local_ends[stop]), int(byte_ends[stop] - byte_ends[span])))
+        span = stop
     return Source(
-        holder, pid, (fd, inode), np.array(cells, np.int64), np.array(tenures, np.uint64), remote, local, calls
+        holder,
+        pid,
+        (fd, inode),
+        np.array(cells, np.int64),
+        np.array(tenures, np.uint64),
+        remote,
+        local,
+        trash,
+        tuple(calls),
     )
 
 
@@ -211,13 +267,13 @@ class UnitRun:
 
     def read(self) -> None:
         base = np.uint64(self.block.ctypes.data)
+        scratch = np.empty(GAP_BYTES, np.uint8)
         for s in self.unit.sources:
             self._check(s)
-            local = np.empty_like(s.remote)
-            local[:, 0] = s.local + base
-            local[:, 1] = s.remote[:, 1]
-            for start, stop, want in s.calls:
-                got = _read(s.pid, local[start:stop], s.remote[start:stop])
+            local = s.local.copy()
+            local[:, 0] += np.where(s.trash, np.uint64(scratch.ctypes.data), base)
+            for first, end, local_first, local_end, want in s.calls:
+                got = _read(s.pid, local[local_first:local_end], s.remote[first:end])
                 if got != want:
                     raise read_failed(self.device, s.holder, s.pid, got, want)
 
