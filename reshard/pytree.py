@@ -43,7 +43,7 @@ def flatten(tree, is_leaf: Callable[[Any], bool]) -> tuple[list, list[str], Tree
     def walk(node, path: tuple) -> TreeDef:
         if is_leaf(node):
             leaves.append(node)
-            paths.append(".".join(str(p) for p in path))
+            paths.append(str(path[0]) if len(path) == 1 else ".".join(str(p) for p in path))
             return LEAF
         if node is None:
             return NONE
@@ -168,6 +168,14 @@ def per_leaf(spec, leaves: list, paths: list[str], treedef: TreeDef, is_one: Cal
         return [spec] * len(leaves)
     if callable(spec) and not isinstance(spec, Mapping | list | tuple):
         return [spec(path, leaf) for path, leaf in zip(paths, leaves, strict=True)]
+    if (
+        treedef.kind == "dict"
+        and isinstance(spec, Mapping)
+        and tuple(spec) == treedef.keys
+        and all(c is LEAF for c in treedef.children)
+        and not any(isinstance(v, Mapping | list | tuple) or v is None for v in spec.values())
+    ):
+        return list(spec.values())  # a flat dict with the tree's keys in its order (a state dict's)
     got, _, spec_def = flatten(spec, lambda x: not isinstance(x, Mapping | list | tuple) and x is not None)
     diff = same_structure(treedef, spec_def)
     if diff is not None:

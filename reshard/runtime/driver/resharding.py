@@ -251,7 +251,7 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
         bucket_bytes,
         links_generation(),
         call.src_mesh.backend,
-        tuple((t.layout, t.shape, t.dtype_name, frozenset(t._shared)) for t in call.leaves),
+        tuple(t._signature for t in call.leaves),
         tuple(call.layouts),
         tuple(call.dtypes),
         tuple(None if o is None else frozenset(o._shared) for o in outs),

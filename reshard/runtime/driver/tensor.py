@@ -32,6 +32,22 @@ FETCH_RETRY_MAX_S = 0.2
 VERSIONS_WAIT_S = 10.0  # how long a read waits for its shards' devices to agree on the last sync
 
 
+class Signed:
+    """A hashable value with its hash computed once (tuples compute theirs at every lookup)."""
+
+    __slots__ = ("_hash", "value")
+
+    def __init__(self, value):
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Signed) and self._hash == other._hash and self.value == other.value)
+
+
 class ShardedTensor:
     """A tensor laid out over a DeviceMesh; its bytes live on the device actors.
 
@@ -50,6 +66,16 @@ class ShardedTensor:
         self._shared = dict(shared or {})  # device -> shared-memory descriptor of its shard
         self._holder = name if holder is None else holder
         self._freed = False
+        self._key: Signed | None = None
+
+    @property
+    def _signature(self) -> Signed:
+        """What a compiled reshard depends on of this tensor: its layout, shape, dtype and the
+        devices whose shard peers can map; made once, its hash kept (a tree's replay looks its
+        plan up by thousands of them)."""
+        if self._key is None:
+            self._key = Signed((self.layout, self.shape, self.dtype_name, frozenset(self._shared)))
+        return self._key
 
     def __repr__(self) -> str:
         state = ", freed" if self._freed else ""
