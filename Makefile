@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := token
 
-.PHONY: setup setup-cupy bench test lint docs clean gpu-check
+.PHONY: setup setup-cupy bench test lint docs clean gpu-check gpu-dry-run
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ docs: $(STAMP)
 GPU_PYTHON ?= $(BIN)/python
 gpu-check:
 	RESHARD_REQUIRE_GPUS=1 $(GPU_PYTHON) tests/gpu/check.py $(ARGS)
+
+# The GPU bench's one prepared script (python -m bench gpu) on the CPU stand-in: every reshard it makes
+# checked, nothing measured (CI runs it, so that a lent GPU's few minutes never meet a broken script).
+gpu-dry-run: $(STAMP)
+	PYTHONPATH=tests/gpu/standin $(BIN)/python -m bench gpu --dry-run
 
 # The virtualenv, tool caches and scratch bench output; tracked files (the quoted bench results) stay.
 clean:

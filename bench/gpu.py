@@ -49,11 +49,13 @@ COLS = 1024  # a tensor of n bytes is bfloat16 (n / 2048) x 1024
 
 #: Qwen3-0.6B: hidden 1024, 16 query and 8 key/value heads of 128, MLP 3072, vocab 151936, 28
 #: layers, tied embeddings; tensor-parallel dims as Megatron splits them (None: replicated).
+#: The stand-in checks the script's logic, not speed: one layer and a small vocabulary of the model.
+DRY_RUN_LAYERS, DRY_RUN_VOCAB = 1, 4096
 QWEN3 = {"hidden": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "mlp": 3072, "vocab": 151936, "layers": 28}
 
 
-def qwen3_spec(layers: int | None = None) -> list[tuple[str, tuple[int, ...], int | None]]:
-    c = QWEN3
+def qwen3_spec(layers: int | None = None, vocab: int | None = None) -> list[tuple[str, tuple[int, ...], int | None]]:
+    c = QWEN3 if vocab is None else {**QWEN3, "vocab": vocab}
     hidden, hd, mlp = c["hidden"], c["head_dim"], c["mlp"]
     q, kv = c["heads"] * hd, c["kv_heads"] * hd
     spec: list[tuple[str, tuple[int, ...], int | None]] = [("model.embed_tokens.weight", (c["vocab"], hidden), 0)]
@@ -362,13 +364,17 @@ def _tp_layout(mesh, dim):
     return Layout(mesh, (Replicate(),) if dim is None else (Shard(dim),))
 
 
-def part_model(pool, repeats: int, layers: int | None, peers: bool, moe: bool, rows: list, save) -> None:
-    """The model cases into ``rows``, saved after each (a part cut short keeps what it measured)."""
+def part_model(
+    pool, repeats: int, layers: int | None, peers: bool, moe: bool, rows: list, save, vocab: int | None = None
+) -> None:
+    """The model cases into ``rows``, saved after each (a part cut short keeps what it measured);
+    ``layers`` and ``vocab``: of the Qwen3-shaped model, when not its own."""
     cases = [("whole-whole", (1,), (1,)), ("fsdp2-tp2", (2,), (2,))]
-    rows += _model_cases(pool, repeats, "qwen3", qwen3_spec(layers), cases)
+    spec = qwen3_spec(layers, vocab)
+    rows += _model_cases(pool, repeats, "qwen3", spec, cases)
     save()
     if peers:
-        rows[0]["peers"] = part_peers([s for _, s, _ in qwen3_spec(layers)], repeats)
+        rows[0]["peers"] = part_peers([s for _, s, _ in spec], repeats)
         save()
     if moe:
         rows += _model_cases(pool, repeats, "moe", moe_spec(4 if layers else 48), [("whole-whole", (1,), (1,))])
@@ -610,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     if standin:
         args.parts = ",".join(p for p in args.parts.split(",") if p in ("message", "tensor", "model", "moe"))
         args.repeats, args.max_bytes, args.quick = 1, 16 * MiB, True
-    if args.quick:
+    elif args.quick:
         args.repeats, args.max_bytes = 3, 256 * MiB
     parts = args.parts.split(",")
     from bench.local import command_line
@@ -657,7 +663,14 @@ def main(argv: list[str] | None = None) -> int:
             if "model" in parts:
                 data["model"] = []
                 part_model(
-                    pool, args.repeats, 4 if args.quick else None, "peers" in parts, "moe" in parts, data["model"], save
+                    pool,
+                    args.repeats,
+                    DRY_RUN_LAYERS if standin else 4 if args.quick else None,
+                    "peers" in parts,
+                    "moe" in parts,
+                    data["model"],
+                    save,
+                    DRY_RUN_VOCAB if standin else None,
                 )
         finally:
             pool.shutdown()
