@@ -247,7 +247,12 @@ class Binding:
             return {}
         dtypes = {p.tensor: p.dtype for p in self.prepared.program.parts}
         entries = [(shard_name(run, t), d, dtypes[t], metas.get(t), t in self.slots) for t, d in self.dsts.items()]
-        descriptors = ctx.store.put_run(run, entries)
+        at = None
+        if self.unit is not None:  # its destinations' addresses are known, and private memory
+            parts = self.prepared.program.parts
+            unit_at = {parts[i].tensor: a for i, a in self.unit.addresses.items()}
+            at = [unit_at.get(t) for t in self.dsts]
+        descriptors = ctx.store.put_run(run, entries, at)
         if descriptors is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
         if self.bound.outs is not None:  # staged for a commit: nobody maps them

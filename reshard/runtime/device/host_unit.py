@@ -259,11 +259,9 @@ class UnitRun:
     def __init__(self, unit: HostUnit, device: int, peers, block: np.ndarray):
         self.unit, self.device, self.peers = unit, device, peers
         self.block = block
-        block = self.block
-        self.dsts = {
-            i: block[o : o + storage.itemsize * _numel(shape)].view(storage).reshape(shape)
-            for i, (o, shape, storage) in unit.index.items()
-        }
+        self.dsts = {i: np.ndarray(shape, storage, block, o) for i, (o, shape, storage) in unit.index.items()}
+        base = block.ctypes.data
+        self.addresses = {i: base + o for i, (o, _, _) in unit.index.items()}  # each destination's
 
     def read(self) -> None:
         base = np.uint64(self.block.ctypes.data)

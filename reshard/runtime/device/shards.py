@@ -375,8 +375,9 @@ class ShardStore:
         shard of; ``begun``: ``t`` has its tenure already (``begin``)."""
         return self._put(name, t, holder, dtype, meta, begun) is not _DROPPED
 
-    def _put(self, name: str, t, holder: str, dtype: str, meta: dict | None, begun: bool):
-        """``put``, returning ``t``'s descriptor (None: peers cannot map it) or ``_DROPPED``."""
+    def _put(self, name: str, t, holder: str, dtype: str, meta: dict | None, begun: bool, private_at=None):
+        """``put``, returning ``t``'s descriptor (None: peers cannot map it) or ``_DROPPED``;
+        ``private_at``: ``t``'s address, known to be private memory (not a shared block)."""
         with self._lock:
             if name in self._tombstones:
                 self._tombstones.pop(name)
@@ -389,15 +390,16 @@ class ShardStore:
             self.holders[name] = {holder}
             desc = None
             if self.shared is not None:
-                desc = self.shared.descriptor(t) if begun else self.shared.begin(t)
+                desc = self.shared.descriptor(t) if begun else self.shared.begin(t, private_at=private_at)
             if meta:
                 self.meta[name] = meta
             return desc
 
-    def put_run(self, run: str, entries) -> list | None:
+    def put_run(self, run: str, entries, private_at=None) -> list | None:
         """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), or,
         when the run was aborted meanwhile (``tombstone``), none of them (None). Returns each
-        one's descriptor (None: peers cannot map it, or it was aborted by name)."""
+        one's descriptor (None: peers cannot map it, or it was aborted by name). ``private_at``:
+        per entry, its address when it is known to be private memory (a unit's block), else None."""
         with self._lock:
             if run in self._tombstones:
                 self._tombstones.pop(run)
@@ -406,7 +408,11 @@ class ShardStore:
                         self.end(t)
                     self._give_back(t, 2)
                 return None
-            kept = [self._put(name, t, name, dtype, meta, begun) for name, t, dtype, meta, begun in entries]
+            at = private_at or itertools.repeat(None)
+            kept = [
+                self._put(name, t, name, dtype, meta, begun, address)
+                for (name, t, dtype, meta, begun), address in zip(entries, at, strict=False)
+            ]
             return [None if d is _DROPPED else d for d in kept]
 
     def share(self, name: str, t, dtype: str, meta: dict, *, file: tuple[int, int] | None = None) -> None:
