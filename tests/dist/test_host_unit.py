@@ -118,7 +118,7 @@ def test_the_read_rows_copy_what_numpy_slicing_does(pair, itemsize):
     dtype = {1: np.uint8, 2: np.uint16, 8: np.uint64}[itemsize]
     a = np.arange(int(np.prod(src_shape)), dtype=dtype).reshape(src_shape)
     got, want = np.zeros(dst_shape, dtype), np.zeros(dst_shape, dtype)
-    rows = host_unit._rows(src_shape, dst_shape, itemsize, read, write)
+    rows = host_unit.rows_of(src_shape, dst_shape, itemsize, read, write)
     raw_a, raw_got = a.reshape(-1).view(np.uint8), got.reshape(-1).view(np.uint8)
     stream = np.concatenate([raw_a[o : o + n] for o, n in rows.remote.tolist()] or [np.zeros(0, np.uint8)])
     at = 0
@@ -137,17 +137,17 @@ def test_the_read_rows_copy_what_numpy_slicing_does(pair, itemsize):
 def test_short_runs_close_together_are_read_as_spans():
     """A column block of a row-major shard (a row-parallel weight's slice): one span row, the gaps
     between its runs into scratch, instead of one row out of the holder per run."""
-    rows = host_unit._rows((8, 32), (16, 8), 4, ((0, 8), (8, 16)), ((0, 8), (0, 8)))
+    rows = host_unit.rows_of((8, 32), (16, 8), 4, ((0, 8), (8, 16)), ((0, 8), (0, 8)))
     assert rows.remote.tolist() == [[32, 7 * 128 + 32]]
     assert len(rows.local) == 15 and rows.trash.sum() == 7
-    wide = host_unit._rows((8, 4096), (8, 8), 4, ((0, 8), (0, 8)), ((0, 8), (0, 8)))
+    wide = host_unit.rows_of((8, 4096), (8, 8), 4, ((0, 8), (0, 8)), ((0, 8), (0, 8)))
     assert len(wide.remote) == 8 and not wide.trash.any()  # runs 16 KiB apart: a row each
 
 
 def test_a_sources_calls_cover_its_rows_at_most_iov_max_a_side():
-    rows = host_unit._rows((8, 32), (16, 8), 4, ((0, 8), (8, 16)), ((0, 8), (0, 8)))  # a span, 15 local rows
+    rows = host_unit.rows_of((8, 32), (16, 8), 4, ((0, 8), (8, 16)), ((0, 8), (0, 8)))  # a span, 15 local rows
     n = 300
-    s = host_unit._source(
+    s = host_unit.source_of(
         (1, 2, 3, 4), [1] * n, [5] * n, [((1 << 20) * i, rows) for i in range(n)], [512 * i for i in range(n)]
     )
     assert [c[0] for c in s.calls] == [0, *(c[1] for c in s.calls[:-1])] and s.calls[-1][1] == n

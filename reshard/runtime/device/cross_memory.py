@@ -56,7 +56,7 @@ _LIBC.process_vm_readv.argtypes = (
 _LIBC.process_vm_readv.restype = ctypes.c_ssize_t
 
 
-def _read(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
+def read_rows(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
     """One ``process_vm_readv`` of the ``(address, length)`` rows of ``remote`` in process ``pid``
     into those of ``local`` (uint64 arrays); bytes read, or ``-errno``. ctypes lets the GIL go."""
     got = _LIBC.process_vm_readv(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
@@ -82,7 +82,7 @@ def available() -> bool:
     into = np.zeros(4, dtype=np.uint64)
     local = np.array([[into.ctypes.data, into.nbytes]], dtype=np.uint64)
     remote = np.array([[probe.ctypes.data, probe.nbytes]], dtype=np.uint64)
-    if _read(os.getpid(), local, remote) != probe.nbytes or not np.array_equal(probe, into):
+    if read_rows(os.getpid(), local, remote) != probe.nbytes or not np.array_equal(probe, into):
         return False
     return _yama_scope() == 0 or os.geteuid() == 0
 
@@ -223,7 +223,7 @@ class RemoteShard:
         remote = plan.iov.copy()
         remote[:, 0] += np.uint64(address)
         for start, stop, at, want in plan.calls:
-            got = _read(self.pid, np.array([[into + at, want]], dtype=np.uint64), remote[start:stop])
+            got = read_rows(self.pid, np.array([[into + at, want]], dtype=np.uint64), remote[start:stop])
             if got != want:
                 self._failed(got, want)
 
@@ -299,7 +299,7 @@ class Gather:
                 rows = plan.iov.astype(np.uint64)  # a copy: the plan is cached
                 rows[:, 0] += np.uint64(shard.address)
                 remote.extend(map(tuple, rows.tolist()))
-        got = _read(pid, np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64))
+        got = read_rows(pid, np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64))
         if got != nbytes:  # one by one: the box that fails raises, naming its holder
             for shard, box, out, _ in items:
                 shard._read_box(box, out)
@@ -407,4 +407,14 @@ def runs(shape: tuple[int, ...], itemsize: int, box: list[tuple[int, int]]) -> t
     return offsets, (hi - lo) * strides[k]
 
 
-__all__ = ["BOARD_CELLS", "Gather", "RemoteShard", "TenureBoard", "available", "read_failed", "read_plan", "runs"]
+__all__ = [
+    "BOARD_CELLS",
+    "Gather",
+    "RemoteShard",
+    "TenureBoard",
+    "available",
+    "read_failed",
+    "read_plan",
+    "read_rows",
+    "runs",
+]

@@ -4,10 +4,13 @@ A state dict of thousands of small tensors between two meshes of one machine is,
 thousands of parts that only pull slices out of peers' private memory. Run part by part, each
 costs a ``Run``, a destination allocation, a mapped peer shard per holder and a read per slice:
 tens of microseconds of Python per tensor, far more than its bytes. As a unit, the parts get one
-destination block (each destination a view of it), and every slice they read is a row of one
-table (the address in the holder, the offset in the block, the length), issued in
-``process_vm_readv`` calls of up to ``IOV_MAX`` rows; every tenure is checked at once, before the
-reads and after (``Binding.settle``), as ``PeerShards`` checks one shard's.
+destination block (each destination a view of it; the block of an earlier run once its shards are
+freed, ``ShardStore.allocate_block``), and the slices they read become the rows of one table
+(``Rows``: spans of the holders' shards, the bytes each goes to; runs of a shard a little apart are
+read as one span, the gaps into scratch), issued in ``process_vm_readv`` calls of up to
+``IOV_MAX`` rows a side; every tenure is checked at once, before the reads and after
+(``Binding.settle``), as ``PeerShards`` checks one shard's. The new shards are kept knowing their
+addresses (``ShardStore.put_run``).
 
 The table is worked out once per prepared batch and binding (``HostUnit``; a replay binds the same
 source shards, so only the block's address changes), and a run adds the block's address to it.
@@ -31,7 +34,7 @@ from reshard.errors import ReshardError
 from reshard.ir.program import Buffer, Pull
 from reshard.ir.regions import box_shape
 from reshard.runtime import arrays
-from reshard.runtime.device.cross_memory import IOV_MAX, _read, available, read_failed, runs
+from reshard.runtime.device.cross_memory import IOV_MAX, available, read_failed, read_rows, runs
 from reshard.runtime.device.shards import SMALL_SHARD_BYTES
 from reshard.runtime.device.shared_memory import shard_gone
 from reshard.runtime.messages import CROSS_MEMORY
@@ -128,7 +131,7 @@ def _build(prepared, bound) -> HostUnit | None:
         offset += -(-nbytes // ALIGN) * ALIGN
     if not index:
         return None
-    return HostUnit(bound, index, offset, tuple(_source(key, *entry) for key, entry in rows.items()))
+    return HostUnit(bound, index, offset, tuple(source_of(key, *entry) for key, entry in rows.items()))
 
 
 def _numel(shape) -> int:
@@ -154,7 +157,7 @@ def _reads(prog, pulls: dict, itemsize: int):
                 f"device {prog.device}: step {op.step} reads {op.read} of device {op.holder}'s shard of shape "
                 f"{list(shape)} into {op.write} of {list(prog.dst_shape)} (program bug)"
             )
-        out.append((op.holder, desc, _rows(shape, tuple(prog.dst_shape), itemsize, op.read, op.write)))
+        out.append((op.holder, desc, rows_of(shape, tuple(prog.dst_shape), itemsize, op.read, op.write)))
     return out
 
 
@@ -176,7 +179,7 @@ class Rows:
 
 
 @functools.lru_cache(maxsize=4096)
-def _rows(src_shape, dst_shape, itemsize: int, read, write) -> Rows:
+def rows_of(src_shape, dst_shape, itemsize: int, read, write) -> Rows:
     """The rows that copy box ``read`` of a C-contiguous array of ``src_shape`` into box ``write``
     of one of ``dst_shape`` (module docstring). The runs of both sides are paired in order (the
     longer ones cut to the other's: both are the box's trailing extents); runs of the source less
@@ -219,7 +222,7 @@ def _cut(offsets: np.ndarray, length: int, to: int) -> np.ndarray:
     return (offsets[:, None] + pieces[None, :]).ravel()
 
 
-def _source(key, cells: list, tenures: list, reads: list, places: list) -> Source:
+def source_of(key, cells: list, tenures: list, reads: list, places: list) -> Source:
     """The rows of every read out of one holder's process, in the order the parts were listed,
     cut into calls of at most ``IOV_MAX`` rows a side (at spans' ends)."""
     holder, pid, fd, inode = key
@@ -271,7 +274,7 @@ class UnitRun:
             local = s.local.copy()
             local[:, 0] += np.where(s.trash, np.uint64(scratch.ctypes.data), base)
             for first, end, local_first, local_end, want in s.calls:
-                got = _read(s.pid, local[local_first:local_end], s.remote[first:end])
+                got = read_rows(s.pid, local[local_first:local_end], s.remote[first:end])
                 if got != want:
                     raise read_failed(self.device, s.holder, s.pid, got, want)
 
