@@ -19,9 +19,10 @@ RESULTS = ROOT / "bench" / "results"
 HEADLINE = "18d18da"
 #: The chaos tier's run, on the commit after HEADLINE (the headline's own run got no SIGINT through).
 CHAOS = "chaos-a422216.json"
-#: The MoE tree and the trees' ratios, measured again after the host unit changed the device path.
-MOE = "weights-moe-bada3c3.json"
-UNIT = "weights-trees-bada3c3.json"
+#: The MoE tree and the trees' ratios, measured again after the host unit changed the device path,
+#: against the commit before it in the same sitting.
+MOE = "weights-moe-31f2d15-ab2.json"
+AB = [f"weights-{m}-{rev}-ab{r}.json" for m in ("moe", "trees") for rev in ("b3fc38f", "31f2d15") for r in (1, 2)]
 QUOTED: list[str] = []  # every result file a figure below comes from
 
 
@@ -379,12 +380,8 @@ def weights() -> list[tuple[str, str]]:
     span = {k: f"{min(v):.1f}-{max(v):.1f}×" for k, v in ratios.items()}
     moe = result(MOE)["results"][0]
     moe_ours, moe_one = moe["methods"]["ours"], moe["methods"]["one_tensor"]
-    moe_run, unit = result(MOE), result(UNIT)
-    unit_ratios: dict[str, list[float]] = {}
-    for r in unit["results"]:
-        med = {k: v["latency_s"]["median"] for k, v in r["methods"].items()}
-        unit_ratios.setdefault(r["model"], []).append(med["ours"] / med["one_tensor"])
-    unit_span = {k: f"{min(v):.2f}-{max(v):.2f}×" for k, v in unit_ratios.items()}
+    moe_run = result(MOE)
+    ab_rows = ab_table()
     per_tensor = (
         f"{fit['default']['per_tensor_s'] * 1e3:.3f} ms (default path), "
         f"{fit['gloo']['per_tensor_s'] * 1e3:.3f} ms (gloo)"
@@ -400,11 +397,7 @@ def weights() -> list[tuple[str, str]]:
         *(("bench/WEIGHTS.md", row) for row in rows),
         ("bench/WEIGHTS.md", f"default path {fit['default']['per_tensor_s'] * 1e3:.3f} ms per tensor"),
         ("bench/WEIGHTS.md", f"`{moe_run['command']}` (`bench/results/{MOE}`, {moe_run['revision']}"),
-        (
-            "bench/WEIGHTS.md",
-            f"GPT-2 {unit_span['gpt2']} one tensor, Qwen3 {unit_span['qwen3']}, per-tensor cost in the fit "
-            f"{unit['fit']['default']['per_tensor_s'] * 1e3:.3f} ms",
-        ),
+        *(("bench/WEIGHTS.md", row) for row in ab_rows),
         (
             "bench/WEIGHTS.md",
             f"First call (compile, ship, run) {moe_ours['first_s']:.2f} s; replay median "
@@ -413,6 +406,48 @@ def weights() -> list[tuple[str, str]]:
         (
             "bench/WEIGHTS.md",
             f"{min(moe['descriptors'])}-{max(moe['descriptors'])} open descriptors per device after the case",
+        ),
+    ]
+
+
+def ab_table() -> list[str]:
+    """The rows of WEIGHTS.md's table of the host unit's A/B (two rounds per commit)."""
+    runs = {name: result(name) for name in AB}
+
+    def row(what: str, model: str, cell) -> str:
+        sides = [
+            ", ".join(cell(runs[f"weights-{model}-{rev}-ab{r}.json"]) for r in (1, 2)) for rev in ("b3fc38f", "31f2d15")
+        ]
+        return f"| {what} | {sides[0]} | {sides[1]} |"
+
+    def median(d: dict, method: str) -> float:
+        return d["results"][0]["methods"][method]["latency_s"]["median"]
+
+    def span(model: str):
+        def cell(d: dict) -> str:
+            ratios = [
+                r["methods"]["ours"]["latency_s"]["median"] / r["methods"]["one_tensor"]["latency_s"]["median"]
+                for r in d["results"]
+                if r["model"] == model
+            ]
+            return f"{min(ratios):.2f}-{max(ratios):.2f}×"
+
+        return cell
+
+    return [
+        row("MoE replay, median", "moe", lambda d: f"{median(d, 'ours'):.2f} s"),
+        row("MoE first call", "moe", lambda d: f"{d['results'][0]['methods']['ours']['first_s']:.2f} s"),
+        row(
+            "MoE against one tensor of the same bytes",
+            "moe",
+            lambda d: f"{median(d, 'ours') / median(d, 'one_tensor'):.0f}×",
+        ),
+        row("GPT-2 tree against one tensor", "trees", span("gpt2")),
+        row("Qwen3 tree against one tensor", "trees", span("qwen3")),
+        row(
+            "per-tensor cost in the fit (GPT-2 and Qwen3)",
+            "trees",
+            lambda d: f"{d['fit']['default']['per_tensor_s'] * 1e3:.3f} ms",
         ),
     ]
 
