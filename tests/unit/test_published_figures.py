@@ -368,19 +368,17 @@ def weights() -> list[tuple[str, str]]:
 
     d = headline("weights")
     fit = d["fit"]
-    ratios: dict[str, list[float]] = {}
     rows = []
     for r in d["results"]:
         m = r["methods"]
         med = {k: v["latency_s"]["median"] for k, v in m.items()}
-        ratios.setdefault(r["model"], []).append(med["ours"] / med["one_tensor"])
         cells = [med["ours"], med["ours_gloo"], m["ours_async"]["return_s"]["median"], med["per_tensor_loop"]]
         cells += [med[k] for k in ("one_tensor", "object_store", "naive_refit", "rdt")]
         rows.append(f"| {r['model']} | {r['case']} | " + " | ".join(_ms(c) for c in cells) + " |")
-    span = {k: f"{min(v):.1f}-{max(v):.1f}×" for k, v in ratios.items()}
-    moe = result(MOE)["results"][0]
-    moe_ours, moe_one = moe["methods"]["ours"], moe["methods"]["one_tensor"]
+    span = {k: f"{min(v):.1f}-{max(v):.1f}×" for k, v in tree_ratios(d).items()}
     moe_run = result(MOE)
+    moe = moe_run["results"][0]
+    moe_ours, moe_one = moe["methods"]["ours"], moe["methods"]["one_tensor"]
     ab_rows = ab_table()
     per_tensor = (
         f"{fit['default']['per_tensor_s'] * 1e3:.3f} ms (default path), "
@@ -410,6 +408,15 @@ def weights() -> list[tuple[str, str]]:
     ]
 
 
+def tree_ratios(d: dict) -> dict[str, list[float]]:
+    """Per model of a weights run: each case's tree median over one tensor's."""
+    out: dict[str, list[float]] = {}
+    for r in d["results"]:
+        med = {k: v["latency_s"]["median"] for k, v in r["methods"].items()}
+        out.setdefault(r["model"], []).append(med["ours"] / med["one_tensor"])
+    return out
+
+
 def ab_table() -> list[str]:
     """The rows of WEIGHTS.md's table of the host unit's A/B (two rounds per commit)."""
     runs = {name: result(name) for name in AB}
@@ -425,11 +432,7 @@ def ab_table() -> list[str]:
 
     def span(model: str):
         def cell(d: dict) -> str:
-            ratios = [
-                r["methods"]["ours"]["latency_s"]["median"] / r["methods"]["one_tensor"]["latency_s"]["median"]
-                for r in d["results"]
-                if r["model"] == model
-            ]
+            ratios = tree_ratios(d)[model]
             return f"{min(ratios):.2f}-{max(ratios):.2f}×"
 
         return cell

@@ -43,6 +43,7 @@ class Binding:
         self.pulled: dict[int, dict] = {}  # tensor -> {holder: descriptor of the shard pulled from}
         self.relayed: dict[int, dict] = {}  # tensor -> {holder: descriptor of the destination shard relayed from}
         self.unit: UnitRun | None = None  # the parts run as one unit (``host_unit``): no ``Run`` each
+        self.private_at: dict[int, int] = {}  # tensor -> its unit destination's address (private memory)
 
     def runs(self, groups, staging, deadline: float, cancelled, before_op, batch) -> dict[int, Run]:
         """A ``Run`` per part, its buffers bound (module docstring)."""
@@ -62,12 +63,13 @@ class Binding:
         if unit is not None:
             self.unit = UnitRun(unit, ctx.device, ctx.peers, ctx.store.allocate_block(unit.nbytes))
             ctx.counters["unit_parts"] = ctx.counters.get("unit_parts", 0) + len(unit.index)
-        in_unit = self.unit.dsts if self.unit is not None else {}
+        in_unit, unit_at = (self.unit.dsts, self.unit.addresses) if self.unit is not None else ({}, {})
         for i, (prepared, tensor, source, out, cast) in enumerate(
             zip(self.prepared.parts, tensors, sources, outs, casts, strict=True)
         ):
             if i in in_unit:
                 self.dsts[tensor] = in_unit[i]
+                self.private_at[tensor] = unit_at[i]
                 continue
             prog, dtype = prepared.program, prepared.dtype
             src = None
@@ -247,11 +249,7 @@ class Binding:
             return {}
         dtypes = {p.tensor: p.dtype for p in self.prepared.program.parts}
         entries = [(shard_name(run, t), d, dtypes[t], metas.get(t), t in self.slots) for t, d in self.dsts.items()]
-        at = None
-        if self.unit is not None:  # its destinations' addresses are known, and private memory
-            parts = self.prepared.program.parts
-            unit_at = {parts[i].tensor: a for i, a in self.unit.addresses.items()}
-            at = [unit_at.get(t) for t in self.dsts]
+        at = [self.private_at.get(t) for t in self.dsts] if self.private_at else None
         descriptors = ctx.store.put_run(run, entries, at)
         if descriptors is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")

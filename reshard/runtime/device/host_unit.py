@@ -26,6 +26,7 @@ unit.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,7 +115,7 @@ def _build(prepared, bound) -> HostUnit | None:
         if tensor in landed or (i < len(casts) and casts[i] is not None) or prog.dst_shape is None:
             continue
         storage = arrays.storage(part.dtype)
-        nbytes = storage.itemsize * _numel(prog.dst_shape)
+        nbytes = storage.itemsize * math.prod(prog.dst_shape)
         if not 0 < nbytes < SMALL_SHARD_BYTES:
             continue
         reads = _reads(prog, bound.pulls.get(tensor) or {}, storage.itemsize)
@@ -134,16 +135,9 @@ def _build(prepared, bound) -> HostUnit | None:
     return HostUnit(bound, index, offset, tuple(source_of(key, *entry) for key, entry in rows.items()))
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _reads(prog, pulls: dict, itemsize: int):
-    """``[(holder, descriptor, (offsets in the shard, offsets in the destination, run length))]``
-    of a part's pulls, or None when it does more than pull shards out of private memory."""
+    """``[(holder, descriptor, Rows)]`` of a part's pulls, or None when it does more than pull
+    shards out of private memory."""
     out = []
     for op in prog.ops:
         if type(op) is not Pull or op.reduce is not None or op.buffer is not Buffer.SRC:

@@ -390,12 +390,7 @@ class ShardStore:
             self.holders[name] = {holder}
             desc = None
             if self.shared is not None:
-                if begun:
-                    desc = self.shared.descriptor(t)
-                elif private_at is not None:  # a CPU device's (``SharedShards``)
-                    desc = self.shared.begin(t, private_at=private_at)
-                else:
-                    desc = self.shared.begin(t)
+                desc = self.shared.descriptor(t) if begun else self.shared.begin(t, private_at=private_at)
             if meta:
                 self.meta[name] = meta
             return desc
