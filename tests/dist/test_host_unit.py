@@ -1,8 +1,9 @@
-"""Small pulls of a batch run as one unit on a CPU device (``reshard.runtime.device.host_unit``):
-trees of small tensors between two meshes of this machine in many layouts, bit-exact into fresh
-outputs and with ``out=``, the unit's parts counted on the devices; a source shard let go of
-behind the caller's back fails the run, naming its holder; and the unit's read rows against numpy
-slicing."""
+"""A batch's pulls run as one unit on a CPU device (``reshard.runtime.device.host_unit``): trees of
+small tensors between two meshes of this machine in many layouts, bit-exact into fresh outputs and
+with ``out=``, the unit's parts counted on the devices; larger shards, copied out of peers'
+shared blocks into one shared block whose file every new shard names, pulled onward from there; a
+source shard let go of behind the caller's back fails the run, naming its holder; and the unit's
+read rows against numpy slicing."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from hypothesis import strategies as st
 
 from reshard import Layout, ReshardError, distribute, free, reshard
 from reshard.runtime.device import cross_memory, host_unit
+from reshard.runtime.device.shards import SMALL_SHARD_BYTES
+from reshard.runtime.messages import CROSS_MEMORY
 
 pytestmark = [
     pytest.mark.dist,
@@ -81,6 +84,34 @@ def test_a_unit_commits_into_outputs_and_its_results_move_on(view):
     onward = reshard(out, b, _layouts(c, 0))  # the committed outputs are pulled in turn
     for k, v in new.items():
         assert_bit_exact(_numpy(onward[k]), v)
+
+
+# shards of 21-128 KiB: above SMALL_SHARD_BYTES (sources in shared blocks), below UNIT_MAX_BYTES
+MIDDLE = {
+    "wide": ((64, 256), "S0", "S1", "float32"),
+    "tall": ((512, 64), "S1", "S0", "float32"),
+    "halves": ((96, 128), "S0", "R", "float64"),
+}
+
+
+def test_larger_shards_are_copied_into_one_shared_block_that_peers_map(view):
+    a, b, c = view([0, 1], (2,)), view([2, 3, 4], (3,)), view([5, 6], (2,))
+    sd = {k: random_array(shape, dtype, 50 + i) for i, (k, (shape, _, _, dtype)) in enumerate(MIDDLE.items())}
+    src = distribute(sd, {k: Layout(a, pl(spec[1])) for k, spec in MIDDLE.items()})
+    assert all(sd[k].nbytes // (1 if spec[2] == "R" else 3) > SMALL_SHARD_BYTES for k, spec in MIDDLE.items())
+    for t in src.values():
+        assert all(len(d) == 5 for d in t._shared.values()), "sources of this size fill shared blocks of their own"
+    before = b.call(_unit_parts)
+    out = reshard(src, a, {k: Layout(b, pl(spec[2])) for k, spec in MIDDLE.items()})
+    assert [n - m for n, m in zip(b.call(_unit_parts), before, strict=True)] == [3, 3, 3]
+    for d in b.device_ids:
+        files = {out[k]._shared[d][8][:2] for k in MIDDLE}
+        assert all(out[k]._shared[d][0] == CROSS_MEMORY for k in MIDDLE) and len(files) == 1, files
+    for k, v in sd.items():
+        assert_bit_exact(out[k].to_numpy(), v)
+    onward = reshard(out, b, {k: Layout(c, pl(spec[1])) for k, spec in MIDDLE.items()})  # mapped by the next pullers
+    for k, v in sd.items():
+        assert_bit_exact(onward[k].to_numpy(), v)
 
 
 def _drop(ctx, name: str) -> None:

@@ -43,7 +43,7 @@ class Binding:
         self.pulled: dict[int, dict] = {}  # tensor -> {holder: descriptor of the shard pulled from}
         self.relayed: dict[int, dict] = {}  # tensor -> {holder: descriptor of the destination shard relayed from}
         self.unit: UnitRun | None = None  # the parts run as one unit (``host_unit``): no ``Run`` each
-        self.private_at: dict[int, int] = {}  # tensor -> its unit destination's address (private memory)
+        self.placed: dict[int, tuple] = {}  # tensor -> where its unit destination lies (``UnitRun.places``)
 
     def runs(self, groups, staging, deadline: float, cancelled, before_op, batch) -> dict[int, Run]:
         """A ``Run`` per part, its buffers bound (module docstring)."""
@@ -61,15 +61,15 @@ class Binding:
         casts = bound.casts or (None,) * len(self.prepared.parts)
         unit = host_unit.unit_for(ctx, self.prepared, bound, self.req)
         if unit is not None:
-            self.unit = UnitRun(unit, ctx.device, ctx.peers, ctx.store.allocate_block(unit.nbytes))
+            self.unit = UnitRun(unit, ctx.device, ctx.peers, *ctx.store.allocate_block(unit.nbytes))
             ctx.counters["unit_parts"] = ctx.counters.get("unit_parts", 0) + len(unit.index)
-        in_unit, unit_at = (self.unit.dsts, self.unit.addresses) if self.unit is not None else ({}, {})
+        in_unit, places = (self.unit.dsts, self.unit.places) if self.unit is not None else ({}, {})
         for i, (prepared, tensor, source, out, cast) in enumerate(
             zip(self.prepared.parts, tensors, sources, outs, casts, strict=True)
         ):
             if i in in_unit:
                 self.dsts[tensor] = in_unit[i]
-                self.private_at[tensor] = unit_at[i]
+                self.placed[tensor] = places[i]
                 continue
             prog, dtype = prepared.program, prepared.dtype
             src = None
@@ -249,8 +249,8 @@ class Binding:
             return {}
         dtypes = {p.tensor: p.dtype for p in self.prepared.program.parts}
         entries = [(shard_name(run, t), d, dtypes[t], metas.get(t), t in self.slots) for t, d in self.dsts.items()]
-        at = [self.private_at.get(t) for t in self.dsts] if self.private_at else None
-        descriptors = ctx.store.put_run(run, entries, at)
+        placed = [self.placed.get(t) for t in self.dsts] if self.placed else None
+        descriptors = ctx.store.put_run(run, entries, placed)
         if descriptors is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
         if self.bound.outs is not None:  # staged for a commit: nobody maps them

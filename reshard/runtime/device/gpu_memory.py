@@ -198,11 +198,11 @@ class GpuBlocks:
             return None
         return block, piece
 
-    def begin(self, a, file: tuple[int, int] | None = None, private_at: int | None = None) -> tuple | None:
+    def begin(self, a, file: tuple | None = None, at: int | None = None) -> tuple | None:
         """A shard takes the piece ``a`` fills (if it fills one): a fresh tenure. Returns its
-        ``descriptor``. ``file`` and ``private_at``: as ``SharedShards.begin``'s, where host memory
+        ``descriptor``. ``file`` and ``at``: as ``SharedShards.begin``'s, where host memory
         lies in a shared-memory file or in private memory; device memory never does (None)."""
-        if file is not None or private_at is not None:
+        if file is not None or at is not None:
             raise ValueError(f"GPU memory lies in no shared-memory file nor private host memory, got {file!r}")
         found = self._find(a)
         if found is not None and found[1].slot < 0:

@@ -1,4 +1,4 @@
-"""A CPU device's small pulls of one batch as one unit: one destination block, one table of reads.
+"""A CPU device's pulls of one batch as one unit: one destination block, one table of reads.
 
 A state dict of thousands of small tensors between two meshes of one machine is, on each device,
 thousands of parts that only pull slices out of peers' private memory. Run part by part, each
@@ -15,12 +15,17 @@ addresses (``ShardStore.put_run``).
 The table is worked out once per prepared batch and binding (``HostUnit``; a replay binds the same
 source shards, so only the block's address changes), and a run adds the block's address to it.
 
+Pulls out of shards this process maps (a holder's shared block, or a shared-memory file its shard
+lies in) are copies between views instead (``MappedPull``: a copy each, the mapping looked up and
+its tenure checked as a part's own pull does). The block is shared memory where the device may
+make one more (``ShardStore.allocate_block``): each new shard then names its place in that file,
+and peers map it as they map any shared shard.
+
 A part joins the unit when its program only pulls source shards (no local copy, nothing combined,
-no relay), its destination is new and small (under ``SMALL_SHARD_BYTES``: private memory either
-way), no bucket lands in it, and every shard it pulls lies in its holder's private memory (a
-``CROSS_MEMORY`` descriptor without a file). The others run as before (``batches``). A run that
-returns checksums (``verify``) or has a test hook that looks at its parts (``after_run``) has no
-unit.
+no relay), its destination is new and under ``UNIT_MAX_BYTES`` (larger ones are assembled and
+settled apart: ``ShardStore``), no bucket lands in it, and every shard it pulls is one of those
+two kinds. The others run as before (``batches``). A run that returns checksums (``verify``) or
+has a test hook that looks at its parts (``after_run``) has no unit.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from reshard.ir.program import Buffer, Pull
 from reshard.ir.regions import box_shape
 from reshard.runtime import arrays
 from reshard.runtime.device.cross_memory import IOV_MAX, available, read_failed, read_rows, runs
-from reshard.runtime.device.shards import SMALL_SHARD_BYTES
+from reshard.runtime.device.shards import ASSEMBLY_MIN_BYTES
 from reshard.runtime.device.shared_memory import shard_gone
 from reshard.runtime.messages import CROSS_MEMORY
 
@@ -47,6 +52,8 @@ ALIGN = 64  # bytes between destinations in the block
 GAP_BYTES = 2048
 SPAN_RUNS = 64  # runs to a span at most
 CACHED = 4  # units kept per prepared batch (one per binding)
+#: Destinations at least this large run as parts of their own: their bytes outweigh a part's cost.
+UNIT_MAX_BYTES = ASSEMBLY_MIN_BYTES
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,14 +75,31 @@ class Source:
 
 
 @dataclass(frozen=True, eq=False)
+class MappedPull:
+    """A pull out of a shard this process maps (module docstring): box ``read`` of ``holder``'s
+    shard named by ``desc`` (viewed as ``storage``) into box ``write`` of part ``part``'s
+    destination, as index tuples."""
+
+    part: int
+    holder: int
+    desc: tuple
+    storage: np.dtype
+    read: tuple[slice, ...]
+    write: tuple[slice, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class HostUnit:
     """A batch's parts run as one unit on a CPU device (module docstring): ``index`` maps a part's
-    index to its place ``(offset in the block, shape, storage dtype)``; ``nbytes``, the block."""
+    index to its place ``(offset in the block, shape, storage dtype)``; ``nbytes``, the block;
+    ``sources``, the reads out of holders' private memory; ``mapped``, the copies out of mapped
+    shards."""
 
     bound: object
     index: dict
     nbytes: int
     sources: tuple[Source, ...]
+    mapped: tuple[MappedPull, ...]
 
 
 def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
@@ -108,6 +132,7 @@ def _build(prepared, bound) -> HostUnit | None:
     casts = bound.casts or ()
     index: dict = {}
     rows: dict = {}  # (holder, pid, board fd, board inode) -> [cells, tenures, reads, places]
+    mapped: list[MappedPull] = []
     offset = 0
     for i in prepared.flat:
         part, tensor = prepared.parts[i], prepared.program.parts[i].tensor
@@ -116,13 +141,17 @@ def _build(prepared, bound) -> HostUnit | None:
             continue
         storage = arrays.storage(part.dtype)
         nbytes = storage.itemsize * math.prod(prog.dst_shape)
-        if not 0 < nbytes < SMALL_SHARD_BYTES:
+        if not 0 < nbytes < UNIT_MAX_BYTES:
             continue
         reads = _reads(prog, bound.pulls.get(tensor) or {}, storage.itemsize)
         if reads is None:
             continue
         index[i] = (offset, tuple(prog.dst_shape), storage)
         for holder, desc, table in reads:
+            if type(table) is tuple:  # a mapped shard: (read, write) boxes
+                read, write = (tuple(slice(lo, hi) for lo, hi in box) for box in table)
+                mapped.append(MappedPull(i, holder, desc, storage, read, write))
+                continue
             _, pid, fd, inode, cell, tenure, address = desc[:7]
             entry = rows.setdefault((holder, pid, fd, inode), [[], [], [], []])
             entry[0].append(cell)
@@ -132,27 +161,43 @@ def _build(prepared, bound) -> HostUnit | None:
         offset += -(-nbytes // ALIGN) * ALIGN
     if not index:
         return None
-    return HostUnit(bound, index, offset, tuple(source_of(key, *entry) for key, entry in rows.items()))
+    sources = tuple(source_of(key, *entry) for key, entry in rows.items())
+    return HostUnit(bound, index, offset, sources, tuple(mapped))
 
 
 def _reads(prog, pulls: dict, itemsize: int):
-    """``[(holder, descriptor, Rows)]`` of a part's pulls, or None when it does more than pull
-    shards out of private memory."""
+    """``[(holder, descriptor, Rows or (read, write) boxes)]`` of a part's pulls (boxes: out of a
+    shard this process maps), or None when it does more than pull shards."""
     out = []
     for op in prog.ops:
         if type(op) is not Pull or op.reduce is not None or op.buffer is not Buffer.SRC:
             return None
         desc = pulls.get(op.holder)
-        if not isinstance(desc, tuple) or len(desc) != 9 or desc[0] != CROSS_MEMORY or desc[8] is not None:
+        shape = _shape(desc)
+        if shape is None:
             return None
-        shape = tuple(desc[7])
         if not _within(op.read, shape) or not _within(op.write, prog.dst_shape):
             raise ReshardError(
                 f"device {prog.device}: step {op.step} reads {op.read} of device {op.holder}'s shard of shape "
                 f"{list(shape)} into {op.write} of {list(prog.dst_shape)} (program bug)"
             )
-        out.append((op.holder, desc, rows_of(shape, tuple(prog.dst_shape), itemsize, op.read, op.write)))
+        if len(desc) == 9 and desc[8] is None:  # in the holder's private memory: read by the kernel
+            out.append((op.holder, desc, rows_of(shape, tuple(prog.dst_shape), itemsize, op.read, op.write)))
+        else:
+            out.append((op.holder, desc, (op.read, op.write)))
     return out
+
+
+def _shape(desc) -> tuple[int, ...] | None:
+    """The shape of the shard ``desc`` names: a ``CROSS_MEMORY`` descriptor or a shared block's
+    ``(pid, fd, inode, shape, tenure)``; None for anything else (no descriptor: not pulled here)."""
+    if not isinstance(desc, tuple):
+        return None
+    if len(desc) == 9 and desc[0] == CROSS_MEMORY:
+        return tuple(desc[7])
+    if len(desc) == 5 and isinstance(desc[3], tuple):
+        return desc[3]
+    return None
 
 
 def _within(box, shape) -> bool:
@@ -251,14 +296,20 @@ def source_of(key, cells: list, tenures: list, reads: list, places: list) -> Sou
 
 class UnitRun:
     """One run of a unit on a device: its block, each part's destination a view of it (``dsts``,
-    by part index); ``read`` fills them, ``check`` says every shard read is still its holder's."""
+    by part index; ``places``, where each lies: its address, and ``(fd, inode, offset)`` in the
+    block's shared-memory file or None); ``read`` fills them, ``check`` says every shard read is
+    still its holder's."""
 
-    def __init__(self, unit: HostUnit, device: int, peers, block: np.ndarray):
+    def __init__(self, unit: HostUnit, device: int, peers, block: np.ndarray, file: tuple[int, int, int] | None):
         self.unit, self.device, self.peers = unit, device, peers
         self.block = block
         self.dsts = {i: np.ndarray(shape, storage, block, o) for i, (o, shape, storage) in unit.index.items()}
         base = block.ctypes.data
-        self.addresses = {i: base + o for i, (o, _, _) in unit.index.items()}  # each destination's
+        if file is None:
+            self.places = {i: (base + o, None) for i, (o, _, _) in unit.index.items()}
+        else:
+            fd, inode, at = file
+            self.places = {i: (base + o, (fd, inode, at + o)) for i, (o, _, _) in unit.index.items()}
 
     def read(self) -> None:
         base = np.uint64(self.block.ctypes.data)
@@ -271,10 +322,15 @@ class UnitRun:
                 got = read_rows(s.pid, local[local_first:local_end], s.remote[first:end])
                 if got != want:
                     raise read_failed(self.device, s.holder, s.pid, got, want)
+        dsts, peers = self.dsts, self.peers
+        for m in self.unit.mapped:
+            arrays.copy(dsts[m.part][m.write], peers.get(m.holder, m.desc, m.storage)[m.read])
 
     def check(self) -> None:
         for s in self.unit.sources:
             self._check(s)
+        for m in self.unit.mapped:
+            self.peers.check(m.holder, m.desc)
 
     def _check(self, s: Source) -> None:
         cells = self.peers.board(s.holder, s.pid, *s.board)

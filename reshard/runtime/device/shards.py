@@ -36,6 +36,7 @@ from collections import OrderedDict
 import numpy as np
 
 from reshard.runtime import arrays
+from reshard.runtime.device.shared_memory import HEADER, base_address
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class ShardStore:
         self.dtypes: dict[str, str] = {}  # name -> dtype name (an array of bit patterns does not say it)
         self.versions: dict[str, str] = {}  # name -> the last reshard that committed into it (``wrote``)
         self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
-        self.blocks: dict[int, np.ndarray] = {}  # id -> a unit's block of small destinations (``allocate_block``)
+        self.blocks: dict[int, tuple] = {}  # id -> a unit's (block, file, bytes asked) (``allocate_block``)
         self._lock = threading.RLock()
 
     def __contains__(self, name: str) -> bool:
@@ -265,30 +266,39 @@ class ShardStore:
             for (shape, dtype), st, n in zip(specs, storages, sizes, strict=True)
         ]
 
-    def allocate_block(self, nbytes: int) -> np.ndarray:
-        """Private bytes for one run's unit of small destinations, each a view of them
-        (``host_unit``): a block of that size whose views are all gone (a run's before, its shards
-        freed), else fresh memory. Idle blocks of other sizes are let go."""
+    def allocate_block(self, nbytes: int) -> tuple[np.ndarray, tuple[int, int, int] | None]:
+        """Bytes for one run's unit of destinations, each a view of them (``host_unit``): a block of
+        that size whose views are all gone (a run's before, its shards freed), else a fresh one;
+        with ``(fd, inode, offset)`` of its shared-memory file (None: private memory, where the
+        device may make no more blocks). Idle blocks of other sizes are let go."""
         with self._lock:
             found = None
             for key in list(self.blocks):
-                block = self.blocks[key]
-                if sys.getrefcount(block) > 3:  # this dict, ``block`` and the call's own: views are alive
+                block, file, size = self.blocks[key]
+                if sys.getrefcount(block) > 3:  # this dict's entry, ``block`` and the call's own: views are alive
                     continue
-                if found is None and block.nbytes == nbytes:
-                    found = block
+                if found is None and size == nbytes:
+                    found = block, file
                 else:
                     del self.blocks[key]
             if found is not None:
                 self.pool.hits += 1
                 return found
             self.pool.misses += 1
-            block = np.empty(nbytes, np.uint8)
-            self.blocks[id(block)] = block
-            return block
+            block, file = None, None
+            if self.shared is not None and self.shared.has_room():
+                # a byte more than its views: none fills it, so none is taken for a block of its own
+                block = self._shared_or_none(self.shared.allocate, nbytes + 1, (nbytes,))
+            if block is None:
+                block = np.empty(nbytes, np.uint8)
+            else:
+                fd, inode, _, _ = self.shared.blocks[base_address(block)]
+                file = (fd, inode, HEADER)
+            self.blocks[id(block)] = (block, file, nbytes)
+            return block, file
 
     def _idle_blocks(self) -> list[int]:
-        return [k for k in self.blocks if sys.getrefcount(self.blocks[k]) <= 2]  # the dict's and the call's
+        return [k for k in self.blocks if sys.getrefcount(self.blocks[k][0]) <= 2]  # the entry's and the call's
 
     def recycle(self, scratch) -> bool:
         """Give ``scratch`` (memory from ``allocate`` that never became a shard: a run's scratch
@@ -375,9 +385,9 @@ class ShardStore:
         shard of; ``begun``: ``t`` has its tenure already (``begin``)."""
         return self._put(name, t, holder, dtype, meta, begun) is not _DROPPED
 
-    def _put(self, name: str, t, holder: str, dtype: str, meta: dict | None, begun: bool, private_at=None):
+    def _put(self, name: str, t, holder: str, dtype: str, meta: dict | None, begun: bool, placed=None):
         """``put``, returning ``t``'s descriptor (None: peers cannot map it) or ``_DROPPED``;
-        ``private_at``: ``t``'s address, known to be private memory (not a shared block)."""
+        ``placed``: ``(address, file)`` of a unit's destination (``host_unit.UnitRun.places``)."""
         with self._lock:
             if name in self._tombstones:
                 self._tombstones.pop(name)
@@ -390,16 +400,21 @@ class ShardStore:
             self.holders[name] = {holder}
             desc = None
             if self.shared is not None:
-                desc = self.shared.descriptor(t) if begun else self.shared.begin(t, private_at=private_at)
+                if begun:
+                    desc = self.shared.descriptor(t)
+                elif placed is not None:
+                    desc = self.shared.begin(t, placed[1], placed[0])
+                else:
+                    desc = self.shared.begin(t)
             if meta:
                 self.meta[name] = meta
             return desc
 
-    def put_run(self, run: str, entries, private_at=None) -> list | None:
+    def put_run(self, run: str, entries, placed=None) -> list | None:
         """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), or,
         when the run was aborted meanwhile (``tombstone``), none of them (None). Returns each
-        one's descriptor (None: peers cannot map it, or it was aborted by name). ``private_at``:
-        per entry, its address when it is known to be private memory (a unit's block), else None."""
+        one's descriptor (None: peers cannot map it, or it was aborted by name). ``placed``:
+        per entry, ``(address, file)`` of a unit's destination (``_put``), else None."""
         with self._lock:
             if run in self._tombstones:
                 self._tombstones.pop(run)
@@ -408,10 +423,9 @@ class ShardStore:
                         self.end(t)
                     self._give_back(t, 2)
                 return None
-            at = private_at or itertools.repeat(None)
             kept = [
-                self._put(name, t, name, dtype, meta, begun, address)
-                for (name, t, dtype, meta, begun), address in zip(entries, at, strict=False)
+                self._put(name, t, name, dtype, meta, begun, where)
+                for (name, t, dtype, meta, begun), where in zip(entries, placed or itertools.repeat(None), strict=False)
             ]
             return [None if d is _DROPPED else d for d in kept]
 
@@ -527,7 +541,7 @@ class ShardStore:
                 "buffer_bytes": sum(sizes.values()),
                 "holders": {k: sorted(v) for k, v in self.holders.items()},
                 "pool_bytes": self.pool.nbytes
-                + sum(int(self.blocks[k].nbytes) for k in self._idle_blocks())
+                + sum(int(self.blocks[k][0].nbytes) for k in self._idle_blocks())
                 + (
                     0 if self.device_type == "cpu" or self.shared is None else self.shared.idle_bytes
                 ),  # idle freed shards kept for reuse
@@ -545,7 +559,7 @@ class ShardStore:
             freed = self.pool.nbytes
             self.pool.clear()
             for k in self._idle_blocks():
-                freed += int(self.blocks.pop(k).nbytes)
+                freed += int(self.blocks.pop(k)[0].nbytes)
             if self.device_type != "cpu" and self.shared is not None:
                 freed += self.shared.empty_cache()
             if not self.assembly.busy:
