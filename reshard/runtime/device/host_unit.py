@@ -168,13 +168,13 @@ def _build(prepared, bound) -> HostUnit | None:
 def _reads(prog, pulls: dict, itemsize: int):
     """``[(holder, descriptor, Rows or (read, write) boxes)]`` of a part's pulls (boxes: out of a
     shard this process maps), or None when it does more than pull shards."""
-    out = []
+    out: list[tuple[int, tuple, Rows | tuple]] = []
     for op in prog.ops:
         if type(op) is not Pull or op.reduce is not None or op.buffer is not Buffer.SRC:
             return None
         desc = pulls.get(op.holder)
         shape = _shape(desc)
-        if shape is None:
+        if shape is None or desc is None:
             return None
         if not _within(op.read, shape) or not _within(op.write, prog.dst_shape):
             raise ReshardError(
@@ -305,6 +305,7 @@ class UnitRun:
         self.block = block
         self.dsts = {i: np.ndarray(shape, storage, block, o) for i, (o, shape, storage) in unit.index.items()}
         base = block.ctypes.data
+        self.places: dict[int, tuple[int, tuple[int, int, int] | None]]
         if file is None:
             self.places = {i: (base + o, None) for i, (o, _, _) in unit.index.items()}
         else:
