@@ -177,7 +177,7 @@ class ShardStore:
         self._evict_after = -1  # the pool's serial when it last had no idle block to free (``_private``)
         self.shared = shared  # SharedShards (CPU), GpuBlocks (GPU), or None: private memory
         self.shards: dict = {}  # name -> numpy array (CPU) or torch tensor
-        self.holders: dict[str, set[str]] = {}
+        self.holders: dict[str, tuple[str, ...]] = {}  # tuples: the collector stops tracking them
         self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.meta: dict[str, dict] = {}  # name -> what its owner said of it (global shape, placements, ...)
@@ -397,7 +397,7 @@ class ShardStore:
                 return _DROPPED
             self.shards[name] = t
             self.dtypes[name] = dtype
-            self.holders[name] = {holder}
+            self.holders[name] = (holder,)
             desc = None
             if self.shared is not None:
                 if begun:
@@ -444,7 +444,7 @@ class ShardStore:
                 self.shared.end(old)
             self.shards[name] = t
             self.dtypes[name] = dtype
-            self.holders[name] = {USER}
+            self.holders[name] = (USER,)
             self.users.add(name)
             if self.shared is not None and not again:
                 self.shared.begin(t, file)
@@ -465,7 +465,9 @@ class ShardStore:
                 return False
             if name not in self.shards:
                 return False
-            self.holders[name].add(holder)
+            held = self.holders[name]
+            if holder not in held:
+                self.holders[name] = (*held, holder)
             return True
 
     def release(self, name: str, holder: str) -> None:
@@ -479,7 +481,7 @@ class ShardStore:
                     while len(self._released) > RELEASED_TOKENS:
                         self._released.popitem(last=False)
                 return
-            held.discard(holder)
+            held = self.holders[name] = tuple(h for h in held if h != holder)
             if not held:
                 self._drop(name)
 
@@ -489,12 +491,12 @@ class ShardStore:
         dropped = []
         with self._lock:
             for name, held in list(self.holders.items()):
-                gone = {h for h in held if holds(name, h)}
-                if gone and not held - gone:
+                kept = tuple(h for h in held if not holds(name, h))
+                if not kept:
                     self._drop(name)
                     dropped.append(name)
-                else:
-                    held -= gone
+                elif len(kept) < len(held):
+                    self.holders[name] = kept
         return dropped
 
     def free(self, name: str) -> bool:
