@@ -141,7 +141,8 @@ class Batches:
     ) -> Pending:
         """Submit a compiled batch (``reshard.passes.compile.compile_batch``): one ordered ``run`` call per
         participant. ``sources[t]``: tensor ``t``'s source shard name, ``{device: shared-memory
-        descriptor}`` (for pulls) and the dtype it is cast from (None: none); ``outs[t]``: the
+        descriptor}`` (for pulls), the dtype it is cast from (None: none) and a hashable key of its
+        name and descriptors (``ShardedTensor._source_key``); ``outs[t]``: the
         user's shard its result is for (None: a new shard ``shard_name(run, t)``), written into
         ``direct``ly, else staged and committed by an
         ordered ``commit`` call on each destination device, submitted now behind its run, which
@@ -153,7 +154,7 @@ class Batches:
             backend = recs[0].backend if recs else "gloo"
             sets = self.communicators.admit([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
-            shards = tuple((n, tuple(where.items()), cast) for n, where, cast in sources)  # a name shared anew: anew
+            shards = tuple((key, cast) for _, _, cast, key in sources)  # a name shared anew: anew
             bid = self.bindings.program_id((pid, shards, None if outs is None else tuple(outs)))
             budget = deadline.budget
             refs = {}

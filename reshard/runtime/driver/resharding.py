@@ -176,8 +176,7 @@ def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
     for path, t, layout in zip(paths, leaves, given, strict=True):
         if not isinstance(layout, Layout):
             raise TypeError(f"reshard: the layout for {_at(path)}is a {type(layout).__name__}, not a reshard.Layout")
-        layout.check_shape(t.shape)
-        out.append(layout.for_shape(t.shape))
+        out.append(layout.for_shape(t.shape))  # checked
     return out
 
 
@@ -376,7 +375,12 @@ def reshard(
     run = rt.new_name()
     what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"
     sources = [
-        (t.name, t._shared, (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name)
+        (
+            t.name,
+            t._shared,
+            (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name,
+            t._source_key,
+        )
         for t, d, s in zip(call.leaves, call.dtypes, call.scalings, strict=True)
     ]
     outs = None if call.outs is None else [o.name for o in call.outs]
@@ -393,17 +397,15 @@ def reshard(
             _raise_mismatch(call, compiled, {d: r.checks for d, r in results.items()})
         if call.outs is not None:
             return out  # the user's own tree
+        shared: list[dict] = [{} for _ in call.leaves]  # tensor -> {device: descriptor}
+        for d, r in results.items():
+            for i, desc in r.descriptors.items():
+                if desc is not None:
+                    shared[i][d] = desc
         leaves = [
-            ShardedTensor(
-                dmesh,
-                layout,
-                t.shape,
-                dtype,
-                shard_name(run, i),
-                {d: desc for d, r in results.items() if (desc := r.descriptors.get(i)) is not None},
-            )
-            for i, (t, layout, dmesh, dtype) in enumerate(
-                zip(call.leaves, call.layouts, call.dst_meshes, call.dtypes, strict=True)
+            ShardedTensor(dmesh, layout, t.shape, dtype, shard_name(run, i), where)
+            for i, (t, layout, dmesh, dtype, where) in enumerate(
+                zip(call.leaves, call.layouts, call.dst_meshes, call.dtypes, shared, strict=True)
             )
         ]
         return leaves[0] if call.single else unflatten(call.treedef, leaves)

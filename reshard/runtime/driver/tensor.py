@@ -67,6 +67,7 @@ class ShardedTensor:
         self._holder = name if holder is None else holder
         self._freed = False
         self._key: Signed | None = None
+        self._source: Signed | None = None
 
     @property
     def _signature(self) -> Signed:
@@ -76,6 +77,14 @@ class ShardedTensor:
         if self._key is None:
             self._key = Signed((self.layout, self.shape, self.dtype_name, frozenset(self._shared)))
         return self._key
+
+    @property
+    def _source_key(self) -> Signed:
+        """What a binding depends on of this tensor as a source: its shard name and descriptors;
+        made once, its hash kept (a replay looks its binding up by thousands of them)."""
+        if self._source is None:
+            self._source = Signed((self.name, tuple(self._shared.items())))
+        return self._source
 
     def __repr__(self) -> str:
         state = ", freed" if self._freed else ""
