@@ -66,6 +66,7 @@ def test_a_tree_of_small_tensors_moves_as_one_unit_bit_exact(view):
         out = reshard(src, a, _layouts(b, 1))
         for k, v in sd.items():
             assert_bit_exact(_numpy(out[k]), v)
+            assert all(d[0] == CROSS_MEMORY and d[8] is None for d in out[k]._shared.values()), "read, not mapped"
         free(out)
     after = b.call(_unit_parts)
     assert all(n > m for n, m in zip(after, before, strict=True)), (before, after)

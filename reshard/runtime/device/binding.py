@@ -61,7 +61,7 @@ class Binding:
         casts = bound.casts or (None,) * len(self.prepared.parts)
         unit = host_unit.unit_for(ctx, self.prepared, bound, self.req)
         if unit is not None:
-            self.unit = UnitRun(unit, ctx.device, ctx.peers, *ctx.store.allocate_block(unit.nbytes))
+            self.unit = UnitRun(unit, ctx.device, ctx.peers, *ctx.store.allocate_block(unit.nbytes, bool(unit.shared)))
             ctx.counters["unit_parts"] = ctx.counters.get("unit_parts", 0) + len(unit.index)
         in_unit, places = (self.unit.dsts, self.unit.places) if self.unit is not None else ({}, {})
         for i, (prepared, tensor, source, out, cast) in enumerate(

@@ -17,9 +17,11 @@ source shards, so only the block's address changes), and a run adds the block's 
 
 Pulls out of shards this process maps (a holder's shared block, or a shared-memory file its shard
 lies in) are copies between views instead (``MappedPull``: a copy each, the mapping looked up and
-its tenure checked as a part's own pull does). The block is shared memory where the device may
-make one more (``ShardStore.allocate_block``): each new shard then names its place in that file,
-and peers map it as they map any shared shard.
+its tenure checked as a part's own pull does). A unit with destinations of ``SMALL_SHARD_BYTES``
+or more gets its block in shared memory where the device may make one more
+(``ShardStore.allocate_block``): each of those new shards names its place in that file, and peers
+map it as they map any shared shard; smaller ones are read out of it by the kernel, as out of
+private memory (a descriptor without a file: thousands of them cross to the controller each run).
 
 A part joins the unit when its program only pulls source shards (no local copy, nothing combined,
 no relay), its destination is new and under ``UNIT_MAX_BYTES`` (larger ones are assembled and
@@ -41,7 +43,7 @@ from reshard.ir.program import Buffer, Pull
 from reshard.ir.regions import box_shape
 from reshard.runtime import arrays
 from reshard.runtime.device.cross_memory import IOV_MAX, available, read_failed, read_rows, runs
-from reshard.runtime.device.shards import ASSEMBLY_MIN_BYTES
+from reshard.runtime.device.shards import ASSEMBLY_MIN_BYTES, SMALL_SHARD_BYTES
 from reshard.runtime.device.shared_memory import shard_gone
 from reshard.runtime.messages import CROSS_MEMORY
 
@@ -93,13 +95,14 @@ class HostUnit:
     """A batch's parts run as one unit on a CPU device (module docstring): ``index`` maps a part's
     index to its place ``(offset in the block, shape, storage dtype)``; ``nbytes``, the block;
     ``sources``, the reads out of holders' private memory; ``mapped``, the copies out of mapped
-    shards."""
+    shards; ``shared``, the parts whose destinations peers map (``SMALL_SHARD_BYTES`` or more)."""
 
     bound: object
     index: dict
     nbytes: int
     sources: tuple[Source, ...]
     mapped: tuple[MappedPull, ...]
+    shared: frozenset[int]
 
 
 def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
@@ -162,7 +165,10 @@ def _build(prepared, bound) -> HostUnit | None:
     if not index:
         return None
     sources = tuple(source_of(key, *entry) for key, entry in rows.items())
-    return HostUnit(bound, index, offset, sources, tuple(mapped))
+    shared = frozenset(
+        i for i, (_, shape, storage) in index.items() if storage.itemsize * math.prod(shape) >= SMALL_SHARD_BYTES
+    )
+    return HostUnit(bound, index, offset, sources, tuple(mapped), shared)
 
 
 def _reads(prog, pulls: dict, itemsize: int):
@@ -306,11 +312,11 @@ class UnitRun:
         self.dsts = {i: np.ndarray(shape, storage, block, o) for i, (o, shape, storage) in unit.index.items()}
         base = block.ctypes.data
         self.places: dict[int, tuple[int, tuple[int, int, int] | None]]
-        if file is None:
-            self.places = {i: (base + o, None) for i, (o, _, _) in unit.index.items()}
-        else:
+        self.places = {i: (base + o, None) for i, (o, _, _) in unit.index.items()}
+        if file is not None:
             fd, inode, at = file
-            self.places = {i: (base + o, (fd, inode, at + o)) for i, (o, _, _) in unit.index.items()}
+            for i in unit.shared:
+                self.places[i] = (self.places[i][0], (fd, inode, at + unit.index[i][0]))
 
     def read(self) -> None:
         base = np.uint64(self.block.ctypes.data)

@@ -266,18 +266,19 @@ class ShardStore:
             for (shape, dtype), st, n in zip(specs, storages, sizes, strict=True)
         ]
 
-    def allocate_block(self, nbytes: int) -> tuple[np.ndarray, tuple[int, int, int] | None]:
+    def allocate_block(self, nbytes: int, shared: bool) -> tuple[np.ndarray, tuple[int, int, int] | None]:
         """Bytes for one run's unit of destinations, each a view of them (``host_unit``): a block of
-        that size whose views are all gone (a run's before, its shards freed), else a fresh one;
-        with ``(fd, inode, offset)`` of its shared-memory file (None: private memory, where the
-        device may make no more blocks). Idle blocks of other sizes are let go."""
+        that size and kind whose views are all gone (a run's before, its shards freed), else a fresh
+        one; ``shared``: in shared memory if the device may make one more block, returned with
+        ``(fd, inode, offset)`` of its file (else None: private memory). Idle blocks of other sizes
+        are let go."""
         with self._lock:
             found = None
             for key in list(self.blocks):
                 block, file, size = self.blocks[key]
                 if sys.getrefcount(block) > 3:  # this dict's entry, ``block`` and the call's own: views are alive
                     continue
-                if found is None and size == nbytes:
+                if found is None and size == nbytes and (file is not None) == shared:
                     found = block, file
                 else:
                     del self.blocks[key]
@@ -286,7 +287,7 @@ class ShardStore:
                 return found
             self.pool.misses += 1
             block, file = None, None
-            if self.shared is not None and self.shared.has_room():
+            if shared and self.shared is not None and self.shared.has_room():
                 # a byte more than its views: none fills it, so none is taken for a block of its own
                 block = self._shared_or_none(self.shared.allocate, nbytes + 1, (nbytes,))
             if block is None:
