@@ -114,9 +114,9 @@ class TenureBoard:
     def begin(self, a, tenure: int, file: tuple | None = None, address: int | None = None) -> tuple | None:
         """Shard ``a`` (a C-contiguous numpy array in private memory, or at ``(descriptor, offset)``
         or ``(descriptor, inode, offset)`` of a shared-memory ``file``: peers map that instead of
-        reading) takes ``tenure``; returns
-        its descriptor. Nothing (None) when every cell is taken (the shard then moves through the
-        backend). ``address``: where ``a`` starts, when the caller knows."""
+        reading) takes ``tenure``; returns its descriptor. Nothing (None) when every cell is taken
+        (the shard then moves through the backend). ``address``: where ``a`` starts, when the
+        caller knows."""
         if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.nbytes:
             return None
         if address is None:
