@@ -19,10 +19,10 @@ RESULTS = ROOT / "bench" / "results"
 HEADLINE = "18d18da"
 #: The chaos tier's run, on the commit after HEADLINE (the headline's own run got no SIGINT through).
 CHAOS = "chaos-a422216.json"
-#: The MoE tree and the trees' ratios, measured again after the host unit changed the device path,
-#: against the commit before it in the same sitting.
-MOE = "weights-moe-31f2d15-ab2.json"
-AB = [f"weights-{m}-{rev}-ab{r}.json" for m in ("moe", "trees") for rev in ("b3fc38f", "31f2d15") for r in (1, 2)]
+#: The MoE tree and the trees' ratios, measured again after each change of the device path (the host
+#: unit, then its mapped pulls), against the commit before it in one sitting: (base, new, rounds).
+AB = (("b3fc38f", "31f2d15", 2), ("a19b95b", "1163ba7", 3))
+MOE = "weights-moe-1163ba7-ab3.json"
 QUOTED: list[str] = []  # every result file a figure below comes from
 
 
@@ -379,7 +379,7 @@ def weights() -> list[tuple[str, str]]:
     moe_run = result(MOE)
     moe = moe_run["results"][0]
     moe_ours, moe_one = moe["methods"]["ours"], moe["methods"]["one_tensor"]
-    ab_rows = ab_table()
+    ab_rows = [row for base, new, rounds in AB for row in ab_table(base, new, rounds)]
     per_tensor = (
         f"{fit['default']['per_tensor_s'] * 1e3:.3f} ms (default path), "
         f"{fit['gloo']['per_tensor_s'] * 1e3:.3f} ms (gloo)"
@@ -417,13 +417,17 @@ def tree_ratios(d: dict) -> dict[str, list[float]]:
     return out
 
 
-def ab_table() -> list[str]:
-    """The rows of WEIGHTS.md's table of the host unit's A/B (two rounds per commit)."""
-    runs = {name: result(name) for name in AB}
+def ab_table(base: str, new: str, rounds: int) -> list[str]:
+    """The rows of a WEIGHTS.md table of an A/B of commits ``base`` and ``new`` (``rounds`` each)."""
+    files = [
+        f"weights-{m}-{rev}-ab{r}.json" for m in ("moe", "trees") for rev in (base, new) for r in range(1, rounds + 1)
+    ]
+    runs = {name: result(name) for name in files}
 
     def row(what: str, model: str, cell) -> str:
         sides = [
-            ", ".join(cell(runs[f"weights-{model}-{rev}-ab{r}.json"]) for r in (1, 2)) for rev in ("b3fc38f", "31f2d15")
+            ", ".join(cell(runs[f"weights-{model}-{rev}-ab{r}.json"]) for r in range(1, rounds + 1))
+            for rev in (base, new)
         ]
         return f"| {what} | {sides[0]} | {sides[1]} |"
 
