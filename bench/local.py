@@ -302,7 +302,7 @@ def _pool_state(ctx, drain: bool) -> tuple[int, int]:
     """In a device actor: (hits, misses) of its pool of freed shards; ``drain``: empty the pool
     first (its memory goes back to the system), so the next shards are fresh memory."""
     if drain:
-        ctx.store.pool.clear()
+        ctx.store.clear_pool()
     m = ctx.store.memory()
     return m["pool_hits"], m["pool_misses"]
 

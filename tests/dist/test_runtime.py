@@ -144,7 +144,7 @@ def test_a_partial_reshards_scratch_buffer_is_reused_by_the_next(view, pool):
 
 
 def _drain_pool(ctx):
-    ctx.store.pool.clear()
+    ctx.store.clear_pool()
 
 
 def _set_staging_keep(ctx, nbytes):

@@ -555,14 +555,22 @@ class ShardStore:
                 "assembly_limit_bytes": self.assembly.keep_bytes,
             }
 
-    def empty_cache(self) -> int:
-        """Free the memory kept for reuse and idle now: freed shards (the pool) and the assembly
-        buffer (unless a destination is being assembled in it). Returns the bytes freed."""
+    def clear_pool(self) -> int:
+        """Let go of the memory of freed shards kept for reuse: the pool and the units' blocks
+        whose shards are all freed (``allocate_block``); the next shards take fresh memory.
+        Returns the bytes let go of."""
         with self._lock:
             freed = self.pool.nbytes
             self.pool.clear()
             for k in self._idle_blocks():
                 freed += int(self.blocks.pop(k)[0].nbytes)
+            return freed
+
+    def empty_cache(self) -> int:
+        """Free the memory kept for reuse and idle now: freed shards (``clear_pool``) and the
+        assembly buffer (unless a destination is being assembled in it). Returns the bytes freed."""
+        with self._lock:
+            freed = self.clear_pool()
             if self.device_type != "cpu" and self.shared is not None:
                 freed += self.shared.empty_cache()
             if not self.assembly.busy:
