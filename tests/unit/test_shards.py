@@ -144,3 +144,32 @@ def test_idle_pooled_blocks_give_way_to_new_shards_at_the_block_budget():
     s.put("new", t, "h", "float32")
     assert maps_shared(s.descriptor(t))  # a block of its own: an idle one was freed for it
     assert len(s.shared.blocks) == 2 and s.memory()["pool_bytes"] == 64 << 10
+
+
+def _unit_views(block: np.ndarray, n: int) -> list[np.ndarray]:
+    return [np.ndarray((16,), np.float32, block, 64 * i) for i in range(n)]
+
+
+def test_a_units_block_is_reused_once_its_shards_are_gone_and_waits_while_other_units_run():
+    s = ShardStore(0, "cpu", 1 << 20, shared=SharedShards())
+    big, file = s.allocate_block(64 * 8, True)
+    assert file is not None and file[2] > 0, "destinations of a unit that peers map lie in a shared file"
+    views = _unit_views(big, 8)
+    assert s.allocate_block(64 * 8, True)[0] is not big, "its shards are alive: a fresh block"
+    del views
+    small, _ = s.allocate_block(64 * 2, True)  # another call's unit, of another size
+    del small
+    hits = s.pool.hits
+    again, _ = s.allocate_block(64 * 8, True)
+    assert s.pool.hits == hits + 1 and again is not None
+    assert s.allocate_block(64 * 8, False)[1] is None, "a private block is asked for: not a shared one"
+
+
+def test_idle_unit_blocks_beyond_the_pools_limit_go_least_recently_used_first():
+    s = ShardStore(0, "cpu", 1000, shared=SharedShards())
+    for n in (400, 500, 600):  # each idle once the next is asked for: 1,500 bytes
+        s.allocate_block(n, False)
+    assert sorted(size for _, _, size in s.blocks.values()) == [400, 500, 600]
+    s.allocate_block(700, False)  # the oldest go until the idle ones fit 1,000 bytes
+    assert sorted(size for _, _, size in s.blocks.values()) == [600, 700]
+    assert s.clear_pool() == 1300 and not s.blocks

@@ -271,20 +271,28 @@ class ShardStore:
         that size and kind whose views are all gone (a run's before, its shards freed), else a fresh
         one; ``shared``: in shared memory if the device may make one more block, returned with
         ``(fd, inode, offset)`` of its file (else None: private memory). Idle blocks of other sizes
-        are let go."""
+        and kinds stay for the calls they fit (fresh memory is slow to fault in), the least recently
+        used let go beyond the pool's byte limit."""
         with self._lock:
-            found = None
+            found, idle = None, []
             for key in list(self.blocks):
                 block, file, size = self.blocks[key]
                 if sys.getrefcount(block) > 3:  # this dict's entry, ``block`` and the call's own: views are alive
                     continue
                 if found is None and size == nbytes and (file is not None) == shared:
-                    found = block, file
+                    found = key
                 else:
-                    del self.blocks[key]
+                    idle.append((key, size))
+            spare = sum(size for _, size in idle) - self.pool.limit_bytes
+            for key, size in idle:  # oldest first
+                if spare <= 0:
+                    break
+                del self.blocks[key]
+                spare -= size
             if found is not None:
                 self.pool.hits += 1
-                return found
+                entry = self.blocks[found] = self.blocks.pop(found)  # the most recently used: last
+                return entry[0], entry[1]
             self.pool.misses += 1
             block, file = None, None
             if shared and self.shared is not None and self.shared.has_room():
