@@ -111,12 +111,13 @@ class TenureBoard:
         self._file: dict[int, tuple[int, int, int] | None] = {}  # cell -> (fd, inode, offset) of its file
         self._held: dict[int, np.ndarray] = {}  # cell -> the shard (its memory freed only once the cell is clear)
 
-    def begin(self, a, tenure: int, file: tuple | None = None, address: int | None = None) -> tuple | None:
-        """Shard ``a`` (a C-contiguous numpy array in private memory, or at ``(descriptor, offset)``
-        or ``(descriptor, inode, offset)`` of a shared-memory ``file``: peers map that instead of
-        reading) takes ``tenure``; returns its descriptor. Nothing (None) when every cell is taken
-        (the shard then moves through the backend). ``address``: where ``a`` starts, when the
-        caller knows."""
+    def begin(
+        self, a, tenure: int, file: tuple[int, int, int] | None = None, address: int | None = None
+    ) -> tuple | None:
+        """Shard ``a`` (a C-contiguous numpy array in private memory, or at ``(descriptor, inode,
+        offset)`` of a shared-memory ``file``: peers map that instead of reading) takes ``tenure``;
+        returns its descriptor. Nothing (None) when every cell is taken (the shard then moves
+        through the backend). ``address``: where ``a`` starts, when the caller knows."""
         if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.nbytes:
             return None
         if address is None:
@@ -127,12 +128,10 @@ class TenureBoard:
             if not self._free:
                 return None
             cell = self._cell[key] = self._free.pop()
-        where = self._file[cell] = (
-            None if file is None else file if len(file) == 3 else (file[0], os.fstat(file[0]).st_ino, file[1])
-        )
+        self._file[cell] = file
         self._held[cell] = a  # its memory lives while the cell names it, whoever else lets go of it
         self.cells[cell] = tenure
-        return (CROSS_MEMORY, self.pid, self.fd, self.inode, cell, tenure, address, tuple(a.shape), where)
+        return (CROSS_MEMORY, self.pid, self.fd, self.inode, cell, tenure, address, tuple(a.shape), file)
 
     def end(self, a, address: int | None = None) -> None:
         """The shard in ``a``'s memory is let go of: its descriptors stop reading."""

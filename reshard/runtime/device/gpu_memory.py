@@ -198,7 +198,7 @@ class GpuBlocks:
             return None
         return block, piece
 
-    def begin(self, a, file: tuple | None = None, at: int | None = None) -> tuple | None:
+    def begin(self, a, file: tuple[int, int, int] | None = None, at: int | None = None) -> tuple | None:
         """A shard takes the piece ``a`` fills (if it fills one): a fresh tenure. Returns its
         ``descriptor``. ``file`` and ``at``: as ``SharedShards.begin``'s, where host memory
         lies in a shared-memory file or in private memory; device memory never does (None)."""

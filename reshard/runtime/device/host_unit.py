@@ -136,6 +136,7 @@ def _build(prepared, bound) -> HostUnit | None:
     index: dict = {}
     rows: dict = {}  # (holder, pid, board fd, board inode) -> [cells, tenures, reads, places]
     mapped: list[MappedPull] = []
+    shared: set[int] = set()  # parts whose destinations peers map
     offset = 0
     for i in prepared.flat:
         part, tensor = prepared.parts[i], prepared.program.parts[i].tensor
@@ -150,6 +151,8 @@ def _build(prepared, bound) -> HostUnit | None:
         if reads is None:
             continue
         index[i] = (offset, tuple(prog.dst_shape), storage)
+        if nbytes >= SMALL_SHARD_BYTES:
+            shared.add(i)
         for holder, desc, table in reads:
             if type(table) is tuple:  # a mapped shard: (read, write) boxes
                 read, write = (tuple(slice(lo, hi) for lo, hi in box) for box in table)
@@ -165,10 +168,7 @@ def _build(prepared, bound) -> HostUnit | None:
     if not index:
         return None
     sources = tuple(source_of(key, *entry) for key, entry in rows.items())
-    shared = frozenset(
-        i for i, (_, shape, storage) in index.items() if storage.itemsize * math.prod(shape) >= SMALL_SHARD_BYTES
-    )
-    return HostUnit(bound, index, offset, sources, tuple(mapped), shared)
+    return HostUnit(bound, index, offset, sources, tuple(mapped), frozenset(shared))
 
 
 def _reads(prog, pulls: dict, itemsize: int):
@@ -310,13 +310,11 @@ class UnitRun:
         self.unit, self.device, self.peers = unit, device, peers
         self.block = block
         self.dsts = {i: np.ndarray(shape, storage, block, o) for i, (o, shape, storage) in unit.index.items()}
-        base = block.ctypes.data
-        self.places: dict[int, tuple[int, tuple[int, int, int] | None]]
-        self.places = {i: (base + o, None) for i, (o, _, _) in unit.index.items()}
-        if file is not None:
-            fd, inode, at = file
-            for i in unit.shared:
-                self.places[i] = (self.places[i][0], (fd, inode, at + unit.index[i][0]))
+        base, mapped = block.ctypes.data, unit.shared if file is not None else frozenset()
+        fd, inode, at = file or (0, 0, 0)
+        self.places: dict[int, tuple[int, tuple[int, int, int] | None]] = {
+            i: (base + o, (fd, inode, at + o) if i in mapped else None) for i, (o, _, _) in unit.index.items()
+        }
 
     def read(self) -> None:
         base = np.uint64(self.block.ctypes.data)

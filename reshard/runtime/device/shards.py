@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import os
 import sys
 import threading
 from collections import OrderedDict
@@ -456,7 +457,7 @@ class ShardStore:
             self.holders[name] = (USER,)
             self.users.add(name)
             if self.shared is not None and not again:
-                self.shared.begin(t, file)
+                self.shared.begin(t, None if file is None else (file[0], os.fstat(file[0]).st_ino, file[1]))
             if not again:
                 self.versions.pop(name, None)  # another tensor: nothing wrote it yet
             self.meta[name] = meta
