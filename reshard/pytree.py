@@ -37,6 +37,11 @@ NONE = TreeDef("none")
 def flatten(tree, is_leaf: Callable[[Any], bool]) -> tuple[list, list[str], TreeDef]:
     """``(leaves, paths, treedef)`` of ``tree``; ``is_leaf(x)`` says what is a leaf. Anything else
     that is not a dict, list, tuple or None raises TypeError naming its path."""
+    if type(tree) is dict and tree:  # a flat state dict, the common case: no walk
+        values = list(tree.values())
+        if all(map(is_leaf, values)):
+            keys = tuple(tree)
+            return values, [str(k) for k in keys], TreeDef("dict", dict, keys, (LEAF,) * len(keys))
     leaves: list = []
     paths: list[str] = []
 
@@ -67,6 +72,8 @@ def flatten(tree, is_leaf: Callable[[Any], bool]) -> tuple[list, list[str], Tree
 
 def unflatten(treedef: TreeDef, leaves) -> Any:
     """The tree of shape ``treedef`` holding ``leaves`` (in ``flatten``'s order)."""
+    if treedef.type is dict and len(leaves) == len(treedef.children) and all(c is LEAF for c in treedef.children):
+        return dict(zip(treedef.keys, leaves, strict=True))  # a flat state dict
     it = iter(leaves)
 
     def build(t: TreeDef):
@@ -173,9 +180,10 @@ def per_leaf(spec, leaves: list, paths: list[str], treedef: TreeDef, is_one: Cal
         and isinstance(spec, Mapping)
         and tuple(spec) == treedef.keys
         and all(c is LEAF for c in treedef.children)
-        and not any(isinstance(v, Mapping | list | tuple) or v is None for v in spec.values())
     ):
-        return list(spec.values())  # a flat dict with the tree's keys in its order (a state dict's)
+        values = list(spec.values())
+        if all(map(is_one, values)) or not any(isinstance(v, Mapping | list | tuple) or v is None for v in values):
+            return values  # a flat dict with the tree's keys in its order (a state dict's)
     got, _, spec_def = flatten(spec, lambda x: not isinstance(x, Mapping | list | tuple) and x is not None)
     diff = same_structure(treedef, spec_def)
     if diff is not None:

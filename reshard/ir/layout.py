@@ -12,6 +12,7 @@ rank by ``for_shape``, which every user of a layout applies before planning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -150,18 +151,9 @@ class Layout:
                     )
 
     def for_shape(self, shape: tuple[int, ...]) -> Layout:
-        """This layout for a tensor of ``shape``: checked, negative shard dims resolved."""
-        self.check_shape(shape)
-        n = len(shape)
-        if not any(isinstance(p, Shard) and p.dim < 0 for p in self.placements):
-            return self
-        return Layout(
-            self.mesh,
-            tuple(
-                dataclasses.replace(p, dim=p.dim + n) if isinstance(p, Shard) and p.dim < 0 else p
-                for p in self.placements
-            ),
-        )
+        """This layout for a tensor of ``shape``: checked, negative shard dims resolved (worked out
+        once per layout and shape: a state dict asks for thousands of tensors of a few shapes)."""
+        return _for_shape(self, tuple(shape))
 
     def sharded_axes(self, dim: int) -> tuple[int, ...]:
         """Mesh axes that split tensor dim ``dim``, outermost first (a ``StridedShard`` axis after
@@ -216,3 +208,18 @@ def _fmt(placements, names) -> str:
     if names:
         return "(" + ", ".join(f"{n}: {p}" for n, p in zip(names, placements, strict=False)) + ")"
     return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+@functools.lru_cache(maxsize=8192)
+def _for_shape(layout: Layout, shape: tuple[int, ...]) -> Layout:
+    layout.check_shape(shape)
+    n = len(shape)
+    if not any(isinstance(p, Shard) and p.dim < 0 for p in layout.placements):
+        return layout
+    return Layout(
+        layout.mesh,
+        tuple(
+            dataclasses.replace(p, dim=p.dim + n) if isinstance(p, Shard) and p.dim < 0 else p
+            for p in layout.placements
+        ),
+    )

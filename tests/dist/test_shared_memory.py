@@ -58,6 +58,30 @@ def test_the_descriptor_closes_with_the_memory_and_peers_let_go():
         peers.get(0, desc, np.dtype(np.int64))
 
 
+def test_a_runs_purge_reads_tenures_and_the_full_one_looks_descriptors_up():
+    """After a run, mappings of shards their owner dropped go (the tenure cleared, no system
+    call); one whose memory died without its shard being dropped goes at the full purge."""
+    owner, peers = SharedShards(), PeerShards(device=1)
+    store = ShardStore(0, "cpu", 0, owner)  # no pool: a freed shard's memory dies
+    kept, dropped = store.allocate((4096,), "float32"), store.allocate((4096,), "float32")
+    store.put("kept", kept, "h", "float32")
+    store.put("dropped", dropped, "h", "float32")
+    for t in (kept, dropped):
+        peers.get(0, store.descriptor(t), np.dtype(np.float32))
+    died = owner.allocate(64)
+    owner.begin(died)
+    peers.get(0, owner.descriptor(died), np.dtype(np.uint8))
+    fd = owner.descriptor(died)[1]
+    del dropped, died
+    store.free("dropped")
+    gc.collect()
+    assert not os.path.exists(f"/proc/self/fd/{fd}") and len(peers.maps) == 3
+    peers.purge(full=False)
+    assert len(peers.maps) == 2  # the dropped shard's mapping went, the dead memory's did not
+    peers.purge()
+    assert [m.fd for m in peers.maps.values()] == [store.descriptor(kept)[1]]
+
+
 def test_a_dropped_shard_never_maps_again_whatever_its_memory_holds_next():
     """The tenure in the block's header: a descriptor of a shard that was dropped fails before
     the copy (its memory idle in the pool) and after it (the memory reused meanwhile)."""
@@ -160,4 +184,4 @@ def test_a_dead_owners_mappings_all_go_at_the_next_purge():
         owner.kill()
         owner.join(30)
     peers.purge()
-    assert not peers.maps  # all at once, not PURGE_STATS per purge
+    assert not peers.maps  # all at once

@@ -181,6 +181,12 @@ def test_pytrees_flatten_and_rebuild_state_dicts():
     assert "keys" in same_structure(treedef, flatten({"h": 1}, lambda x: isinstance(x, int))[2])
     with pytest.raises(TypeError, match="at h.0"):
         flatten({"h": [object()]}, lambda x: isinstance(x, int))
+    flat = {"b": 1, 2: 2, "a": 3}  # a flat state dict (taken without walking it): the same as a walk gives
+    leaves, paths, flat_def = flatten(flat, lambda x: isinstance(x, int))
+    walked = flatten(OrderedDict(flat), lambda x: isinstance(x, int))
+    assert (leaves, paths) == walked[:2] == ([1, 2, 3], ["b", "2", "a"])
+    assert flat_def.children == walked[2].children and flat_def.keys == walked[2].keys and flat_def.type is dict
+    assert unflatten(flat_def, [4, 5, 6]) == {"b": 4, 2: 5, "a": 6} and same_structure(flat_def, walked[2]) is None
 
 
 def test_relays_of_packed_tensors_are_published_after_the_buckets_and_pulled():

@@ -56,12 +56,20 @@ class PreparedBucket:
 
 @dataclass(frozen=True, slots=True)
 class PreparedBatch:
+    """A batch program ready to run on its device: its parts prepared (``tensors``, each one's
+    tensor; ``index``, tensor -> its part's index), its buckets by window, the staging buffer it
+    needs (its buckets', then each part's in turn), which parts only copy (``flat``), and the
+    tables a run works out once (``tables``: a GPU device's copy tables, a CPU device's units)."""
+
     program: BatchDeviceProgram
     parts: tuple[PreparedProgram, ...]
     windows: tuple[tuple[PreparedBucket, ...], ...]
     metas: dict
-    flat: tuple[int, ...] = ()  # indices of the parts that only copy (one flat unit on a GPU device)
-    tables: dict = field(default_factory=dict, compare=False)  # GPU copy tables, made on first use
+    flat: tuple[int, ...] = ()
+    tensors: tuple[int, ...] = ()
+    index: dict = field(default_factory=dict, compare=False)
+    staging_bytes: int = 0
+    tables: dict = field(default_factory=dict, compare=False)
 
     @property
     def device(self) -> int:
@@ -71,18 +79,16 @@ class PreparedBatch:
     def groups(self) -> tuple[tuple[int, ...], ...]:
         return self.program.connect
 
-    @property
-    def staging_bytes(self) -> int:
-        """The staging buffer the batch needs: its buckets', then each part's in turn."""
-        return max([self.program.staging_bytes, *(p.program.staging_bytes for p in self.parts)])
-
 
 def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> PreparedBatch:
     d = program.device
     windows = tuple(tuple(_prepare_bucket(b, d) for b in w) for w in program.issue_windows)
     parts = tuple(prepare(p.program, p.dtype) for p in program.parts)
     flat = tuple(i for i, p in enumerate(parts) if _only_copies(p))
-    return PreparedBatch(program, parts, windows, dict(metas or {}), flat)
+    tensors = tuple(p.tensor for p in program.parts)
+    staging = max([program.staging_bytes, *(p.program.staging_bytes for p in parts)])
+    index = {t: i for i, t in enumerate(tensors)}
+    return PreparedBatch(program, parts, windows, dict(metas or {}), flat, tensors, index, staging)
 
 
 def _only_copies(p: PreparedProgram) -> bool:
@@ -156,11 +162,10 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
     ``[(tensor, step, "read" | "wrote", crc)]`` with ``verify``, else None). ``finish(deadline,
     what)``: waits for the work a GPU device queued (``RunStream.finish``)."""
     t0 = time.monotonic()
-    parts = run.prepared.program.parts
-    ordered = [run.runs.get(part.tensor) for part in parts]  # None: in the unit
-    for r in ordered:
-        if r is not None:
-            begin_run(r)
+    index = run.prepared.index
+    ordered = sorted(((index[t], r) for t, r in run.runs.items()), key=_first)  # the parts not in the unit
+    for _, r in ordered:
+        begin_run(r)
     for window in run.prepared.windows:
         _run_window(run, window)
     if run.unit is not None:
@@ -171,19 +176,23 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
         run.unit.read()
     flat = set(run.prepared.flat)
     if run.gpu and flat:
-        _run_flat(run, [run.runs[part.tensor] for part in parts])  # a GPU device has no unit
+        _run_flat(run, [run.runs[t] for t in run.prepared.tensors])  # a GPU device has no unit
     elif flat:
-        _run_flat_host(run, ordered, [i for i in run.prepared.flat if ordered[i] is not None])
-    for i, r in enumerate(ordered):
-        if i not in flat and r is not None:
+        _run_flat_host(run, [r for i, r in ordered if i in flat])
+    for i, r in ordered:
+        if i not in flat:
             run_windows(r)
     if finish is not None:
         finish(run.deadline, f"device {run.prepared.device}: a reshard")
-    comm_s = run.comm_s + sum(r.comm_s for r in ordered if r is not None)
+    comm_s = run.comm_s + sum(r.comm_s for _, r in ordered)
     if run.after_run is not None:
         run.after_run(run.runs)
     checks = checksums(run) if verify else None
     return {"elapsed_s": time.monotonic() - t0, "comm_s": comm_s, "checks": checks}
+
+
+def _first(pair: tuple) -> int:
+    return pair[0]
 
 
 def _run_window(run: BatchRun, window: tuple[PreparedBucket, ...]) -> None:
@@ -302,15 +311,13 @@ def _run_flat(run: BatchRun, ordered: list[Run]) -> None:
     table.launch(bases)
 
 
-def _run_flat_host(run: BatchRun, ordered: list[Run | None], flat: list[int]) -> None:
-    """The parts ``flat`` that only copy, on a CPU device: their ops in order, without a run of
-    the executor each, and every read out of a peer's private memory gathered (``Gather``: one
-    system call per holder for as many as fit)."""
+def _run_flat_host(run: BatchRun, flat: list[Run]) -> None:
+    """The runs ``flat`` of parts that only copy, on a CPU device: their ops in order, without a
+    run of the executor each, and every read out of a peer's private memory gathered (``Gather``:
+    one system call per holder for as many as fit)."""
     gather = Gather()
     before = run.before_op
-    for i in flat:
-        r = ordered[i]
-        assert r is not None, "a part of the unit has no run"
+    for r in flat:
         for window in r.prepared.windows:
             for s in window:
                 op = s.op

@@ -25,6 +25,8 @@ from reshard.runtime.device.host_unit import UnitRun
 from reshard.runtime.messages import Bound, RunRequest, shard_name
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import numpy as np
     import torch
 
@@ -44,34 +46,35 @@ class Binding:
         self.relayed: dict[int, dict] = {}  # tensor -> {holder: descriptor of the destination shard relayed from}
         self.unit: UnitRun | None = None  # the parts run as one unit (``host_unit``): no ``Run`` each
         self.placed: dict[int, tuple] = {}  # tensor -> where its unit destination lies (``UnitRun.places``)
+        self.own_bytes = 0  # the destinations' bytes (a user's tensor written direct included)
+        self.assembling: int | None = None  # the tensor whose destination is assembled apart (``ShardStore``)
 
     def runs(self, groups, staging, deadline: float, cancelled, before_op, batch) -> dict[int, Run]:
-        """A ``Run`` per part, its buffers bound (module docstring)."""
-        ctx, bound = self.ctx, self.bound
+        """A ``Run`` per part outside the batch's unit (``host_unit``), its buffers bound (module
+        docstring); the unit's destinations are views of one block."""
+        ctx, bound, prepared = self.ctx, self.bound, self.prepared
+        n = len(prepared.parts)
         sources = bound.sources
-        outs = bound.outs or (None,) * len(self.prepared.parts)
-        if len(sources) != len(self.prepared.parts) or len(outs) != len(self.prepared.parts):
-            raise ReshardError(
-                f"device {ctx.device}: the run names {len(sources)} sources for {len(self.prepared.parts)} parts"
-            )
+        outs = bound.outs or (None,) * n
+        if len(sources) != n or len(outs) != n:
+            raise ReshardError(f"device {ctx.device}: the run names {len(sources)} sources for {n} parts")
         self.check_outputs()  # before anything moves
         runs = {}
-        tensors = [p.tensor for p in self.prepared.program.parts]
+        tensors = prepared.tensors
         fresh = self._fresh_destinations(tensors, outs)
-        casts = bound.casts or (None,) * len(self.prepared.parts)
-        unit = host_unit.unit_for(ctx, self.prepared, bound, self.req)
+        casts = bound.casts or (None,) * n
+        rest: Iterable[int] = range(n)
+        unit = host_unit.unit_for(ctx, prepared, bound, self.req)
         if unit is not None:
             self.unit = UnitRun(unit, ctx.device, ctx.peers, *ctx.store.allocate_block(unit.nbytes, bool(unit.shared)))
             ctx.counters["unit_parts"] = ctx.counters.get("unit_parts", 0) + len(unit.index)
-        in_unit, places = (self.unit.dsts, self.unit.places) if self.unit is not None else ({}, {})
-        for i, (prepared, tensor, source, out, cast) in enumerate(
-            zip(self.prepared.parts, tensors, sources, outs, casts, strict=True)
-        ):
-            if i in in_unit:
-                self.dsts[tensor] = in_unit[i]
-                self.placed[tensor] = places[i]
-                continue
-            prog, dtype = prepared.program, prepared.dtype
+            self.dsts = {tensors[i]: d for i, d in self.unit.dsts.items()}
+            self.placed = {tensors[i]: p for i, p in self.unit.places.items()}
+            self.own_bytes = int(self.unit.block.nbytes)
+            rest = unit.rest
+        for i in rest:
+            part, tensor, source, cast = prepared.parts[i], tensors[i], sources[i], casts[i]
+            prog, dtype = part.program, part.dtype
             src = None
             if prog.src_shape is not None:
                 src = ctx.store.get(source)
@@ -92,9 +95,13 @@ class Binding:
                 self.pulled[tensor] = pulls
             dst = None
             if prog.dst_shape is not None:
-                dst = self.dsts[tensor] = fresh[tensor] if tensor in fresh else self._destination(prepared, dtype, out)
+                dst = fresh[tensor] if tensor in fresh else self._destination(part, dtype, outs[i])
+                self.dsts[tensor] = dst
+                self.own_bytes += int(dst.nbytes)
+                if ctx.store.assembled(dst):
+                    self.assembling = tensor
             publish = relayed = None
-            if prepared.publishes:
+            if part.publishes:
                 self.slots[tensor] = self._open_slot(tensor, dst)
                 publish = functools.partial(ctx.board.post, self.slots[tensor])
             if prog.relays:
@@ -103,7 +110,7 @@ class Binding:
             if prog.tmp:
                 tmp = self.tmps[tensor] = ctx.store.allocate(prog.src_shape, dtype)
             runs[tensor] = Run(
-                prepared,
+                part,
                 src=src,
                 dst=dst,
                 groups=groups,
@@ -117,7 +124,7 @@ class Binding:
                 publish=publish,
             )
         if bound.pulls:
-            ctx.peers.purge()  # mappings of shards their owners dropped since: let that memory go
+            ctx.peers.purge(full=False)  # mappings of shards their owners dropped since: let that memory go
         return runs
 
     def _cast(self, name: str, src, cast, dtype: str):
@@ -212,11 +219,13 @@ class Binding:
 
     @property
     def assembled(self) -> bool:
-        return any(self.ctx.store.assembled(d) for d in self.dsts.values())
+        return self.assembling is not None
 
     @property
     def dst_bytes(self) -> int:
-        return sum(int(d.nbytes) * (1 + self.ctx.store.assembled(d)) for d in self.dsts.values())
+        """The memory the destinations take, an assembled one twice (it is copied out at the end)."""
+        extra = 0 if self.assembling is None else int(self.dsts[self.assembling].nbytes)
+        return self.own_bytes + extra
 
     def recycle(self) -> None:
         """Scratch buffers back to the pool (the runs that used them are gone)."""
@@ -228,9 +237,8 @@ class Binding:
         pulled from checked still to be the one pulled (none was freed meanwhile); ``late_fails``:
         a run that ends after its deadline fails (its results wait for a commit that has given up)."""
         ctx = self.ctx
-        if not self.req.direct:
-            for tensor, dst in list(self.dsts.items()):
-                self.dsts[tensor] = ctx.store.settle(dst)
+        if not self.req.direct and self.assembling is not None:
+            self.dsts[self.assembling] = ctx.store.settle(self.dsts[self.assembling])
         for seen in (*self.pulled.values(), *self.relayed.values()):
             for h, desc in seen.items():
                 ctx.peers.check(h, desc)
@@ -244,18 +252,26 @@ class Binding:
     def keep(self, metas: dict) -> dict[int, tuple | None]:
         """The new destinations as named shards (``shard_name(run, tensor)``), all or none: a run
         the controller aborted meanwhile keeps none. Returns each one's descriptor."""
-        ctx, run = self.ctx, self.req.run
+        ctx, run, prepared = self.ctx, self.req.run, self.prepared
         if self.req.direct:
             return {}
-        dtypes = {p.tensor: p.dtype for p in self.prepared.program.parts}
-        entries = [(shard_name(run, t), d, dtypes[t], metas.get(t), t in self.slots) for t, d in self.dsts.items()]
-        placed = [self.placed.get(t) for t in self.dsts] if self.placed else None
-        descriptors = ctx.store.put_run(run, entries, placed)
+        index, parts, placed = prepared.index, prepared.parts, self.placed
+        entries, at, order, at_order = [], [], [], []
+        for t, d in self.dsts.items():
+            name, dtype, meta = shard_name(run, t), parts[index[t]].dtype, metas.get(t)
+            where = placed.get(t)
+            if where is None:
+                entries.append((name, d, dtype, meta, t in self.slots))
+                order.append(t)
+            else:
+                at.append((name, d, dtype, meta, where))
+                at_order.append(t)
+        descriptors = ctx.store.put_run(run, entries, at)
         if descriptors is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
         if self.bound.outs is not None:  # staged for a commit: nobody maps them
             return {}
-        return dict(zip(self.dsts, descriptors, strict=True))
+        return dict(zip(order + at_order, descriptors, strict=True))
 
     def release(self) -> None:
         """Undo a failed run: new destinations dropped (the user's tensors are left as they are),

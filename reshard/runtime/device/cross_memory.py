@@ -133,6 +133,29 @@ class TenureBoard:
         self.cells[cell] = tenure
         return (CROSS_MEMORY, self.pid, self.fd, self.inode, cell, tenure, address, tuple(a.shape), file)
 
+    def begin_placed(self, shards: list, tenures: list, places: list) -> list:
+        """``begin`` of many C-contiguous shards, each with its tenure, at its ``(address, file)``,
+        in one pass (a unit's destinations): their descriptors (None once every cell is taken)."""
+        out: list[tuple | None] = []
+        taken, got = [], []
+        cells, files, held, free = self._cell, self._file, self._held, self._free
+        pid, fd, inode = self.pid, self.fd, self.inode
+        for a, tenure, (address, file) in zip(shards, tenures, places, strict=True):
+            key = (address, a.nbytes)
+            cell = cells.get(key)
+            if cell is None:
+                if not free:
+                    out.append(None)
+                    continue
+                cell = cells[key] = free.pop()
+            files[cell] = file
+            held[cell] = a
+            taken.append(cell)
+            got.append(tenure)
+            out.append((CROSS_MEMORY, pid, fd, inode, cell, tenure, address, a.shape, file))
+        self.cells[np.array(taken, np.int64)] = np.array(got, np.uint64)
+        return out
+
     def end(self, a, address: int | None = None) -> None:
         """The shard in ``a``'s memory is let go of: its descriptors stop reading."""
         if not isinstance(a, np.ndarray):

@@ -210,8 +210,9 @@ class GpuBlocks:
             found[1].released = False
         return self.descriptor(a)
 
-    def end(self, a) -> None:
-        """The shard in ``a``'s piece is dropped: descriptors of it no longer map."""
+    def end(self, a, at: int | None = None) -> None:
+        """The shard in ``a``'s piece is dropped: descriptors of it no longer map. ``at``: as
+        ``begin``'s (never given here)."""
         found = self._find(a)
         if found is not None and found[1].slot >= 0:
             self.board.end(found[1].slot)
@@ -375,8 +376,8 @@ class GpuPeers:
         copied from it: it was not dropped, nor its memory reused, meanwhile)."""
         self._check(holder, desc)
 
-    def purge(self) -> None:
-        """Nothing to do per run: an opened block stays open while its holder may reuse it for the
+    def purge(self, full: bool = True) -> None:
+        """Nothing to do, ``full`` or not, per run: an opened block stays open while its holder may reuse it for the
         next shard of its size (the same handle); ``clear`` closes them."""
 
     def _close(self, opened: _Opened) -> None:

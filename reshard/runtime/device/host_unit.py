@@ -95,7 +95,8 @@ class HostUnit:
     """A batch's parts run as one unit on a CPU device (module docstring): ``index`` maps a part's
     index to its place ``(offset in the block, shape, storage dtype)``; ``nbytes``, the block;
     ``sources``, the reads out of holders' private memory; ``mapped``, the copies out of mapped
-    shards; ``shared``, the parts whose destinations peers map (``SMALL_SHARD_BYTES`` or more)."""
+    shards; ``shared``, the parts whose destinations peers map (``SMALL_SHARD_BYTES`` or more);
+    ``rest``, the indices of the batch's other parts, which run as before."""
 
     bound: object
     index: dict
@@ -103,6 +104,7 @@ class HostUnit:
     sources: tuple[Source, ...]
     mapped: tuple[MappedPull, ...]
     shared: frozenset[int]
+    rest: tuple[int, ...]
 
 
 def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
@@ -168,7 +170,8 @@ def _build(prepared, bound) -> HostUnit | None:
     if not index:
         return None
     sources = tuple(source_of(key, *entry) for key, entry in rows.items())
-    return HostUnit(bound, index, offset, sources, tuple(mapped), frozenset(shared))
+    rest = tuple(i for i in range(len(prepared.parts)) if i not in index)
+    return HostUnit(bound, index, offset, sources, tuple(mapped), frozenset(shared), rest)
 
 
 def _reads(prog, pulls: dict, itemsize: int):

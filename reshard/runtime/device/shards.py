@@ -186,6 +186,7 @@ class ShardStore:
         self.versions: dict[str, str] = {}  # name -> the last reshard that committed into it (``wrote``)
         self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
         self.blocks: dict[int, tuple] = {}  # id -> a unit's (block, file, bytes asked) (``allocate_block``)
+        self.placed: dict[str, int] = {}  # name -> address of a shard that is a view of a unit's block
         self._lock = threading.RLock()
 
     def __contains__(self, name: str) -> bool:
@@ -395,9 +396,8 @@ class ShardStore:
         shard of; ``begun``: ``t`` has its tenure already (``begin``)."""
         return self._put(name, t, holder, dtype, meta, begun) is not _DROPPED
 
-    def _put(self, name: str, t, holder: str, dtype: str, meta: dict | None, begun: bool, placed=None):
-        """``put``, returning ``t``'s descriptor (None: peers cannot map it) or ``_DROPPED``;
-        ``placed``: ``(address, file)`` of a unit's destination (``host_unit.UnitRun.places``)."""
+    def _put(self, name: str, t, holder: str, dtype: str, meta: dict | None, begun: bool):
+        """``put``, returning ``t``'s descriptor (None: peers cannot map it) or ``_DROPPED``."""
         with self._lock:
             if name in self._tombstones:
                 self._tombstones.pop(name)
@@ -410,21 +410,17 @@ class ShardStore:
             self.holders[name] = (holder,)
             desc = None
             if self.shared is not None:
-                if begun:
-                    desc = self.shared.descriptor(t)
-                elif placed is not None:
-                    desc = self.shared.begin(t, placed[1], placed[0])
-                else:
-                    desc = self.shared.begin(t)
+                desc = self.shared.descriptor(t) if begun else self.shared.begin(t)
             if meta:
                 self.meta[name] = meta
             return desc
 
-    def put_run(self, run: str, entries, placed=None) -> list | None:
-        """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), or,
-        when the run was aborted meanwhile (``tombstone``), none of them (None). Returns each
-        one's descriptor (None: peers cannot map it, or it was aborted by name). ``placed``:
-        per entry, ``(address, file)`` of a unit's destination (``_put``), else None."""
+    def put_run(self, run: str, entries, placed=()) -> list | None:
+        """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), and
+        every ``(name, t, dtype, meta, (address, file))`` of ``placed``, its unit's destinations
+        (views of its block: ``host_unit.UnitRun.places``), all at once; or, when the run was
+        aborted meanwhile (``tombstone``), none of them (None). Returns each one's descriptor, in
+        that order (None: peers cannot map it, or it was aborted by name)."""
         with self._lock:
             if run in self._tombstones:
                 self._tombstones.pop(run)
@@ -433,11 +429,31 @@ class ShardStore:
                         self.end(t)
                     self._give_back(t, 2)
                 return None
-            kept = [
-                self._put(name, t, name, dtype, meta, begun, where)
-                for (name, t, dtype, meta, begun), where in zip(entries, placed or itertools.repeat(None), strict=False)
+            kept = [self._put(name, t, name, dtype, meta, begun) for name, t, dtype, meta, begun in entries]
+            out = [None if d is _DROPPED else d for d in kept]
+            if placed:
+                out += self._put_placed(placed)
+            return out
+
+    def _put_placed(self, placed) -> list:
+        """``put_run`` of a unit's destinations: no pool, no block of their own, their tenures
+        begun in one pass (``SharedShards.begin_placed``)."""
+        if self._tombstones and not self._tombstones.keys().isdisjoint(p[0] for p in placed):
+            return [  # aborted by name (a load's): one by one
+                None if d is _DROPPED else d
+                for d in (self._put(name, t, name, dtype, meta, False) for name, t, dtype, meta, _ in placed)
             ]
-            return [None if d is _DROPPED else d for d in kept]
+        shards, dtypes, holders, metas, where = self.shards, self.dtypes, self.holders, self.meta, self.placed
+        for name, t, dtype, meta, (address, _) in placed:
+            shards[name] = t
+            dtypes[name] = dtype
+            holders[name] = (name,)
+            where[name] = address
+            if meta:
+                metas[name] = meta
+        if self.shared is None:
+            return [None] * len(placed)
+        return self.shared.begin_placed([p[1] for p in placed], [p[4] for p in placed])
 
     def share(self, name: str, t, dtype: str, meta: dict, *, file: tuple[int, int] | None = None) -> None:
         """Make the user's tensor ``t`` (of dtype ``dtype``, by name) shard ``name`` (no copy; held
@@ -533,8 +549,11 @@ class ShardStore:
         self.versions.pop(name, None)
         if t is None:
             return False
+        at = self.placed.pop(name, None)
         if self.shared is not None:
-            self.shared.end(t)  # peers' descriptors of it stop mapping, whatever the memory holds next
+            self.shared.end(t, at)  # peers' descriptors of it stop mapping, whatever the memory holds next
+        if at is not None:  # a view of a unit's block: the block is reused once all its views are gone
+            return True
         if name in self.users:  # the user's tensor: forget it, never recycle its memory
             self.users.discard(name)
             return True
@@ -592,6 +611,7 @@ class ShardStore:
             self.shards.clear()
             self.dtypes.clear()
             self.holders.clear()
+            self.placed.clear()
             self.pool.clear()
             self.blocks.clear()
             self.assembly.clear()

@@ -60,7 +60,6 @@ PEER_MAPS = 4096
 #: tens of thousands of shards must not run the process out of descriptors. Shards past it stay in
 #: private memory, which peers read by cross-memory attach (``reshard.runtime.device.cross_memory``).
 MAX_BLOCKS = 1024
-PURGE_STATS = 32
 #: ``madvise`` advice that faults every page of a mapping in at once, writable (Linux >= 5.14; not
 #: named by Python's mmap module yet): a fresh shard's pages are made in one call instead of one
 #: trap per page while the first copy runs.
@@ -214,8 +213,21 @@ class SharedShards:
             return self.private.begin(a, next(self._tenures), file, start)
         return None
 
-    def end(self, a) -> None:
-        """The shard in ``a``'s block is dropped: descriptors of it no longer map."""
+    def begin_placed(self, shards: list, places: list) -> list:
+        """``begin`` of many shards, each at its ``(address, file)`` (a unit's destinations, which
+        fill no block of their own), in one pass: their descriptors (None where the board is full,
+        or there is none)."""
+        if self.private is None:
+            return [None] * len(shards)
+        return self.private.begin_placed(shards, [next(self._tenures) for _ in shards], places)
+
+    def end(self, a, at: int | None = None) -> None:
+        """The shard in ``a``'s block is dropped: descriptors of it no longer map. ``at``: where
+        ``a`` starts, when the caller knows it fills no block of its own (as ``begin``'s)."""
+        if at is not None:
+            if self.private is not None:
+                self.private.end(a, at)
+            return
         start, found = self._header(a)
         if found is not None:
             found[1].value = 0
@@ -346,7 +358,6 @@ class PeerShards:
         self.limit = _peer_map_budget() if limit is None else limit
         self.maps: OrderedDict[tuple[int, int], _Mapped] = OrderedDict()  # (pid, inode) -> its mapping
         self._got: dict = {}  # (holder, descriptor, dtype) -> (key, mapping, what get gave): a replay asks again
-        self._cursor = 0  # where the next purge starts looking descriptors up
         self._lock = threading.Lock()
 
     def get(self, holder: int, desc, dtype: np.dtype) -> np.ndarray | RemoteShard:
@@ -472,30 +483,28 @@ class PeerShards:
         if now != tenure:
             raise shard_gone(self.device, holder)
 
-    def purge(self) -> None:
+    def purge(self, full: bool = True) -> None:
         """Drop the mappings of blocks whose owner has let go of the shard in them: its tenure is
         cleared (the block went back to the owner's pool, or was freed and is pinned by this
-        mapping alone), read without a system call for every mapping; or its descriptor is closed
-        (the memory died with its last array), looked up for at most ``PURGE_STATS`` mappings per
-        call, in turn; or its owner's process is gone (one lookup per owner: all of a dead owner's
-        mappings go at once). It runs with every run that pulls, and with the device's look at
-        its callers (``DeviceContext.check_callers``)."""
+        mapping alone), read without a system call. With ``full``, also those whose descriptor is
+        closed (the memory died with its last array; a lookup each) or whose owner's process is
+        gone (a lookup per owner). Every run that pulls purges without system calls; the device's
+        look at its callers (``DeviceContext.check_callers``, every ``caller_check_s``) fully."""
         with self._lock:
-            items = list(self.maps.items())
-            start = self._cursor % max(1, len(items))
-            stat = {key for key, _ in (items[start:] + items[:start])[:PURGE_STATS]}
-            self._cursor = start + PURGE_STATS
-            gone = {pid for pid in {pid for pid, _ in self.maps} if not os.path.exists(f"/proc/{pid}")}
-            for key, mapped in items:
+            gone = {pid for pid in {pid for pid, _ in self.maps} if not os.path.exists(f"/proc/{pid}")} if full else ()
+            dropped = False
+            for key, mapped in list(self.maps.items()):
                 live = key[0] not in gone and (mapped.tenure is None or int(mapped.tenure[0]) != 0)
-                if live and key in stat:
+                if live and full:
                     try:
                         live = os.stat(f"/proc/{key[0]}/fd/{mapped.fd}").st_ino == key[1]
                     except OSError:
                         live = False
                 if not live:
                     del self.maps[key]
-            self._got = {k: v for k, v in self._got.items() if self.maps.get(v[0]) is v[1]}
+                    dropped = True
+            if dropped:
+                self._got = {k: v for k, v in self._got.items() if self.maps.get(v[0]) is v[1]}
 
     def _map(self, holder: int, pid: int, fd: int, inode: int) -> np.ndarray:
         path = f"/proc/{pid}/fd/{fd}"

@@ -30,6 +30,7 @@ from reshard.runtime.driver.communicators import Communicators
 from reshard.runtime.driver.device_registry import DeviceRegistry
 from reshard.runtime.driver.dispatch import Dispatch, Outcome, failure_error, first_line, gather
 from reshard.runtime.driver.program_cache import ProgramCache
+from reshard.runtime.driver.signed import Signed
 from reshard.runtime.messages import (
     COMMIT_WAIT_S,
     Bound,
@@ -155,7 +156,7 @@ class Batches:
             sets = self.communicators.admit([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
             shards = tuple((key, cast) for _, _, cast, key in sources)  # a name shared anew: anew
-            bid = self.bindings.program_id((pid, shards, None if outs is None else tuple(outs)))
+            bid = self.bindings.program_id(Signed((pid, shards, None if outs is None else tuple(outs))))
             budget = deadline.budget
             refs = {}
             for rec in recs:

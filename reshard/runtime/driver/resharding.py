@@ -28,6 +28,7 @@ from reshard.runtime.backends.registry import backend_spec
 from reshard.runtime.checksums import first_mismatch
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
+from reshard.runtime.driver.signed import Signed
 from reshard.runtime.driver.tensor import ShardedTensor
 from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import maps_shared, shard_name
@@ -172,11 +173,18 @@ def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
         raise TypeError(f"dst_layout must be a reshard.Layout, got {type(dst_layouts).__name__}")
     what = "reshard: the tree of layouts does not match the tree of tensors"
     given = per_leaf(dst_layouts, leaves, paths, treedef, lambda x: isinstance(x, Layout), what)
-    out = []
+    out: list[Layout] = []
+    seen: dict[tuple, Layout] = {}  # (id of a given layout, shape) -> it for that shape: a state dict has few of each
     for path, t, layout in zip(paths, leaves, given, strict=True):
-        if not isinstance(layout, Layout):
-            raise TypeError(f"reshard: the layout for {_at(path)}is a {type(layout).__name__}, not a reshard.Layout")
-        out.append(layout.for_shape(t.shape))  # checked
+        key = (id(layout), t.shape)
+        hit = seen.get(key)
+        if hit is None:
+            if not isinstance(layout, Layout):
+                raise TypeError(
+                    f"reshard: the layout for {_at(path)}is a {type(layout).__name__}, not a reshard.Layout"
+                )
+            hit = seen[key] = layout.for_shape(t.shape)  # checked
+        out.append(hit)
     return out
 
 
@@ -271,7 +279,7 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
                 bucket_bytes=compile_target(backend).bucket_bytes if bucket_bytes is None else bucket_bytes,
             )
 
-    return rt.batches.compiled(signature, build)
+    return rt.batches.compiled(Signed(signature), build)  # hashed once: thousands of tensors' keys
 
 
 def lowered_reshard(

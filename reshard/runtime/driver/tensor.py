@@ -25,27 +25,12 @@ from reshard.ir.regions import box_volume, layout_regions
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.driver.dispatch import failure_error
 from reshard.runtime.driver.mesh import DeviceMesh
+from reshard.runtime.driver.signed import Signed
 from reshard.runtime.messages import copy_holder
 
 FETCH_RETRY_S = 0.005  # a read whose shards disagree reads again after this pause, then twice as long
 FETCH_RETRY_MAX_S = 0.2
 VERSIONS_WAIT_S = 10.0  # how long a read waits for its shards' devices to agree on the last sync
-
-
-class Signed:
-    """A hashable value with its hash computed once (tuples compute theirs at every lookup)."""
-
-    __slots__ = ("_hash", "value")
-
-    def __init__(self, value):
-        self.value = value
-        self._hash = hash(value)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, Signed) and self._hash == other._hash and self.value == other.value)
 
 
 class ShardedTensor:
