@@ -39,13 +39,13 @@ class Binding:
         self.req = req
         self.bound = bound
         self.prepared = prepared
-        self.dsts: dict[int, np.ndarray | torch.Tensor] = {}  # tensor -> destination (new shard, or the user's tensor)
+        #: tensor -> destination (new shard, or the user's tensor) of each part outside the unit
+        self.dsts: dict[int, np.ndarray | torch.Tensor] = {}
         self.slots: dict[int, int] = {}  # tensor -> relay board slot
         self.tmps: dict[int, np.ndarray | torch.Tensor] = {}
         self.pulled: dict[int, dict] = {}  # tensor -> {holder: descriptor of the shard pulled from}
         self.relayed: dict[int, dict] = {}  # tensor -> {holder: descriptor of the destination shard relayed from}
         self.unit: UnitRun | None = None  # the parts run as one unit (``host_unit``): no ``Run`` each
-        self.placed: dict[int, tuple] = {}  # tensor -> where its unit destination lies (``UnitRun.places``)
         self.own_bytes = 0  # the destinations' bytes (a user's tensor written direct included)
         self.assembling: int | None = None  # the tensor whose destination is assembled apart (``ShardStore``)
 
@@ -68,8 +68,6 @@ class Binding:
         if unit is not None:
             self.unit = UnitRun(unit, ctx.device, ctx.peers, *ctx.store.allocate_block(unit.nbytes, bool(unit.shared)))
             ctx.counters["unit_parts"] = ctx.counters.get("unit_parts", 0) + len(unit.index)
-            self.dsts = {tensors[i]: d for i, d in self.unit.dsts.items()}
-            self.placed = {tensors[i]: p for i, p in self.unit.places.items()}
             self.own_bytes = int(self.unit.block.nbytes)
             rest = unit.rest
         for i in rest:
@@ -255,23 +253,23 @@ class Binding:
         ctx, run, prepared = self.ctx, self.req.run, self.prepared
         if self.req.direct:
             return {}
-        index, parts, placed = prepared.index, prepared.parts, self.placed
-        entries, at, order, at_order = [], [], [], []
-        for t, d in self.dsts.items():
-            name, dtype, meta = shard_name(run, t), parts[index[t]].dtype, metas.get(t)
-            where = placed.get(t)
-            if where is None:
-                entries.append((name, d, dtype, meta, t in self.slots))
+        index, parts, tensors = prepared.index, prepared.parts, prepared.tensors
+        order = list(self.dsts)
+        entries = [
+            (shard_name(run, t), d, parts[index[t]].dtype, metas.get(t), t in self.slots) for t, d in self.dsts.items()
+        ]
+        placed = []
+        if self.unit is not None:
+            for i, d, where in self.unit.placed():
+                t = tensors[i]
+                placed.append((shard_name(run, t), d, parts[i].dtype, metas.get(t), where))
                 order.append(t)
-            else:
-                at.append((name, d, dtype, meta, where))
-                at_order.append(t)
-        descriptors = ctx.store.put_run(run, entries, at)
+        descriptors = ctx.store.put_run(run, entries, placed)
         if descriptors is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
         if self.bound.outs is not None:  # staged for a commit: nobody maps them
             return {}
-        return dict(zip(order + at_order, descriptors, strict=True))
+        return dict(zip(order, descriptors, strict=True))
 
     def release(self) -> None:
         """Undo a failed run: new destinations dropped (the user's tensors are left as they are),

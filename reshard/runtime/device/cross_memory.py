@@ -134,13 +134,15 @@ class TenureBoard:
         return (CROSS_MEMORY, self.pid, self.fd, self.inode, cell, tenure, address, tuple(a.shape), file)
 
     def begin_placed(self, shards: list, tenures: list, places: list) -> list:
-        """``begin`` of many C-contiguous shards, each with its tenure, at its ``(address, file)``,
-        in one pass (a unit's destinations): their descriptors (None once every cell is taken)."""
+        """``begin`` of many C-contiguous shards, each with its tenure, at its ``(address, shape,
+        file)``, in one pass (a unit's destinations; ``shape``, a tuple shared by shards of one
+        shape, so a run's descriptors pickle it once): their descriptors (None once every cell is
+        taken)."""
         out: list[tuple | None] = []
         taken, got = [], []
         cells, files, held, free = self._cell, self._file, self._held, self._free
         pid, fd, inode = self.pid, self.fd, self.inode
-        for a, tenure, (address, file) in zip(shards, tenures, places, strict=True):
+        for a, tenure, (address, shape, file) in zip(shards, tenures, places, strict=True):
             key = (address, a.nbytes)
             cell = cells.get(key)
             if cell is None:
@@ -152,7 +154,7 @@ class TenureBoard:
             held[cell] = a
             taken.append(cell)
             got.append(tenure)
-            out.append((CROSS_MEMORY, pid, fd, inode, cell, tenure, address, a.shape, file))
+            out.append((CROSS_MEMORY, pid, fd, inode, cell, tenure, address, shape, file))
         self.cells[np.array(taken, np.int64)] = np.array(got, np.uint64)
         return out
 

@@ -139,6 +139,7 @@ def _build(prepared, bound) -> HostUnit | None:
     rows: dict = {}  # (holder, pid, board fd, board inode) -> [cells, tenures, reads, places]
     mapped: list[MappedPull] = []
     shared: set[int] = set()  # parts whose destinations peers map
+    shapes: dict = {}  # one tuple per distinct shape: pickled once per run's descriptors, made once here
     offset = 0
     for i in prepared.flat:
         part, tensor = prepared.parts[i], prepared.program.parts[i].tensor
@@ -152,7 +153,8 @@ def _build(prepared, bound) -> HostUnit | None:
         reads = _reads(prog, bound.pulls.get(tensor) or {}, storage.itemsize)
         if reads is None:
             continue
-        index[i] = (offset, tuple(prog.dst_shape), storage)
+        shape = tuple(prog.dst_shape)
+        index[i] = (offset, shapes.setdefault(shape, shape), storage)
         if nbytes >= SMALL_SHARD_BYTES:
             shared.add(i)
         for holder, desc, table in reads:
@@ -305,19 +307,22 @@ def source_of(key, cells: list, tenures: list, reads: list, places: list) -> Sou
 
 class UnitRun:
     """One run of a unit on a device: its block, each part's destination a view of it (``dsts``,
-    by part index; ``places``, where each lies: its address, and ``(fd, inode, offset)`` in the
-    block's shared-memory file or None); ``read`` fills them, ``check`` says every shard read is
-    still its holder's."""
+    by part index); ``read`` fills them, ``check`` says every shard read is still its holder's,
+    ``placed`` says where each destination lies."""
 
     def __init__(self, unit: HostUnit, device: int, peers, block: np.ndarray, file: tuple[int, int, int] | None):
         self.unit, self.device, self.peers = unit, device, peers
-        self.block = block
+        self.block, self.file = block, file
         self.dsts = {i: np.ndarray(shape, storage, block, o) for i, (o, shape, storage) in unit.index.items()}
-        base, mapped = block.ctypes.data, unit.shared if file is not None else frozenset()
-        fd, inode, at = file or (0, 0, 0)
-        self.places: dict[int, tuple[int, tuple[int, int, int] | None]] = {
-            i: (base + o, (fd, inode, at + o) if i in mapped else None) for i, (o, _, _) in unit.index.items()
-        }
+
+    def placed(self):
+        """``(part index, destination, (address, shape, file))`` of each destination: ``file`` is
+        ``(fd, inode, offset)`` in the block's shared-memory file for those peers map, else None."""
+        base, dsts = self.block.ctypes.data, self.dsts
+        mapped = self.unit.shared if self.file is not None else frozenset()
+        fd, inode, at = self.file or (0, 0, 0)
+        for i, (o, shape, _) in self.unit.index.items():
+            yield i, dsts[i], (base + o, shape, (fd, inode, at + o) if i in mapped else None)
 
     def read(self) -> None:
         base = np.uint64(self.block.ctypes.data)

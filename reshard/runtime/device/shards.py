@@ -417,8 +417,8 @@ class ShardStore:
 
     def put_run(self, run: str, entries, placed=()) -> list | None:
         """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), and
-        every ``(name, t, dtype, meta, (address, file))`` of ``placed``, its unit's destinations
-        (views of its block: ``host_unit.UnitRun.places``), all at once; or, when the run was
+        every ``(name, t, dtype, meta, (address, shape, file))`` of ``placed``, its unit's destinations
+        (views of its block: ``host_unit.UnitRun.placed``), all at once; or, when the run was
         aborted meanwhile (``tombstone``), none of them (None). Returns each one's descriptor, in
         that order (None: peers cannot map it, or it was aborted by name)."""
         with self._lock:
@@ -444,7 +444,7 @@ class ShardStore:
                 for d in (self._put(name, t, name, dtype, meta, False) for name, t, dtype, meta, _ in placed)
             ]
         shards, dtypes, holders, metas, where = self.shards, self.dtypes, self.holders, self.meta, self.placed
-        for name, t, dtype, meta, (address, _) in placed:
+        for name, t, dtype, meta, (address, _, _) in placed:
             shards[name] = t
             dtypes[name] = dtype
             holders[name] = (name,)

@@ -214,9 +214,9 @@ class SharedShards:
         return None
 
     def begin_placed(self, shards: list, places: list) -> list:
-        """``begin`` of many shards, each at its ``(address, file)`` (a unit's destinations, which
-        fill no block of their own), in one pass: their descriptors (None where the board is full,
-        or there is none)."""
+        """``begin`` of many shards, each at its ``(address, shape, file)`` (a unit's destinations,
+        which fill no block of their own), in one pass: their descriptors (None where the board is
+        full, or there is none)."""
         if self.private is None:
             return [None] * len(shards)
         return self.private.begin_placed(shards, [next(self._tenures) for _ in shards], places)
