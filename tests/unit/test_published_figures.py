@@ -20,8 +20,9 @@ HEADLINE = "18d18da"
 #: The chaos tier's run, on the commit after HEADLINE (the headline's own run got no SIGINT through).
 CHAOS = "chaos-a422216.json"
 #: The MoE tree and the trees' ratios, measured again after each change of the device path (the host
-#: unit, then its mapped pulls), against the commit before it in one sitting: (base, new, rounds).
-AB = (("b3fc38f", "31f2d15", 2), ("a19b95b", "1163ba7", 3))
+#: unit, its mapped pulls, the per-tensor bookkeeping), against the commit before it in one sitting:
+#: (base, new, rounds).
+AB = (("b3fc38f", "31f2d15", 2), ("a19b95b", "1163ba7", 3), ("681e2a8", "84a81e8", 2))
 MOE = "weights-moe-1163ba7-ab3.json"
 QUOTED: list[str] = []  # every result file a figure below comes from
 
