@@ -377,8 +377,8 @@ class GpuPeers:
         self._check(holder, desc)
 
     def purge(self, full: bool = True) -> None:
-        """Nothing to do, ``full`` or not, per run: an opened block stays open while its holder may reuse it for the
-        next shard of its size (the same handle); ``clear`` closes them."""
+        """Nothing to do, ``full`` or not: an opened block stays open while its holder may reuse
+        it for the next shard of its size (the same handle); ``clear`` closes them."""
 
     def _close(self, opened: _Opened) -> None:
         import cupy
