@@ -128,34 +128,47 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return names
 
 
+def _box_obj(v) -> list:
+    return [list(iv) for iv in v]
+
+
+_BUFFERS = {b.value: b for b in Buffer}
+#: Per op field, how its value is written and read (None: as it is); a None value stays None.
+_FIELD_CODECS: dict[str, tuple] = {
+    **{name: (_box_obj, _box) for name in _BOXES},
+    "group": (list, tuple),
+    "buffer": (int, _BUFFERS.__getitem__),
+    "target": (int, _BUFFERS.__getitem__),
+    "reduce": (lambda r: r.value, ReduceOp),
+}
+_CODECS: dict[type, tuple] = {}
+
+
+def _codecs(cls: type) -> tuple:
+    """``(name, encode, decode)`` of each field of op class ``cls`` (made once per class: a tree's
+    programs hold hundreds of thousands of ops)."""
+    out = _CODECS.get(cls)
+    if out is None:
+        out = _CODECS[cls] = tuple((n, *_FIELD_CODECS.get(n, (None, None))) for n in _field_names(cls))
+    return out
+
+
 def op_to_obj(op: Op) -> list:
     out: list = [OP_TAGS[type(op)]]
-    for name in _field_names(type(op)):
+    for name, encode, _ in _codecs(type(op)):
         v = getattr(op, name)
-        if isinstance(v, ReduceOp):
-            out.append(v.value)
-        elif v is None or isinstance(v, int):
-            out.append(int(v) if v is not None else None)
-        else:  # a box or a group
-            out.append([list(iv) for iv in v] if name in _BOXES else list(v))
+        out.append(v if v is None or encode is None else encode(v))
     return out
 
 
 def op_from_obj(obj) -> Op:
     cls = _OP_TYPES[obj[0]]
-    values = []
-    for name, v in zip(_field_names(cls), obj[1:], strict=True):
-        if v is not None:
-            if name in _BOXES:
-                v = _box(v)
-            elif name == "group":
-                v = tuple(v)
-            elif name in ("buffer", "target"):
-                v = Buffer(v)
-            elif name == "reduce":
-                v = ReduceOp(v)
-        values.append(v)
-    return cls(*values)
+    return cls(
+        *(
+            v if v is None or decode is None else decode(v)
+            for (_, _, decode), v in zip(_codecs(cls), obj[1:], strict=True)
+        )
+    )
 
 
 def _shape(s):

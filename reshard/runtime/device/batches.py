@@ -94,7 +94,7 @@ def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> Pre
 def _only_copies(p: PreparedProgram) -> bool:
     """Whether a part only copies boxes between its own shards and peers' source shards."""
     prog = p.program
-    if prog.tmp or prog.zero_dst or prog.relays or p.publishes or p.background:
+    if prog.tmp or prog.zero_dst or prog.relays or p.publishes or prog.background:
         return False
     for op in prog.ops:
         if (

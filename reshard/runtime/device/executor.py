@@ -106,19 +106,42 @@ class Step(Generic[OpT]):
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
 class PreparedProgram:
     """A ``DeviceProgram`` ready to run: steps per window, background steps, dtype, and what its
-    run needs, worked out once: the holders it pulls from, whether it publishes, whether a window
-    holds messages (else it runs its ops at once)."""
+    run needs: the holders it pulls from, whether it publishes, whether a window holds messages
+    (else it runs its ops at once). The steps are worked out when a run first asks for them, then
+    kept: the parts a CPU device's host unit runs never do (``batches``); making them for every
+    part took about a third of each device's part of a 20,000-tensor tree's first call."""
 
-    program: DeviceProgram
-    dtype: str
-    windows: tuple[tuple[Step[Op], ...], ...]
-    background: tuple[Step[Op], ...]
-    holders: tuple[int, ...] = ()
-    publishes: bool = False
-    messages: tuple[bool, ...] = ()
+    __slots__ = ("_steps", "dtype", "program", "publishes")
+
+    def __init__(self, program: DeviceProgram, dtype: str, publishes: bool = False):
+        self.program, self.dtype, self.publishes = program, dtype, publishes
+        self._steps: tuple | None = None
+
+    @property
+    def holders(self) -> tuple[int, ...]:
+        return self.program.holders
+
+    @property
+    def windows(self) -> tuple[tuple[Step[Op], ...], ...]:
+        return self._prepared()[0]
+
+    @property
+    def background(self) -> tuple[Step[Op], ...]:
+        return self._prepared()[1]
+
+    @property
+    def messages(self) -> tuple[bool, ...]:
+        return self._prepared()[2]
+
+    def _prepared(self) -> tuple:
+        if self._steps is None:  # two threads may both make them: the same steps
+            d = self.program.device
+            windows = tuple(tuple(_step(op, d) for op in w) for w in self.program.issue_windows)
+            messages = tuple(any(isinstance(s.op, Send | Recv | Broadcast | Publish) for s in w) for w in windows)
+            self._steps = (windows, tuple(_step(op, d) for op in self.program.background), messages)
+        return self._steps
 
     @property
     def device(self) -> int:
@@ -295,19 +318,8 @@ def _step(op: Op, device: int) -> Step[Op]:
 
 
 def prepare(program: DeviceProgram, dtype: str) -> PreparedProgram:
-    """Precompute every op's handler, slices and ranks."""
-    d = program.device
-    windows = tuple(tuple(_step(op, d) for op in w) for w in program.issue_windows)
-    messages = tuple(any(isinstance(s.op, Send | Recv | Broadcast | Publish) for s in w) for w in windows)
-    return PreparedProgram(
-        program,
-        dtype,
-        windows,
-        tuple(_step(op, d) for op in program.background),
-        program.holders,
-        program.publishes,
-        messages,
-    )
+    """``program`` ready to run (its steps worked out on first use: ``PreparedProgram``)."""
+    return PreparedProgram(program, dtype, program.publishes)
 
 
 _helper: ThreadPoolExecutor | None = None
