@@ -23,6 +23,8 @@ CHAOS = "chaos-a422216.json"
 #: unit, its mapped pulls, the per-tensor bookkeeping), against the commit before it in one sitting:
 #: (base, new, rounds).
 AB = (("b3fc38f", "31f2d15", 2), ("a19b95b", "1163ba7", 3), ("681e2a8", "84a81e8", 2))
+#: The MoE tree alone, before and after its first call's steps were made lazily.
+AB_MOE = (("6379d5d", "9642baa", 3),)
 MOE = "weights-moe-1163ba7-ab3.json"
 QUOTED: list[str] = []  # every result file a figure below comes from
 
@@ -381,6 +383,7 @@ def weights() -> list[tuple[str, str]]:
     moe = moe_run["results"][0]
     moe_ours, moe_one = moe["methods"]["ours"], moe["methods"]["one_tensor"]
     ab_rows = [row for base, new, rounds in AB for row in ab_table(base, new, rounds)]
+    ab_rows += [row for base, new, rounds in AB_MOE for row in ab_table(base, new, rounds, ("moe",))]
     per_tensor = (
         f"{fit['default']['per_tensor_s'] * 1e3:.3f} ms (default path), "
         f"{fit['gloo']['per_tensor_s'] * 1e3:.3f} ms (gloo)"
@@ -418,11 +421,10 @@ def tree_ratios(d: dict) -> dict[str, list[float]]:
     return out
 
 
-def ab_table(base: str, new: str, rounds: int) -> list[str]:
-    """The rows of a WEIGHTS.md table of an A/B of commits ``base`` and ``new`` (``rounds`` each)."""
-    files = [
-        f"weights-{m}-{rev}-ab{r}.json" for m in ("moe", "trees") for rev in (base, new) for r in range(1, rounds + 1)
-    ]
+def ab_table(base: str, new: str, rounds: int, models=("moe", "trees")) -> list[str]:
+    """The rows of a WEIGHTS.md table of an A/B of commits ``base`` and ``new`` (``rounds`` each),
+    of the MoE tree and the two smaller trees, or of the ``models`` given."""
+    files = [f"weights-{m}-{rev}-ab{r}.json" for m in models for rev in (base, new) for r in range(1, rounds + 1)]
     runs = {name: result(name) for name in files}
 
     def row(what: str, model: str, cell) -> str:
@@ -442,7 +444,7 @@ def ab_table(base: str, new: str, rounds: int) -> list[str]:
 
         return cell
 
-    return [
+    rows = [
         row("MoE replay, median", "moe", lambda d: f"{median(d, 'ours'):.2f} s"),
         row("MoE first call", "moe", lambda d: f"{d['results'][0]['methods']['ours']['first_s']:.2f} s"),
         row(
@@ -450,6 +452,10 @@ def ab_table(base: str, new: str, rounds: int) -> list[str]:
             "moe",
             lambda d: f"{median(d, 'ours') / median(d, 'one_tensor'):.0f}×",
         ),
+    ]
+    if "trees" not in models:
+        return rows
+    return rows + [
         row("GPT-2 tree against one tensor", "trees", span("gpt2")),
         row("Qwen3 tree against one tensor", "trees", span("qwen3")),
         row(
