@@ -27,6 +27,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 
@@ -163,7 +164,7 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
     what)``: waits for the work a GPU device queued (``RunStream.finish``)."""
     t0 = time.monotonic()
     index = run.prepared.index
-    ordered = sorted(((index[t], r) for t, r in run.runs.items()), key=_first)  # the parts not in the unit
+    ordered = sorted(((index[t], r) for t, r in run.runs.items()), key=itemgetter(0))  # the parts not in the unit
     for _, r in ordered:
         begin_run(r)
     for window in run.prepared.windows:
@@ -189,10 +190,6 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
         run.after_run(run.runs)
     checks = checksums(run) if verify else None
     return {"elapsed_s": time.monotonic() - t0, "comm_s": comm_s, "checks": checks}
-
-
-def _first(pair: tuple) -> int:
-    return pair[0]
 
 
 def _run_window(run: BatchRun, window: tuple[PreparedBucket, ...]) -> None:

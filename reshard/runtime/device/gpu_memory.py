@@ -198,11 +198,11 @@ class GpuBlocks:
             return None
         return block, piece
 
-    def begin(self, a, file: tuple[int, int, int] | None = None, at: int | None = None) -> tuple | None:
+    def begin(self, a, file: tuple[int, int, int] | None = None) -> tuple | None:
         """A shard takes the piece ``a`` fills (if it fills one): a fresh tenure. Returns its
-        ``descriptor``. ``file`` and ``at``: as ``SharedShards.begin``'s, where host memory
-        lies in a shared-memory file or in private memory; device memory never does (None)."""
-        if file is not None or at is not None:
+        ``descriptor``. ``file``: as ``SharedShards.begin``'s, where host memory lies in a
+        shared-memory file; device memory never does (None)."""
+        if file is not None:
             raise ValueError(f"GPU memory lies in no shared-memory file nor private host memory, got {file!r}")
         found = self._find(a)
         if found is not None and found[1].slot < 0:
@@ -212,7 +212,7 @@ class GpuBlocks:
 
     def end(self, a, at: int | None = None) -> None:
         """The shard in ``a``'s piece is dropped: descriptors of it no longer map. ``at``: as
-        ``begin``'s (never given here)."""
+        ``SharedShards.end``'s (never given here: a GPU device has no unit)."""
         found = self._find(a)
         if found is not None and found[1].slot >= 0:
             self.board.end(found[1].slot)

@@ -405,15 +405,17 @@ class ShardStore:
                     self.end(t)
                 self._give_back(t, 1)
                 return _DROPPED
-            self.shards[name] = t
-            self.dtypes[name] = dtype
-            self.holders[name] = (holder,)
-            desc = None
-            if self.shared is not None:
-                desc = self.shared.descriptor(t) if begun else self.shared.begin(t)
-            if meta:
-                self.meta[name] = meta
-            return desc
+            self._record(name, t, holder, dtype, meta)
+            if self.shared is None:
+                return None
+            return self.shared.descriptor(t) if begun else self.shared.begin(t)
+
+    def _record(self, name: str, t, holder: str, dtype: str, meta: dict | None) -> None:
+        self.shards[name] = t
+        self.dtypes[name] = dtype
+        self.holders[name] = (holder,)
+        if meta:
+            self.meta[name] = meta
 
     def put_run(self, run: str, entries, placed=()) -> list | None:
         """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), and
@@ -443,14 +445,10 @@ class ShardStore:
                 None if d is _DROPPED else d
                 for d in (self._put(name, t, name, dtype, meta, False) for name, t, dtype, meta, _ in placed)
             ]
-        shards, dtypes, holders, metas, where = self.shards, self.dtypes, self.holders, self.meta, self.placed
+        record, where = self._record, self.placed
         for name, t, dtype, meta, (address, _, _) in placed:
-            shards[name] = t
-            dtypes[name] = dtype
-            holders[name] = (name,)
+            record(name, t, name, dtype, meta)
             where[name] = address
-            if meta:
-                metas[name] = meta
         if self.shared is None:
             return [None] * len(placed)
         return self.shared.begin_placed([p[1] for p in placed], [p[4] for p in placed])

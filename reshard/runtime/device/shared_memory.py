@@ -196,14 +196,11 @@ class SharedShards:
             return start, None
         return start, (block, ctypes.c_uint64.from_address(start - HEADER))
 
-    def begin(self, a, file: tuple[int, int, int] | None = None, at: int | None = None) -> tuple | None:
+    def begin(self, a, file: tuple[int, int, int] | None = None) -> tuple | None:
         """A shard takes the block ``a`` fills (if it fills one): a fresh tenure. Else ``a`` is in
         private memory, or at ``file`` (``(descriptor, inode, offset)`` of a shared-memory file:
-        torch's ``share_memory_()``, a unit's block): its cell on the tenure board. ``at``: where
-        ``a`` starts, when the caller knows it fills no block of its own (a unit's destination).
-        Returns its ``descriptor``."""
-        if at is not None:
-            return None if self.private is None else self.private.begin(a, next(self._tenures), file, at)
+        torch's ``share_memory_()``): its cell on the tenure board. Returns its ``descriptor``. (A
+        unit's destinations: ``begin_placed``.)"""
         start, found = self._header(a)
         if found is not None:
             block, cell = found
@@ -223,7 +220,8 @@ class SharedShards:
 
     def end(self, a, at: int | None = None) -> None:
         """The shard in ``a``'s block is dropped: descriptors of it no longer map. ``at``: where
-        ``a`` starts, when the caller knows it fills no block of its own (as ``begin``'s)."""
+        ``a`` starts, when the caller knows it fills no block of its own (a unit's destination,
+        ``begin_placed``)."""
         if at is not None:
             if self.private is not None:
                 self.private.end(a, at)
