@@ -26,6 +26,7 @@ from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.runtime.backends.communicator import PeerFailed
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.driver.device_registry import DeviceRegistry
+from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import DeviceState, Failure, FailureKind, Ticket
 from reshard.runtime.processes import process_of_this
 
@@ -114,7 +115,8 @@ def gather(refs: dict, until: Deadline, *, settle_s: float | None = SETTLE_S) ->
                 break
     if not waiting and not failed:
         try:
-            values = ray.get(done, timeout=_get_timeout(deadline - time.monotonic()))
+            with gc_paused():  # every device's results decoded at once: many small objects
+                values = ray.get(done, timeout=_get_timeout(deadline - time.monotonic()))
         except Exception:
             values = None
         if values is not None:

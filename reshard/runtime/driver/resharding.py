@@ -372,27 +372,29 @@ def reshard(
         not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1
     ):
         raise ValueError(f"bucket_bytes must be a positive int (or None: the backend's), got {bucket_bytes!r}")
-    call = _Call(tensors, src_mesh, dst_layouts, out, direct, dtype)
+    with gc_paused():  # a tree's objects, a few per tensor: collected after the call, not during it
+        call = _Call(tensors, src_mesh, dst_layouts, out, direct, dtype)
+        reads = frozenset(t.name for t in call.leaves)
+        writes = frozenset(o.name for o in call.outs) if call.outs is not None else frozenset()
     rt = call.src_mesh.runtime
-    reads = frozenset(t.name for t in call.leaves)
-    writes = frozenset(o.name for o in call.outs) if call.outs is not None else frozenset()
     deadline = Deadline.after(timeout_s)  # one for the whole call: the wait for earlier works counts
     rt.works.after(reads, writes, deadline)
-    rt.flush_holds()  # releases of dropped handles first: their memory is pooled for this run's shards
-    compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
-    run = rt.new_name()
-    what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"
-    sources = [
-        (
-            t.name,
-            t._shared,
-            (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name,
-            t._source_key,
-        )
-        for t, d, s in zip(call.leaves, call.dtypes, call.scalings, strict=True)
-    ]
-    outs = None if call.outs is None else [o.name for o in call.outs]
-    pending = rt.batches.submit(compiled, sources, run, deadline, what, outs=outs, direct=direct, verify=verify)
+    with gc_paused():
+        rt.flush_holds()  # releases of dropped handles first: their memory is pooled for this run's shards
+        compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
+        run = rt.new_name()
+        what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"
+        sources = [
+            (
+                t.name,
+                t._shared,
+                (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name,
+                t._source_key,
+            )
+            for t, d, s in zip(call.leaves, call.dtypes, call.scalings, strict=True)
+        ]
+        outs = None if call.outs is None else [o.name for o in call.outs]
+        pending = rt.batches.submit(compiled, sources, run, deadline, what, outs=outs, direct=direct, verify=verify)
 
     def finish():
         try:
@@ -405,22 +407,28 @@ def reshard(
             _raise_mismatch(call, compiled, {d: r.checks for d, r in results.items()})
         if call.outs is not None:
             return out  # the user's own tree
-        shared: list[dict] = [{} for _ in call.leaves]  # tensor -> {device: descriptor}
-        for d, r in results.items():
-            for i, desc in r.descriptors.items():
-                if desc is not None:
-                    shared[i][d] = desc
-        leaves = [
-            ShardedTensor(dmesh, layout, t.shape, dtype, shard_name(run, i), where)
-            for i, (t, layout, dmesh, dtype, where) in enumerate(
-                zip(call.leaves, call.layouts, call.dst_meshes, call.dtypes, shared, strict=True)
-            )
-        ]
-        return leaves[0] if call.single else unflatten(call.treedef, leaves)
+        with gc_paused():
+            return _results(call, run, results)
 
     if async_op:
         return rt.works.start(finish, reads, writes, what)
     return finish()
+
+
+def _results(call: _Call, run: str, results: dict):
+    """The call's tree of new handles, each with the descriptors its devices returned."""
+    shared: list[dict] = [{} for _ in call.leaves]  # tensor -> {device: descriptor}
+    for d, r in results.items():
+        for i, desc in r.descriptors.items():
+            if desc is not None:
+                shared[i][d] = desc
+    leaves = [
+        ShardedTensor(dmesh, layout, t.shape, dtype, shard_name(run, i), where, copy=False)
+        for i, (t, layout, dmesh, dtype, where) in enumerate(
+            zip(call.leaves, call.layouts, call.dst_meshes, call.dtypes, shared, strict=True)
+        )
+    ]
+    return leaves[0] if call.single else unflatten(call.treedef, leaves)
 
 
 def _raise_mismatch(call: _Call, compiled: CompiledBatch, checks_by_device: dict) -> None:

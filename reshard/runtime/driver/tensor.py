@@ -42,13 +42,16 @@ class ShardedTensor:
     (``full_tensor``, ``to_numpy``, ``to_torch``, ``local_shards``): ``np.asarray`` of a handle is
     refused rather than silently making an object array."""
 
-    def __init__(self, mesh: DeviceMesh, layout: Layout, shape, dtype: str, name: str, shared=None, holder=None):
+    def __init__(
+        self, mesh: DeviceMesh, layout: Layout, shape, dtype: str, name: str, shared=None, holder=None, *, copy=True
+    ):
         self.mesh = mesh
         self.layout = layout
         self.shape = tuple(shape)
         self.dtype_name = dtype
         self.name = name
-        self._shared = dict(shared or {})  # device -> shared-memory descriptor of its shard
+        # device -> shared-memory descriptor of its shard (``copy`` False: a dict made for this handle alone)
+        self._shared = dict(shared or {}) if copy or shared is None else shared
         self._holder = name if holder is None else holder
         self._freed = False
         self._key: Signed | None = None
