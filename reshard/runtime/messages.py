@@ -144,6 +144,11 @@ def shard_name(run: str, tensor: int) -> str:
     return f"{run}/{tensor}"
 
 
+def shard_names(run: str, tensors) -> list[str]:
+    """``shard_name(run, t)`` of each of ``tensors`` (a run's thousands of new shards at once)."""
+    return [f"{run}/{t}" for t in tensors]
+
+
 @dataclass(frozen=True, slots=True)
 class Bound:
     """What a run's parts on one device are bound to, per part in order: ``sources``, the name of

@@ -11,7 +11,7 @@ import pytest
 from reshard.errors import ReshardError
 from reshard.runtime import arrays
 from reshard.runtime.device import cross_memory
-from reshard.runtime.device.shards import ShardStore
+from reshard.runtime.device.shards import PlacedShards, ShardStore
 from reshard.runtime.device.shared_memory import PeerShards, SharedShards
 from reshard.runtime.messages import maps_shared
 
@@ -144,6 +144,56 @@ def test_idle_pooled_blocks_give_way_to_new_shards_at_the_block_budget():
     s.put("new", t, "h", "float32")
     assert maps_shared(s.descriptor(t))  # a block of its own: an idle one was freed for it
     assert len(s.shared.blocks) == 2 and s.memory()["pool_bytes"] == 64 << 10
+
+
+def _placed(s: ShardStore, run: str, n: int, meta=None) -> PlacedShards:
+    block, _ = s.allocate_block(64 * n, False)
+    views = _unit_views(block, n)
+    for i, v in enumerate(views):
+        v[:] = i
+    shape = (16,)
+    return PlacedShards(
+        [f"{run}/{i}" for i in range(n)],
+        views,
+        ("float32",) * n,
+        None if meta is None else [meta] * n,
+        [block.ctypes.data + 64 * i for i in range(n)],
+        (64,) * n,
+        (shape,) * n,
+        [None] * n,
+    )
+
+
+@pytest.mark.skipif(not cross_memory.available(), reason="peers may not read this process's memory")
+def test_a_units_shards_are_kept_at_once_and_each_reads_until_it_is_dropped():
+    s, peers = store(), PeerShards(1)
+    placed = _placed(s, "r", 6, meta={"shape": [96]})
+    descs = s.put_run("r", [], placed)
+    assert descs == [s.descriptor(v) for v in placed.views], "what a shard's own descriptor says"
+    assert len({d[4] for d in descs}) == 6 and len({d[5] for d in descs}) == 6, "a cell and a tenure each"
+    assert s.holders["r/3"] == ("r/3",) and s.dtype("r/3") == "float32" and s.meta["r/3"] == {"shape": [96]}
+    for i, d in enumerate(descs):
+        np.testing.assert_array_equal(peers.get(0, d, np.dtype(np.float32))[:], np.full(16, i, np.float32))
+    s.release("r/2", "r/2")
+    with pytest.raises(ReshardError, match="gone"):
+        peers.check(0, descs[2])
+    for d in descs[:2] + descs[3:]:
+        peers.check(0, d)
+
+
+@pytest.mark.skipif(not cross_memory.available(), reason="peers may not read this process's memory")
+def test_a_unit_larger_than_the_free_cells_gets_descriptors_for_those_it_fits():
+    s = store()
+    board = s.shared.private
+    del board._free[2:]  # two cells left
+    descs = s.put_run("r", [], _placed(s, "r", 4))
+    assert [d is not None for d in descs] == [True, True, False, False]
+    assert "r/3" in s, "kept: only peers cannot read it (it moves through the backend)"
+    s.tombstone("late/1")  # given up on by its name (a load's)
+    assert s.put_run("late", [], _placed(s, "late", 2)) == [None, None]
+    assert "late/0" in s and "late/1" not in s
+    s.tombstone("aborted")
+    assert s.put_run("aborted", [], _placed(s, "aborted", 2)) is None and "aborted/0" not in s
 
 
 def _unit_views(block: np.ndarray, n: int) -> list[np.ndarray]:

@@ -66,8 +66,8 @@ class Binding:
         rest: Iterable[int] = range(n)
         unit = host_unit.unit_for(ctx, prepared, bound, self.req)
         if unit is not None:
-            self.unit = UnitRun(unit, ctx.device, ctx.peers, *ctx.store.allocate_block(unit.nbytes, bool(unit.shared)))
-            ctx.counters["unit_parts"] = ctx.counters.get("unit_parts", 0) + len(unit.index)
+            self.unit = UnitRun(unit, ctx.device, ctx.peers, *ctx.store.allocate_block(unit.nbytes, unit.shared))
+            ctx.counters["unit_parts"] = ctx.counters.get("unit_parts", 0) + len(unit.places.parts)
             self.own_bytes = int(self.unit.block.nbytes)
             rest = unit.rest
         for i in rest:
@@ -253,17 +253,15 @@ class Binding:
         ctx, run, prepared = self.ctx, self.req.run, self.prepared
         if self.req.direct:
             return {}
-        index, parts, tensors = prepared.index, prepared.parts, prepared.tensors
+        index, parts = prepared.index, prepared.parts
         order = list(self.dsts)
         entries = [
             (shard_name(run, t), d, parts[index[t]].dtype, metas.get(t), t in self.slots) for t, d in self.dsts.items()
         ]
-        placed = []
+        placed = None
         if self.unit is not None:
-            for i, d, where in self.unit.placed():
-                t = tensors[i]
-                placed.append((shard_name(run, t), d, parts[i].dtype, metas.get(t), where))
-                order.append(t)
+            placed = self.unit.placed(run, metas)
+            order += self.unit.unit.places.tensors
         descriptors = ctx.store.put_run(run, entries, placed)
         if descriptors is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import itertools
 import mmap
 import os
 from dataclasses import dataclass
@@ -133,30 +134,41 @@ class TenureBoard:
         self.cells[cell] = tenure
         return (CROSS_MEMORY, self.pid, self.fd, self.inode, cell, tenure, address, tuple(a.shape), file)
 
-    def begin_placed(self, shards: list, tenures: list, places: list) -> list:
-        """``begin`` of many C-contiguous shards, each with its tenure, at its ``(address, shape,
-        file)``, in one pass (a unit's destinations; ``shape``, a tuple shared by shards of one
-        shape, so a run's descriptors pickle it once): their descriptors (None once every cell is
-        taken)."""
-        out: list[tuple | None] = []
-        taken, got = [], []
-        cells, files, held, free = self._cell, self._file, self._held, self._free
-        pid, fd, inode = self.pid, self.fd, self.inode
-        for a, tenure, (address, shape, file) in zip(shards, tenures, places, strict=True):
-            key = (address, a.nbytes)
-            cell = cells.get(key)
-            if cell is None:
-                if not free:
-                    out.append(None)
-                    continue
-                cell = cells[key] = free.pop()
-            files[cell] = file
-            held[cell] = a
-            taken.append(cell)
-            got.append(tenure)
-            out.append((CROSS_MEMORY, pid, fd, inode, cell, tenure, address, shape, file))
-        self.cells[np.array(taken, np.int64)] = np.array(got, np.uint64)
-        return out
+    def begin_placed(self, placed, tenures: list) -> list:
+        """``begin`` of a unit's destinations (``shards.PlacedShards``: C-contiguous views at known
+        addresses), each with its tenure: their descriptors. Cells are taken and filled column by
+        column; where some already has a cell, or too few are free, shard by shard (None once every
+        cell is taken)."""
+        keys = list(zip(placed.addresses, placed.sizes, strict=True))
+        n, free = len(keys), self._free
+        if not n:
+            return []
+        if len(free) < n or not self._cell.keys().isdisjoint(keys):
+            return [
+                self.begin(a, tenure, file, address)
+                for a, tenure, file, address in zip(placed.views, tenures, placed.files, placed.addresses, strict=True)
+            ]
+        taken = free[-n:]
+        del free[-n:]
+        self._cell.update(zip(keys, taken, strict=True))
+        self._file.update(zip(taken, placed.files, strict=True))
+        self._held.update(zip(taken, placed.views, strict=True))  # its memory lives while the cell names it
+        self.cells[np.array(taken, np.int64)] = np.array(tenures, np.uint64)
+        fixed = itertools.repeat
+        return list(
+            zip(
+                fixed(CROSS_MEMORY),
+                fixed(self.pid),
+                fixed(self.fd),
+                fixed(self.inode),
+                taken,
+                tenures,
+                placed.addresses,
+                placed.shapes,
+                placed.files,
+                strict=False,  # the fixed columns are endless
+            )
+        )
 
     def end(self, a, address: int | None = None) -> None:
         """The shard in ``a``'s memory is let go of: its descriptors stop reading."""

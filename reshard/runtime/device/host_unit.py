@@ -33,6 +33,7 @@ has a test hook that looks at its parts (``after_run``) has no unit.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -43,9 +44,9 @@ from reshard.ir.program import Buffer, Pull
 from reshard.ir.regions import box_shape
 from reshard.runtime import arrays
 from reshard.runtime.device.cross_memory import IOV_MAX, available, read_failed, read_rows, runs
-from reshard.runtime.device.shards import ASSEMBLY_MIN_BYTES, SMALL_SHARD_BYTES
+from reshard.runtime.device.shards import ASSEMBLY_MIN_BYTES, SMALL_SHARD_BYTES, PlacedShards
 from reshard.runtime.device.shared_memory import shard_gone
-from reshard.runtime.messages import CROSS_MEMORY
+from reshard.runtime.messages import CROSS_MEMORY, shard_names
 
 ALIGN = 64  # bytes between destinations in the block
 #: Runs of a holder's shard at most this far apart are read as one span, the gap into scratch: the
@@ -91,20 +92,41 @@ class MappedPull:
 
 
 @dataclass(frozen=True, eq=False)
+class Places:
+    """Where a unit's destinations lie, as columns in part order (a run keeps thousands at once:
+    ``UnitRun.placed``): ``parts`` (indices), ``tensors`` (batch tensor of each), ``dtypes``,
+    ``offsets`` in the block (int64), ``sizes`` (bytes), ``shapes`` (one tuple per distinct shape:
+    a run's descriptors pickle it once, made once here), ``storages`` (numpy dtypes) and
+    ``mapped`` (whether peers map it: ``SMALL_SHARD_BYTES`` or more)."""
+
+    parts: tuple[int, ...]
+    tensors: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    offsets: np.ndarray
+    sizes: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    storages: tuple[np.dtype, ...]
+    mapped: tuple[bool, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class HostUnit:
-    """A batch's parts run as one unit on a CPU device (module docstring): ``index`` maps a part's
-    index to its place ``(offset in the block, shape, storage dtype)``; ``nbytes``, the block;
-    ``sources``, the reads out of holders' private memory; ``mapped``, the copies out of mapped
-    shards; ``shared``, the parts whose destinations peers map (``SMALL_SHARD_BYTES`` or more);
-    ``rest``, the indices of the batch's other parts, which run as before."""
+    """A batch's parts run as one unit on a CPU device (module docstring): ``places``, where each
+    destination lies in the block of ``nbytes``; ``sources``, the reads out of holders' private
+    memory; ``mapped``, the copies out of mapped shards; ``rest``, the indices of the batch's
+    other parts, which run as before."""
 
     bound: object
-    index: dict
+    places: Places
     nbytes: int
     sources: tuple[Source, ...]
     mapped: tuple[MappedPull, ...]
-    shared: frozenset[int]
     rest: tuple[int, ...]
+
+    @property
+    def shared(self) -> bool:
+        """Whether peers map some destination (the block is then made in shared memory if it can be)."""
+        return any(self.places.mapped)
 
 
 def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
@@ -135,11 +157,10 @@ def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
 def _build(prepared, bound) -> HostUnit | None:
     landed = {q[0] for window in prepared.windows for pb in window for q in pb.pieces}  # buckets land in them
     casts = bound.casts or ()
-    index: dict = {}
+    index: dict = {}  # part -> (offset, shape, storage, bytes)
     rows: dict = {}  # (holder, pid, board fd, board inode) -> [cells, tenures, reads, places]
     mapped: list[MappedPull] = []
-    shared: set[int] = set()  # parts whose destinations peers map
-    shapes: dict = {}  # one tuple per distinct shape: pickled once per run's descriptors, made once here
+    shapes: dict = {}  # one tuple per distinct shape
     offset = 0
     for i in prepared.flat:
         part, tensor = prepared.parts[i], prepared.program.parts[i].tensor
@@ -154,9 +175,7 @@ def _build(prepared, bound) -> HostUnit | None:
         if reads is None:
             continue
         shape = tuple(prog.dst_shape)
-        index[i] = (offset, shapes.setdefault(shape, shape), storage)
-        if nbytes >= SMALL_SHARD_BYTES:
-            shared.add(i)
+        index[i] = (offset, shapes.setdefault(shape, shape), storage, nbytes)
         for holder, desc, table in reads:
             if type(table) is tuple:  # a mapped shard: (read, write) boxes
                 read, write = (tuple(slice(lo, hi) for lo, hi in box) for box in table)
@@ -173,7 +192,19 @@ def _build(prepared, bound) -> HostUnit | None:
         return None
     sources = tuple(source_of(key, *entry) for key, entry in rows.items())
     rest = tuple(i for i in range(len(prepared.parts)) if i not in index)
-    return HostUnit(bound, index, offset, sources, tuple(mapped), frozenset(shared), rest)
+    order = tuple(index)
+    offsets, kept_shapes, storages, sizes = zip(*index.values(), strict=True)
+    places = Places(
+        order,
+        tuple(prepared.tensors[i] for i in order),
+        tuple(prepared.parts[i].dtype for i in order),
+        np.array(offsets, np.int64),
+        sizes,
+        kept_shapes,
+        storages,
+        tuple(n >= SMALL_SHARD_BYTES for n in sizes),
+    )
+    return HostUnit(bound, places, offset, sources, tuple(mapped), rest)
 
 
 def _reads(prog, pulls: dict, itemsize: int):
@@ -306,23 +337,42 @@ def source_of(key, cells: list, tenures: list, reads: list, places: list) -> Sou
 
 
 class UnitRun:
-    """One run of a unit on a device: its block, each part's destination a view of it (``dsts``,
-    by part index); ``read`` fills them, ``check`` says every shard read is still its holder's,
-    ``placed`` says where each destination lies."""
+    """One run of a unit on a device: its block, each part's destination a view of it (``views``,
+    in the order of ``unit.places``); ``read`` fills them, ``check`` says every shard read is still
+    its holder's, ``placed`` names them for the store."""
 
     def __init__(self, unit: HostUnit, device: int, peers, block: np.ndarray, file: tuple[int, int, int] | None):
         self.unit, self.device, self.peers = unit, device, peers
         self.block, self.file = block, file
-        self.dsts = {i: np.ndarray(shape, storage, block, o) for i, (o, shape, storage) in unit.index.items()}
+        p = unit.places
+        self.views = list(map(np.ndarray, p.shapes, p.storages, itertools.repeat(block), p.offsets.tolist()))
 
-    def placed(self):
-        """``(part index, destination, (address, shape, file))`` of each destination: ``file`` is
-        ``(fd, inode, offset)`` in the block's shared-memory file for those peers map, else None."""
-        base, dsts = self.block.ctypes.data, self.dsts
-        mapped = self.unit.shared if self.file is not None else frozenset()
-        fd, inode, at = self.file or (0, 0, 0)
-        for i, (o, shape, _) in self.unit.index.items():
-            yield i, dsts[i], (base + o, shape, (fd, inode, at + o) if i in mapped else None)
+    @property
+    def dsts(self) -> dict:
+        """Part index -> its destination."""
+        return dict(zip(self.unit.places.parts, self.views, strict=True))
+
+    def placed(self, run: str, metas: dict) -> PlacedShards:
+        """The destinations as run ``run``'s new shards, named ``shard_name(run, tensor)``, each
+        with its address and, for those peers map, ``(fd, inode, offset)`` in the block's
+        shared-memory file (else None)."""
+        p = self.unit.places
+        addresses = (p.offsets + self.block.ctypes.data).tolist()
+        files: list = [None] * len(addresses)
+        if self.file is not None:
+            fd, inode, at = self.file
+            offsets = p.offsets.tolist()
+            files = [(fd, inode, at + o) if m else None for o, m in zip(offsets, p.mapped, strict=True)]
+        return PlacedShards(
+            shard_names(run, p.tensors),
+            self.views,
+            p.dtypes,
+            [metas.get(t) for t in p.tensors] if metas else None,
+            addresses,
+            p.sizes,
+            p.shapes,
+            files,
+        )
 
     def read(self) -> None:
         base = np.uint64(self.block.ctypes.data)
@@ -335,7 +385,7 @@ class UnitRun:
                 got = read_rows(s.pid, local[local_first:local_end], s.remote[first:end])
                 if got != want:
                     raise read_failed(self.device, s.holder, s.pid, got, want)
-        dsts, peers = self.dsts, self.peers
+        dsts, peers = self.dsts if self.unit.mapped else {}, self.peers
         for m in self.unit.mapped:
             arrays.copy(dsts[m.part][m.write], peers.get(m.holder, m.desc, m.storage)[m.read])
 

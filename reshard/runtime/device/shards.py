@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,6 +53,21 @@ ASSEMBLY_MIN_BYTES = 1 << 20
 #: ones do too once the device holds ``SharedShards.max_blocks`` blocks.
 SMALL_SHARD_BYTES = 16 << 10
 _DROPPED = object()  # what ``ShardStore._put`` returns for a shard of an aborted run
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedShards:
+    """A run's new shards that are views of its unit's block (``host_unit``), as columns: kept all
+    at once (``ShardStore.put_run``). ``metas``: what each is a shard of (None: nothing said)."""
+
+    names: list[str]
+    views: list
+    dtypes: tuple[str, ...]
+    metas: list | None
+    addresses: list[int]
+    sizes: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    files: list
 
 
 def _nbytes(shape, storage: np.dtype) -> int:
@@ -417,12 +433,11 @@ class ShardStore:
         if meta:
             self.meta[name] = meta
 
-    def put_run(self, run: str, entries, placed=()) -> list | None:
+    def put_run(self, run: str, entries, placed: PlacedShards | None = None) -> list | None:
         """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), and
-        every ``(name, t, dtype, meta, (address, shape, file))`` of ``placed``, its unit's destinations
-        (views of its block: ``host_unit.UnitRun.placed``), all at once; or, when the run was
-        aborted meanwhile (``tombstone``), none of them (None). Returns each one's descriptor, in
-        that order (None: peers cannot map it, or it was aborted by name)."""
+        ``placed``, its unit's destinations, all at once; or, when the run was aborted meanwhile
+        (``tombstone``), none of them (None). Returns each one's descriptor, in that order (None:
+        peers cannot map it, or it was aborted by name)."""
         with self._lock:
             if run in self._tombstones:
                 self._tombstones.pop(run)
@@ -433,25 +448,33 @@ class ShardStore:
                 return None
             kept = [self._put(name, t, name, dtype, meta, begun) for name, t, dtype, meta, begun in entries]
             out = [None if d is _DROPPED else d for d in kept]
-            if placed:
+            if placed is not None:
                 out += self._put_placed(placed)
             return out
 
-    def _put_placed(self, placed) -> list:
+    def _put_placed(self, placed: PlacedShards) -> list:
         """``put_run`` of a unit's destinations: no pool, no block of their own, their tenures
-        begun in one pass (``SharedShards.begin_placed``)."""
-        if self._tombstones and not self._tombstones.keys().isdisjoint(p[0] for p in placed):
+        begun in one pass (``SharedShards.begin_placed``), the store's tables updated column by
+        column."""
+        names = placed.names
+        metas = placed.metas or [None] * len(names)
+        if self._tombstones and not self._tombstones.keys().isdisjoint(names):
             return [  # aborted by name (a load's): one by one
                 None if d is _DROPPED else d
-                for d in (self._put(name, t, name, dtype, meta, False) for name, t, dtype, meta, _ in placed)
+                for d in (
+                    self._put(name, t, name, dtype, meta, False)
+                    for name, t, dtype, meta in zip(names, placed.views, placed.dtypes, metas, strict=True)
+                )
             ]
-        record, where = self._record, self.placed
-        for name, t, dtype, meta, (address, _, _) in placed:
-            record(name, t, name, dtype, meta)
-            where[name] = address
+        self.shards.update(zip(names, placed.views, strict=True))
+        self.dtypes.update(zip(names, placed.dtypes, strict=True))
+        self.holders.update(zip(names, zip(names), strict=True))  # each held by its own name
+        self.placed.update(zip(names, placed.addresses, strict=True))
+        if placed.metas is not None:  # readers take a None one as none
+            self.meta.update(zip(names, placed.metas, strict=True))
         if self.shared is None:
-            return [None] * len(placed)
-        return self.shared.begin_placed([p[1] for p in placed], [p[4] for p in placed])
+            return [None] * len(names)
+        return self.shared.begin_placed(placed)
 
     def share(self, name: str, t, dtype: str, meta: dict, *, file: tuple[int, int] | None = None) -> None:
         """Make the user's tensor ``t`` (of dtype ``dtype``, by name) shard ``name`` (no copy; held

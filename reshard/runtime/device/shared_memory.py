@@ -210,13 +210,12 @@ class SharedShards:
             return self.private.begin(a, next(self._tenures), file, start)
         return None
 
-    def begin_placed(self, shards: list, places: list) -> list:
-        """``begin`` of many shards, each at its ``(address, shape, file)`` (a unit's destinations,
-        which fill no block of their own), in one pass: their descriptors (None where the board is
-        full, or there is none)."""
+    def begin_placed(self, placed) -> list:
+        """``begin`` of a unit's destinations (``shards.PlacedShards``: they fill no block of their
+        own), in one pass: their descriptors (None where the board is full, or there is none)."""
         if self.private is None:
-            return [None] * len(shards)
-        return self.private.begin_placed(shards, [next(self._tenures) for _ in shards], places)
+            return [None] * len(placed.views)
+        return self.private.begin_placed(placed, list(itertools.islice(self._tenures, len(placed.views))))
 
     def end(self, a, at: int | None = None) -> None:
         """The shard in ``a``'s block is dropped: descriptors of it no longer map. ``at``: where
