@@ -7,6 +7,8 @@ read rows against numpy slicing."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -174,6 +176,56 @@ def test_short_runs_close_together_are_read_as_spans():
     assert len(rows.local) == 15 and rows.trash.sum() == 7
     wide = host_unit.rows_of((8, 4096), (8, 8), 4, ((0, 8), (0, 8)), ((0, 8), (0, 8)))
     assert len(wide.remote) == 8 and not wide.trash.any()  # runs 16 KiB apart: a row each
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2 * host_unit.GAP_BYTES), _pairs()), min_size=1, max_size=10), st.randoms())
+def test_shards_lying_close_together_are_read_as_one_span_and_land_as_listed(shards, rnd):
+    """Pulls out of shards a holder allocated one after another (gaps up to twice ``GAP_BYTES``),
+    listed in any order: the merged spans read (by the kernel, out of this process) what the
+    listed ones read, and what numpy's slicing copies; fewer remote rows where any merged."""
+    itemsize, at, arrays, reads = 4, 0, [], []
+    for gap, (src_shape, dst_shape, read, write) in shards:
+        at += gap
+        a = (np.arange(int(np.prod(src_shape)), dtype=np.uint32) + 1000 * len(arrays)).reshape(src_shape)
+        arrays.append((at, a, dst_shape, read, write))
+        at += a.nbytes
+    rnd.shuffle(arrays)  # the parts' order is not the holder's
+    mem = np.zeros(at + 64, np.uint8)
+    block = np.zeros(sum(-(-int(np.prod(d)) * itemsize // 64) * 64 + 64 for _, _, d, _, _ in arrays), np.uint8)
+    want, places = np.zeros_like(block), []
+    for at, a, dst_shape, read, write in arrays:
+        mem[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+        place = sum(-(-int(np.prod(d)) * itemsize // 64) * 64 + 64 for _, _, d, _, _ in arrays[: len(places)])
+        places.append(place)
+        out = want[place : place + int(np.prod(dst_shape)) * itemsize].view(np.uint32).reshape(dst_shape)
+        out[tuple(slice(*b) for b in write)] = a[tuple(slice(*b) for b in read)]
+        reads.append((mem.ctypes.data + at, host_unit.rows_of(a.shape, dst_shape, itemsize, read, write)))
+    source = host_unit.source_of((1, os.getpid(), 0, 0), [1] * len(reads), [1] * len(reads), reads, places)
+    scratch = np.zeros(host_unit.GAP_BYTES, np.uint8)
+    where = (np.uint64(scratch.ctypes.data), np.uint64(block.ctypes.data))
+    assert host_unit._read(source, where) is None
+    np.testing.assert_array_equal(block, want)
+    if source.unmerged is not None:
+        assert len(source.remote) < len(source.unmerged.remote)
+        block[:] = 0
+        assert host_unit._read(source.unmerged, where) is None
+        np.testing.assert_array_equal(block, want)
+    for first, end, local_first, local_end, nbytes in source.calls:
+        assert 0 < end - first <= cross_memory.IOV_MAX and 0 < local_end - local_first <= cross_memory.IOV_MAX
+        assert nbytes == int(source.remote[first:end, 1].sum()) == int(source.local[local_first:local_end, 1].sum())
+
+
+def test_a_run_of_thousands_of_adjacent_shards_merges_into_spans_that_fit_a_call():
+    rows = host_unit.rows_of((8, 32), (16, 8), 4, ((0, 8), (8, 16)), ((0, 8), (0, 8)))  # a span, 15 local rows
+    n = 3000
+    s = host_unit.source_of(
+        (1, 2, 3, 4), [1] * n, [5] * n, [(1024 * i, rows) for i in range(n)], [512 * i for i in range(n)]
+    )
+    assert s.unmerged is not None and len(s.unmerged.remote) == n
+    assert len(s.remote) <= -(-n * 16 // host_unit.MERGED_ROWS) + 1, "about MERGED_ROWS local rows a span"
+    assert all(0 < local_end - local_first <= cross_memory.IOV_MAX for _, _, local_first, local_end, _ in s.calls)
+    assert int(s.remote[:, 1].sum()) == int(s.local[:, 1].sum())
 
 
 def test_a_sources_calls_cover_its_rows_at_most_iov_max_a_side():

@@ -54,6 +54,7 @@ ALIGN = 64  # bytes between destinations in the block
 #: copying a few KiB; a row into this process costs little.
 GAP_BYTES = 2048
 SPAN_RUNS = 64  # runs to a span at most
+MERGED_ROWS = 512  # local rows to a span merged out of several at most (a span of one has up to 2 x SPAN_RUNS)
 CACHED = 4  # units kept per prepared batch (one per binding)
 #: Destinations at least this large run as parts of their own: their bytes outweigh a part's cost.
 UNIT_MAX_BYTES = ASSEMBLY_MIN_BYTES
@@ -75,6 +76,7 @@ class Source:
     local: np.ndarray
     trash: np.ndarray
     calls: tuple[tuple[int, int, int, int, int], ...]
+    unmerged: Source | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -304,8 +306,11 @@ def _cut(offsets: np.ndarray, length: int, to: int) -> np.ndarray:
 
 
 def source_of(key, cells: list, tenures: list, reads: list, places: list) -> Source:
-    """The rows of every read out of one holder's process, in the order the parts were listed,
-    cut into calls of at most ``IOV_MAX`` rows a side (at spans' ends)."""
+    """The rows of every read out of one holder's process, cut into calls of at most ``IOV_MAX``
+    rows a side (at spans' ends). Spans of different shards that lie less than ``GAP_BYTES`` apart
+    in the holder (small tensors a framework allocated one after another) are read as one, the gap
+    into scratch (``merge_spans``); the rows as listed, one span per pull, stay as ``unmerged``,
+    read instead if a merged read falls short (a gap that is not mapped)."""
     holder, pid, fd, inode = key
     tables = [t for _, t in reads]
     remote = np.concatenate([t.remote for t in tables]).astype(np.uint64)
@@ -315,25 +320,68 @@ def source_of(key, cells: list, tenures: list, reads: list, places: list) -> Sou
     local[:, 0] += np.repeat(np.array(places, np.uint64), [len(t.local) for t in tables])
     local[trash, 0] = 0  # the scratch buffer's start, added at run time
     per_span = np.concatenate([t.per_span for t in tables])
+    board, cells_, tenures_ = (fd, inode), np.array(cells, np.int64), np.array(tenures, np.uint64)
+    listed = Source(holder, pid, board, cells_, tenures_, remote, local, trash, _calls(remote, per_span))
+    merged = merge_spans(remote, local, trash, per_span)
+    if merged is None:
+        return listed
+    remote, local, trash, per_span = merged
+    return Source(holder, pid, board, cells_, tenures_, remote, local, trash, _calls(remote, per_span), listed)
+
+
+def _calls(remote: np.ndarray, per_span: np.ndarray) -> tuple[tuple[int, int, int, int, int], ...]:
+    """``(first span, end, first local row, end, bytes)`` of each call: as many spans as fit
+    ``IOV_MAX`` rows on both sides."""
     local_ends = np.concatenate([[0], np.cumsum(per_span)])
     byte_ends = np.concatenate([[0], np.cumsum(remote[:, 1].astype(np.int64))])
     calls, span = [], 0
-    while span < len(per_span):  # as many spans as fit IOV_MAX rows on both sides
+    while span < len(per_span):
         stop = min(span + IOV_MAX, int(np.searchsorted(local_ends, local_ends[span] + IOV_MAX, side="right")) - 1)
         stop = max(stop, span + 1)
         calls.append((span, stop, int(local_ends[span]), int(local_ends[stop]), int(byte_ends[stop] - byte_ends[span])))
         span = stop
-    return Source(
-        holder,
-        pid,
-        (fd, inode),
-        np.array(cells, np.int64),
-        np.array(tenures, np.uint64),
-        remote,
-        local,
-        trash,
-        tuple(calls),
-    )
+    return tuple(calls)
+
+
+def merge_spans(remote: np.ndarray, local: np.ndarray, trash: np.ndarray, per_span: np.ndarray):
+    """The spans (``remote`` rows, each filling its ``per_span`` local rows) in address order, those
+    that start at most ``GAP_BYTES`` after the last one ended read as one remote row (a trash row
+    for the gap; at most ``MERGED_ROWS`` local rows a merged span, so a call still fits
+    ``IOV_MAX``): ``(remote, local, trash, per_span)``, or None when no two spans merge."""
+    n = len(remote)
+    if n < 2:
+        return None
+    order = np.argsort(remote[:, 0], kind="stable")
+    start = remote[order, 0].astype(np.int64)
+    end = start + remote[order, 1].astype(np.int64)
+    gap = np.zeros(n, np.int64)
+    gap[1:] = start[1:] - np.maximum.accumulate(end)[:-1]  # negative: overlaps what came before
+    join = (gap >= 0) & (gap <= GAP_BYTES)
+    join[0] = False
+    rows = per_span[order].astype(np.int64)
+    # cut runs of joined spans into pieces of at most MERGED_ROWS local rows, a member's gap row included
+    weight = rows + (join & (gap > 0))
+    first = np.flatnonzero(~join)
+    total = np.cumsum(weight)
+    within = total - (total[first] - weight[first])[np.cumsum(~join) - 1]  # rows of its run up to it
+    piece = (within - 1) // MERGED_ROWS
+    join[1:] &= piece[1:] == piece[:-1]
+    if not join.any():
+        return None
+    extra = join & (gap > 0)  # a trash row for the gap before the span
+    first = np.flatnonzero(~join)
+    merged = np.stack([start[first], np.maximum.reduceat(end, first) - start[first]], axis=1).astype(np.uint64)
+    # the local rows in span order, each merged member's gap row before its own
+    out_rows = rows + extra
+    out_start = np.cumsum(out_rows) - rows  # where each span's own rows go
+    gaps_at = out_start[extra] - 1
+    kept = np.delete(np.arange(int(out_rows.sum())), gaps_at)
+    listed = np.repeat(np.concatenate([[0], np.cumsum(per_span)])[:-1][order] - out_start, rows) + kept
+    new_local = np.zeros((len(kept) + len(gaps_at), 2), np.uint64)
+    new_trash = np.ones(len(new_local), bool)
+    new_local[kept], new_trash[kept] = local[listed], trash[listed]
+    new_local[gaps_at, 1] = gap[extra].astype(np.uint64)  # at the scratch buffer's start
+    return merged, new_local, new_trash, np.add.reduceat(out_rows, first)
 
 
 class UnitRun:
@@ -377,14 +425,14 @@ class UnitRun:
     def read(self) -> None:
         base = np.uint64(self.block.ctypes.data)
         scratch = np.empty(GAP_BYTES, np.uint8)
+        at = (np.uint64(scratch.ctypes.data), base)
         for s in self.unit.sources:
             self._check(s)
-            local = s.local.copy()
-            local[:, 0] += np.where(s.trash, np.uint64(scratch.ctypes.data), base)
-            for first, end, local_first, local_end, want in s.calls:
-                got = read_rows(s.pid, local[local_first:local_end], s.remote[first:end])
-                if got != want:
-                    raise read_failed(self.device, s.holder, s.pid, got, want)
+            short = _read(s, at)
+            if short is not None and s.unmerged is not None:  # a merged gap was not mapped: as listed
+                short = _read(s.unmerged, at)
+            if short is not None:
+                raise read_failed(self.device, s.holder, s.pid, *short)
         dsts, peers = self.dsts if self.unit.mapped else {}, self.peers
         for m in self.unit.mapped:
             arrays.copy(dsts[m.part][m.write], peers.get(m.holder, m.desc, m.storage)[m.read])
@@ -399,6 +447,18 @@ class UnitRun:
         cells = self.peers.board(s.holder, s.pid, *s.board)
         if not np.array_equal(cells[s.cells], s.tenures):
             raise shard_gone(self.device, s.holder)
+
+
+def _read(s: Source, at: tuple[np.uint64, np.uint64]) -> tuple[int, int] | None:
+    """Read source ``s``'s rows (``at``: the scratch buffer's and the block's addresses); None, or
+    ``(got, wanted)`` bytes of the first call that fell short."""
+    local = s.local.copy()
+    local[:, 0] += np.where(s.trash, *at)
+    for first, end, local_first, local_end, want in s.calls:
+        got = read_rows(s.pid, local[local_first:local_end], s.remote[first:end])
+        if got != want:
+            return got, want
+    return None
 
 
 __all__ = ["HostUnit", "UnitRun", "unit_for"]
