@@ -26,8 +26,10 @@ def model(seed: int = 0, layers: int = 3) -> dict:
     for i in range(layers):
         sd["blocks"].append(
             {
-                "attn": {"w": random_array((16, 48), "float32", seed + 10 * i + 1),
-                         "b": random_array((48,), "float32", seed + 10 * i + 2)},
+                "attn": {
+                    "w": random_array((16, 48), "float32", seed + 10 * i + 1),
+                    "b": random_array((48,), "float32", seed + 10 * i + 2),
+                },
                 "ln": (random_array((16,), "float64", seed + 10 * i + 3), random_array((16,), "int64", seed + i)),
             }
         )
@@ -117,6 +119,21 @@ def test_a_replay_plans_nothing_and_ships_nothing(view):
     assert [s["programs_received"] for s in b.stats()] == received
     assert runtime_stats()["run_calls"] - calls == 6
     assert_tree(out, model(3))
+
+
+def test_a_layout_changed_in_the_same_dict_between_calls_is_the_one_used(view):
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    want = {f"w{i}": random_array((8, 6), "float32", 50 + i) for i in range(4)}
+    src = distribute(want, Layout(a, pl("S0")))
+    layouts = {k: Layout(b, pl("S0")) for k in want}
+    for _ in range(2):
+        out = reshard(src, a, layouts)
+        assert all(t.placements == pl("S0") for t in out.values())
+    layouts["w2"] = Layout(b, pl("S1"))  # the same dict and shapes, one layout replaced
+    out = reshard(src, a, layouts)
+    assert [out[k].placements for k in want] == [pl("S0"), pl("S0"), pl("S1"), pl("S0")]
+    for k in want:
+        assert_bit_exact(out[k].to_numpy(), want[k])
 
 
 def test_small_tensors_travel_in_buckets_and_big_ones_stream(view):
@@ -525,7 +542,10 @@ def test_a_read_from_another_process_during_a_write_waits_and_sees_it_whole(view
     assert_bit_exact(ray.get(read, timeout=90), w[:8])
     assert work.wait() is out
     assert ray.get(b.actors[0].reshard_stats.remote(), timeout=30)["shard_locks"] == {
-        "shards_written": 0, "reads": 0, "reads_waiting": 0}
+        "shards_written": 0,
+        "reads": 0,
+        "reads_waiting": 0,
+    }
 
 
 def _version_of(ctx, name):
@@ -551,8 +571,11 @@ def test_a_read_waits_until_every_device_holds_the_same_sync_and_names_a_split(v
     synced = b.call(_version_of, name)
     assert synced[0] is not None and synced == [synced[0]] * 2
     b.call(_committed, name, "another", devices=[1])
-    with pytest.raises(ReshardError, match=rf"different syncs \(devices \[{b.device_ids[0]}\] hold sync .*; devices "
-                                           rf"\[{b.device_ids[1]}\] hold sync another\)"):
+    with pytest.raises(
+        ReshardError,
+        match=rf"different syncs \(devices \[{b.device_ids[0]}\] hold sync .*; devices "
+        rf"\[{b.device_ids[1]}\] hold sync another\)",
+    ):
         out["w"].to_numpy(timeout_s=1)
     fetches = ray.get(b.actors[1].reshard_stats.remote(), timeout=30)["fetches"]
     got = {}
@@ -817,8 +840,11 @@ def test_a_tree_whose_tensors_differ_in_what_peers_can_pull_is_planned_on_one_ho
     for some of them: ``ValueError: the plan uses host ...``)."""
     a = view([0, 1, 2], (3,))
     b = view([3, 4], (2,))
-    sd = {"full": random_array((6, 4), "float32", 80), "uneven": random_array((2, 4), "float32", 81),
-          "cast": random_array((6, 4), "float32", 82)}
+    sd = {
+        "full": random_array((6, 4), "float32", 80),
+        "uneven": random_array((2, 4), "float32", 81),
+        "cast": random_array((6, 4), "float32", 82),
+    }
     src = distribute(sd, lambda p, t: Layout(a, pl("S0")))
     assert len(src["uneven"]._shared) < len(src["full"]._shared)  # device 2's shard of it is empty
     out = reshard(src, a, last_dim(b), dtype={"full": "float32", "uneven": "float32", "cast": "float64"})
@@ -838,8 +864,9 @@ def _share_strided(ctx, full, coords: dict) -> None:
     strided = _StridedShard(0, split_factor=2)
     mine = strided._split_tensor(torch.from_numpy(full), 2, with_padding=False)[0][i]
     mine = TorchShard(0)._split_tensor(mine, 2, with_padding=False)[0][j].contiguous()
-    ctx.share("fsdp_tp.w", mine, shape=full.shape, placements=(strided, TorchShard(0)), mesh_shape=(2, 2),
-              coordinate=(i, j))
+    ctx.share(
+        "fsdp_tp.w", mine, shape=full.shape, placements=(strided, TorchShard(0)), mesh_shape=(2, 2), coordinate=(i, j)
+    )
 
 
 def _placements_of(ctx, name) -> list[str]:

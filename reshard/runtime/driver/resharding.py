@@ -9,6 +9,7 @@ tensors, one commit call behind it), whatever the number of tensors. ``async_op=
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from reshard.dtypes import cast_name
@@ -31,7 +32,7 @@ from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.signed import Signed
 from reshard.runtime.driver.tensor import ShardedTensor
 from reshard.runtime.gc_paused import gc_paused
-from reshard.runtime.messages import maps_shared, shard_name
+from reshard.runtime.messages import maps_shared, shard_names
 from reshard.scaling import Scaled
 from topology.mesh import device_hosts
 
@@ -166,13 +167,23 @@ def _flatten_tensors(tensors):
     return leaves, paths, treedef
 
 
+#: ``(given layouts, shapes, checked layouts)`` of the latest call of a tree: Layouts are immutable,
+#: so the same layout objects for the same shapes check the same (thousands per call otherwise)
+_last_layouts: tuple[list, list, list] | None = None
+
+
 def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
     """One destination Layout per leaf: from the same tree of Layouts, one Layout for every
     tensor, or a callable ``(path, tensor) -> Layout``; each checked against its tensor's shape."""
     if single and not isinstance(dst_layouts, Layout) and not callable(dst_layouts):
         raise TypeError(f"dst_layout must be a reshard.Layout, got {type(dst_layouts).__name__}")
+    global _last_layouts
     what = "reshard: the tree of layouts does not match the tree of tensors"
     given = per_leaf(dst_layouts, leaves, paths, treedef, lambda x: isinstance(x, Layout), what)
+    shapes = [t.shape for t in leaves]
+    last = _last_layouts
+    if last is not None and len(last[0]) == len(given) and all(map(operator.is_, given, last[0])) and last[1] == shapes:
+        return list(last[2])  # the same layouts for the same shapes as the latest call: a sync loop's replay
     out: list[Layout] = []
     seen: dict[tuple, Layout] = {}  # (id of a given layout, shape) -> it for that shape: a state dict has few of each
     for path, t, layout in zip(paths, leaves, given, strict=True):
@@ -185,7 +196,9 @@ def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
                 )
             hit = seen[key] = layout.for_shape(t.shape)  # checked
         out.append(hit)
-    return out
+    if len(out) > 1:
+        _last_layouts = (given, shapes, out)
+    return list(out)
 
 
 def _dtypes(dtype, leaves, paths, treedef) -> tuple[list[str], list[Scaled | None]]:
@@ -422,10 +435,11 @@ def _results(call: _Call, run: str, results: dict):
         for i, desc in r.descriptors.items():
             if desc is not None:
                 shared[i][d] = desc
+    names = shard_names(run, range(len(call.leaves)))
     leaves = [
-        ShardedTensor(dmesh, layout, t.shape, dtype, shard_name(run, i), where, copy=False)
-        for i, (t, layout, dmesh, dtype, where) in enumerate(
-            zip(call.leaves, call.layouts, call.dst_meshes, call.dtypes, shared, strict=True)
+        ShardedTensor(dmesh, layout, t.shape, dtype, name, where, copy=False)
+        for t, layout, dmesh, dtype, name, where in zip(
+            call.leaves, call.layouts, call.dst_meshes, call.dtypes, names, shared, strict=True
         )
     ]
     return leaves[0] if call.single else unflatten(call.treedef, leaves)
