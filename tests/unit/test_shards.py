@@ -182,6 +182,27 @@ def test_a_units_shards_are_kept_at_once_and_each_reads_until_it_is_dropped():
 
 
 @pytest.mark.skipif(not cross_memory.available(), reason="peers may not read this process's memory")
+def test_freeing_a_units_shards_at_once_ends_each_tenure_and_leaves_the_others():
+    s, peers = store(), PeerShards(1)
+    placed = _placed(s, "r", 4)
+    descs = s.put_run("r", [], placed)
+    own = s.allocate((BIG,), "uint8")
+    s.put("own", own, "own", "uint8")
+    own_desc = s.descriptor(own)
+    for d in (*descs, own_desc):  # read once: a check looks at what was read
+        peers.get(0, d, np.dtype(np.uint8))
+    free_cells = len(s.shared.private._free)
+    assert s.free_many(["r/0", "r/2", "own", "r/0", "missing"]) == 3
+    assert "r/0" not in s and "r/2" not in s and "own" not in s and "r/1" in s and "r/0" not in s.placed
+    for gone in (descs[0], descs[2], own_desc):
+        with pytest.raises(ReshardError, match="gone"):
+            peers.check(0, gone)
+    for kept in (descs[1], descs[3]):
+        peers.check(0, kept)
+    assert len(s.shared.private._free) == free_cells + 2, "the cells are free for the next shards"
+
+
+@pytest.mark.skipif(not cross_memory.available(), reason="peers may not read this process's memory")
 def test_a_unit_larger_than_the_free_cells_gets_descriptors_for_those_it_fits():
     s = store()
     board = s.shared.private

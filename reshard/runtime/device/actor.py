@@ -214,7 +214,7 @@ class DeviceRole:
         if ctx is None:
             return 0
         with ctx.inbox.turn(ticket, NO_DEADLINE):
-            return sum(ctx.store.free(n) for n in names)
+            return ctx.store.free_many(names)
 
     # ---------------------------------------------------------------- programs
 

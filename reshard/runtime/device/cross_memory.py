@@ -32,7 +32,9 @@ import errno
 import functools
 import itertools
 import mmap
+import operator
 import os
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,6 +182,17 @@ class TenureBoard:
             self._file.pop(cell, None)
             self._held.pop(cell, None)
             self._free.append(cell)
+
+    def end_placed(self, shards: list, addresses: list) -> None:
+        """``end`` of many C-contiguous shards at known addresses, cell by cell in one pass."""
+        keys = zip(addresses, map(operator.attrgetter("nbytes"), shards), strict=True)
+        cells = [c for c in map(self._cell.pop, keys, itertools.repeat(None)) if c is not None]
+        if not cells:
+            return
+        self.cells[np.array(cells, np.int64)] = 0
+        for table in (self._file, self._held):
+            deque(map(table.pop, cells, itertools.repeat(None)), maxlen=0)
+        self._free.extend(cells)
 
     def descriptor(self, a, address: int | None = None) -> tuple | None:
         if not isinstance(a, np.ndarray):

@@ -7,10 +7,11 @@ tens of microseconds of Python per tensor, far more than its bytes. As a unit, t
 destination block (each destination a view of it; the block of an earlier run once its shards are
 freed, ``ShardStore.allocate_block``), and the slices they read become the rows of one table
 (``Rows``: spans of the holders' shards, the bytes each goes to; runs of a shard a little apart are
-read as one span, the gaps into scratch), issued in ``process_vm_readv`` calls of up to
-``IOV_MAX`` rows a side; every tenure is checked at once, before the reads and after
-(``Binding.settle``), as ``PeerShards`` checks one shard's. The new shards are kept knowing their
-addresses (``ShardStore.put_run``).
+read as one span, the gaps into scratch, and so are spans of shards a little apart in their
+holder, as small tensors allocated one after another lie), issued in ``process_vm_readv`` calls of
+up to ``IOV_MAX`` rows a side; every tenure is checked at once, before the reads and after
+(``Binding.settle``), as ``PeerShards`` checks one shard's. The new shards are kept as columns
+(``UnitRun.placed``, ``ShardStore.put_run``): no Python loop per shard.
 
 The table is worked out once per prepared batch and binding (``HostUnit``; a replay binds the same
 source shards, so only the block's address changes), and a run adds the block's address to it.
@@ -116,7 +117,8 @@ class HostUnit:
     """A batch's parts run as one unit on a CPU device (module docstring): ``places``, where each
     destination lies in the block of ``nbytes``; ``sources``, the reads out of holders' private
     memory; ``mapped``, the copies out of mapped shards; ``rest``, the indices of the batch's
-    other parts, which run as before."""
+    other parts, which run as before; ``shared``, whether peers map some destination (the block is
+    then made in shared memory where it can be)."""
 
     bound: object
     places: Places
@@ -124,11 +126,7 @@ class HostUnit:
     sources: tuple[Source, ...]
     mapped: tuple[MappedPull, ...]
     rest: tuple[int, ...]
-
-    @property
-    def shared(self) -> bool:
-        """Whether peers map some destination (the block is then made in shared memory if it can be)."""
-        return any(self.places.mapped)
+    shared: bool
 
 
 def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
@@ -206,7 +204,7 @@ def _build(prepared, bound) -> HostUnit | None:
         storages,
         tuple(n >= SMALL_SHARD_BYTES for n in sizes),
     )
-    return HostUnit(bound, places, offset, sources, tuple(mapped), rest)
+    return HostUnit(bound, places, offset, sources, tuple(mapped), rest, any(places.mapped))
 
 
 def _reads(prog, pulls: dict, itemsize: int):

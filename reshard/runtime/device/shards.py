@@ -32,7 +32,7 @@ import logging
 import os
 import sys
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -550,6 +550,23 @@ class ShardStore:
         """Drop shard ``name`` whoever holds it (a user's own tensor only leaves the store)."""
         with self._lock:
             return self._drop(name)
+
+    def free_many(self, names) -> int:
+        """``free`` each of ``names``; those that are views of a unit's block (a tree's small
+        outputs, thousands at once) column by column. Returns how many were dropped."""
+        names = list(dict.fromkeys(names))  # once each
+        with self._lock:
+            placed = self.placed
+            views = [n for n in names if n in placed]
+            others = [n for n in names if n not in placed] if views else names
+            if views:
+                shards = list(map(self.shards.pop, views))
+                for table in (self.holders, self.meta, self.dtypes, self.versions):
+                    deque(map(table.pop, views, itertools.repeat(None)), maxlen=0)
+                addresses = list(map(placed.pop, views))
+                if self.shared is not None:
+                    self.shared.end_placed(shards, addresses)
+            return len(views) + sum(self._drop(n) for n in others)
 
     def tombstone(self, run: str, names=()) -> None:
         """The controller gave up on run ``run`` (a reshard, or a load named by its shard): a

@@ -217,6 +217,11 @@ class SharedShards:
             return [None] * len(placed.views)
         return self.private.begin_placed(placed, list(itertools.islice(self._tenures, len(placed.views))))
 
+    def end_placed(self, shards: list, addresses: list) -> None:
+        """``end`` of many shards that fill no block of their own, each at its address (a unit's)."""
+        if self.private is not None:
+            self.private.end_placed(shards, addresses)
+
     def end(self, a, at: int | None = None) -> None:
         """The shard in ``a``'s block is dropped: descriptors of it no longer map. ``at``: where
         ``a`` starts, when the caller knows it fills no block of its own (a unit's destination,
