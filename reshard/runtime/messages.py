@@ -189,11 +189,44 @@ class RunRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacedDescriptors:
+    """The ``CROSS_MEMORY`` descriptors of a run's new shards that lie in its unit's block, as
+    columns (integer arrays; thousands a run, made, sent and decoded without a tuple each): tensor
+    ``tensors[k]``'s is ``descriptor(k)``. ``shape_ids`` index ``shapes``; ``files``: each one's
+    ``(fd, inode, offset)`` in the block's file, or None for all (none mapped)."""
+
+    pid: int
+    fd: int
+    inode: int
+    tensors: Any
+    cells: Any
+    tenures: Any
+    addresses: Any
+    shape_ids: Any
+    shapes: tuple
+    files: tuple | None
+
+    def descriptor(self, k: int) -> tuple:
+        return (
+            CROSS_MEMORY,
+            self.pid,
+            self.fd,
+            self.inode,
+            int(self.cells[k]),
+            int(self.tenures[k]),
+            int(self.addresses[k]),
+            self.shapes[self.shape_ids[k]],
+            None if self.files is None else self.files[k],
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RunResult:
     """``run_s``: the actor's whole call; ``elapsed_s``: its program; ``comm_s``: inside
     communication calls; ``peak_bytes``: destinations (twice when assembled apart) + staging bytes
     it held; ``descriptors``: per tensor, how peers map its new destination shard (None: not in
-    shared memory); ``checks``: with ``verify``, ``[(tensor, step, "read" | "wrote", crc)]``."""
+    shared memory); ``placed``: those of its unit's shards, as columns; ``checks``: with
+    ``verify``, ``[(tensor, step, "read" | "wrote", crc)]``."""
 
     run_s: float
     elapsed_s: float
@@ -201,6 +234,7 @@ class RunResult:
     peak_bytes: int
     descriptors: dict = field(default_factory=dict)
     checks: list | None = None
+    placed: PlacedDescriptors | None = None
 
 
 @dataclass(frozen=True, slots=True)

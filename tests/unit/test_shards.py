@@ -161,14 +161,28 @@ def _placed(s: ShardStore, run: str, n: int, meta=None) -> PlacedShards:
         (64,) * n,
         (shape,) * n,
         [None] * n,
+        tuple(range(n)),
+        np.zeros(n, np.int32),
+        (shape,),
     )
+
+
+def _kept(s: ShardStore, run: str, placed: PlacedShards) -> list:
+    """``put_run`` of a unit's shards: their descriptors, one each."""
+    kept = s.put_run(run, [], placed)
+    assert kept is not None and kept[0] == []
+    columns = kept[1]
+    if isinstance(columns, list):
+        return columns
+    assert list(columns.tensors) == list(placed.tensors)
+    return [columns.descriptor(k) for k in range(len(columns.tensors))]
 
 
 @pytest.mark.skipif(not cross_memory.available(), reason="peers may not read this process's memory")
 def test_a_units_shards_are_kept_at_once_and_each_reads_until_it_is_dropped():
     s, peers = store(), PeerShards(1)
     placed = _placed(s, "r", 6, meta={"shape": [96]})
-    descs = s.put_run("r", [], placed)
+    descs = _kept(s, "r", placed)
     assert descs == [s.descriptor(v) for v in placed.views], "what a shard's own descriptor says"
     assert len({d[4] for d in descs}) == 6 and len({d[5] for d in descs}) == 6, "a cell and a tenure each"
     assert s.holders["r/3"] == ("r/3",) and s.dtype("r/3") == "float32" and s.meta["r/3"] == {"shape": [96]}
@@ -185,7 +199,7 @@ def test_a_units_shards_are_kept_at_once_and_each_reads_until_it_is_dropped():
 def test_freeing_a_units_shards_at_once_ends_each_tenure_and_leaves_the_others():
     s, peers = store(), PeerShards(1)
     placed = _placed(s, "r", 4)
-    descs = s.put_run("r", [], placed)
+    descs = _kept(s, "r", placed)
     own = s.allocate((BIG,), "uint8")
     s.put("own", own, "own", "uint8")
     own_desc = s.descriptor(own)
@@ -207,11 +221,11 @@ def test_a_unit_larger_than_the_free_cells_gets_descriptors_for_those_it_fits():
     s = store()
     board = s.shared.private
     del board._free[2:]  # two cells left
-    descs = s.put_run("r", [], _placed(s, "r", 4))
+    descs = _kept(s, "r", _placed(s, "r", 4))
     assert [d is not None for d in descs] == [True, True, False, False]
     assert "r/3" in s, "kept: only peers cannot read it (it moves through the backend)"
     s.tombstone("late/1")  # given up on by its name (a load's)
-    assert s.put_run("late", [], _placed(s, "late", 2)) == [None, None]
+    assert _kept(s, "late", _placed(s, "late", 2)) == [None, None]
     assert "late/0" in s and "late/1" not in s
     s.tombstone("aborted")
     assert s.put_run("aborted", [], _placed(s, "aborted", 2)) is None and "aborted/0" not in s

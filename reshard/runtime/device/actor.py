@@ -165,10 +165,10 @@ class DeviceRole:
                     raise
                 raise ReshardError(f"device {ctx.device}: could not allocate the shards of {run}: {e}") from e
             kept = [(e.name, a, e.dtype, None, False) for e, a in zip(entries, made, strict=True)]
-            descriptors = ctx.store.put_run(run, kept)
-            if descriptors is None:
+            stored = ctx.store.put_run(run, kept)
+            if stored is None:
                 raise PeerFailed(f"device {ctx.device}: the controller aborted loading {run}")
-            return {e[0]: d for e, d in zip(entries, descriptors, strict=True)}
+            return {e[0]: d for e, d in zip(entries, stored[0], strict=True)}
 
     def reshard_fetch(self, name: str, budget_s: float = FETCH_BUDGET_S, versioned: bool = False):
         """A copy of shard ``name`` as a numpy array (bfloat16 as its int16 bit pattern), taken
@@ -302,7 +302,7 @@ class DeviceRole:
             with gc_paused():
                 binding.recycle()
                 binding.settle(deadline, late_fails=req.commit)
-                descriptors = binding.keep(prepared.metas)
+                descriptors, placed = binding.keep(prepared.metas)
         except BaseException as e:
             ctx.counters["failed_runs"] += 1
             if binding is not None:
@@ -317,7 +317,13 @@ class DeviceRole:
             state.active = None
             state.staging.trim()
         return RunResult(
-            time.monotonic() - t0, stats["elapsed_s"], stats["comm_s"], ctx.peak_bytes, descriptors, stats["checks"]
+            time.monotonic() - t0,
+            stats["elapsed_s"],
+            stats["comm_s"],
+            ctx.peak_bytes,
+            descriptors,
+            stats["checks"],
+            placed,
         )
 
     def reshard_describe(self, ticket: Ticket, names, budget_s: float) -> list[dict]:

@@ -22,7 +22,7 @@ from reshard.runtime.device import host_unit
 from reshard.runtime.device.batches import PreparedBatch
 from reshard.runtime.device.executor import Run
 from reshard.runtime.device.host_unit import UnitRun
-from reshard.runtime.messages import Bound, RunRequest, shard_name
+from reshard.runtime.messages import Bound, PlacedDescriptors, RunRequest, shard_name
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -247,27 +247,29 @@ class Binding:
         if late_fails and time.monotonic() >= deadline:
             raise ReshardTimeout(f"device {ctx.device}: the run ended after its deadline; its results are dropped")
 
-    def keep(self, metas: dict) -> dict[int, tuple | None]:
+    def keep(self, metas: dict) -> tuple[dict[int, tuple | None], PlacedDescriptors | None]:
         """The new destinations as named shards (``shard_name(run, tensor)``), all or none: a run
-        the controller aborted meanwhile keeps none. Returns each one's descriptor."""
+        the controller aborted meanwhile keeps none. Returns each one's descriptor by tensor, and
+        those of the unit's shards as columns where they were kept so."""
         ctx, run, prepared = self.ctx, self.req.run, self.prepared
         if self.req.direct:
-            return {}
+            return {}, None
         index, parts = prepared.index, prepared.parts
-        order = list(self.dsts)
         entries = [
             (shard_name(run, t), d, parts[index[t]].dtype, metas.get(t), t in self.slots) for t, d in self.dsts.items()
         ]
-        placed = None
-        if self.unit is not None:
-            placed = self.unit.placed(run, metas)
-            order += self.unit.unit.places.tensors
-        descriptors = ctx.store.put_run(run, entries, placed)
-        if descriptors is None:
+        placed = None if self.unit is None else self.unit.placed(run, metas)
+        kept = ctx.store.put_run(run, entries, placed)
+        if kept is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
         if self.bound.outs is not None:  # staged for a commit: nobody maps them
-            return {}
-        return dict(zip(order, descriptors, strict=True))
+            return {}, None
+        descriptors, unit = kept
+        out = dict(zip(self.dsts, descriptors, strict=True))
+        if isinstance(unit, list):  # kept one by one
+            out.update(zip(placed.tensors, unit, strict=True))
+            unit = None
+        return out, unit
 
     def release(self) -> None:
         """Undo a failed run: new destinations dropped (the user's tensors are left as they are),

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.errors import ReshardError
-from reshard.runtime.messages import CROSS_MEMORY
+from reshard.runtime.messages import CROSS_MEMORY, PlacedDescriptors
 
 BOARD_CELLS = 1 << 16  # shards in private memory a device names at once (8 bytes each, pages made on use)
 LIVE = 1  # cell 0 of every board
@@ -136,11 +136,11 @@ class TenureBoard:
         self.cells[cell] = tenure
         return (CROSS_MEMORY, self.pid, self.fd, self.inode, cell, tenure, address, tuple(a.shape), file)
 
-    def begin_placed(self, placed, tenures: list) -> list:
+    def begin_placed(self, placed, tenures: list) -> PlacedDescriptors | list:
         """``begin`` of a unit's destinations (``shards.PlacedShards``: C-contiguous views at known
-        addresses), each with its tenure: their descriptors. Cells are taken and filled column by
-        column; where some already has a cell, or too few are free, shard by shard (None once every
-        cell is taken)."""
+        addresses), each with its tenure: their descriptors, as columns. Cells are taken and filled
+        column by column; where some already has a cell, or too few are free, shard by shard (a
+        list of descriptors, None once every cell is taken)."""
         keys = list(zip(placed.addresses, placed.sizes, strict=True))
         n, free = len(keys), self._free
         if not n:
@@ -155,21 +155,20 @@ class TenureBoard:
         self._cell.update(zip(keys, taken, strict=True))
         self._file.update(zip(taken, placed.files, strict=True))
         self._held.update(zip(taken, placed.views, strict=True))  # its memory lives while the cell names it
-        self.cells[np.array(taken, np.int64)] = np.array(tenures, np.uint64)
-        fixed = itertools.repeat
-        return list(
-            zip(
-                fixed(CROSS_MEMORY),
-                fixed(self.pid),
-                fixed(self.fd),
-                fixed(self.inode),
-                taken,
-                tenures,
-                placed.addresses,
-                placed.shapes,
-                placed.files,
-                strict=False,  # the fixed columns are endless
-            )
+        cells, tenures_ = np.array(taken, np.int64), np.array(tenures, np.uint64)
+        self.cells[cells] = tenures_
+        files = tuple(placed.files) if any(placed.files) else None
+        return PlacedDescriptors(
+            self.pid,
+            self.fd,
+            self.inode,
+            np.array(placed.tensors, np.int64),
+            cells,
+            tenures_,
+            np.array(placed.addresses, np.uint64),
+            placed.shape_ids,
+            placed.distinct,
+            files,
         )
 
     def end(self, a, address: int | None = None) -> None:

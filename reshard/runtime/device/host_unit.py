@@ -98,9 +98,9 @@ class MappedPull:
 class Places:
     """Where a unit's destinations lie, as columns in part order (a run keeps thousands at once:
     ``UnitRun.placed``): ``parts`` (indices), ``tensors`` (batch tensor of each), ``dtypes``,
-    ``offsets`` in the block (int64), ``sizes`` (bytes), ``shapes`` (one tuple per distinct shape:
-    a run's descriptors pickle it once, made once here), ``storages`` (numpy dtypes) and
-    ``mapped`` (whether peers map it: ``SMALL_SHARD_BYTES`` or more)."""
+    ``offsets`` in the block (int64), ``sizes`` (bytes), ``shapes`` (one tuple per distinct shape,
+    made once here), ``storages`` (numpy dtypes), ``mapped`` (whether peers map it:
+    ``SMALL_SHARD_BYTES`` or more), and each one's index (``shape_ids``) in ``distinct`` shapes."""
 
     parts: tuple[int, ...]
     tensors: tuple[int, ...]
@@ -110,6 +110,8 @@ class Places:
     shapes: tuple[tuple[int, ...], ...]
     storages: tuple[np.dtype, ...]
     mapped: tuple[bool, ...]
+    shape_ids: np.ndarray
+    distinct: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,6 +196,7 @@ def _build(prepared, bound) -> HostUnit | None:
     rest = tuple(i for i in range(len(prepared.parts)) if i not in index)
     order = tuple(index)
     offsets, kept_shapes, storages, sizes = zip(*index.values(), strict=True)
+    shape_id = {shape: k for k, shape in enumerate(shapes)}
     places = Places(
         order,
         tuple(prepared.tensors[i] for i in order),
@@ -203,6 +206,8 @@ def _build(prepared, bound) -> HostUnit | None:
         kept_shapes,
         storages,
         tuple(n >= SMALL_SHARD_BYTES for n in sizes),
+        np.array([shape_id[shape] for shape in kept_shapes], np.int32),
+        tuple(shapes),
     )
     return HostUnit(bound, places, offset, sources, tuple(mapped), rest, any(places.mapped))
 
@@ -418,6 +423,9 @@ class UnitRun:
             p.sizes,
             p.shapes,
             files,
+            p.tensors,
+            p.shape_ids,
+            p.distinct,
         )
 
     def read(self) -> None:

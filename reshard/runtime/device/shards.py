@@ -58,7 +58,8 @@ _DROPPED = object()  # what ``ShardStore._put`` returns for a shard of an aborte
 @dataclass(frozen=True, slots=True)
 class PlacedShards:
     """A run's new shards that are views of its unit's block (``host_unit``), as columns: kept all
-    at once (``ShardStore.put_run``). ``metas``: what each is a shard of (None: nothing said)."""
+    at once (``ShardStore.put_run``). ``metas``: what each is a shard of (None: nothing said);
+    ``tensors``: the batch tensor each is of; ``shape_ids``: each shape's index in ``distinct``."""
 
     names: list[str]
     views: list
@@ -68,6 +69,9 @@ class PlacedShards:
     sizes: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
     files: list
+    tensors: tuple[int, ...]
+    shape_ids: np.ndarray
+    distinct: tuple[tuple[int, ...], ...]
 
 
 def _nbytes(shape, storage: np.dtype) -> int:
@@ -433,11 +437,12 @@ class ShardStore:
         if meta:
             self.meta[name] = meta
 
-    def put_run(self, run: str, entries, placed: PlacedShards | None = None) -> list | None:
+    def put_run(self, run: str, entries, placed: PlacedShards | None = None) -> tuple[list, object] | None:
         """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), and
         ``placed``, its unit's destinations, all at once; or, when the run was aborted meanwhile
-        (``tombstone``), none of them (None). Returns each one's descriptor, in that order (None:
-        peers cannot map it, or it was aborted by name)."""
+        (``tombstone``), none of them (None). Returns each entry's descriptor (None: peers cannot
+        map it, or it was aborted by name), and those of ``placed`` (``_put_placed``; None
+        without it)."""
         with self._lock:
             if run in self._tombstones:
                 self._tombstones.pop(run)
@@ -447,15 +452,13 @@ class ShardStore:
                     self._give_back(t, 2)
                 return None
             kept = [self._put(name, t, name, dtype, meta, begun) for name, t, dtype, meta, begun in entries]
-            out = [None if d is _DROPPED else d for d in kept]
-            if placed is not None:
-                out += self._put_placed(placed)
-            return out
+            return [None if d is _DROPPED else d for d in kept], None if placed is None else self._put_placed(placed)
 
-    def _put_placed(self, placed: PlacedShards) -> list:
+    def _put_placed(self, placed: PlacedShards):
         """``put_run`` of a unit's destinations: no pool, no block of their own, their tenures
         begun in one pass (``SharedShards.begin_placed``), the store's tables updated column by
-        column."""
+        column. Their descriptors: as columns (``messages.PlacedDescriptors``), or a list, one
+        each (None: peers cannot map it), where they were kept one by one."""
         names = placed.names
         metas = placed.metas or [None] * len(names)
         if self._tombstones and not self._tombstones.keys().isdisjoint(names):

@@ -31,6 +31,7 @@ from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.signed import Signed
 from reshard.runtime.driver.tensor import ShardedTensor
+from reshard.runtime.driver.unit_descriptors import UnitDescriptors
 from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import maps_shared, shard_names
 from reshard.scaling import Scaled
@@ -430,16 +431,19 @@ def reshard(
 
 def _results(call: _Call, run: str, results: dict):
     """The call's tree of new handles, each with the descriptors its devices returned."""
-    shared: list[dict] = [{} for _ in call.leaves]  # tensor -> {device: descriptor}
+    n = len(call.leaves)
+    shared: list[dict] = [{} for _ in range(n)]  # tensor -> {device: descriptor}
     for d, r in results.items():
         for i, desc in r.descriptors.items():
             if desc is not None:
                 shared[i][d] = desc
-    names = shard_names(run, range(len(call.leaves)))
+    columns = {d: r.placed for d, r in results.items() if r.placed is not None}
+    placed = UnitDescriptors(columns, n) if columns else None
+    names = shard_names(run, range(n))
     leaves = [
-        ShardedTensor(dmesh, layout, t.shape, dtype, name, where, copy=False)
-        for t, layout, dmesh, dtype, name, where in zip(
-            call.leaves, call.layouts, call.dst_meshes, call.dtypes, names, shared, strict=True
+        ShardedTensor(dmesh, layout, t.shape, dtype, name, where, copy=False, placed=placed, index=i)
+        for i, (t, layout, dmesh, dtype, name, where) in enumerate(
+            zip(call.leaves, call.layouts, call.dst_meshes, call.dtypes, names, shared, strict=True)
         )
     ]
     return leaves[0] if call.single else unflatten(call.treedef, leaves)

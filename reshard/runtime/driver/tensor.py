@@ -26,6 +26,7 @@ from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.driver.dispatch import failure_error
 from reshard.runtime.driver.mesh import DeviceMesh
 from reshard.runtime.driver.signed import Signed
+from reshard.runtime.driver.unit_descriptors import UnitDescriptors
 from reshard.runtime.messages import copy_holder
 
 FETCH_RETRY_S = 0.005  # a read whose shards disagree reads again after this pause, then twice as long
@@ -43,7 +44,18 @@ class ShardedTensor:
     refused rather than silently making an object array."""
 
     def __init__(
-        self, mesh: DeviceMesh, layout: Layout, shape, dtype: str, name: str, shared=None, holder=None, *, copy=True
+        self,
+        mesh: DeviceMesh,
+        layout: Layout,
+        shape,
+        dtype: str,
+        name: str,
+        shared=None,
+        holder=None,
+        *,
+        copy=True,
+        placed: UnitDescriptors | None = None,
+        index: int = -1,
     ):
         self.mesh = mesh
         self.layout = layout
@@ -51,11 +63,22 @@ class ShardedTensor:
         self.dtype_name = dtype
         self.name = name
         # device -> shared-memory descriptor of its shard (``copy`` False: a dict made for this handle alone)
-        self._shared = dict(shared or {}) if copy or shared is None else shared
+        self._descriptors = dict(shared or {}) if copy or shared is None else shared
+        self._placed, self._index = placed, index  # more of them, as its call's columns (``_shared``)
         self._holder = name if holder is None else holder
         self._freed = False
         self._key: Signed | None = None
         self._source: Signed | None = None
+
+    @property
+    def _shared(self) -> dict:
+        """Device -> shared-memory descriptor of its shard: those its devices returned as columns
+        are read out of them the first time (``unit_descriptors``)."""
+        placed = self._placed
+        if placed is not None:
+            self._descriptors.update(placed.of(self._index))
+            self._placed = None
+        return self._descriptors
 
     @property
     def _signature(self) -> Signed:
