@@ -47,6 +47,29 @@ def test_a_dropped_shards_descriptor_stops_mapping_before_its_memory_is_reused()
         peers.get(0, desc, np.dtype(np.uint8))
 
 
+def test_pulls_asked_for_on_every_run_keep_their_views_and_check_every_tenure_each_time():
+    s, peers = store(), PeerShards(1)
+    made = []
+    for i in range(3):
+        t = s.allocate((BIG // 4,), "float32")
+        t[:] = i
+        s.put(f"t{i}", t, "h", "float32")
+        made.append(t)
+    wanted = tuple((0, s.descriptor(t), np.dtype(np.float32)) for t in made)
+    first = peers.get_all(wanted)
+    assert [float(v[7]) for v in first] == [0.0, 1.0, 2.0]
+    assert peers.get_all(wanted) is first, "kept while their mappings are"
+    peers.check_all(wanted)
+    s.free("t1")
+    for ask in (peers.check_all, peers.get_all):
+        with pytest.raises(ReshardError, match="gone"):
+            ask(wanted)
+    peers.purge(full=False)  # the dropped shard's mapping goes, and what was kept with it
+    with pytest.raises(ReshardError, match="gone"):
+        peers.get_all(wanted)
+    assert [float(v[7]) for v in peers.get_all(wanted[::2])] == [0.0, 2.0], "the others still read"
+
+
 def test_an_assembled_destination_becomes_a_shared_shard_of_its_own():
     s = ShardStore(0, "cpu", 64 << 20, shared=SharedShards(), assembly_bytes=8 << 20)
     t = s.allocate_destination((BIG // 4,), "float32")

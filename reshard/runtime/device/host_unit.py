@@ -83,10 +83,10 @@ class Source:
 @dataclass(frozen=True, eq=False)
 class MappedPull:
     """A pull out of a shard this process maps (module docstring): box ``read`` of ``holder``'s
-    shard named by ``desc`` (viewed as ``storage``) into box ``write`` of part ``part``'s
-    destination, as index tuples."""
+    shard named by ``desc`` (viewed as ``storage``) into box ``write`` of the destination ``at``
+    (its place in the unit's ``Places``), as index tuples."""
 
-    part: int
+    at: int
     holder: int
     desc: tuple
     storage: np.dtype
@@ -118,15 +118,17 @@ class Places:
 class HostUnit:
     """A batch's parts run as one unit on a CPU device (module docstring): ``places``, where each
     destination lies in the block of ``nbytes``; ``sources``, the reads out of holders' private
-    memory; ``mapped``, the copies out of mapped shards; ``rest``, the indices of the batch's
-    other parts, which run as before; ``shared``, whether peers map some destination (the block is
-    then made in shared memory where it can be)."""
+    memory; ``mapped``, the copies out of mapped shards, and ``wanted``, their ``(holder, desc,
+    storage)`` as ``PeerShards.get_all`` takes them; ``rest``, the indices of the batch's other
+    parts, which run as before; ``shared``, whether peers map some destination (the block is then
+    made in shared memory where it can be)."""
 
     bound: object
     places: Places
     nbytes: int
     sources: tuple[Source, ...]
     mapped: tuple[MappedPull, ...]
+    wanted: tuple[tuple[int, tuple, np.dtype], ...]
     rest: tuple[int, ...]
     shared: bool
 
@@ -181,7 +183,7 @@ def _build(prepared, bound) -> HostUnit | None:
         for holder, desc, table in reads:
             if type(table) is tuple:  # a mapped shard: (read, write) boxes
                 read, write = (tuple(slice(lo, hi) for lo, hi in box) for box in table)
-                mapped.append(MappedPull(i, holder, desc, storage, read, write))
+                mapped.append(MappedPull(len(index) - 1, holder, desc, storage, read, write))
                 continue
             _, pid, fd, inode, cell, tenure, address = desc[:7]
             entry = rows.setdefault((holder, pid, fd, inode), [[], [], [], []])
@@ -209,7 +211,8 @@ def _build(prepared, bound) -> HostUnit | None:
         np.array([shape_id[shape] for shape in kept_shapes], np.int32),
         tuple(shapes),
     )
-    return HostUnit(bound, places, offset, sources, tuple(mapped), rest, any(places.mapped))
+    wanted = tuple((m.holder, m.desc, m.storage) for m in mapped)
+    return HostUnit(bound, places, offset, sources, tuple(mapped), wanted, rest, any(places.mapped))
 
 
 def _reads(prog, pulls: dict, itemsize: int):
@@ -439,15 +442,16 @@ class UnitRun:
                 short = _read(s.unmerged, at)
             if short is not None:
                 raise read_failed(self.device, s.holder, s.pid, *short)
-        dsts, peers = self.dsts if self.unit.mapped else {}, self.peers
-        for m in self.unit.mapped:
-            arrays.copy(dsts[m.part][m.write], peers.get(m.holder, m.desc, m.storage)[m.read])
+        if self.unit.mapped:
+            views = self.views
+            for m, src in zip(self.unit.mapped, self.peers.get_all(self.unit.wanted), strict=True):
+                arrays.copy(views[m.at][m.write], src[m.read])
 
     def check(self) -> None:
         for s in self.unit.sources:
             self._check(s)
-        for m in self.unit.mapped:
-            self.peers.check(m.holder, m.desc)
+        if self.unit.wanted:
+            self.peers.check_all(self.unit.wanted)
 
     def _check(self, s: Source) -> None:
         cells = self.peers.board(s.holder, s.pid, *s.board)

@@ -34,6 +34,7 @@ import errno
 import hashlib
 import itertools
 import mmap
+import operator
 import os
 import platform
 import resource
@@ -41,6 +42,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,6 +58,7 @@ from reshard.runtime.messages import CROSS_MEMORY
 #: device runs pulls (``PeerShards.purge``). Each keeps a descriptor (Python's ``mmap`` keeps a copy
 #: of the one it mapped), so a low descriptor limit lowers it (``_peer_map_budget``).
 PEER_MAPS = 4096
+BATCHES = 16  # tuples of pulls whose views ``PeerShards.get_all`` keeps (a host unit's, one per binding)
 #: Bound on a device's live shared-memory blocks (two descriptors and one mapping each): a tree of
 #: tens of thousands of shards must not run the process out of descriptors. Shards past it stay in
 #: private memory, which peers read by cross-memory attach (``reshard.runtime.device.cross_memory``).
@@ -309,6 +312,18 @@ class RelayBoard:
         os.close(self._fd)
 
 
+@dataclass(frozen=True, eq=False)
+class _Batch:
+    """What ``PeerShards.get_all`` gave a tuple of pulls out of shared blocks: each one's mapping
+    (by key) then, its view, and its tenure then."""
+
+    wanted: tuple
+    keys: list
+    mappings: list
+    views: list
+    tenures: np.ndarray
+
+
 class _Mapped:
     """A peer's block mapped here: its descriptor number, its bytes, its tenure cell, and the typed
     views of its data handed out so far (a replay asks for the same ones)."""
@@ -360,6 +375,7 @@ class PeerShards:
         self.limit = _peer_map_budget() if limit is None else limit
         self.maps: OrderedDict[tuple[int, int], _Mapped] = OrderedDict()  # (pid, inode) -> its mapping
         self._got: dict = {}  # (holder, descriptor, dtype) -> (key, mapping, what get gave): a replay asks again
+        self._batches: OrderedDict[int, _Batch] = OrderedDict()  # id of a ``get_all`` tuple -> what it gave
         self._lock = threading.Lock()
 
     def get(self, holder: int, desc, dtype: np.dtype) -> np.ndarray | RemoteShard:
@@ -385,6 +401,53 @@ class PeerShards:
                 self._got.clear()
             self._got[(holder, desc, dtype)] = (key, kept, got)
         return got
+
+    def get_all(self, wanted: tuple) -> list:
+        """``get`` of each ``(holder, desc, dtype)`` of ``wanted``, a tuple its caller asks with on
+        every run (a host unit's pulls out of mapped shards): while the shared blocks they name stay
+        mapped, the views given last time, every tenure checked again at once."""
+        batch = self._batch(wanted)
+        if batch is None:
+            got = [self.get(holder, desc, dtype) for holder, desc, dtype in wanted]
+            if all(len(desc) == 5 and desc[0] != CROSS_MEMORY for _, desc, _ in wanted):  # shared blocks
+                keys = [(desc[0], desc[2]) for _, desc, _ in wanted]
+                with self._lock:
+                    mappings = list(map(self.maps.get, keys))
+                    if None not in mappings:
+                        tenures = np.array([desc[4] for _, desc, _ in wanted], np.uint64)
+                        self._batches[id(wanted)] = _Batch(wanted, keys, mappings, got, tenures)
+                        while len(self._batches) > BATCHES:
+                            self._batches.popitem(last=False)
+            return got
+        self._check_batch(batch)
+        return batch.views
+
+    def check_all(self, wanted: tuple) -> None:
+        """``check`` of each ``(holder, desc, dtype)`` of ``wanted`` (after copying from what
+        ``get_all`` gave)."""
+        batch = self._batch(wanted)
+        if batch is None:
+            for holder, desc, _ in wanted:
+                self.check(holder, desc)
+        else:
+            self._check_batch(batch)
+
+    def _batch(self, wanted: tuple) -> _Batch | None:
+        """What ``get_all`` gave ``wanted`` last time, if every mapping it read is still the one mapped."""
+        with self._lock:
+            batch = self._batches.get(id(wanted))
+            if batch is None or batch.wanted is not wanted:
+                return None
+            if not all(map(operator.is_, map(self.maps.get, batch.keys), batch.mappings)):
+                del self._batches[id(wanted)]
+                return None
+            return batch
+
+    def _check_batch(self, batch: _Batch) -> None:
+        now = np.fromiter((m.tenure[0] for m in batch.mappings), np.uint64, len(batch.mappings))
+        bad = np.flatnonzero(now != batch.tenures)
+        if bad.size:
+            raise shard_gone(self.device, batch.wanted[int(bad[0])][0])
 
     def _get(self, holder: int, desc, dtype: np.dtype) -> np.ndarray | RemoteShard:
         if desc[0] == CROSS_MEMORY:
@@ -494,10 +557,15 @@ class PeerShards:
         look at its callers (``DeviceContext.check_callers``, every ``caller_check_s``) fully."""
         with self._lock:
             gone = {pid for pid in {pid for pid, _ in self.maps} if not os.path.exists(f"/proc/{pid}")} if full else ()
-            dropped = False
-            for key, mapped in list(self.maps.items()):
-                live = key[0] not in gone and (mapped.tenure is None or int(mapped.tenure[0]) != 0)
-                if live and full:
+            headed = [(key, m) for key, m in self.maps.items() if m.tenure is not None]
+            tenures = np.fromiter((m.tenure[0] for _, m in headed), np.uint64, len(headed))
+            cleared = [headed[i][0] for i in np.flatnonzero(tenures == 0).tolist()]  # all tenures read at once
+            for key in cleared:
+                del self.maps[key]
+            dropped = bool(cleared)
+            for key, mapped in list(self.maps.items()) if full else ():
+                live = key[0] not in gone
+                if live:
                     try:
                         live = os.stat(f"/proc/{key[0]}/fd/{mapped.fd}").st_ino == key[1]
                     except OSError:
@@ -507,6 +575,7 @@ class PeerShards:
                     dropped = True
             if dropped:
                 self._got = {k: v for k, v in self._got.items() if self.maps.get(v[0]) is v[1]}
+                self._batches.clear()  # their views must not keep dropped mappings alive
 
     def _map(self, holder: int, pid: int, fd: int, inode: int) -> np.ndarray:
         path = f"/proc/{pid}/fd/{fd}"
@@ -539,3 +608,4 @@ class PeerShards:
         with self._lock:
             self.maps.clear()
             self._got.clear()
+            self._batches.clear()
