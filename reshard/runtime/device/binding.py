@@ -266,7 +266,7 @@ class Binding:
             return {}, None
         descriptors, unit = kept
         out = dict(zip(self.dsts, descriptors, strict=True))
-        if isinstance(unit, list):  # kept one by one
+        if isinstance(unit, list) and placed is not None:  # kept one by one
             out.update(zip(placed.tensors, unit, strict=True))
             unit = None
         return out, unit

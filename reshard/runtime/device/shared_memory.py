@@ -50,7 +50,7 @@ from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime.backends.communicator import PeerFailed
 from reshard.runtime.device import cross_memory
 from reshard.runtime.device.cross_memory import RemoteShard, TenureBoard
-from reshard.runtime.messages import CROSS_MEMORY
+from reshard.runtime.messages import CROSS_MEMORY, PlacedDescriptors
 
 #: Bound on the peer mappings a device keeps: enough for every shard of a large model's state dict
 #: from a few holders. A mapping of a shard its owner still holds costs no memory (the pages are the
@@ -213,9 +213,10 @@ class SharedShards:
             return self.private.begin(a, next(self._tenures), file, start)
         return None
 
-    def begin_placed(self, placed) -> list:
+    def begin_placed(self, placed) -> PlacedDescriptors | list:
         """``begin`` of a unit's destinations (``shards.PlacedShards``: they fill no block of their
-        own), in one pass: their descriptors (None where the board is full, or there is none)."""
+        own), in one pass: their descriptors, as columns (``TenureBoard.begin_placed``), or one each
+        (None where the board is full, or there is none)."""
         if self.private is None:
             return [None] * len(placed.views)
         return self.private.begin_placed(placed, list(itertools.islice(self._tenures, len(placed.views))))
@@ -557,8 +558,8 @@ class PeerShards:
         look at its callers (``DeviceContext.check_callers``, every ``caller_check_s``) fully."""
         with self._lock:
             gone = {pid for pid in {pid for pid, _ in self.maps} if not os.path.exists(f"/proc/{pid}")} if full else ()
-            headed = [(key, m) for key, m in self.maps.items() if m.tenure is not None]
-            tenures = np.fromiter((m.tenure[0] for _, m in headed), np.uint64, len(headed))
+            headed = [(key, m.tenure) for key, m in self.maps.items() if m.tenure is not None]
+            tenures = np.fromiter((t[0] for _, t in headed), np.uint64, len(headed))
             cleared = [headed[i][0] for i in np.flatnonzero(tenures == 0).tolist()]  # all tenures read at once
             for key in cleared:
                 del self.maps[key]
