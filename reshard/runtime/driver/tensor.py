@@ -178,6 +178,7 @@ class ShardedTensor:
         compared = [i for i in indices if box_volume(regions[i])]  # an empty shard is written by none
         pause = FETCH_RETRY_S
         agree_by = time.monotonic() + VERSIONS_WAIT_S
+        split: dict | None = None  # sync -> devices, as the last read found them disagree
         while True:
             refs = {ids[i]: self.mesh.actor(i).reshard_fetch.remote(self.name, deadline.budget, True) for i in indices}
             outcome = rt.dispatch.wait(refs, deadline, "reading a tensor back")
@@ -187,25 +188,30 @@ class ShardedTensor:
                     raise ValueError(
                         f"reading {self!r}: its shards are gone on devices {gone} (freed by another handle?)"
                     )
+                if split is not None and not outcome.failures:  # the deadline came while it read again
+                    raise self._split(split)
                 raise failure_error(outcome, f"reading {self!r}", deadline)
             got = {i: outcome.results[ids[i]] for i in indices}
-            by_version: dict = {}
+            split = {}
             for i in compared:
-                by_version.setdefault(got[i][1], []).append(ids[i])
-            if len(by_version) <= 1:
+                split.setdefault(got[i][1], []).append(ids[i])
+            if len(split) <= 1:
                 return {i: a for i, (a, _) in got.items()}
             if deadline.left() <= pause or time.monotonic() + pause >= agree_by:
-                held = "; ".join(
-                    f"devices {d} hold {'values no sync wrote' if v is None else f'sync {v}'}"
-                    for v, d in by_version.items()
-                )
-                raise ReshardError(
-                    f"reading {self!r}: its shards were last committed into by different syncs ({held}), for "
-                    f"{VERSIONS_WAIT_S:g} s or the read's timeout: a commit failed on some devices (its sync's error "
-                    "said which), or another process's sync is still committing (wait for its Work)"
-                )
+                raise self._split(split)
             time.sleep(pause)
             pause = min(2 * pause, FETCH_RETRY_MAX_S)
+
+    def _split(self, by_version: dict) -> ReshardError:
+        """The error of a read whose devices hold different syncs (``by_version``: sync -> devices)."""
+        held = "; ".join(
+            f"devices {d} hold {'values no sync wrote' if v is None else f'sync {v}'}" for v, d in by_version.items()
+        )
+        return ReshardError(
+            f"reading {self!r}: its shards were last committed into by different syncs ({held}), for "
+            f"{VERSIONS_WAIT_S:g} s or the read's timeout: a commit failed on some devices (its sync's error "
+            "said which), or another process's sync is still committing (wait for its Work)"
+        )
 
     def _assemble(self, timeout_s: float | None) -> np.ndarray:
         self._check("to_numpy")
