@@ -182,7 +182,6 @@ def _placed(s: ShardStore, run: str, n: int, meta=None) -> PlacedShards:
         None if meta is None else [meta] * n,
         [block.ctypes.data + 64 * i for i in range(n)],
         (64,) * n,
-        (shape,) * n,
         [None] * n,
         tuple(range(n)),
         np.zeros(n, np.int32),

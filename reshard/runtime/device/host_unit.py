@@ -424,7 +424,6 @@ class UnitRun:
             [metas.get(t) for t in p.tensors] if metas else None,
             addresses,
             p.sizes,
-            p.shapes,
             files,
             p.tensors,
             p.shape_ids,

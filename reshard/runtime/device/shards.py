@@ -67,7 +67,6 @@ class PlacedShards:
     metas: list | None
     addresses: list[int]
     sizes: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
     files: list
     tensors: tuple[int, ...]
     shape_ids: np.ndarray
@@ -460,8 +459,8 @@ class ShardStore:
         column. Their descriptors: as columns (``messages.PlacedDescriptors``), or a list, one
         each (None: peers cannot map it), where they were kept one by one."""
         names = placed.names
-        metas = placed.metas or [None] * len(names)
         if self._tombstones and not self._tombstones.keys().isdisjoint(names):
+            metas = placed.metas or [None] * len(names)
             return [  # aborted by name (a load's): one by one
                 None if d is _DROPPED else d
                 for d in (
