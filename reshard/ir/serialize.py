@@ -18,9 +18,10 @@ from reshard.ir.program import Broadcast, Buffer, Copy, DeviceProgram, Op, Progr
 from reshard.ir.tasks import UnitTask
 from topology.mesh import Mesh
 
-SCHEMA_VERSION = 6  # 2: pulls; 3: ops as a tagged union, connect order, windows, background ops, plan hosts;
+SCHEMA_VERSION = 7  # 2: pulls; 3: ops as a tagged union, connect order, windows, background ops, plan hosts;
 # 4: Partial sources (combining ops, scratch buffer, Scale, transfers' read/write/reduce), zero-filled destinations;
-# 5: relays pulled out of destination shards (Publish, Pull.buffer/after, DeviceProgram.relays); 6: batches
+# 5: relays pulled out of destination shards (Publish, Pull.buffer/after, DeviceProgram.relays); 6: batches;
+# 7: a batch's distinct part programs and shard metas as tables its parts index
 
 OP_TAGS: dict[type, int] = {Copy: 0, Pull: 1, Send: 2, Recv: 3, Broadcast: 4, Scale: 5, Publish: 6}
 _OP_TYPES = {tag: cls for cls, tag in OP_TAGS.items()}
@@ -268,14 +269,33 @@ def _meta(obj) -> dict | None:
 
 def encode_batch_device_program(program: BatchDeviceProgram, metas: dict[int, dict] | None = None) -> bytes:
     """One device's part of a batch, with ``metas[tensor]``: what its destination shard of that
-    tensor is a shard of (global ``shape``, ``placements``, ``mesh_shape``, ``coordinate``)."""
+    tensor is a shard of (global ``shape``, ``placements``, ``mesh_shape``, ``coordinate``).
+
+    Tensors of one shape and layouts share their program and meta objects (the compiler's caches),
+    so each distinct object is encoded once, in a table its parts index: a 20,000-tensor tree has a
+    handful of distinct programs per device."""
     metas = metas or {}
-    parts = [
-        [p.tensor, p.dtype, device_program_to_obj(p.program), _meta_obj(metas.get(p.tensor))] for p in program.parts
-    ]
+    programs: dict[int, int] = {}  # id -> its index in the table
+    program_objs: list = []
+    meta_ids: dict[int, int] = {}
+    meta_objs: list = []
+    parts = []
+    for p in program.parts:
+        k = programs.get(id(p.program))
+        if k is None:
+            k = programs[id(p.program)] = len(program_objs)
+            program_objs.append(device_program_to_obj(p.program))
+        meta = metas.get(p.tensor)
+        m = meta_ids.get(id(meta))
+        if m is None:
+            m = meta_ids[id(meta)] = len(meta_objs)
+            meta_objs.append(_meta_obj(meta))
+        parts.append([p.tensor, p.dtype, k, m])
     body = [
         program.device,
         parts,
+        program_objs,
+        meta_objs,
         [_bucket_obj(b) for b in program.buckets],
         list(program.windows),
         program.staging_bytes,
@@ -285,12 +305,17 @@ def encode_batch_device_program(program: BatchDeviceProgram, metas: dict[int, di
 
 
 def decode_batch_device_program(data: bytes) -> tuple[BatchDeviceProgram, dict[int, dict]]:
-    """``(program, metas)`` as ``encode_batch_device_program`` took them."""
-    device, parts, buckets, windows, staging, connect = _check_version("batch_device_program", msgpack.unpackb(data))
-    metas = {t: m for t, _, _, obj in parts if (m := _meta(obj)) is not None}
+    """``(program, metas)`` as ``encode_batch_device_program`` took them; parts that shared a
+    program (or a meta) share one decoded object."""
+    device, parts, program_objs, meta_objs, buckets, windows, staging, connect = _check_version(
+        "batch_device_program", msgpack.unpackb(data)
+    )
+    programs = [device_program_from_obj(obj) for obj in program_objs]
+    decoded = [_meta(obj) for obj in meta_objs]
+    metas = {t: m for t, _, _, k in parts if (m := decoded[k]) is not None}
     program = BatchDeviceProgram(
         device,
-        tuple(Part(t, dtype, device_program_from_obj(obj)) for t, dtype, obj, _ in parts),
+        tuple(Part(t, dtype, programs[k]) for t, dtype, k, _ in parts),
         tuple(_bucket(b) for b in buckets),
         tuple(windows),
         staging,

@@ -266,7 +266,14 @@ def _compile_batch(items, strategy, cluster, options, bucket_bytes) -> CompiledB
         hosts=hosts,
     )
     validate_batch(batch)
-    metas = [shard_meta(i.dst, i.shape) for i in items]
+    alike: dict = {}  # (layout, shape) -> its shard_meta: tensors alike share one (encoded once)
+    metas = []
+    for i in items:
+        key = (i.dst, tuple(i.shape))
+        meta = alike.get(key)
+        if meta is None:
+            meta = alike[key] = shard_meta(i.dst, i.shape)
+        metas.append(meta)
     blobs = {
         p.device: encode_batch_device_program(
             p, {part.tensor: metas[part.tensor][p.device] for part in p.parts if part.program.dst_shape is not None}

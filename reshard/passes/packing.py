@@ -85,14 +85,28 @@ def pack_batch(
     maps devices to the hosts whose links the buckets share (default: every device its own)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    packed = {t for t, prog in enumerate(programs) if packable(prog, bucket_bytes)}
+    # tensors of one shape and layouts share one compiled program (``compile``'s cache): each
+    # distinct one is judged and stripped once, and its parts keep sharing it (encoded once)
+    judged: dict[int, bool] = {}
+    stripped: dict[int, DeviceProgram] = {}
+    packed = set()
+    for t, prog in enumerate(programs):
+        ok = judged.get(id(prog))
+        if ok is None:
+            ok = judged[id(prog)] = packable(prog, bucket_bytes)
+        if ok:
+            packed.add(t)
     buckets = _buckets(programs, sorted(packed), bucket_bytes, hosts)
     parts: dict[int, list[Part]] = defaultdict(list)
     for t, prog in enumerate(programs):
         for p in prog.devices:
             if not (p.ops or p.background or p.dst_shape is not None):
                 continue
-            parts[p.device].append(Part(t, prog.dtype, _strip(p) if t in packed else p))
+            if t in packed:
+                if id(p) not in stripped:
+                    stripped[id(p)] = _strip(p)
+                p = stripped[id(p)]
+            parts[p.device].append(Part(t, prog.dtype, p))
     mine: dict[int, list[Bucket]] = defaultdict(list)
     for step, (group, slices, nbytes) in enumerate(buckets):
         for d in group:

@@ -144,6 +144,34 @@ def test_small_tensors_share_buckets_and_big_ones_stream():
     assert not packable(compiled.tensors[20].program, 64 << 10)
 
 
+@pytest.mark.parametrize("domains", [(), ((0, 0), (1, 0), (2, 0), (3, 0))], ids=["messages", "pulls"])
+def test_tensors_alike_travel_as_one_program_and_one_meta(domains):
+    """A tree of many tensors of one shape and layouts, and one other: each device's blob holds
+    their program (stripped, where packed) and their shard meta once, and the decoded parts of the
+    tensors alike share one program object, equal to what was compiled, with each tensor's meta."""
+    import msgpack
+
+    from reshard import Replicate, Shard
+    from reshard.passes.compile import shard_meta
+    from topology import Mesh
+
+    src_mesh, dst_mesh = Mesh((2,), (0, 1), (0, 1)), Mesh((2,), (2, 3), (2, 3))
+    alike = BatchItem((8, 4), "float32", Layout(src_mesh, (Shard(0),)), Layout(dst_mesh, (Shard(1),)), domains)
+    other = BatchItem((6,), "int16", Layout(src_mesh, (Replicate(),)), Layout(dst_mesh, (Shard(0),)), domains)
+    items = [alike] * 300 + [other]
+    compiled = compile_batch(items, strategy="send_recv")
+    for p in compiled.program.devices:
+        program, metas = decode_batch_device_program(compiled.blobs[p.device])
+        assert program == p
+        assert len({id(part.program) for part in program.parts if part.tensor < 300}) == 1
+        _, _, (_, _, programs, meta_objs, *_) = msgpack.unpackb(compiled.blobs[p.device])
+        assert len(programs) == len({id(part.program) for part in p.parts}) <= 2
+        assert len(meta_objs) <= 2
+        for t, item in enumerate(items):
+            if p.device in dst_mesh.device_ids:
+                assert metas[t] == shard_meta(item.dst, item.shape)[p.device]
+
+
 def test_validate_batch_rejects_mismatched_buckets():
     from dataclasses import replace
 

@@ -84,8 +84,18 @@ class PreparedBatch:
 def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> PreparedBatch:
     d = program.device
     windows = tuple(tuple(_prepare_bucket(b, d) for b in w) for w in program.issue_windows)
-    parts = tuple(prepare(p.program, p.dtype) for p in program.parts)
-    flat = tuple(i for i, p in enumerate(parts) if _only_copies(p))
+    alike: dict = {}  # (program id, dtype) -> (prepared, only copies): parts alike share a program
+    parts_, flat_ = [], []
+    for i, p in enumerate(program.parts):
+        key = (id(p.program), p.dtype)
+        hit = alike.get(key)
+        if hit is None:
+            prepared = prepare(p.program, p.dtype)
+            hit = alike[key] = (prepared, _only_copies(prepared))
+        parts_.append(hit[0])
+        if hit[1]:
+            flat_.append(i)
+    parts, flat = tuple(parts_), tuple(flat_)
     tensors = tuple(p.tensor for p in program.parts)
     staging = max([program.staging_bytes, *(p.program.staging_bytes for p in parts)])
     index = {t: i for i, t in enumerate(tensors)}

@@ -165,20 +165,27 @@ def _build(prepared, bound) -> HostUnit | None:
     rows: dict = {}  # (holder, pid, board fd, board inode) -> [cells, tenures, reads, places]
     mapped: list[MappedPull] = []
     shapes: dict = {}  # one tuple per distinct shape
+    # parts alike (tensors of one shape and layouts) share a prepared program: what follows from
+    # it alone is worked out once (``sized``: storage, bytes, shape; ``alike``: ``_reads``)
+    sized: dict = {}
+    alike: dict = {}
     offset = 0
     for i in prepared.flat:
         part, tensor = prepared.parts[i], prepared.program.parts[i].tensor
         prog = part.program
         if tensor in landed or (i < len(casts) and casts[i] is not None) or prog.dst_shape is None:
             continue
-        storage = arrays.storage(part.dtype)
-        nbytes = storage.itemsize * math.prod(prog.dst_shape)
+        size = sized.get(id(part))
+        if size is None:
+            storage = arrays.storage(part.dtype)
+            shape = tuple(prog.dst_shape)
+            size = sized[id(part)] = (storage, storage.itemsize * math.prod(shape), shape)
+        storage, nbytes, shape = size
         if not 0 < nbytes < UNIT_MAX_BYTES:
             continue
-        reads = _reads(prog, bound.pulls.get(tensor) or {}, storage.itemsize)
+        reads = _reads(prog, bound.pulls.get(tensor) or {}, storage.itemsize, alike)
         if reads is None:
             continue
-        shape = tuple(prog.dst_shape)
         index[i] = (offset, shapes.setdefault(shape, shape), storage, nbytes)
         for holder, desc, table in reads:
             if type(table) is tuple:  # a mapped shard: (read, write) boxes
@@ -215,27 +222,48 @@ def _build(prepared, bound) -> HostUnit | None:
     return HostUnit(bound, places, offset, sources, tuple(mapped), wanted, rest, any(places.mapped))
 
 
-def _reads(prog, pulls: dict, itemsize: int):
+def _reads(prog, pulls: dict, itemsize: int, alike: dict):
     """``[(holder, descriptor, Rows or (read, write) boxes)]`` of a part's pulls (boxes: out of a
-    shard this process maps), or None when it does more than pull shards."""
-    out: list[tuple[int, tuple, Rows | tuple]] = []
+    shard this process maps), or None when it does more than pull shards. ``alike``: what parts of
+    one program object with holders' shards alike share (the ops checked, the rows worked out)."""
+    ops = alike.get(id(prog), False)
+    if ops is False:
+        ops = alike[id(prog)] = _pulls_only(prog)
+    if ops is None:
+        return None
+    descs: list = [pulls.get(op.holder) for op in ops]
+    shapes = tuple(map(_shape, descs))
+    if None in shapes:
+        return None
+    private = tuple(len(d) == 9 and d[8] is None for d in descs)  # in the holder's private memory
+    key = (id(prog), itemsize, shapes, private)
+    tables = alike.get(key)
+    if tables is None:
+        tables = alike[key] = tuple(
+            _table(prog, op, shape, itemsize, p) for op, shape, p in zip(ops, shapes, private, strict=True)
+        )
+    return [(op.holder, desc, t) for op, desc, t in zip(ops, descs, tables, strict=True)]
+
+
+def _pulls_only(prog) -> tuple | None:
+    """``prog``'s ops when each pulls a source shard as it is (nothing combined), else None."""
     for op in prog.ops:
         if type(op) is not Pull or op.reduce is not None or op.buffer is not Buffer.SRC:
             return None
-        desc = pulls.get(op.holder)
-        shape = _shape(desc)
-        if shape is None or desc is None:
-            return None
-        if not _within(op.read, shape) or not _within(op.write, prog.dst_shape):
-            raise ReshardError(
-                f"device {prog.device}: step {op.step} reads {op.read} of device {op.holder}'s shard of shape "
-                f"{list(shape)} into {op.write} of {list(prog.dst_shape)} (program bug)"
-            )
-        if len(desc) == 9 and desc[8] is None:  # in the holder's private memory: read by the kernel
-            out.append((op.holder, desc, rows_of(shape, tuple(prog.dst_shape), itemsize, op.read, op.write)))
-        else:
-            out.append((op.holder, desc, (op.read, op.write)))
-    return out
+    return prog.ops
+
+
+def _table(prog, op, shape, itemsize: int, private: bool):
+    """How pull ``op`` of a holder's shard of ``shape`` is read: ``Rows`` out of the holder's
+    private memory (by the kernel), or ``(read, write)`` boxes out of a shard this process maps."""
+    if not _within(op.read, shape) or not _within(op.write, prog.dst_shape):
+        raise ReshardError(
+            f"device {prog.device}: step {op.step} reads {op.read} of device {op.holder}'s shard of shape "
+            f"{list(shape)} into {op.write} of {list(prog.dst_shape)} (program bug)"
+        )
+    if private:
+        return rows_of(shape, tuple(prog.dst_shape), itemsize, op.read, op.write)
+    return (op.read, op.write)
 
 
 def _shape(desc) -> tuple[int, ...] | None:
