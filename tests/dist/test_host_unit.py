@@ -74,6 +74,26 @@ def test_a_tree_of_small_tensors_moves_as_one_unit_bit_exact(view):
     assert all(n > m for n, m in zip(after, before, strict=True)), (before, after)
 
 
+def test_tensors_of_one_kind_interleaved_in_a_tree_each_land_as_their_own(view):
+    """Three tensors of each kind, interleaved in the tree: a unit lays each kind's destinations
+    out together and views them at once, and every tensor still lands bit-exact as its own shard,
+    also after one of each kind is freed and the call replayed into the freed block."""
+    a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
+    names = [(f"{k}.{j}", k) for j in range(3) for k in TENSORS]
+    sd = {n: random_array(TENSORS[k][0], TENSORS[k][3], 40 + i) for i, (n, k) in enumerate(names)}
+    src = distribute(sd, {n: Layout(a, pl(TENSORS[k][1])) for n, k in names})
+    dst = {n: Layout(b, pl(TENSORS[k][2])) for n, k in names}
+    before = b.call(_unit_parts)
+    first = reshard(src, a, dst)
+    free([first[f"{k}.1"] for k in TENSORS])
+    second = reshard(src, a, dst)
+    for out in (second, {n: t for n, t in first.items() if not t.freed}):
+        for n, t in out.items():
+            assert_bit_exact(_numpy(t), sd[n])
+    after = b.call(_unit_parts)
+    assert all(n - m >= 2 * len(TENSORS) for n, m in zip(after, before, strict=True)), (before, after)
+
+
 def test_a_unit_commits_into_outputs_and_its_results_move_on(view):
     a, b, c = view([0, 1], (2,)), view([2, 3, 4], (3,)), view([5, 6], (2,))
     sd, new = _tree(20), _tree(30)

@@ -258,7 +258,7 @@ class Binding:
         entries = [
             (shard_name(run, t), d, parts[index[t]].dtype, metas.get(t), t in self.slots) for t, d in self.dsts.items()
         ]
-        placed = None if self.unit is None else self.unit.placed(run, metas)
+        placed = None if self.unit is None else self.unit.placed(run)
         kept = ctx.store.put_run(run, entries, placed)
         if kept is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")

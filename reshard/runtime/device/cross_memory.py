@@ -153,11 +153,12 @@ class TenureBoard:
         taken = free[-n:]
         del free[-n:]
         self._cell.update(zip(keys, taken, strict=True))
-        self._file.update(zip(taken, placed.files, strict=True))
+        files = tuple(placed.files) if any(placed.files) else None
+        if files is not None:  # a cell without a file has no entry (``descriptor`` reads None)
+            self._file.update(zip(taken, files, strict=True))
         self._held.update(zip(taken, placed.views, strict=True))  # its memory lives while the cell names it
         cells, tenures_ = np.array(taken, np.int64), np.array(tenures, np.uint64)
         self.cells[cells] = tenures_
-        files = tuple(placed.files) if any(placed.files) else None
         return PlacedDescriptors(
             self.pid,
             self.fd,

@@ -96,22 +96,24 @@ class MappedPull:
 
 @dataclass(frozen=True, eq=False)
 class Places:
-    """Where a unit's destinations lie, as columns in part order (a run keeps thousands at once:
+    """Where a unit's destinations lie, as columns (a run keeps thousands at once:
     ``UnitRun.placed``): ``parts`` (indices), ``tensors`` (batch tensor of each), ``dtypes``,
-    ``offsets`` in the block (int64), ``sizes`` (bytes), ``shapes`` (one tuple per distinct shape,
-    made once here), ``storages`` (numpy dtypes), ``mapped`` (whether peers map it:
-    ``SMALL_SHARD_BYTES`` or more), and each one's index (``shape_ids``) in ``distinct`` shapes."""
+    ``offsets`` in the block (int64), ``sizes`` (bytes), ``mapped`` (whether peers map it:
+    ``SMALL_SHARD_BYTES`` or more), each one's index (``shape_ids``) in ``distinct`` shapes, and
+    ``metas`` (what each is a shard of; None: nothing said). Destinations of one shape and storage
+    lie one after another at one stride, in part order (``groups``: ``(shape, storage, offset,
+    count, stride)`` each, in column order), so a run views each group's at once."""
 
     parts: tuple[int, ...]
     tensors: tuple[int, ...]
     dtypes: tuple[str, ...]
     offsets: np.ndarray
     sizes: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    storages: tuple[np.dtype, ...]
+    groups: tuple[tuple[tuple[int, ...], np.dtype, int, int, int], ...]
     mapped: tuple[bool, ...]
     shape_ids: np.ndarray
     distinct: tuple[tuple[int, ...], ...]
+    metas: tuple | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -161,15 +163,11 @@ def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
 def _build(prepared, bound) -> HostUnit | None:
     landed = {q[0] for window in prepared.windows for pb in window for q in pb.pieces}  # buckets land in them
     casts = bound.casts or ()
-    index: dict = {}  # part -> (offset, shape, storage, bytes)
-    rows: dict = {}  # (holder, pid, board fd, board inode) -> [cells, tenures, reads, places]
-    mapped: list[MappedPull] = []
-    shapes: dict = {}  # one tuple per distinct shape
     # parts alike (tensors of one shape and layouts) share a prepared program: what follows from
     # it alone is worked out once (``sized``: storage, bytes, shape; ``alike``: ``_reads``)
     sized: dict = {}
     alike: dict = {}
-    offset = 0
+    kinds: dict = {}  # (shape, storage) -> [(part, bytes, reads)]: each kind's destinations lie together
     for i in prepared.flat:
         part, tensor = prepared.parts[i], prepared.program.parts[i].tensor
         prog = part.program
@@ -179,44 +177,57 @@ def _build(prepared, bound) -> HostUnit | None:
         if size is None:
             storage = arrays.storage(part.dtype)
             shape = tuple(prog.dst_shape)
-            size = sized[id(part)] = (storage, storage.itemsize * math.prod(shape), shape)
-        storage, nbytes, shape = size
+            size = sized[id(part)] = ((shape, storage), storage.itemsize * math.prod(shape))
+        kind, nbytes = size
         if not 0 < nbytes < UNIT_MAX_BYTES:
             continue
-        reads = _reads(prog, bound.pulls.get(tensor) or {}, storage.itemsize, alike)
-        if reads is None:
-            continue
-        index[i] = (offset, shapes.setdefault(shape, shape), storage, nbytes)
-        for holder, desc, table in reads:
-            if type(table) is tuple:  # a mapped shard: (read, write) boxes
-                read, write = (tuple(slice(lo, hi) for lo, hi in box) for box in table)
-                mapped.append(MappedPull(len(index) - 1, holder, desc, storage, read, write))
-                continue
-            _, pid, fd, inode, cell, tenure, address = desc[:7]
-            entry = rows.setdefault((holder, pid, fd, inode), [[], [], [], []])
-            entry[0].append(cell)
-            entry[1].append(tenure)
-            entry[2].append((address, table))
-            entry[3].append(offset)
-        offset += -(-nbytes // ALIGN) * ALIGN
-    if not index:
+        reads = _reads(prog, bound.pulls.get(tensor) or {}, kind[1].itemsize, alike)
+        if reads is not None:
+            kinds.setdefault(kind, []).append((i, nbytes, reads))
+    if not kinds:
         return None
+    order: list[int] = []
+    offsets: list[int] = []
+    groups: list[tuple] = []
+    rows: dict = {}  # (holder, pid, board fd, board inode) -> [cells, tenures, reads, places]
+    mapped: list[MappedPull] = []
+    offset = 0
+    for (shape, storage), members in kinds.items():
+        stride = -(-members[0][1] // ALIGN) * ALIGN
+        groups.append((shape, storage, offset, len(members), stride))
+        for i, _, reads in members:
+            for holder, desc, table in reads:
+                if type(table) is tuple:  # a mapped shard: (read, write) boxes
+                    read, write = (tuple(slice(lo, hi) for lo, hi in box) for box in table)
+                    mapped.append(MappedPull(len(order), holder, desc, storage, read, write))
+                    continue
+                _, pid, fd, inode, cell, tenure, address = desc[:7]
+                entry = rows.setdefault((holder, pid, fd, inode), [[], [], [], []])
+                entry[0].append(cell)
+                entry[1].append(tenure)
+                entry[2].append((address, table))
+                entry[3].append(offset)
+            order.append(i)
+            offsets.append(offset)
+            offset += stride
     sources = tuple(source_of(key, *entry) for key, entry in rows.items())
-    rest = tuple(i for i in range(len(prepared.parts)) if i not in index)
-    order = tuple(index)
-    offsets, kept_shapes, storages, sizes = zip(*index.values(), strict=True)
-    shape_id = {shape: k for k, shape in enumerate(shapes)}
+    taken = set(order)
+    rest = tuple(i for i in range(len(prepared.parts)) if i not in taken)
+    sizes = tuple(n for members in kinds.values() for _, n, _ in members)
+    tensors = tuple(prepared.tensors[i] for i in order)
+    distinct = tuple(dict.fromkeys(shape for shape, _ in kinds))
+    shape_id = {shape: k for k, shape in enumerate(distinct)}
     places = Places(
-        order,
-        tuple(prepared.tensors[i] for i in order),
+        tuple(order),
+        tensors,
         tuple(prepared.parts[i].dtype for i in order),
         np.array(offsets, np.int64),
         sizes,
-        kept_shapes,
-        storages,
+        tuple(groups),
         tuple(n >= SMALL_SHARD_BYTES for n in sizes),
-        np.array([shape_id[shape] for shape in kept_shapes], np.int32),
-        tuple(shapes),
+        np.repeat(np.array([shape_id[shape] for shape, _ in kinds], np.int32), [len(m) for m in kinds.values()]),
+        distinct,
+        tuple(prepared.metas.get(t) for t in tensors) if prepared.metas else None,
     )
     wanted = tuple((m.holder, m.desc, m.storage) for m in mapped)
     return HostUnit(bound, places, offset, sources, tuple(mapped), wanted, rest, any(places.mapped))
@@ -426,15 +437,16 @@ class UnitRun:
     def __init__(self, unit: HostUnit, device: int, peers, block: np.ndarray, file: tuple[int, int, int] | None):
         self.unit, self.device, self.peers = unit, device, peers
         self.block, self.file = block, file
-        p = unit.places
-        self.views = list(map(np.ndarray, p.shapes, p.storages, itertools.repeat(block), p.offsets.tolist()))
+        self.views = []
+        for shape, storage, offset, count, stride in unit.places.groups:
+            self.views.extend(_views(block, shape, storage, offset, count, stride))
 
     @property
     def dsts(self) -> dict:
         """Part index -> its destination."""
         return dict(zip(self.unit.places.parts, self.views, strict=True))
 
-    def placed(self, run: str, metas: dict) -> PlacedShards:
+    def placed(self, run: str) -> PlacedShards:
         """The destinations as run ``run``'s new shards, named ``shard_name(run, tensor)``, each
         with its address and, for those peers map, ``(fd, inode, offset)`` in the block's
         shared-memory file (else None)."""
@@ -449,7 +461,7 @@ class UnitRun:
             shard_names(run, p.tensors),
             self.views,
             p.dtypes,
-            [metas.get(t) for t in p.tensors] if metas else None,
+            p.metas,
             addresses,
             p.sizes,
             files,
@@ -484,6 +496,24 @@ class UnitRun:
         cells = self.peers.board(s.holder, s.pid, *s.board)
         if not np.array_equal(cells[s.cells], s.tenures):
             raise shard_gone(self.device, s.holder)
+
+
+def _views(block: np.ndarray, shape: tuple[int, ...], storage: np.dtype, offset: int, count: int, stride: int):
+    """``count`` C-contiguous arrays of ``shape`` in ``block``, ``stride`` bytes apart from
+    ``offset``: the rows of one strided array (numpy makes a row's view far faster than an array
+    from a buffer), or one by one where a row would be a scalar (a 0-d shape)."""
+    if not shape or count == 1:
+        return map(
+            np.ndarray,
+            itertools.repeat(shape, count),
+            itertools.repeat(storage),
+            itertools.repeat(block),
+            range(offset, offset + count * stride, stride),
+        )
+    inner = [storage.itemsize] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        inner[k] = inner[k + 1] * shape[k + 1]
+    return np.ndarray((count, *shape), storage, block, offset, (stride, *inner))
 
 
 def _read(s: Source, at: tuple[np.uint64, np.uint64]) -> tuple[int, int] | None:

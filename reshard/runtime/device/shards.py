@@ -64,7 +64,7 @@ class PlacedShards:
     names: list[str]
     views: list
     dtypes: tuple[str, ...]
-    metas: list | None
+    metas: tuple | list | None
     addresses: list[int]
     sizes: tuple[int, ...]
     files: list

@@ -43,6 +43,23 @@ class ShardedTensor:
     (``full_tensor``, ``to_numpy``, ``to_torch``, ``local_shards``): ``np.asarray`` of a handle is
     refused rather than silently making an object array."""
 
+    # a tree call makes tens of thousands at once: no per-handle dict to allocate and collect
+    __slots__ = (
+        "__weakref__",
+        "_descriptors",
+        "_freed",
+        "_holder",
+        "_index",
+        "_key",
+        "_placed",
+        "_source",
+        "dtype_name",
+        "layout",
+        "mesh",
+        "name",
+        "shape",
+    )
+
     def __init__(
         self,
         mesh: DeviceMesh,
