@@ -92,12 +92,15 @@ class _Call:
                     f"src_mesh {src_mesh!r} is not the mesh of {_at(path)}{t!r}, which lives on {t.mesh!r}; pass "
                     "tensor.mesh as src_mesh (the tensors of one call share their source mesh)"
                 )
-            if t.freed:
+            if t._freed:  # the attribute, not the property: thousands of leaves a call
                 raise ValueError(f"reshard source {_at(path)}{t!r} was freed; its shards are gone")
         src_mesh.check_open()
+        by_id: dict[int, DeviceMesh] = {}  # a tree's layouts share a few mesh objects: looked up once each
         for layout in self.layouts:
-            if layout.mesh not in meshes:
-                meshes[layout.mesh] = resolve_mesh(layout.mesh, f"reshard destination {layout}")
+            if id(layout.mesh) not in by_id:
+                if layout.mesh not in meshes:
+                    meshes[layout.mesh] = resolve_mesh(layout.mesh, f"reshard destination {layout}")
+                by_id[id(layout.mesh)] = meshes[layout.mesh]
         for dmesh in meshes.values():
             if dmesh.backend != src_mesh.backend:
                 raise ValueError(
@@ -105,7 +108,7 @@ class _Call:
                     "both meshes must use one backend"
                 )
         self.src_mesh = src_mesh
-        self.dst_meshes = [meshes[layout.mesh] for layout in self.layouts]
+        self.dst_meshes = [by_id[id(layout.mesh)] for layout in self.layouts]
         if self.outs is not None:
             for path, t, layout, o, d in zip(
                 self.paths, self.leaves, self.layouts, self.outs, self.dtypes, strict=True
