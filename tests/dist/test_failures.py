@@ -367,7 +367,7 @@ def test_allocation_failure_is_a_clean_reshard_error(pool, view, shared_memory):
         t = distribute(x, Layout(src, pl("S0")))
         reshard(t, src, Layout(dst, pl("R")), shared_memory=False).free()  # libraries loaded: what fails is the shard
         before = _groups_and_buffers(pool, [0, 1, 2])
-        own.call(_cap_address_space, 64 << 10)
+        own.call(_cap_address_space, 1 << 20)  # Ray's own buffers fit, the 2 MiB destination does not
         t0 = time.monotonic()
         try:
             with pytest.raises(ReshardError, match=rf"device {own.device_ids[0]}.*(memory|allocate)") as err:

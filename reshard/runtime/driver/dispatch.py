@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -159,7 +160,7 @@ def failure_error(outcome: Outcome, what: str, deadline: Deadline, *, tail: str 
     for key, f in sorted(outcome.failures.items()):
         by_kind[f.kind].append(key)
     shown = (by_kind[FailureKind.ERROR] + by_kind[FailureKind.TIMEOUT] + by_kind[FailureKind.PEER])[:4]
-    details = "; ".join(_detail(outcome.failures[k]) for k in shown)
+    details = "; ".join(_detail(k, outcome.failures[k]) for k in shown)
     tail = f" {tail}" if tail else ""
     if by_kind[FailureKind.DIED]:
         others = f" Others: {details}." if details else ""
@@ -181,9 +182,11 @@ def deadline_words(deadline: Deadline) -> str:
     return "no limit" if deadline.at == math.inf else "its deadline"
 
 
-def _detail(f: Failure) -> str:
-    """A device's error says which device it is already; don't say it twice."""
-    return first_line(f.error)
+def _detail(device, f: Failure) -> str:
+    """The first line of a device's error. The library's own errors name their device already; one
+    raised around the call (Ray's own, e.g. a system error of an actor out of memory) is named here."""
+    line = first_line(f.error)
+    return line if re.search(rf"\bdevices? {device}\b", line) else f"device {device}: {line}"
 
 
 class Dispatch:
