@@ -109,6 +109,36 @@ def test_a_unit_commits_into_outputs_and_its_results_move_on(view):
         assert_bit_exact(_numpy(onward[k]), v)
 
 
+def _sender_parts(ctx) -> int:
+    return ctx.counters.get("sender_parts", 0)
+
+
+def test_buckets_land_in_the_unit_and_senders_pack_without_a_run_each(view):
+    """Over gloo (no pulls), a tree's pieces travel in buckets: each receiver lands them in its
+    unit's block (rows copied out of the staging buffer), each sender packs them straight out of
+    its source shards, bit-exact into fresh outputs (first call and replay), with ``out=``, and
+    between overlapping meshes, where a device sends and receives pieces of one tensor."""
+    a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
+    sd = _tree(40)
+    src = distribute(sd, _layouts(a, 0))
+    units, senders = b.call(_unit_parts), a.call(_sender_parts)
+    for _ in range(2):
+        out = reshard(src, a, _layouts(b, 1), shared_memory=False)
+        for k, v in sd.items():
+            assert_bit_exact(_numpy(out[k]), v)
+        free(out)
+    assert all(n > m for n, m in zip(b.call(_unit_parts), units, strict=True))
+    assert all(n > m for n, m in zip(a.call(_sender_parts), senders, strict=True))
+    out = distribute({k: _zeros(v) for k, v in sd.items()}, _layouts(b, 1))
+    assert reshard(src, a, _layouts(b, 1), out=out, shared_memory=False) is out
+    for k, v in sd.items():
+        assert_bit_exact(_numpy(out[k]), v)
+    c = view([1, 2, 3], (3,))  # device 1 sends to and receives from the others
+    moved = reshard(src, a, _layouts(c, 1), shared_memory=False)
+    for k, v in sd.items():
+        assert_bit_exact(_numpy(moved[k]), v)
+
+
 # shards of 21-128 KiB: above SMALL_SHARD_BYTES (sources in shared blocks), below UNIT_MAX_BYTES
 MIDDLE = {
     "wide": ((64, 256), "S0", "S1", "float32"),

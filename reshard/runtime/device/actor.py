@@ -295,7 +295,16 @@ class DeviceRole:
                 ctx.peak_bytes = binding.dst_bytes + state.staging.nbytes
                 ctx.counters["runs"] += 1
                 run = BatchRun(
-                    prepared, runs, channel, state.staging, deadline, ctx.before_op, batch, ctx.after_run, binding.unit
+                    prepared,
+                    runs,
+                    channel,
+                    state.staging,
+                    deadline,
+                    ctx.before_op,
+                    batch,
+                    ctx.after_run,
+                    binding.unit,
+                    binding.sources,
                 )
                 stats = execute_batch(run, verify=req.verify, finish=state.stream.finish)
                 del run, runs  # the scratch buffers' other references
@@ -455,7 +464,7 @@ class DeviceRole:
             ctx.watch.stop()
         for state in ctx.controllers.values():
             state.groups.close_all()
-            state.staging.buf = None
+            state.staging.drop()
         ctx.store.clear()
         ctx.peers.clear()
         if ctx.board is not None:

@@ -10,9 +10,12 @@ The parts whose programs only copy (their messages packed, nothing combined, not
 or relayed: a state dict's small tensors, pulls between devices of one machine) run together as
 one flat unit, before the other parts: on a GPU device one kernel for all their copies and pulls
 (as the pieces of a window are packed, and unpacked, by one kernel: ``box_copies``); on a CPU
-device the small ones that only pull out of peers' private memory as one block and one table of
-reads (``host_unit``, bound by ``Binding``), the others' ops in order with their reads out of
-peers' private memory gathered into one system call per holder.
+device the small ones that only pull out of peers' private memory or receive in buckets as one
+block and one table of reads and landings (``host_unit``, bound by ``Binding``), the others' ops
+in order with their reads out of peers' private memory gathered into one system call per holder.
+On a CPU device, parts that only lend their source shard to buckets (a state dict's sender) get no
+``Run``: buckets are packed straight out of the source shards (``BatchRun.sources``), into views
+of the staging buffer made once per buffer.
 
 ``verify``: after the run, a checksum (CRC-32) of every slice the device read to send or pull, and
 of every slice it received, as it lies in its destination shard, keyed by tensor and plan step; the
@@ -23,6 +26,7 @@ combines on the way are not checked (no one device read them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import zlib
 from collections.abc import Callable
@@ -71,6 +75,7 @@ class PreparedBatch:
     index: dict = field(default_factory=dict, compare=False)
     staging_bytes: int = 0
     tables: dict = field(default_factory=dict, compare=False)
+    senders: frozenset = frozenset()
 
     @property
     def device(self) -> int:
@@ -84,22 +89,27 @@ class PreparedBatch:
 def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> PreparedBatch:
     d = program.device
     windows = tuple(tuple(_prepare_bucket(b, d) for b in w) for w in program.issue_windows)
-    alike: dict = {}  # (program id, dtype) -> (prepared, only copies): parts alike share a program
-    parts_, flat_ = [], []
+    alike: dict = {}  # (program id, dtype) -> (prepared, only copies, only sends): parts alike share a program
+    parts_, flat_, senders = [], [], []
     for i, p in enumerate(program.parts):
         key = (id(p.program), p.dtype)
         hit = alike.get(key)
         if hit is None:
             prepared = prepare(p.program, p.dtype)
-            hit = alike[key] = (prepared, _only_copies(prepared))
+            only = _only_copies(prepared)
+            hit = alike[key] = (prepared, only, only and _only_sends(prepared))
         parts_.append(hit[0])
         if hit[1]:
             flat_.append(i)
+        if hit[2]:
+            senders.append(i)
     parts, flat = tuple(parts_), tuple(flat_)
     tensors = tuple(p.tensor for p in program.parts)
     staging = max([program.staging_bytes, *(p.program.staging_bytes for p in parts)])
     index = {t: i for i, t in enumerate(tensors)}
-    return PreparedBatch(program, parts, windows, dict(metas or {}), flat, tensors, index, staging)
+    return PreparedBatch(
+        program, parts, windows, dict(metas or {}), flat, tensors, index, staging, senders=frozenset(senders)
+    )
 
 
 def _only_copies(p: PreparedProgram) -> bool:
@@ -119,6 +129,13 @@ def _only_copies(p: PreparedProgram) -> bool:
     return True
 
 
+def _only_sends(p: PreparedProgram) -> bool:
+    """Whether a part (one that only copies) has no op of its own and no destination: all it
+    does is lend its source shard to the buckets that carry its pieces."""
+    prog = p.program
+    return not prog.ops and prog.dst_shape is None and prog.src_shape is not None
+
+
 def _prepare_bucket(b: Bucket, device: int) -> PreparedBucket:
     key = group_of(b.group)
     root = key.index(b.group[0])
@@ -131,7 +148,9 @@ def _prepare_bucket(b: Bucket, device: int) -> PreparedBucket:
 
 class BatchRun:
     """One batch run on a device: a ``Run`` per part (by tensor), the communicators, the shared
-    staging buffer and deadline; ``after_run(runs)``: a test hook that runs before checksums."""
+    staging buffer and deadline; ``after_run(runs)``: a test hook that runs before checksums;
+    ``unit``, the parts run as one unit (``host_unit.UnitRun``); ``sources``, the source shards of
+    the parts that only send, by tensor (they have no ``Run``)."""
 
     def __init__(
         self,
@@ -144,10 +163,12 @@ class BatchRun:
         batch=None,
         after_run: Callable | None = None,
         unit=None,
+        sources: dict | None = None,
     ):
         self.prepared = prepared
         self.runs = runs
-        self.unit = unit  # the parts run as one unit, without a ``Run`` each (``host_unit.UnitRun``), or None
+        self.unit = unit
+        self.sources = sources or {}
         self.groups = groups
         self.staging = staging
         self.deadline = deadline
@@ -177,8 +198,8 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
     ordered = sorted(((index[t], r) for t, r in run.runs.items()), key=itemgetter(0))  # the parts not in the unit
     for _, r in ordered:
         begin_run(r)
-    for window in run.prepared.windows:
-        _run_window(run, window)
+    for w, window in enumerate(run.prepared.windows):
+        _run_window(run, w, window)
     if run.unit is not None:
         if run.before_op is not None:
             for i in run.unit.dsts:
@@ -202,7 +223,7 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
     return {"elapsed_s": time.monotonic() - t0, "comm_s": comm_s, "checks": checks}
 
 
-def _run_window(run: BatchRun, window: tuple[PreparedBucket, ...]) -> None:
+def _run_window(run: BatchRun, w: int, window: tuple[PreparedBucket, ...]) -> None:
     pending = []
     c0 = time.monotonic()
     tables = _window_tables(run, window) if run.gpu else None
@@ -225,10 +246,13 @@ def _run_window(run: BatchRun, window: tuple[PreparedBucket, ...]) -> None:
             else:
                 work = comm.irecv(data, pb.peer)
             pending.append((pb, work))
+    landed = run.unit.unit.landed if run.unit is not None else ()
     for pb, work in pending:
         work.wait(run.left(pb.bucket))
         if not pb.sends and tables is None:
-            _unpack(run, pb)
+            _unpack(run, pb, landed)
+    if run.unit is not None:
+        run.unit.land(w, run.staging.buf)  # the pieces that landed in the unit's destinations: one copy of rows
     if tables is not None:
         tables[1].launch(_bases(run, tables[2]))  # every piece it received: one kernel
     run.comm_s += time.monotonic() - c0
@@ -357,15 +381,28 @@ def _bases(run: BatchRun, names) -> list[int]:
 
 
 def _pack(run: BatchRun, pb: PreparedBucket) -> None:
-    base = pb.bucket.staging
-    for tensor, index, shape, offset in pb.pieces:
-        r = run.runs[tensor]
-        arrays.copy(run.staging.view(base + offset, r.dtype, shape), r.src[index])
+    """The bucket's pieces out of their source shards into its bytes in the staging buffer (the
+    pieces' views of it made once per buffer: ``StagingBuffer.views``)."""
+    views = run.staging.views(pb, functools.partial(_piece_views, run.prepared, pb))
+    sources, runs = run.sources, run.runs
+    for (tensor, index, _, _), view in zip(pb.pieces, views, strict=True):
+        src = sources.get(tensor)
+        if src is None:
+            src = runs[tensor].src
+        arrays.copy(view, src[index])
 
 
-def _unpack(run: BatchRun, pb: PreparedBucket) -> None:
+def _piece_views(prepared: PreparedBatch, pb: PreparedBucket, staging) -> list:
+    base, parts, index = pb.bucket.staging, prepared.parts, prepared.index
+    return [staging.view(base + offset, parts[index[t]].dtype, shape) for t, _, shape, offset in pb.pieces]
+
+
+def _unpack(run: BatchRun, pb: PreparedBucket, landed) -> None:
+    """The bucket's pieces into their parts' destinations, but those in the unit's (``landed``)."""
     base = pb.bucket.staging
     for tensor, index, shape, offset in pb.pieces:
+        if tensor in landed:
+            continue
         r = run.runs[tensor]
         arrays.copy(r.dst[index], run.staging.view(base + offset, r.dtype, shape))
 

@@ -20,7 +20,7 @@ from reshard.runtime import arrays
 from reshard.runtime.backends.communicator import PeerFailed
 from reshard.runtime.device import host_unit
 from reshard.runtime.device.batches import PreparedBatch
-from reshard.runtime.device.executor import Run
+from reshard.runtime.device.executor import Run, check_buffer
 from reshard.runtime.device.host_unit import UnitRun
 from reshard.runtime.messages import Bound, PlacedDescriptors, RunRequest, shard_name
 
@@ -46,6 +46,7 @@ class Binding:
         self.pulled: dict[int, dict] = {}  # tensor -> {holder: descriptor of the shard pulled from}
         self.relayed: dict[int, dict] = {}  # tensor -> {holder: descriptor of the destination shard relayed from}
         self.unit: UnitRun | None = None  # the parts run as one unit (``host_unit``): no ``Run`` each
+        self.sources: dict = {}  # tensor -> source shard of a part that only sends (no ``Run``)
         self.own_bytes = 0  # the destinations' bytes (a user's tensor written direct included)
         self.assembling: int | None = None  # the tensor whose destination is assembled apart (``ShardStore``)
 
@@ -64,6 +65,7 @@ class Binding:
         fresh = self._fresh_destinations(tensors, outs)
         casts = bound.casts or (None,) * n
         rest: Iterable[int] = range(n)
+        senders = prepared.senders if ctx.cuda_device is None and not self.req.verify and ctx.after_run is None else ()
         unit = host_unit.unit_for(ctx, prepared, bound, self.req)
         if unit is not None:
             self.unit = UnitRun(unit, ctx.device, ctx.peers, *ctx.store.allocate_block(unit.nbytes, unit.shared))
@@ -85,6 +87,10 @@ class Binding:
                         f"device {ctx.device}: source shard {source!r} is a strided view (a region of a fused tensor, "
                         "shared to be written into with out=); reshard from a contiguous tensor"
                     )
+                if i in senders:
+                    check_buffer("source", src, prog.src_shape, dtype, ctx.device)
+                    self.sources[tensor] = src
+                    continue
             peers = {}
             pulls = bound.pulls.get(tensor) if bound.pulls else None
             if pulls:
@@ -121,6 +127,8 @@ class Binding:
                 relayed=relayed,
                 publish=publish,
             )
+        if self.sources:
+            ctx.counters["sender_parts"] = ctx.counters.get("sender_parts", 0) + len(self.sources)
         if bound.pulls:
             ctx.peers.purge(full=False)  # mappings of shards their owners dropped since: let that memory go
         return runs

@@ -41,6 +41,9 @@ from reshard.runtime import arrays
 from reshard.runtime.device.cross_memory import RemoteShard
 
 
+VIEWS_KEPT = 4096  # buckets whose pieces' views of the staging buffer are kept
+
+
 class StagingBuffer:
     """One byte buffer per device, reused by every staged op (ops name their offset in it): numpy
     on a CPU device, cupy on a GPU.
@@ -53,6 +56,7 @@ class StagingBuffer:
         self.device = str(device)  # "cpu" or a torch device string
         self.keep_bytes = keep_bytes
         self.buf: Any = None  # a numpy or cupy uint8 array
+        self._views: dict = {}  # id(owner) -> (owner, views of the current buffer) (``views``)
 
     @property
     def nbytes(self) -> int:
@@ -61,7 +65,7 @@ class StagingBuffer:
     def reserve(self, nbytes: int) -> None:
         if nbytes == self.nbytes:
             return
-        self.buf = None  # free first: never hold two
+        self.drop()  # free first: never hold two
         if nbytes:
             if self.device == "cpu":
                 self.buf = np.empty(nbytes, dtype=np.uint8)
@@ -84,9 +88,23 @@ class StagingBuffer:
             return raw.view(arrays.torch_dtype(dtype)).view(shape)
         return raw.view(arrays.storage(dtype)).reshape(shape)
 
+    def views(self, owner, make: Callable):
+        """``make(self)``: views of the buffer for ``owner`` (a bucket), made once per buffer
+        (dropped with it, and all of them past ``VIEWS_KEPT`` owners)."""
+        hit = self._views.get(id(owner))
+        if hit is None or hit[0] is not owner:
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.clear()
+            hit = self._views[id(owner)] = (owner, make(self))
+        return hit[1]
+
+    def drop(self) -> None:
+        self.buf = None
+        self._views.clear()
+
     def trim(self) -> None:
         if self.nbytes > self.keep_bytes:
-            self.buf = None
+            self.drop()
 
 
 OpT = TypeVar("OpT", bound=Op, covariant=True)
@@ -345,10 +363,10 @@ def execute(run: Run) -> dict:
 def begin_run(run: Run) -> None:
     """Check the run's buffers against its program and zero a destination that starts as zeros."""
     prog = run.prepared.program
-    _check_buffer("source", run.src, prog.src_shape, run.dtype, run.device)
-    _check_buffer("destination", run.dst, prog.dst_shape, run.dtype, run.device)
+    check_buffer("source", run.src, prog.src_shape, run.dtype, run.device)
+    check_buffer("destination", run.dst, prog.dst_shape, run.dtype, run.device)
     if prog.tmp:
-        _check_buffer("scratch", run.tmp, prog.src_shape, run.dtype, run.device)
+        check_buffer("scratch", run.tmp, prog.src_shape, run.dtype, run.device)
     if prog.zero_dst:
         run.dst[...] = 0
     _check_peers(prog, run)
@@ -431,7 +449,7 @@ def _check_peers(prog: DeviceProgram, run: Run) -> None:
             )
 
 
-def _check_buffer(what: str, t, shape, dtype, device: int) -> None:
+def check_buffer(what: str, t, shape, dtype, device: int) -> None:
     if shape is None:
         return
     if t is None:

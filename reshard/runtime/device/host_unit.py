@@ -1,4 +1,5 @@
-"""A CPU device's pulls of one batch as one unit: one destination block, one table of reads.
+"""A CPU device's pulls and bucket landings of one batch as one unit: one destination block, one
+table of reads.
 
 A state dict of thousands of small tensors between two meshes of one machine is, on each device,
 thousands of parts that only pull slices out of peers' private memory. Run part by part, each
@@ -24,10 +25,17 @@ or more gets its block in shared memory where the device may make one more
 map it as they map any shared shard; smaller ones are read out of it by the kernel, as out of
 private memory (a descriptor without a file: thousands of them cross to the controller each run).
 
+Buckets land in a unit too (between machines, or with shared memory off, a tree's pieces travel
+in gloo buckets): the pieces a window's buckets carry into the unit's destinations are rows of a
+table as well (``Landing``: a span of the staging buffer, the bytes of the block it goes to), and
+``UnitRun.land`` copies them with ``process_vm_readv`` of the device's own memory, ``IOV_MAX``
+rows a call, instead of a copy per piece into a destination of its own.
+
 A part joins the unit when its program only pulls source shards (no local copy, nothing combined,
-no relay), its destination is new and under ``UNIT_MAX_BYTES`` (larger ones are assembled and
-settled apart: ``ShardStore``), no bucket lands in it, and every shard it pulls is one of those
-two kinds. The others run as before (``batches``). A run that returns checksums (``verify``) or
+no relay) or has no op of its own (buckets carry all it receives), its destination is new and
+under ``UNIT_MAX_BYTES`` (larger ones are assembled and settled apart: ``ShardStore``), it sends
+no bucket piece (a sender reads its source shard: a ``Run``), and every shard it pulls is one of
+those two kinds. The others run as before (``batches``). A run that returns checksums (``verify``) or
 has a test hook that looks at its parts (``after_run``) has no unit.
 """
 
@@ -36,6 +44,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,6 +104,19 @@ class MappedPull:
 
 
 @dataclass(frozen=True, eq=False)
+class Landing:
+    """The pieces of one issue window's buckets that land in a unit's destinations (``tensors``),
+    as rows copied out of the staging buffer into the block: ``remote`` ``(offset in the staging
+    buffer, length)`` and ``local`` ``(offset in the block, length)``, one per run of contiguous
+    bytes of a piece in its destination (pieces lie in a bucket in C order of their box)."""
+
+    tensors: frozenset
+    local: np.ndarray
+    remote: np.ndarray
+    staging_end: int
+
+
+@dataclass(frozen=True, eq=False)
 class Places:
     """Where a unit's destinations lie, as columns (a run keeps thousands at once:
     ``UnitRun.placed``): ``parts`` (indices), ``tensors`` (batch tensor of each), ``dtypes``,
@@ -133,6 +155,8 @@ class HostUnit:
     wanted: tuple[tuple[int, tuple, np.dtype], ...]
     rest: tuple[int, ...]
     shared: bool
+    landings: tuple[Landing | None, ...] = ()
+    landed: frozenset = frozenset()
 
 
 def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
@@ -144,7 +168,7 @@ def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
         or req.verify
         or ctx.after_run is not None
         or not prepared.flat
-        or not bound.pulls
+        or not (bound.pulls or prepared.windows)
         or not available()
     ):
         return None
@@ -161,8 +185,9 @@ def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
 
 
 def _build(prepared, bound) -> HostUnit | None:
-    landed = {q[0] for window in prepared.windows for pb in window for q in pb.pieces}  # buckets land in them
+    sending = {q[0] for window in prepared.windows for pb in window if pb.sends for q in pb.pieces}  # need a Run
     casts = bound.casts or ()
+    pulls = bound.pulls or {}
     # parts alike (tensors of one shape and layouts) share a prepared program: what follows from
     # it alone is worked out once (``sized``: storage, bytes, shape; ``alike``: ``_reads``)
     sized: dict = {}
@@ -171,7 +196,7 @@ def _build(prepared, bound) -> HostUnit | None:
     for i in prepared.flat:
         part, tensor = prepared.parts[i], prepared.program.parts[i].tensor
         prog = part.program
-        if tensor in landed or (i < len(casts) and casts[i] is not None) or prog.dst_shape is None:
+        if tensor in sending or (i < len(casts) and casts[i] is not None) or prog.dst_shape is None:
             continue
         size = sized.get(id(part))
         if size is None:
@@ -181,7 +206,7 @@ def _build(prepared, bound) -> HostUnit | None:
         kind, nbytes = size
         if not 0 < nbytes < UNIT_MAX_BYTES:
             continue
-        reads = _reads(prog, bound.pulls.get(tensor) or {}, kind[1].itemsize, alike)
+        reads = _reads(prog, pulls.get(tensor) or {}, kind[1].itemsize, alike)
         if reads is not None:
             kinds.setdefault(kind, []).append((i, nbytes, reads))
     if not kinds:
@@ -230,7 +255,50 @@ def _build(prepared, bound) -> HostUnit | None:
         tuple(prepared.metas.get(t) for t in tensors) if prepared.metas else None,
     )
     wanted = tuple((m.holder, m.desc, m.storage) for m in mapped)
-    return HostUnit(bound, places, offset, sources, tuple(mapped), wanted, rest, any(places.mapped))
+    at = {prepared.tensors[i]: k for k, i in enumerate(order)}
+    landings = tuple(landing_of(window, prepared, at, places) for window in prepared.windows)
+    landed = frozenset(t for landing in landings if landing is not None for t in landing.tensors)
+    return HostUnit(bound, places, offset, sources, tuple(mapped), wanted, rest, any(places.mapped), landings, landed)
+
+
+def landing_of(window, prepared, at: dict, places: Places) -> Landing | None:
+    """The pieces of ``window`` (``PreparedBucket``s) received into the unit's destinations
+    (``at``: tensor -> its place in ``places``), or None when none is."""
+    cut: dict = {}  # (part id, box) -> (offsets, length): pieces alike are cut alike
+    runs_, lengths, places_, firsts, tensors = [], [], [], [], set()
+    for pb in window:
+        if pb.sends:
+            continue
+        for (tensor, _, _, offset), q in zip(pb.pieces, pb.bucket.pieces, strict=True):
+            k = at.get(tensor)
+            if k is None:
+                continue
+            part = prepared.parts[places.parts[k]]
+            key = (id(part), q.box)
+            hit = cut.get(key)
+            if hit is None:
+                shape = tuple(part.program.dst_shape)
+                if not _within(q.box, shape):
+                    raise ReshardError(
+                        f"device {part.program.device}: bucket {pb.bucket.step} lands {q.box} in a destination of "
+                        f"shape {list(shape)} (program bug)"
+                    )
+                hit = cut[key] = runs(shape, arrays.storage(part.dtype).itemsize, list(q.box))
+            if hit[1] and len(hit[0]):
+                tensors.add(tensor)
+                runs_.append(hit[0])
+                lengths.append(hit[1])
+                places_.append(k)
+                firsts.append(pb.bucket.staging + offset)
+    if not runs_:
+        return None
+    counts = np.fromiter(map(len, runs_), np.int64, len(runs_))
+    length = np.repeat(np.array(lengths, np.uint64), counts)
+    offsets = np.concatenate(runs_).astype(np.uint64)
+    local = np.stack([offsets + np.repeat(places.offsets[places_].astype(np.uint64), counts), length], axis=1)
+    within = np.arange(len(offsets), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    spans = np.repeat(np.array(firsts, np.uint64), counts) + within.astype(np.uint64) * length
+    return Landing(frozenset(tensors), local, np.stack([spans, length], axis=1), int((spans + length).max()))
 
 
 def _reads(prog, pulls: dict, itemsize: int, alike: dict):
@@ -485,6 +553,31 @@ class UnitRun:
             views = self.views
             for m, src in zip(self.unit.mapped, self.peers.get_all(self.unit.wanted), strict=True):
                 arrays.copy(views[m.at][m.write], src[m.read])
+
+    def land(self, window: int, staging: np.ndarray) -> None:
+        """Copy the pieces of issue window ``window`` that landed in ``staging`` (a uint8 array)
+        into their destinations (``Landing``): ``process_vm_readv`` of this process's own memory
+        as a copy of ``IOV_MAX`` rows a call."""
+        landing = self.unit.landings[window] if self.unit.landings else None
+        if landing is None:
+            return
+        if landing.staging_end > staging.nbytes:
+            raise ReshardError(
+                f"device {self.device}: window {window} lands pieces up to byte {landing.staging_end} of a "
+                f"{staging.nbytes}-byte staging buffer (program bug)"
+            )
+        local, remote = landing.local.copy(), landing.remote.copy()
+        local[:, 0] += np.uint64(self.block.ctypes.data)
+        remote[:, 0] += np.uint64(staging.ctypes.data)
+        pid = os.getpid()
+        for k in range(0, len(local), IOV_MAX):
+            want = int(local[k : k + IOV_MAX, 1].sum())
+            got = read_rows(pid, local[k : k + IOV_MAX], remote[k : k + IOV_MAX])
+            if got != want:
+                raise ReshardError(
+                    f"device {self.device}: copying window {window}'s received pieces into its destinations moved "
+                    f"{got} of {want} bytes"
+                )
 
     def check(self) -> None:
         for s in self.unit.sources:
