@@ -134,23 +134,37 @@ def _buckets(programs: Sequence[Program], packed: list[int], bucket_bytes: int, 
     """The batch's buckets in global order (``_rounds``): ``(group, slices, nbytes)``, each slice
     ``(tensor, step, {device: box}, offset, nbytes)``."""
     streams: dict[Group, list[tuple[int, int, dict[int, Box], int]]] = defaultdict(list)
+    alike: dict[tuple[int, str], list] = {}  # tensors that share a program (and dtype) send alike
     for t in packed:
         prog = programs[t]
-        item = itemsize(prog.dtype)
-        by_step: dict[int, dict[int, object]] = defaultdict(dict)
-        for p in prog.devices:
-            for op in p.all_ops:
-                if isinstance(op, MESSAGE_OPS):
-                    by_step[op.step][p.device] = op
-        for step in sorted(by_step):
-            ops = by_step[step]
-            group = next(iter(ops.values())).group  # type: ignore[attr-defined]
-            boxes = {d: op_box(op) for d, op in ops.items()}  # type: ignore[arg-type]
-            nbytes = piece_bytes(next(iter(boxes.values())), item)
-            if nbytes:
-                streams[tuple(group)].append((t, step, boxes, nbytes))
+        key = (id(prog), prog.dtype)
+        messages = alike.get(key)
+        if messages is None:
+            messages = alike[key] = _messages(prog)
+        for group, step, boxes, nbytes in messages:
+            streams[group].append((t, step, boxes, nbytes))
     chunked = [(group, deque(_chunks(items, bucket_bytes))) for group, items in sorted(streams.items())]
     return _rounds(chunked, hosts or {})
+
+
+def _messages(prog: Program) -> list[tuple[Group, int, dict[int, Box], int]]:
+    """A tensor's messages in step order: ``(group, step, {device: box}, nbytes)``, those of no
+    bytes left out."""
+    item = itemsize(prog.dtype)
+    by_step: dict[int, dict[int, object]] = defaultdict(dict)
+    for p in prog.devices:
+        for op in p.all_ops:
+            if isinstance(op, MESSAGE_OPS):
+                by_step[op.step][p.device] = op
+    out = []
+    for step in sorted(by_step):
+        ops = by_step[step]
+        group = next(iter(ops.values())).group  # type: ignore[attr-defined]
+        boxes = {d: op_box(op) for d, op in ops.items()}  # type: ignore[arg-type]
+        nbytes = piece_bytes(next(iter(boxes.values())), item)
+        if nbytes:
+            out.append((tuple(group), step, boxes, nbytes))
+    return out
 
 
 def _rounds(chunked: list, hosts: Mapping[int, int]) -> list:

@@ -397,6 +397,8 @@ def validate_batch(batch: BatchProgram) -> None:
     within its staging buffer (a window's side by side), and connects exactly the groups its
     buckets and parts use. Each part was validated as its tensor's program before packing."""
     members: dict[int, dict[int, Bucket]] = defaultdict(dict)
+    fits: set = set()  # (shape, box, nbytes, dtype) of pieces found to fit: a tree's tensors alike repeat them
+    uses: dict[int, list] = {}  # id(part program) -> the groups its ops use first
     for p in batch.devices:
         steps = [b.step for b in p.buckets]
         if steps != sorted(set(steps)):
@@ -410,6 +412,9 @@ def validate_batch(batch: BatchProgram) -> None:
             for piece in b.pieces:
                 prog = parts.get(piece.tensor)
                 shape = None if prog is None else prog.src_shape if sender else prog.dst_shape
+                key = (shape, piece.box, piece.nbytes, batch.dtypes[piece.tensor])
+                if key in fits:
+                    continue
                 if (
                     shape is None
                     or len(piece.box) != len(shape)
@@ -421,6 +426,7 @@ def validate_batch(batch: BatchProgram) -> None:
                     )
                 if box_volume(piece.box) * itemsize(batch.dtypes[piece.tensor]) != piece.nbytes:
                     raise PlanError(f"device {p.device} bucket {b.step}: piece {piece} is not its box's bytes")
+                fits.add(key)
         spans: list[tuple[int, int]] = []
         for window in p.issue_windows:
             spans = []
@@ -431,7 +437,10 @@ def validate_batch(batch: BatchProgram) -> None:
                 spans.append(span)
         used = [group_of(b.group) for b in p.buckets]
         for part in p.parts:
-            used += first_use_groups(part.program.ops)
+            groups = uses.get(id(part.program))
+            if groups is None:
+                groups = uses[id(part.program)] = first_use_groups(part.program.ops)
+            used += groups
         if set(p.connect) != set(used) or len(set(p.connect)) != len(p.connect):
             raise PlanError(f"device {p.device} connects {list(p.connect)} but uses {list(dict.fromkeys(used))}")
     for step, buckets in members.items():

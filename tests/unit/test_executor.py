@@ -38,6 +38,7 @@ from reshard.ir.serialize import decode_device_program, encode_device_program
 from reshard.passes.compile import CompileOptions, compile_reshard
 from reshard.runtime import arrays
 from reshard.runtime.backends.communicator import Communicator, PeerFailed
+from reshard.runtime.device import executor as executor_module
 from reshard.runtime.device.executor import Run, StagingBuffer, execute, prepare
 from reshard.runtime.device.shared_memory import PeerShards, RelayBoard, SharedShards
 from topology import Cluster, Mesh
@@ -527,3 +528,33 @@ def test_a_batch_runs_its_buckets_then_its_parts_exactly(as_torch, window_ops):
         want = [b.group for b in compiled.program.for_device(d).buckets]
         assert [g for _, g, _, _ in issued[: len(want)]] == [tuple(g) for g in map(group_of, want)]
     assert first_mismatch({d: dst[("checks", d)] for d in (0, 1, 2, 3)}) is None
+
+
+def test_staging_views_are_made_once_per_buffer_and_never_outlive_it(monkeypatch):
+    """A bucket's piece views are made once while the buffer stays, made anew (of the new buffer)
+    when a run reserves another size or the buffer is trimmed, and all dropped past the bound."""
+    staging = StagingBuffer("cpu", 1 << 10)
+    staging.reserve(64)
+    made = []
+
+    def make(buf):
+        made.append(buf.buf)
+        return [buf.view(0, "float32", (4,)), buf.view(16, "float32", (4,))]
+
+    bucket, other = object(), object()
+    first = staging.views(bucket, make)
+    assert staging.views(bucket, make) is first and len(made) == 1
+    staging.view(0, "float32", (4,))[:] = 7
+    assert (first[0] == 7).all(), "the views are of the buffer the run writes"
+    staging.reserve(128)
+    again = staging.views(bucket, make)
+    assert again is not first and len(made) == 2 and again[0].base is not first[0].base
+    staging.reserve(1 << 11)
+    staging.views(bucket, make)
+    staging.trim()  # bigger than it keeps: freed, its views with it
+    assert staging.buf is None and not staging._views
+    staging.reserve(64)
+    monkeypatch.setattr(executor_module, "VIEWS_KEPT", 3)
+    staging.views(bucket, make)
+    staging.views(other, make)  # four views: past the bound, the first bucket's are dropped
+    assert list(staging._views) == [id(other)]

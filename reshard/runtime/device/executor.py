@@ -41,7 +41,7 @@ from reshard.runtime import arrays
 from reshard.runtime.device.cross_memory import RemoteShard
 
 
-VIEWS_KEPT = 4096  # buckets whose pieces' views of the staging buffer are kept
+VIEWS_KEPT = 1 << 18  # views of the staging buffer kept at most (about 30 MiB of them)
 
 
 class StagingBuffer:
@@ -57,6 +57,7 @@ class StagingBuffer:
         self.keep_bytes = keep_bytes
         self.buf: Any = None  # a numpy or cupy uint8 array
         self._views: dict = {}  # id(owner) -> (owner, views of the current buffer) (``views``)
+        self._kept = 0  # views in ``_views``
 
     @property
     def nbytes(self) -> int:
@@ -89,18 +90,22 @@ class StagingBuffer:
         return raw.view(arrays.storage(dtype)).reshape(shape)
 
     def views(self, owner, make: Callable):
-        """``make(self)``: views of the buffer for ``owner`` (a bucket), made once per buffer
-        (dropped with it, and all of them past ``VIEWS_KEPT`` owners)."""
+        """``make(self)``: a list of views of the buffer for ``owner`` (a bucket), made once per
+        buffer (dropped with it, and all of them past ``VIEWS_KEPT`` views)."""
         hit = self._views.get(id(owner))
         if hit is None or hit[0] is not owner:
-            if len(self._views) >= VIEWS_KEPT:
+            views = make(self)
+            if self._kept + len(views) > VIEWS_KEPT:
                 self._views.clear()
-            hit = self._views[id(owner)] = (owner, make(self))
+                self._kept = 0
+            hit = self._views[id(owner)] = (owner, views)
+            self._kept += len(views)
         return hit[1]
 
     def drop(self) -> None:
         self.buf = None
         self._views.clear()
+        self._kept = 0
 
     def trim(self) -> None:
         if self.nbytes > self.keep_bytes:

@@ -284,14 +284,15 @@ def landing_of(window, prepared, at: dict, places: Places) -> Landing | None:
                         f"shape {list(shape)} (program bug)"
                     )
                 hit = cut[key] = runs(shape, arrays.storage(part.dtype).itemsize, list(q.box))
+            tensors.add(tensor)  # (``_unpack`` passes it over, a piece of no bytes too)
             if hit[1] and len(hit[0]):
-                tensors.add(tensor)
                 runs_.append(hit[0])
                 lengths.append(hit[1])
                 places_.append(k)
                 firsts.append(pb.bucket.staging + offset)
     if not runs_:
-        return None
+        none = np.zeros((0, 2), np.uint64)
+        return Landing(frozenset(tensors), none, none, 0) if tensors else None
     counts = np.fromiter(map(len, runs_), np.int64, len(runs_))
     length = np.repeat(np.array(lengths, np.uint64), counts)
     offsets = np.concatenate(runs_).astype(np.uint64)
