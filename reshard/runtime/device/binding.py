@@ -15,6 +15,8 @@ import functools
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from reshard.errors import ReshardError, ReshardTimeout
 from reshard.runtime import arrays
 from reshard.runtime.backends.communicator import PeerFailed
@@ -27,7 +29,6 @@ from reshard.runtime.messages import Bound, PlacedDescriptors, RunRequest, shard
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    import numpy as np
     import torch
 
 
@@ -66,12 +67,15 @@ class Binding:
         casts = bound.casts or (None,) * n
         rest: Iterable[int] = range(n)
         senders = prepared.senders if ctx.cuda_device is None and not self.req.verify and ctx.after_run is None else ()
+        lent = self._lend(sorted(senders), sources, casts) if senders else ()
         unit = host_unit.unit_for(ctx, prepared, bound, self.req)
         if unit is not None:
             self.unit = UnitRun(unit, ctx.device, ctx.peers, *ctx.store.allocate_block(unit.nbytes, unit.shared))
             ctx.counters["unit_parts"] = ctx.counters.get("unit_parts", 0) + len(unit.places.parts)
             self.own_bytes = int(self.unit.block.nbytes)
             rest = unit.rest
+        if lent:
+            rest = [i for i in rest if i not in lent]
         for i in rest:
             part, tensor, source, cast = prepared.parts[i], tensors[i], sources[i], casts[i]
             prog, dtype = part.program, part.dtype
@@ -132,6 +136,22 @@ class Binding:
         if bound.pulls:
             ctx.peers.purge(full=False)  # mappings of shards their owners dropped since: let that memory go
         return runs
+
+    def _lend(self, senders: list[int], names, casts) -> set[int]:
+        """The source shards of parts that only send (``PreparedBatch.senders``: they get no
+        ``Run``), looked up and checked as columns; returns the parts done. A part whose source is
+        cast, missing, or anything but a C-contiguous numpy array of the program's shape and dtype
+        is left to the loop (which casts it, or says what is wrong)."""
+        parts, tensors = self.prepared.parts, self.prepared.tensors
+        plain = [i for i in senders if casts[i] is None]
+        shards = list(map(self.ctx.store.get, [names[i] for i in plain]))
+        fit = [
+            type(a) is np.ndarray and a.shape == p.program.src_shape and a.dtype == arrays.storage(p.dtype)
+            for a, p in zip(shards, map(parts.__getitem__, plain), strict=True)
+        ]
+        done = [(i, a) for i, a, ok in zip(plain, shards, fit, strict=True) if ok and a.flags.c_contiguous]
+        self.sources.update((tensors[i], a) for i, a in done)
+        return {i for i, _ in done}
 
     def _cast(self, name: str, src, cast, dtype: str):
         """Source shard ``name`` cast from ``cast`` (a dtype name, or a ``ScaledCast``: divided by
