@@ -389,7 +389,10 @@ def _pack(run: BatchRun, pb: PreparedBucket) -> None:
         src = sources.get(tensor)
         if src is None:
             src = runs[tensor].src
-        arrays.copy(view, src[index])
+        if type(src) is np.ndarray and type(view) is np.ndarray:
+            view[...] = src[index]  # of one dtype (both checked against the part's): no cast
+        else:
+            arrays.copy(view, src[index])
 
 
 def _piece_views(prepared: PreparedBatch, pb: PreparedBucket, staging) -> list:
