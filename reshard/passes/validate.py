@@ -398,7 +398,7 @@ def validate_batch(batch: BatchProgram) -> None:
     buckets and parts use. Each part was validated as its tensor's program before packing."""
     members: dict[int, dict[int, Bucket]] = defaultdict(dict)
     fits: set = set()  # (shape, box, nbytes, dtype) of pieces found to fit: a tree's tensors alike repeat them
-    uses: dict[int, list] = {}  # id(part program) -> the groups its ops use first
+    uses: dict[int, tuple] = {}  # id(part program) -> the groups its ops use first
     for p in batch.devices:
         steps = [b.step for b in p.buckets]
         if steps != sorted(set(steps)):

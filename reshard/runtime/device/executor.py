@@ -40,7 +40,6 @@ from reshard.ir.program import (
 from reshard.runtime import arrays
 from reshard.runtime.device.cross_memory import RemoteShard
 
-
 VIEWS_KEPT = 1 << 18  # views of the staging buffer kept at most (about 30 MiB of them)
 
 
