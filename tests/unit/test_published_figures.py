@@ -20,14 +20,15 @@ HEADLINE = "18d18da"
 #: The chaos tier's run, on the commit after HEADLINE (the headline's own run got no SIGINT through).
 CHAOS = "chaos-a422216.json"
 #: The MoE tree and the trees' ratios, measured again after each change of the device path (the host
-#: unit, its mapped pulls, the per-tensor bookkeeping), against the commit before it in one sitting:
-#: (base, new, rounds).
+#: unit, its mapped pulls, the per-tensor bookkeeping, the gloo path's unit), against the commit
+#: before it in one sitting: (base, new, rounds); the latest on both paths.
 AB = (
     ("b3fc38f", "31f2d15", 2),
     ("a19b95b", "1163ba7", 3),
     ("681e2a8", "84a81e8", 2),
     ("39be385", "50e04d3", 3),
     ("e79f0aa", "75dc99a", 3),
+    ("9aa5ba3", "6e230fa", 3),
 )
 #: The MoE tree alone, before and after its first call's steps were made lazily.
 AB_MOE = (("6379d5d", "9642baa", 3),)
@@ -435,16 +436,16 @@ def latest_ab() -> list[tuple[str, str]]:
     medians = [statistics.median(q) for q in qwen3]
     within = sum(r <= 1.5 for q in qwen3 for r in q)
 
-    def span(rev: str, figure) -> str:
-        got = [figure(d["results"][0]["methods"]["ours"]) for d in runs["moe", rev]]
+    def span(rev: str, figure, method: str) -> str:
+        got = [figure(d["results"][0]["methods"][method]) for d in runs["moe", rev]]
         low, high = f"{min(got):.2f}", f"{max(got):.2f}"
         return f"{low} s" if low == high else f"{low}-{high} s"
 
-    def replays(rev: str) -> str:
-        return span(rev, lambda ours: ours["latency_s"]["median"])
+    def replays(rev: str, method: str = "ours") -> str:
+        return span(rev, lambda ours: ours["latency_s"]["median"], method)
 
-    def first_calls(rev: str) -> str:
-        return span(rev, lambda ours: ours["first_s"])
+    def first_calls(rev: str, method: str = "ours") -> str:
+        return span(rev, lambda ours: ours["first_s"], method)
 
     return [
         (
@@ -455,19 +456,25 @@ def latest_ab() -> list[tuple[str, str]]:
         ),
         (
             "README.md",
-            f"latest A/B, in a slower sitting, a replay in {replays(new)} against {replays(base)} "
-            "for the commit before",
+            f"latest A/B, a replay in {replays(new)} against {replays(base)} for the commit before, and a first call "
+            f"in {first_calls(new)} against {first_calls(base)}",
         ),
-        ("README.md", f"a first call in {first_calls(new)} against {first_calls(base)}"),
+        (
+            "README.md",
+            f"over gloo (the path between machines) a replay in {replays(new, 'ours_gloo')} against "
+            f"{replays(base, 'ours_gloo')}, and a first call in {first_calls(new, 'ours_gloo')} against "
+            f"{first_calls(base, 'ours_gloo')}",
+        ),
     ]
 
 
-def tree_ratios(d: dict) -> dict[str, list[float]]:
-    """Per model of a weights run: each case's tree median over one tensor's."""
+def tree_ratios(d: dict, tree: str = "ours", one: str = "one_tensor") -> dict[str, list[float]]:
+    """Per model of a weights run: each case's tree median over one tensor's (of the methods
+    ``tree`` and ``one``: the default path's, or gloo's)."""
     out: dict[str, list[float]] = {}
     for r in d["results"]:
         med = {k: v["latency_s"]["median"] for k, v in r["methods"].items()}
-        out.setdefault(r["model"], []).append(med["ours"] / med["one_tensor"])
+        out.setdefault(r["model"], []).append(med[tree] / med[one])
     return out
 
 
@@ -487,13 +494,14 @@ def ab_table(base: str, new: str, rounds: int, models=("moe", "trees")) -> list[
     def median(d: dict, method: str) -> float:
         return d["results"][0]["methods"][method]["latency_s"]["median"]
 
-    def span(model: str):
+    def span(model: str, tree: str = "ours", one: str = "one_tensor"):
         def cell(d: dict) -> str:
-            ratios = tree_ratios(d)[model]
+            ratios = tree_ratios(d, tree, one)[model]
             return f"{min(ratios):.2f}-{max(ratios):.2f}×"
 
         return cell
 
+    gloo = all("ours_gloo" in d["results"][0]["methods"] for d in runs.values())  # both paths measured
     rows = [
         row("MoE replay, median", "moe", lambda d: f"{median(d, 'ours'):.2f} s"),
         row("MoE first call", "moe", lambda d: f"{d['results'][0]['methods']['ours']['first_s']:.2f} s"),
@@ -503,9 +511,23 @@ def ab_table(base: str, new: str, rounds: int, models=("moe", "trees")) -> list[
             lambda d: f"{median(d, 'ours') / median(d, 'one_tensor'):.0f}×",
         ),
     ]
+    if gloo:
+        rows += [
+            row("MoE over gloo, replay median", "moe", lambda d: f"{median(d, 'ours_gloo'):.2f} s"),
+            row(
+                "MoE over gloo, first call",
+                "moe",
+                lambda d: f"{d['results'][0]['methods']['ours_gloo']['first_s']:.2f} s",
+            ),
+            row(
+                "MoE over gloo against one tensor over gloo",
+                "moe",
+                lambda d: f"{median(d, 'ours_gloo') / median(d, 'one_tensor_gloo'):.0f}×",
+            ),
+        ]
     if "trees" not in models:
         return rows
-    return rows + [
+    rows += [
         row("GPT-2 tree against one tensor", "trees", span("gpt2")),
         row("Qwen3 tree against one tensor", "trees", span("qwen3")),
         row(
@@ -514,6 +536,20 @@ def ab_table(base: str, new: str, rounds: int, models=("moe", "trees")) -> list[
             lambda d: f"{d['fit']['default']['per_tensor_s'] * 1e3:.3f} ms",
         ),
     ]
+    if gloo:
+        rows += [
+            row(
+                "Qwen3 tree over gloo against one tensor over gloo",
+                "trees",
+                span("qwen3", "ours_gloo", "one_tensor_gloo"),
+            ),
+            row(
+                "per-tensor cost in the fit over gloo",
+                "trees",
+                lambda d: f"{d['fit']['gloo']['per_tensor_s'] * 1e3:.3f} ms",
+            ),
+        ]
+    return rows
 
 
 CLAIMS = [
