@@ -180,6 +180,25 @@ def test_a_source_let_go_of_behind_the_callers_back_fails_the_unit_naming_its_ho
         reshard(src, a, _layouts(b, 1))
 
 
+def test_a_senders_source_let_go_of_fails_the_gloo_run_naming_it_and_the_rest_still_moves(view):
+    """Over gloo, a sender whose source shard is gone (as another process's handle would free it)
+    fails the run, naming its device and the shard, even with its shards lent without a ``Run``
+    and the receivers' unit cached; the other tensors then move bit-exact."""
+    a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
+    sd = _tree(50)
+    src = distribute(sd, _layouts(a, 0))
+    free(reshard(src, a, _layouts(b, 1), shared_memory=False))  # the unit and the lent senders cached
+    a.call(_drop, src["down"].name, devices=[1])
+    with pytest.raises(
+        ReshardError, match=rf"device {a.device_ids[1]}: source shard .*{src['down'].name}.* is missing"
+    ):
+        reshard(src, a, _layouts(b, 1), shared_memory=False)
+    rest = {k: v for k, v in src.items() if k != "down"}
+    out = reshard(rest, a, {k: v for k, v in _layouts(b, 1).items() if k != "down"}, shared_memory=False)
+    for k, t in out.items():
+        assert_bit_exact(_numpy(t), sd[k])
+
+
 @st.composite
 def _pairs(draw):
     """A box of one shape, placed in two arrays that hold it."""
