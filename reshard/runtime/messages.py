@@ -54,11 +54,14 @@ class Ticket:
     """Position of an ordered call among one controller's calls to one device. ``caller``: where
     its process runs (``reshard.runtime.device.callers``), with every call: the device frees what
     it kept for it once that process ended, also when the process died before its first call
-    arrived (Ray sends a call whose arguments are still being resolved after later ones)."""
+    arrived (Ray sends a call whose arguments are still being resolved after later ones).
+    ``lost``: numbers of earlier calls that Ray failed before they reached the device (an actor that
+    could not allocate a call's arguments): they will never come, so their turns are given up."""
 
     controller: str
     seq: int
     caller: tuple | None = None
+    lost: tuple[int, ...] = ()
 
 
 class GroupDrop(NamedTuple):

@@ -3,6 +3,7 @@ bounded time, leave the source intact, free partial results, and leave the runti
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -333,23 +334,45 @@ def test_error_inside_actor_is_a_reshard_error(pool, view, shared_memory, error)
     _still_works(view, 6)
 
 
-def _cap_address_space(ctx, margin: int) -> None:
-    """Cap this process's address space just above what it maps (RLIMIT_AS), after handing the
-    allocator's free memory back: its next allocations fail."""
+def _trimmed_mapping(ctx) -> int:
+    """The bytes this process maps, after handing the allocator's free memory back (else a new
+    buffer could still come out of the heap)."""
     import ctypes
-    import resource
 
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
-        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    ctx.extensions["test_rlimit_as"] = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (mapped + margin, ctx.extensions["test_rlimit_as"][1]))
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _lift_cap(ctx) -> None:
+@contextlib.contextmanager
+def _capped(mesh, margin: int = 1 << 20):
+    """The address space of ``mesh``'s one device capped just above what it maps (``RLIMIT_AS``, set
+    from outside: lifting it needs nothing of the device), so its next big allocations fail."""
     import resource
 
-    resource.setrlimit(resource.RLIMIT_AS, ctx.extensions.pop("test_rlimit_as"))
+    pid = mesh.call(lambda ctx: os.getpid())[0]
+    limits = resource.prlimit(pid, resource.RLIMIT_AS)
+    resource.prlimit(pid, resource.RLIMIT_AS, (mesh.call(_trimmed_mapping)[0] + margin, limits[1]))
+    try:
+        yield
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_AS, limits)
+
+
+def test_a_call_ray_fails_before_it_reaches_the_device_does_not_stall_the_next():
+    """Ray fails an ordered call on the device before the device sees it (its 64 MiB argument cannot
+    be allocated there: the address space is capped from outside): the call raises a ReshardError
+    naming the device, and the next call runs at once instead of waiting for its turn behind a
+    call that never comes."""
+    own = DeviceMesh.create((1,), backend="gloo", startup_timeout_s=180)
+    try:
+        d = own.device_ids[0]
+        with _capped(own), pytest.raises(ReshardError, match=rf"device {d}: System error"):
+            own.call(lambda ctx, payload: len(payload), bytes(64 << 20), timeout_s=LONG_S)
+        assert own.call(lambda ctx: ctx.device, timeout_s=LONG_S) == [d]  # without: waits for the lost call, times out
+        assert not own.stats()[0]["calls"]["waiting"]
+    finally:
+        own.shutdown()
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["pull", "gloo"])
@@ -367,13 +390,10 @@ def test_allocation_failure_is_a_clean_reshard_error(pool, view, shared_memory):
         t = distribute(x, Layout(src, pl("S0")))
         reshard(t, src, Layout(dst, pl("R")), shared_memory=False).free()  # libraries loaded: what fails is the shard
         before = _groups_and_buffers(pool, [0, 1, 2])
-        own.call(_cap_address_space, 1 << 20)  # Ray's own buffers fit, the 2 MiB destination does not
         t0 = time.monotonic()
-        try:
+        with _capped(own):  # Ray's own buffers fit, the 2 MiB destination does not
             with pytest.raises(ReshardError, match=rf"device {own.device_ids[0]}.*(memory|allocate)") as err:
                 reshard(t, src, Layout(dst, pl("R")), timeout_s=LONG_S, shared_memory=shared_memory)
-        finally:
-            own.call(_lift_cap)
         assert time.monotonic() - t0 < HANG_S, "the peers of the failed device must not wait for their deadline"
         assert "is gone" not in str(err.value), "a device out of memory must not blame its peer's shard"
         assert_shards(t, x)

@@ -40,6 +40,32 @@ def test_calls_run_in_sequence_order_whatever_order_they_arrive_in():
     assert [h[1] for h in inbox.state()["recent"]] == [1, 2, 3]
 
 
+def test_calls_that_never_came_give_up_their_turns_when_a_later_ticket_names_them():
+    """Ray failed calls 2 and 3 before they reached the device: call 4 names them and runs at once;
+    naming them again (with call 5), or a call that ran (1), changes nothing; a named call that is
+    waiting (7, named by 8 while 6 runs) keeps its turn."""
+    inbox, order = OrderedInbox(), []
+    _enter(inbox, Ticket("c", 1), NONE, order)
+    _enter(inbox, Ticket("c", 4, lost=(2, 3)), Deadline.after(30), order)  # without: waits for call 2, times out
+    _enter(inbox, Ticket("c", 5, lost=(1, 2, 3)), NONE, order)
+    started, release = threading.Event(), threading.Event()
+    sixth = threading.Thread(target=_enter, args=(inbox, Ticket("c", 6), NONE, order, started, release))
+    sixth.start()
+    assert started.wait(30)
+    seventh = threading.Thread(target=_enter, args=(inbox, Ticket("c", 7), NONE, order))
+    seventh.start()
+    while "c#7" not in inbox.state()["waiting"]:
+        seventh.join(0.01)  # until it waits for its turn
+    eighth = threading.Thread(target=_enter, args=(inbox, Ticket("c", 8, lost=(7,)), NONE, order))
+    eighth.start()
+    release.set()
+    for t in (sixth, seventh, eighth):
+        t.join(30)
+    assert order == [1, 4, 5, 6, 7, 8]
+    recent = inbox.state()["recent"]
+    assert [h[1] for h in recent if h[3] == "gave up its turn"] == [2, 3]
+
+
 def test_a_call_that_gives_up_its_turn_is_skipped():
     inbox, order = OrderedInbox(), []
     started, release = threading.Event(), threading.Event()

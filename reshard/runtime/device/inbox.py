@@ -5,7 +5,9 @@ abort, and so that two processes using one mesh never wait on each other), and R
 caller's order for threaded actors. Calls that change state therefore carry a ``Ticket``; the
 inbox lets a controller's call with sequence number ``n`` run only after its calls ``1 .. n-1``
 finished. A call whose deadline passes while it waits gives up its turn at once (later calls skip
-it), so one stuck call delays the others by at most their own deadlines and never wedges them.
+it), so one stuck call delays the others by at most their own deadlines and never wedges them. A
+call that Ray failed before it reached the device never comes: the controller names it in its later
+tickets (``Ticket.lost``), and its turn is given up then.
 
 Callers. The inbox also keeps where each controller runs (``Ticket.caller``) and when it last called,
 so that the device can find the controllers that ended (``reshard.runtime.device.callers``). A
@@ -68,6 +70,8 @@ class OrderedInbox:
                 raise CallerForgotten(f"{what} came from a controller this device forgot: {self._forgotten[c]}")
             if ticket.caller is not None:
                 self.callers[c] = ticket.caller
+            if ticket.lost:
+                self._give_up(c, ticket.lost)
             self._waiting[(c, seq)] = what
             try:
                 while True:
@@ -102,13 +106,31 @@ class OrderedInbox:
                 self.history.append((c, seq, what, outcome, round(time.time() - started, 3)))
                 self._running.pop(c, None)
                 self._last[c] = time.monotonic()
-                skipped = self._skipped.get(c, set())
-                nxt = seq + 1
-                while nxt in skipped:
-                    skipped.discard(nxt)
-                    nxt += 1
-                self._next[c] = nxt
-                self._cv.notify_all()
+                self._next[c] = seq + 1
+                self._pass_skipped(c)
+
+    def _give_up(self, c: str, lost: tuple[int, ...]) -> None:
+        """The turns of controller ``c``'s calls ``lost`` (they never reached this device), unless
+        they came after all (each number is sent again with later calls: one already run is passed over)."""
+        nxt = self._next.setdefault(c, 1)
+        running = nxt if c in self._running else None
+        skipped = self._skipped.setdefault(c, set())
+        gave_up = [n for n in lost if n >= nxt and n != running and n not in skipped and (c, n) not in self._waiting]
+        if gave_up:
+            skipped.update(gave_up)
+            self.history.extend((c, n, "a call that never came", "gave up its turn", 0.0) for n in gave_up)
+            if running is None:
+                self._pass_skipped(c)
+
+    def _pass_skipped(self, c: str) -> None:
+        """Move controller ``c``'s next number past the calls that gave up their turns."""
+        skipped = self._skipped.get(c, set())
+        nxt = self._next[c]
+        while nxt in skipped:
+            skipped.discard(nxt)
+            nxt += 1
+        self._next[c] = nxt
+        self._cv.notify_all()
 
     def idle(self, idle_s: float) -> list[str]:
         """Controllers with no call running or waiting whose last call ended ``idle_s`` ago or more."""

@@ -213,6 +213,7 @@ class Batches:
         refs = pending.refs
         try:
             outcome = gather(refs, pending.deadline)
+            self.dispatch.note_lost(refs, outcome)
         except BaseException:  # KeyboardInterrupt, or Ray failing under us
             self.abandon_batch(pending, Outcome(pending=sorted(refs)))
             raise
@@ -228,6 +229,7 @@ class Batches:
         pending.results = outcome.results
         if pending.commits:
             done = gather(pending.commits, until)
+            self.dispatch.note_lost(pending.commits, done)
             if not done.ok:
                 for d in done.died:
                     self._mark_dead(d, f"actor died while committing: {first_line(done.failures[d].error)}")
@@ -259,6 +261,7 @@ class Batches:
         acks = self.abandon(pending.refs, pending.run, made, groups, pending.pid, outcome, wait=not late)
         if late and until is not None:
             ended = gather(late, until, settle_s=None)
+            self.dispatch.note_lost(late, ended)
             outcome.results.update(ended.results)
             outcome.failures.update(ended.failures)
             outcome.pending = ended.pending

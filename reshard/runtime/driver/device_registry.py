@@ -69,6 +69,7 @@ class DeviceRecord:
     state: DeviceState = DeviceState.ALIVE
     reason: str = ""
     seq: int = 1  # the next ordered call's sequence number (``reshard.runtime.device.inbox``)
+    lost: tuple[int, ...] = ()  # the latest ordered calls Ray failed before they reached it (``Ticket.lost``)
 
     def describe(self) -> dict:
         """What travels in a pickled mesh handle."""

@@ -4,7 +4,9 @@
 lock, so each device runs this controller's calls in the order they were made, and the calls of one
 operation are submitted to all its devices at once: no two operations of one controller interleave
 differently on two devices. ``broadcast_call`` makes one such call on each of some devices, waits
-for them and raises their failure as one error, root cause first.
+for them and raises their failure as one error, root cause first. A call that Ray fails before it
+reaches its device (``never_ran``) would leave a gap in that device's order: its later calls name
+it (``note_lost``, ``Ticket.lost``) and the device gives up its turn.
 
 ``gather`` waits for a set of calls until all finished or the deadline passed (and, once one
 failed, at most ``settle_s`` longer: a peer's failure reaches the others within milliseconds).
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from reshard.errors import ReshardError, ReshardTimeout, WorkerDied
 from reshard.runtime.backends.communicator import PeerFailed
 from reshard.runtime.deadlines import Deadline
-from reshard.runtime.driver.device_registry import DeviceRegistry
+from reshard.runtime.driver.device_registry import DeviceRecord, DeviceRegistry
 from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import DeviceState, Failure, FailureKind, Ticket
 from reshard.runtime.processes import process_of_this
@@ -40,6 +42,10 @@ FAILURE_POLL_S = 0.25
 _LONGEST_GET_S = 86400.0  # ray.get needs a finite timeout
 #: How long a failure message waits for the devices to say what they are doing.
 DESCRIBE_S = 1.0
+#: Ordered calls whose tickets are remembered (to name one Ray failed before it ran: ``Ticket.lost``).
+SENT_KEPT = 4096
+#: Lost calls named again with each later call to their device (the newest; a call that names them may be lost too).
+LOST_KEPT = 8
 
 
 @dataclass
@@ -74,6 +80,14 @@ def classify_error(err: BaseException) -> Failure:
     if isinstance(err, ReshardTimeout | GetTimeoutError):
         return Failure(FailureKind.TIMEOUT, err)
     return Failure(FailureKind.ERROR, err)
+
+
+def never_ran(err: BaseException) -> bool:
+    """Ray failed the call itself, not the device's code, its actor or a wait (e.g. an actor that
+    could not allocate the call's arguments): a finished call that may never have reached the device."""
+    from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+    return isinstance(err, RayError) and not isinstance(err, RayTaskError | RayActorError | GetTimeoutError)
 
 
 def _wait(refs: list, **kwargs):
@@ -202,6 +216,7 @@ class Dispatch:
         self._on_died = on_died
         self._submitting = False
         self._process: tuple | None = None  # told each device with its first call (``Ticket.caller``)
+        self._sent: dict[bytes, tuple[DeviceRecord, int]] = {}  # an ordered call's ref -> its device and number
 
     def submit(self, rec, call):
         """``call(ticket)`` submits one ordered call to ``rec``'s actor; the ticket's number is
@@ -215,11 +230,25 @@ class Dispatch:
             try:
                 if self._process is None:
                     self._process = process_of_this()
-                ref = call(Ticket(self.id, rec.seq, self._process))
+                ref = call(Ticket(self.id, rec.seq, self._process, rec.lost))
             finally:
                 self._submitting = False
+            self._sent[ref.binary()] = (rec, rec.seq)
+            if len(self._sent) > SENT_KEPT:
+                del self._sent[next(iter(self._sent))]
             rec.seq += 1
             return ref
+
+    def note_lost(self, refs: dict, outcome: Outcome) -> None:
+        """Remember the ordered calls of ``refs`` that Ray failed before they ran (``never_ran``):
+        each device's later calls name them, so that it gives up their turns instead of waiting."""
+        for key, f in outcome.failures.items():
+            if f.kind is FailureKind.ERROR and never_ran(f.error):
+                with self.lock:
+                    sent = self._sent.get(refs[key].binary())
+                    if sent is not None:
+                        rec, seq = sent
+                        rec.lost = (*rec.lost, seq)[-LOST_KEPT:]
 
     def submit_each(self, devices, make, what: str) -> dict:
         """One ordered call to each of ``devices`` (``make(rec)`` is the ``call(ticket)`` for
@@ -240,8 +269,9 @@ class Dispatch:
                         log.debug("device %d: %s", d, e)
 
     def wait(self, refs: dict, deadline: Deadline, what: str) -> Outcome:
-        """``gather`` that reports the devices whose actors died."""
+        """``gather`` that reports the devices whose actors died, and notes calls that never ran."""
         outcome = gather(refs, deadline)
+        self.note_lost(refs, outcome)
         for d in outcome.died:
             self._on_died(d, f"actor died in {what}: {first_line(outcome.failures[d].error)}")
         return outcome
@@ -251,6 +281,7 @@ class Dispatch:
         if not acks:
             return
         done = gather(acks, until, settle_s=None)
+        self.note_lost(acks, done)
         for d, f in done.failures.items():
             if f.kind is FailureKind.DIED:
                 self._on_died(d, f"actor died: {first_line(f.error)}")
@@ -342,6 +373,8 @@ class Dispatch:
 
 def _raise_own_error(outcome: Outcome) -> None:
     """A device's own exception (``fn`` raised it), raised as is where no actor died."""
-    own = [f.error for _, f in sorted(outcome.failures.items()) if f.kind is FailureKind.ERROR]
+    own = [
+        f.error for _, f in sorted(outcome.failures.items()) if f.kind is FailureKind.ERROR and not never_ran(f.error)
+    ]
     if own and not outcome.died:
         raise own[0]
