@@ -13,9 +13,9 @@ fault; the faulty steps cycle through every (fault, phase, transport) combinatio
 - ``RAY_KILL`` / ``SIGKILL``: ``ray.kill`` of a device actor / SIGKILL of its process;
 - ``SIGSTOP``: the process is stopped until the reshard has raised (beyond its timeout), then
   continued;
-- ``ALLOC``: the actor's address space is capped (``RLIMIT_AS``, set inside it through
-  ``DeviceMesh.call``) just above what it maps, so the step's allocations fail; lifted afterwards
-  (killed, if it cannot take the call that lifts it);
+- ``ALLOC``: the actor's address space is capped (``RLIMIT_AS``, set from outside with
+  ``prlimit``) just above what it maps, so the step's allocations fail; lifted afterwards the same
+  way (killed, if it then does not answer: a failed allocation inside Ray can wedge it);
 - ``INTERRUPT``: a real SIGINT to the driver's main thread while ``reshard`` waits.
 
 Phases: ``BEFORE`` (the fault is in place before the step is submitted), ``DURING`` (the
@@ -231,24 +231,14 @@ def _disarm(ctx) -> None:
     ctx.commit_hook = None
 
 
-def _cap_address_space(ctx, margin: int) -> int:
-    """Cap this process's address space at what it maps now plus ``margin``, after handing the
-    allocator's free memory back (else a new shard could still come out of the heap)."""
+def _trimmed_mapping(ctx) -> int:
+    """The bytes this process maps, after handing the allocator's free memory back (else a new shard
+    could still come out of the heap once the cap is set)."""
     import ctypes
 
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
-        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    ctx.extensions["chaos_rlimit_as"] = (soft, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (mapped + margin, hard))
-    return mapped
-
-
-def _lift_cap(ctx) -> None:
-    limits = ctx.extensions.pop("chaos_rlimit_as", None)
-    if limits is not None:
-        resource.setrlimit(resource.RLIMIT_AS, limits)
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _on_device(actor_self, fn):
@@ -380,6 +370,7 @@ class Chaos:
         self.data_rng = np.random.default_rng(seed)
         self.pool_size, self.min_live, self.max_tensors, self.max_bytes = pool_size, min_live, max_tensors, max_bytes
         self.pids: dict[int, int] = {}  # live devices -> actor process id
+        self.caps: dict[int, tuple[int, int]] = {}  # ALLOC victims -> their address-space limits before the cap
         self.actors: dict[int, object] = {}  # live devices -> their Ray actor
         self.callers: dict[int, object] = {}  # live devices -> what takes the runtime's calls (attached: a proxy)
         self.attached: set[int] = set()  # devices that are the user's own actors, attached (``_inference_mesh``)
@@ -449,6 +440,7 @@ class Chaos:
             return
         self.actors.pop(device, None)
         self.callers.pop(device, None)
+        self.caps.pop(device, None)
         self.attached.discard(device)
         self.deaths.append((step, device, why))
         for key in [k for k in self.views if device in k[0]]:
@@ -808,12 +800,11 @@ class Chaos:
         if fault is Fault.SIGSTOP:
             os.kill(self.pids[victim], signal.SIGSTOP)
             return False
-        if fault is Fault.ALLOC:
-            try:
-                self._view([victim]).call(_cap_address_space, ALLOC_MARGIN_BYTES)
-            except Exception as e:  # the cap is set; Ray itself could not allocate the call's reply
-                if "allocate" not in str(e):
-                    raise
+        if fault is Fault.ALLOC:  # set from outside: lifting it then needs nothing of the capped actor
+            mapped = self._view([victim]).call(_trimmed_mapping)[0]
+            pid = self.pids[victim]
+            soft, hard = self.caps[victim] = resource.prlimit(pid, resource.RLIMIT_AS)
+            resource.prlimit(pid, resource.RLIMIT_AS, (mapped + ALLOC_MARGIN_BYTES, hard))
             return False
         if fault is Fault.INTERRUPT:
             signal.pthread_kill(self._main, signal.SIGINT)
@@ -826,20 +817,27 @@ class Chaos:
             landed["killed"] = self._inject(fault, victim, landed)
 
     def _restore(self, i: int, victim: int, fault: Fault) -> None:
-        """Lift the cap / disarm the hook on a victim that lives on (an ALLOC victim may not: it
-        may die, or be unable to take even the call that lifts its cap, which then kills it)."""
-        fn = _lift_cap if fault is Fault.ALLOC else _disarm
+        """Lift the cap / disarm the hook on a victim that lives on. An ALLOC victim may not: it may
+        have died, or a failed allocation inside Ray may have left it unable to answer; once its cap
+        is lifted, one that does not answer is killed and buried."""
+        if fault is Fault.ALLOC:
+            try:
+                resource.prlimit(self.pids[victim], resource.RLIMIT_AS, self.caps.pop(victim))
+            except ProcessLookupError:
+                self._bury(victim, i, f"{fault.value}: its process is gone")
+                return
+        call = (_answer,) if fault is Fault.ALLOC else (_on_device, _disarm)
         try:  # out of the call order: a failed sync's commit may wait ahead for the runs' outcomes
-            ray.get(self.actors[victim].__ray_call__.remote(_on_device, fn), timeout=PROBE_TIMEOUT_S)
+            ray.get(self.actors[victim].__ray_call__.remote(*call), timeout=PROBE_TIMEOUT_S)
         except (ray.exceptions.RayActorError, WorkerDied) as e:
             if fault is not Fault.ALLOC:
                 self._violate(i, "no unexpected deaths", f"device {victim} died: {first_line(e)}")
             self._bury(victim, i, f"{fault.value}: {first_line(e)}")
-        except Exception as e:
-            if fault is not Fault.ALLOC or "allocate" not in str(e):
+        except ray.exceptions.GetTimeoutError:
+            if fault is not Fault.ALLOC:
                 raise
-            os.kill(self.pids[victim], signal.SIGKILL)  # capped so tight that Ray cannot hand it the call
-            self._bury(victim, i, f"{fault.value}: could not take the call that lifts its cap: {first_line(e)}")
+            os.kill(self.pids[victim], signal.SIGKILL)
+            self._bury(victim, i, f"{fault.value}: no answer {PROBE_TIMEOUT_S:g} s after its cap was lifted")
 
     def _sync_victim(self, fault: Fault, phase: Phase | None, compiled, model, pool) -> int | None:
         """``_victim``'s choice for a model sync; at ``COMMIT``, a destination that writes an output."""
