@@ -375,6 +375,33 @@ def test_a_call_ray_fails_before_it_reaches_the_device_does_not_stall_the_next()
         own.shutdown()
 
 
+def test_a_fired_call_ray_fails_before_it_reaches_the_device_does_not_stall_the_next():
+    """The same for a call nobody waits for (a release, a free: ``Dispatch.fire``): once Ray failed
+    it, the next call names it, and runs at once."""
+    import ray
+
+    from reshard.runtime.driver.controller import runtime
+
+    own = DeviceMesh.create((1,), backend="gloo", startup_timeout_s=180)
+    try:
+        d = own.device_ids[0]
+        dispatch = runtime().dispatch
+        with _capped(own):
+            fired = dispatch.fire(
+                [d],
+                lambda rec: lambda t: rec.actor.reshard_call.remote(
+                    t, lambda ctx, payload: len(payload), (bytes(64 << 20),), {}, LONG_S
+                ),
+            )
+            ready, _ = ray.wait(fired, timeout=LONG_S)
+        with pytest.raises(ray.exceptions.RaySystemError):
+            ray.get(ready)
+        assert own.call(lambda ctx: ctx.device, timeout_s=LONG_S) == [d]  # without: waits for the lost call, times out
+        assert not own.stats()[0]["calls"]["waiting"]
+    finally:
+        own.shutdown()
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["pull", "gloo"])
 def test_allocation_failure_is_a_clean_reshard_error(pool, view, shared_memory):
     """A receiver that cannot get memory (its address space capped) fails the reshard with a

@@ -217,6 +217,7 @@ class Dispatch:
         self._submitting = False
         self._process: tuple | None = None  # told each device with its first call (``Ticket.caller``)
         self._sent: dict[bytes, tuple[DeviceRecord, int]] = {}  # an ordered call's ref -> its device and number
+        self._fired: list = []  # refs of fired calls not yet seen to finish (``_sweep_fired``)
 
     def submit(self, rec, call):
         """``call(ticket)`` submits one ordered call to ``rec``'s actor; the ticket's number is
@@ -226,6 +227,8 @@ class Dispatch:
         with self.lock:
             if self._submitting:
                 raise RuntimeError("ordered calls must not be submitted from inside a submission")
+            if self._fired:
+                self._sweep_fired()
             self._submitting = True
             try:
                 if self._process is None:
@@ -257,16 +260,39 @@ class Dispatch:
         with self.lock:
             return {rec.id: self.submit(rec, make(rec)) for rec in self.registry.check(list(devices), what)}
 
-    def fire(self, devices, make) -> None:
-        """``submit_each`` without waiting or raising, to the devices still alive (releases, frees)."""
+    def fire(self, devices, make) -> list:
+        """``submit_each`` without waiting or raising, to the devices still alive (releases, frees);
+        the next submission looks at those that finished (``_sweep_fired``). Returns their refs."""
+        fired = []
         with self.lock:
             for d in devices:
                 rec = self.registry.devices.get(d)
                 if rec is not None and rec.state is DeviceState.ALIVE:
                     try:
-                        self.submit(rec, make(rec))
+                        fired.append(self.submit(rec, make(rec)))
                     except Exception as e:  # Ray is going away: nothing left to free
                         log.debug("device %d: %s", d, e)
+            self._fired.extend(fired)
+            del self._fired[:-SENT_KEPT]
+        return fired
+
+    def _sweep_fired(self) -> None:
+        """The fired calls that finished since (``fire`` waits for none): those Ray failed before
+        they ran are noted as a waited call's are (``note_lost``)."""
+        import ray
+
+        try:
+            done, self._fired = ray.wait(self._fired, num_returns=len(self._fired), timeout=0)
+            failures = {}
+            for ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception as e:
+                    failures[ref] = classify_error(e)
+        except Exception as e:  # Ray is going away: nothing left to order
+            log.debug("fired calls: %s", e)
+            return
+        self.note_lost({ref: ref for ref in failures}, Outcome(failures=failures))
 
     def wait(self, refs: dict, deadline: Deadline, what: str) -> Outcome:
         """``gather`` that reports the devices whose actors died, and notes calls that never ran."""
