@@ -515,11 +515,22 @@ class Chaos:
         return out
 
     def run(self, steps: int, progress=None) -> None:
+        """``steps`` steps; one that raises (a harness error, not a violation) says which step it
+        was and what the steps before it did (a CI log shows no progress)."""
         for i, (kind, fault, phase, shared) in enumerate(self.schedule(steps)):
-            if kind is Kind.SYNC:
-                self.sync_step(i, fault, phase, shared)
-            else:
-                self.step(i, kind, fault, phase, shared)
+            try:
+                if kind is Kind.SYNC:
+                    self.sync_step(i, fault, phase, shared)
+                else:
+                    self.step(i, kind, fault, phase, shared)
+            except Exception as e:
+                what = f"{fault.value} {phase.value if phase else ''} {'pull' if shared else 'gloo'}"
+                e.add_note(f"chaos step {i} of seed {self.seed}: {kind.value}: {what}")
+                for r in self.records[-3:]:
+                    e.add_note(
+                        f"  step {r.index}: {r.kind}: {r.fault} {r.phase or ''} -> {r.outcome}: {r.message[:200]}"
+                    )
+                raise
             if progress is not None:
                 progress(i, self.records[-1])
 
