@@ -377,7 +377,7 @@ def test_a_call_ray_fails_before_it_reaches_the_device_does_not_stall_the_next()
 
 def test_a_fired_call_ray_fails_before_it_reaches_the_device_does_not_stall_the_next():
     """The same for a call nobody waits for (a release, a free: ``Dispatch.fire``): once Ray failed
-    it, the next call names it, and runs at once."""
+    it, the next operation sees that (``Dispatch.sweep_fired``), and its call runs at once."""
     import ray
 
     from reshard.runtime.driver.controller import runtime

@@ -92,8 +92,10 @@ class Runtime:
         self.holds.put(acquire, devices, name, holder)
 
     def flush_holds(self) -> None:
-        """Submit the queued holds now (in this thread)."""
+        """Submit the queued holds now (in this thread), and look at the fired calls that finished
+        (``Dispatch.sweep_fired``)."""
         self.holds.flush()
+        self.dispatch.sweep_fired()
 
     def _submit_holds(self, changes) -> None:
         """Queued holds and releases, one ordered call per device for all of its (in queue order:

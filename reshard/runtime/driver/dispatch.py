@@ -217,7 +217,7 @@ class Dispatch:
         self._submitting = False
         self._process: tuple | None = None  # told each device with its first call (``Ticket.caller``)
         self._sent: dict[bytes, tuple[DeviceRecord, int]] = {}  # an ordered call's ref -> its device and number
-        self._fired: list = []  # refs of fired calls not yet seen to finish (``_sweep_fired``)
+        self._fired: list = []  # refs of fired calls not yet seen to finish (``sweep_fired``)
 
     def submit(self, rec, call):
         """``call(ticket)`` submits one ordered call to ``rec``'s actor; the ticket's number is
@@ -227,8 +227,6 @@ class Dispatch:
         with self.lock:
             if self._submitting:
                 raise RuntimeError("ordered calls must not be submitted from inside a submission")
-            if self._fired:
-                self._sweep_fired()
             self._submitting = True
             try:
                 if self._process is None:
@@ -262,7 +260,7 @@ class Dispatch:
 
     def fire(self, devices, make) -> list:
         """``submit_each`` without waiting or raising, to the devices still alive (releases, frees);
-        the next submission looks at those that finished (``_sweep_fired``). Returns their refs."""
+        the next operation looks at those that finished (``sweep_fired``). Returns their refs."""
         fired = []
         with self.lock:
             for d in devices:
@@ -276,14 +274,20 @@ class Dispatch:
             del self._fired[:-SENT_KEPT]
         return fired
 
-    def _sweep_fired(self) -> None:
+    def sweep_fired(self) -> None:
         """The fired calls that finished since (``fire`` waits for none): those Ray failed before
-        they ran are noted as a waited call's are (``note_lost``)."""
+        they ran are noted as a waited call's are (``note_lost``). Called where an operation starts,
+        never under ``lock``: reading a result takes Ray's deserialization lock, and a handle being
+        unpickled holds that while it waits for ``lock`` (its acquire is fired)."""
         import ray
 
+        with self.lock:
+            fired, self._fired = self._fired, []
+        if not fired:
+            return
+        failures = {}
         try:
-            done, self._fired = ray.wait(self._fired, num_returns=len(self._fired), timeout=0)
-            failures = {}
+            done, left = ray.wait(fired, num_returns=len(fired), timeout=0)
             for ref in done:
                 try:
                     ray.get(ref, timeout=0)
@@ -292,6 +296,8 @@ class Dispatch:
         except Exception as e:  # Ray is going away: nothing left to order
             log.debug("fired calls: %s", e)
             return
+        with self.lock:
+            self._fired[:0] = left
         self.note_lost({ref: ref for ref in failures}, Outcome(failures=failures))
 
     def wait(self, refs: dict, deadline: Deadline, what: str) -> Outcome:
@@ -326,6 +332,7 @@ class Dispatch:
         ``submit``; all submitted under the lock), waited for until ``deadline``: ``{device: result}``.
         On failure, ``on_failure(outcome)`` runs first (to clean up, or to raise a more precise
         error), then the failure is raised as one error, root cause first (``failure_error``)."""
+        self.sweep_fired()
         return self.results_of(self.submit_each(devices, make, what), deadline, what, tail=tail, on_failure=on_failure)
 
     def results_of(
