@@ -28,7 +28,7 @@ from reshard.ir.regions import layout_regions
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.driver.communicators import Communicators
 from reshard.runtime.driver.device_registry import DeviceRegistry
-from reshard.runtime.driver.dispatch import Dispatch, Outcome, failure_error, first_line, gather
+from reshard.runtime.driver.dispatch import Dispatch, Outcome, failure_error, first_line
 from reshard.runtime.driver.program_cache import ProgramCache
 from reshard.runtime.driver.signed import Signed
 from reshard.runtime.messages import (
@@ -212,8 +212,7 @@ class Batches:
         yet (the controller could not read every result in time)."""
         refs = pending.refs
         try:
-            outcome = gather(refs, pending.deadline)
-            self.dispatch.note_lost(refs, outcome)
+            outcome = self.dispatch.gather_ordered(refs, pending.deadline)
         except BaseException:  # KeyboardInterrupt, or Ray failing under us
             self.abandon_batch(pending, Outcome(pending=sorted(refs)))
             raise
@@ -228,8 +227,7 @@ class Batches:
                 raise failure_error(outcome, pending.what, pending.deadline, tail=tail)
         pending.results = outcome.results
         if pending.commits:
-            done = gather(pending.commits, until)
-            self.dispatch.note_lost(pending.commits, done)
+            done = self.dispatch.gather_ordered(pending.commits, until)
             if not done.ok:
                 for d in done.died:
                     self._mark_dead(d, f"actor died while committing: {first_line(done.failures[d].error)}")
@@ -260,8 +258,7 @@ class Batches:
         groups = pending.compiled.groups
         acks = self.abandon(pending.refs, pending.run, made, groups, pending.pid, outcome, wait=not late)
         if late and until is not None:
-            ended = gather(late, until, settle_s=None)
-            self.dispatch.note_lost(late, ended)
+            ended = self.dispatch.gather_ordered(late, until, settle_s=None)
             outcome.results.update(ended.results)
             outcome.failures.update(ended.failures)
             outcome.pending = ended.pending

@@ -6,7 +6,7 @@ operation are submitted to all its devices at once: no two operations of one con
 differently on two devices. ``broadcast_call`` makes one such call on each of some devices, waits
 for them and raises their failure as one error, root cause first. A call that Ray fails before it
 reaches its device (``never_ran``) would leave a gap in that device's order: its later calls name
-it (``note_lost``, ``Ticket.lost``) and the device gives up its turn.
+it (``gather_ordered``, ``Ticket.lost``) and the device gives up its turn.
 
 ``gather`` waits for a set of calls until all finished or the deadline passed (and, once one
 failed, at most ``settle_s`` longer: a peer's failure reaches the others within milliseconds).
@@ -300,10 +300,15 @@ class Dispatch:
             self._fired[:0] = left
         self.note_lost({ref: ref for ref in failures}, Outcome(failures=failures))
 
-    def wait(self, refs: dict, deadline: Deadline, what: str) -> Outcome:
-        """``gather`` that reports the devices whose actors died, and notes calls that never ran."""
-        outcome = gather(refs, deadline)
+    def gather_ordered(self, refs: dict, until: Deadline, *, settle_s: float | None = SETTLE_S) -> Outcome:
+        """``gather`` of ordered calls, noting those Ray failed before they ran (``note_lost``)."""
+        outcome = gather(refs, until, settle_s=settle_s)
         self.note_lost(refs, outcome)
+        return outcome
+
+    def wait(self, refs: dict, deadline: Deadline, what: str) -> Outcome:
+        """``gather_ordered`` that reports the devices whose actors died."""
+        outcome = self.gather_ordered(refs, deadline)
         for d in outcome.died:
             self._on_died(d, f"actor died in {what}: {first_line(outcome.failures[d].error)}")
         return outcome
@@ -313,7 +318,6 @@ class Dispatch:
         if not acks:
             return
         done = gather(acks, until, settle_s=None)
-        self.note_lost(acks, done)
         for d, f in done.failures.items():
             if f.kind is FailureKind.DIED:
                 self._on_died(d, f"actor died: {first_line(f.error)}")
