@@ -814,8 +814,8 @@ class Chaos:
         if fault is Fault.ALLOC:  # set from outside: lifting it then needs nothing of the capped actor
             mapped = self._view([victim]).call(_trimmed_mapping)[0]
             pid = self.pids[victim]
-            soft, hard = self.caps[victim] = resource.prlimit(pid, resource.RLIMIT_AS)
-            resource.prlimit(pid, resource.RLIMIT_AS, (mapped + ALLOC_MARGIN_BYTES, hard))
+            limits = self.caps[victim] = resource.prlimit(pid, resource.RLIMIT_AS)
+            resource.prlimit(pid, resource.RLIMIT_AS, (mapped + ALLOC_MARGIN_BYTES, limits[1]))
             return False
         if fault is Fault.INTERRUPT:
             signal.pthread_kill(self._main, signal.SIGINT)
