@@ -110,10 +110,14 @@ class _Call:
         self.src_mesh = src_mesh
         self.dst_meshes = [by_id[id(layout.mesh)] for layout in self.layouts]
         if self.outs is not None:
+            out_meshes: dict[int, DeviceMesh] = {}  # checked once each: a state dict's outputs share a few
             for path, t, layout, o, d in zip(
                 self.paths, self.leaves, self.layouts, self.outs, self.dtypes, strict=True
             ):
                 _check_out(o, t, layout, path, d)
+                out_meshes.setdefault(id(o.mesh), o.mesh)
+            for m in out_meshes.values():
+                m.check_open()
         self.direct = direct
 
     @property
@@ -244,7 +248,8 @@ def _check_out(out, tensor: ShardedTensor, layout: Layout, path: str, dtype: str
         raise TypeError(
             f"out{where} must be a ShardedTensor (adopt() the destination's tensors), got {type(out).__name__}"
         )
-    out._check("reshard output")
+    if out._freed:  # its mesh: checked once per call (``_Call``)
+        raise ValueError(f"reshard output{where}: {out!r} was freed; its shards are gone. Nothing was written")
     if out.layout.mesh != layout.mesh or out.layout.for_shape(out.shape) != layout:
         raise ValueError(
             f"out{where} is laid out {out.layout}, the reshard produces {layout}; adopt it with that layout. "
