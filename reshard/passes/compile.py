@@ -193,7 +193,8 @@ class CompiledBatch:
     """Many tensors' reshards compiled into one (``compile_batch``): each tensor's
     ``CompiledReshard`` (``tensors``), the packed ``BatchProgram``, and per participating device its
     part as msgpack. ``pull_sources[device][tensor]``: the devices whose source shards of that
-    tensor it pulls; ``relay_sources[device]``: the devices it pulls relays from."""
+    tensor it pulls; ``relay_sources[device]``: the devices it pulls relays from; ``results[device]``:
+    the tensors it holds a shard of afterwards, in order (what a commit copies, an abandon drops)."""
 
     tensors: tuple[CompiledReshard, ...]
     program: BatchProgram
@@ -203,6 +204,7 @@ class CompiledBatch:
     pull_sources: Mapping[int, Mapping[int, tuple[int, ...]]]
     relay_sources: Mapping[int, tuple[int, ...]]
     bucket_bytes: int
+    results: Mapping[int, tuple[int, ...]] = field(repr=False)
 
     def lower_bound_s(self, cluster=None) -> float:
         """The fluid lower bound (``reshard.ir.cost``) of moving every tensor of the batch: all their
@@ -296,6 +298,7 @@ def _compile_batch(items, strategy, cluster, options, bucket_bytes) -> CompiledB
         pulls,
         {d: tuple(sorted(h)) for d, h in relays.items()},
         bucket_bytes,
+        {p.device: tuple(part.tensor for part in p.parts if part.program.dst_shape is not None) for p in batch.devices},
     )
 
 

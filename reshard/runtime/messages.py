@@ -97,13 +97,6 @@ class HoldChange(NamedTuple):
     holder: str
 
 
-class Staged(NamedTuple):
-    """A staged result and the user's shard a commit copies it into (``reshard_commit``)."""
-
-    staged: str
-    out: str
-
-
 @dataclass(frozen=True, slots=True)
 class Updates:
     """Driver bookkeeping that rides on an ordered call: communicator groups to drop, new

@@ -109,9 +109,12 @@ def test_packed_batches_are_valid_and_exact(case, window_ops):
     validate_batch(batch)
     fulls = [full_of(item, t) for t, item in enumerate(items)]
     got = interpret_batch(compiled, items, fulls)
+    holders = defaultdict(list)  # device -> the tensors it holds a shard of afterwards, in order
     for t, item in enumerate(items):
         for d, want in expected(item.dst, fulls[t]).items():
             np.testing.assert_array_equal(got[(t, d)], want, err_msg=f"tensor {t} device {d}")
+            holders[d].append(t)
+    assert {d: list(ts) for d, ts in compiled.results.items() if ts} == dict(holders)
     packed = [t for t, c in enumerate(compiled.tensors) if packable(c.program, bucket_bytes)]
     for p in batch.devices:
         for b in p.buckets:

@@ -37,7 +37,7 @@ from reshard.runtime.backends.communicator import Backend, PeerFailed
 from reshard.runtime.checksums import first_mismatch
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device.batches import BatchRun, execute_batch, prepare_batch
-from reshard.runtime.device.binding import Binding, checked_out
+from reshard.runtime.device.binding import Binding, checked_outs
 from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
 from reshard.runtime.device.current import clear_current, set_current
 from reshard.runtime.device.gpu_memory import GpuBlocks
@@ -50,10 +50,10 @@ from reshard.runtime.messages import (
     Load,
     RunRequest,
     RunResult,
-    Staged,
     Ticket,
     Updates,
     group_key,
+    shard_names,
 )
 
 log = logging.getLogger(__name__)
@@ -357,11 +357,19 @@ class DeviceRole:
             return out
 
     def reshard_commit(
-        self, ticket: Ticket, run: str, pairs: tuple[Staged, ...], participants, budget_s: float, verify: bool = False
+        self,
+        ticket: Ticket,
+        run: str,
+        tensors: tuple[int, ...],
+        outs: tuple[str, ...],
+        participants,
+        budget_s: float,
+        verify: bool = False,
     ) -> bool:
         """The second half of a reshard into users' tensors: once every participant's run
-        succeeded, copy each staged result into its output (``pairs``: ``Staged`` each); if one
-        failed, leave the outputs as they are. Drops the staged results either way. Every
+        succeeded, copy each staged result (``shard_names(run, tensors)``) into its
+        output (the user's shard of the same position in ``outs``); if one failed, leave the
+        outputs as they are. Drops the staged results either way. Every
         destination learns how the runs ended from the participants themselves where they can
         answer (``participants``: see ``_failed_outcome``), so all decide alike even when the
         caller is gone; a device that cannot learn one waits, up to ``COMMIT_WAIT_S`` after the
@@ -370,21 +378,22 @@ class DeviceRole:
         until = Deadline.from_budget(budget_s).later(COMMIT_WAIT_S)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
             copies: list = []
-            src = dst = None
-            outs = [out for _, out in pairs]
+            src = dst = srcs = dsts = None
+            staged_names = shard_names(run, tensors)
             try:  # reads of the outputs wait from here until the outputs are all old or all new
                 with ctx.shard_locks.writing(outs, until, f"committing {run}"):
                     if ctx.commit_hook is not None:
                         ctx.commit_hook("before", run)
                     failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
                     if failed is None:
-                        for staged, out in pairs:  # every output checked before one is written
-                            src = ctx.store.get(staged)
-                            if src is None:
-                                raise ReshardError(f"device {ctx.device}: the staged result {staged!r} is gone")
-                            copies.append(
-                                (checked_out(ctx, out, src.shape, ctx.store.dtype(staged), strided=True), src)
-                            )
+                        srcs = list(map(ctx.store.get, staged_names))
+                        gone = next((n for n, a in zip(staged_names, srcs, strict=True) if a is None), None)
+                        if gone is not None:
+                            raise ReshardError(f"device {ctx.device}: the staged result {gone!r} is gone")
+                        dtypes = map(ctx.store.dtype, staged_names)
+                        dsts = checked_outs(ctx, outs, [s.shape for s in srcs], dtypes, strided=True)  # all, first
+                        copies = list(zip(dsts, srcs, strict=True))
+                        srcs = dsts = None
                         stream = ctx.controller(ticket.controller).stream
                         with stream.running():
                             for dst, src in copies:
@@ -393,9 +402,8 @@ class DeviceRole:
                         ctx.store.wrote(outs, run)
             finally:
                 copies.clear()  # no reference here to a staged result: freed, its memory goes back to the pool
-                src = dst = None
-                for staged, _ in pairs:
-                    ctx.store.free(staged)
+                src = dst = srcs = dsts = None
+                ctx.store.free_many(staged_names)
                 if ctx.commit_hook is not None:
                     ctx.commit_hook("after", run)
             if failed is not None:

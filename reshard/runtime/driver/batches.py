@@ -36,10 +36,9 @@ from reshard.runtime.messages import (
     Bound,
     DeviceState,
     RunRequest,
-    Staged,
     Updates,
     group_key,
-    shard_name,
+    shard_names,
 )
 
 if TYPE_CHECKING:
@@ -148,7 +147,6 @@ class Batches:
         ``direct``ly, else staged and committed by an
         ordered ``commit`` call on each destination device, submitted now behind its run, which
         waits for every participant's run (``reshard_commit``). ``finish`` waits."""
-        program = compiled.program
         commit = outs is not None and not direct
         with self.dispatch.lock:
             recs = self.registry.check(compiled.participants, what)
@@ -186,17 +184,13 @@ class Batches:
             if commit:
                 participants = tuple((rec.id, rec.actor if rec.threaded else None, refs[rec.id]) for rec in recs)
                 for rec in recs:
-                    parts = program.for_device(rec.id).parts
-                    pairs = tuple(
-                        Staged(shard_name(run, p.tensor), outs[p.tensor])
-                        for p in parts
-                        if p.program.dst_shape is not None
-                    )
-                    if pairs:
+                    tensors = compiled.results[rec.id]
+                    if tensors:  # as columns: thousands of (staged, output) pairs pickle slowly as objects
+                        targets = tuple(map(outs.__getitem__, tensors))
                         commits[rec.id] = self.dispatch.submit(
                             rec,
-                            lambda t, rec=rec, pairs=pairs: rec.actor.reshard_commit.remote(
-                                t, run, pairs, participants, budget, verify
+                            lambda t, rec=rec, tensors=tensors, targets=targets: rec.actor.reshard_commit.remote(
+                                t, run, tensors, targets, participants, budget, verify
                             ),
                         )
             self.stats["runs"] += 1
@@ -242,19 +236,8 @@ class Batches:
         """``abandon`` a batch: the new shards it made are dropped (outputs staged for a commit
         are the commit's to drop). ``late``: runs still pending, collected into ``outcome`` if
         they end by ``until`` too: they decide whether the commits go on."""
-        program = pending.compiled.program
-        made = (
-            {}
-            if pending.outs
-            else {
-                d: tuple(
-                    shard_name(pending.run, p.tensor)
-                    for p in program.for_device(d).parts
-                    if p.program.dst_shape is not None
-                )
-                for d in pending.refs
-            }
-        )
+        results = pending.compiled.results
+        made = {} if pending.outs else {d: tuple(shard_names(pending.run, results[d])) for d in pending.refs}
         groups = pending.compiled.groups
         acks = self.abandon(pending.refs, pending.run, made, groups, pending.pid, outcome, wait=not late)
         if late and until is not None:
