@@ -644,6 +644,16 @@ def test_a_read_only_output_fails_the_sync_before_any_output_changes(view, direc
         b.call(_thaw, out["t2"].name, devices=[0])
     assert reshard(src, a, last_dim(b), out=out, direct=direct) is out
     assert_tree(out, sd)
+    b.call(_freeze, out["t2"].name, devices=[0])  # the same arrays, read-only after a sync that passed
+    try:
+        with pytest.raises(ReshardError, match=rf"device {b.device_ids[0]}: output shard .* is read-only"):
+            reshard(distribute({k: v + 1 for k, v in sd.items()}, last_dim(a)), a, last_dim(b), out=out, direct=direct)
+        for k, v in sd.items():
+            kept, want = out[k].local_shards(), np.split(v, 2, axis=-1)
+            for i in [0] if direct else [0, 1]:
+                assert_bit_exact(kept[i], want[i])
+    finally:
+        b.call(_thaw, out["t2"].name, devices=[0])
 
 
 def _after_commit(ctx, gate):

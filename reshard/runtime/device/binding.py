@@ -12,6 +12,7 @@ successful run's destinations into named shards.
 from __future__ import annotations
 
 import functools
+import operator
 import time
 from typing import TYPE_CHECKING
 
@@ -171,9 +172,14 @@ class Binding:
         what is written into it (all of them, before one is written)."""
         if self.bound.outs is None:
             return
-        for prepared, out in zip(self.prepared.parts, self.bound.outs, strict=True):
-            if prepared.program.dst_shape is not None:
-                checked_out(self.ctx, out, prepared.program.dst_shape, prepared.dtype, strided=not self.req.direct)
+        written = [
+            (out, p.program.dst_shape, p.dtype)
+            for p, out in zip(self.prepared.parts, self.bound.outs, strict=True)
+            if p.program.dst_shape is not None
+        ]
+        if not written:
+            return
+        checked_outs(self.ctx, *zip(*written, strict=True), strided=not self.req.direct)
 
     def _fresh_destinations(self, tensors, outs) -> dict:
         """On a GPU device, every new destination of the run at once: pieces of one block (one
@@ -287,7 +293,7 @@ class Binding:
             (shard_name(run, t), d, parts[index[t]].dtype, metas.get(t), t in self.slots) for t, d in self.dsts.items()
         ]
         placed = None if self.unit is None else self.unit.placed(run)
-        kept = ctx.store.put_run(run, entries, placed)
+        kept = ctx.store.put_run(run, entries, placed, mapped=self.bound.outs is None)
         if kept is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
         if self.bound.outs is not None:  # staged for a commit: nobody maps them
@@ -313,6 +319,28 @@ class Binding:
         self.dsts.clear()
         self.slots.clear()
         self.tmps.clear()
+
+
+def checked_outs(ctx, names, shapes, dtypes, *, strided: bool = False) -> list:
+    """``checked_out`` of each of ``names`` (with the shape and dtype of the same position): a
+    commit's or run's thousands of outputs at once, column by column where all are numpy arrays;
+    where one fails, ``checked_out`` of each says which and how."""
+    store, shapes, dtypes = ctx.store, list(map(tuple, shapes)), list(dtypes)
+    found = list(map(store.shards.get, names))
+    if (
+        set(map(type, found)) == {np.ndarray}
+        and list(map(store.dtypes.get, names)) == dtypes
+        and list(map(_SHAPE, found)) == shapes
+        and all(map(_WRITEABLE, found))
+        and (strided or all(map(_C_CONTIGUOUS, found)))
+    ):
+        return found
+    return [checked_out(ctx, n, shape, d, strided=strided) for n, shape, d in zip(names, shapes, dtypes, strict=True)]
+
+
+_SHAPE = operator.attrgetter("shape")
+_WRITEABLE = operator.attrgetter("flags.writeable")
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
 
 
 def checked_out(ctx, name: str | None, shape, dtype: str, *, strided: bool = False):

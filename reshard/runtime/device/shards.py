@@ -436,12 +436,15 @@ class ShardStore:
         if meta:
             self.meta[name] = meta
 
-    def put_run(self, run: str, entries, placed: PlacedShards | None = None) -> tuple[list, object] | None:
+    def put_run(
+        self, run: str, entries, placed: PlacedShards | None = None, *, mapped: bool = True
+    ) -> tuple[list, object] | None:
         """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), and
         ``placed``, its unit's destinations, all at once; or, when the run was aborted meanwhile
         (``tombstone``), none of them (None). Returns each entry's descriptor (None: peers cannot
         map it, or it was aborted by name), and those of ``placed`` (``_put_placed``; None
-        without it)."""
+        without it). ``mapped=False``: results staged for a commit, which no peer maps: the
+        unit's take no tenure (thousands a replay, begun and ended for nothing)."""
         with self._lock:
             if run in self._tombstones:
                 self._tombstones.pop(run)
@@ -451,9 +454,10 @@ class ShardStore:
                     self._give_back(t, 2)
                 return None
             kept = [self._put(name, t, name, dtype, meta, begun) for name, t, dtype, meta, begun in entries]
-            return [None if d is _DROPPED else d for d in kept], None if placed is None else self._put_placed(placed)
+            unit = None if placed is None else self._put_placed(placed, mapped)
+            return [None if d is _DROPPED else d for d in kept], unit
 
-    def _put_placed(self, placed: PlacedShards):
+    def _put_placed(self, placed: PlacedShards, mapped: bool = True):
         """``put_run`` of a unit's destinations: no pool, no block of their own, their tenures
         begun in one pass (``SharedShards.begin_placed``), the store's tables updated column by
         column. Their descriptors: as columns (``messages.PlacedDescriptors``), or a list, one
@@ -474,7 +478,7 @@ class ShardStore:
         self.placed.update(zip(names, placed.addresses, strict=True))
         if placed.metas is not None:  # readers take a None one as none
             self.meta.update(zip(names, placed.metas, strict=True))
-        if self.shared is None:
+        if self.shared is None or not mapped:
             return [None] * len(names)
         return self.shared.begin_placed(placed)
 
