@@ -47,14 +47,17 @@ from bench.local import _error, _torch_version, command_line, make_array, pair_b
 from bench.provenance import revision  # noqa: E402
 from bench.weights_report import (  # noqa: E402
     ASYNC,
+    DEFAULT_METHODS,
     LOOP,
     METHODS,
     NAIVE,
     OBJECT_STORE,
     ONE,
     ONE_GLOO,
+    ONE_OUT,
     OURS,
     OURS_GLOO,
+    OURS_OUT,
     PEERS,
     RDT,
     fit,
@@ -236,12 +239,23 @@ def _read_shards(ctx, names: list) -> list:
     return [ctx.local(n).numpy() for n in names]
 
 
+def _spoil(ctx, names: list) -> None:
+    """In a device actor: every byte of its shards ``names`` set to 0xFF (NaN in a float), so that
+    a replay into them that misses a byte fails the bit-exact check."""
+    import numpy as np
+
+    for n in names:
+        np.asarray(ctx.store.get(n)).view(np.uint8)[...] = 0xFF
+
+
 # ------------------------------------------------------------------------------------ ours
 
 
 class Ours:
     """Our reshard of the payload: ``mode`` "tree" (one call), "async" (``async_op=True``; the
-    call's return is timed into ``returns``) or "loop" (one call per tensor, default path)."""
+    call's return is timed into ``returns``), "loop" (one call per tensor, default path) or "out"
+    (the first call makes the outputs, every later one replays into them with ``out=``, staged
+    and committed all or nothing, as a weight sync does)."""
 
     def __init__(self, payload: Payload, shared_memory: bool = True, mode: str = "tree"):
         self.p, self.shared_memory, self.mode = payload, shared_memory, mode
@@ -255,6 +269,8 @@ class Ours:
         t0 = time.perf_counter()
         if self.mode == "loop":
             out = {k: reshard(p.tree[k], p.src_mesh, p.dst_layouts[k], timeout_s=timeout) for k in p.names}
+        elif self.mode == "out" and self.out is not None:
+            out = reshard(p.tree, p.src_mesh, p.dst_layouts, out=self.out, timeout_s=timeout)
         elif self.mode == "async":
             work = reshard(p.tree, p.src_mesh, p.dst_layouts, async_op=True, timeout_s=timeout)
             self.returns.append(time.perf_counter() - t0)
@@ -275,9 +291,19 @@ class Ours:
         from reshard import free
         from reshard.runtime import settle
 
+        mesh, timeout = self.p.dst_mesh, self.p.timeout_s
+        if self.mode != "out":
+            free(self.out or {})
+            self.out = None
+        elif self.out is not None:  # the outputs stay for the next replay (``close``), spoiled meanwhile
+            mesh.call(_spoil, [self.out[k].name for k in self.p.names], timeout_s=timeout)
+        settle(mesh, timeout_s=timeout)
+
+    def close(self) -> None:
+        from reshard import free
+
         free(self.out or {})
         self.out = None
-        settle(self.p.dst_mesh, timeout_s=self.p.timeout_s)
 
     def moved_bytes(self) -> int:
         return self.p.plan_bytes(self.shared_memory)
@@ -350,6 +376,8 @@ class Suite:
             LOOP: lambda: Ours(tree, mode="loop"),
             ONE: lambda: Ours(one),
             ONE_GLOO: lambda: Ours(one, shared_memory=False),
+            OURS_OUT: lambda: Ours(tree, mode="out"),
+            ONE_OUT: lambda: Ours(one, mode="out"),
             OBJECT_STORE: lambda: peers.ObjectStoreTree(f"os/{key}", tree.spec, self.actors(tree)),
             NAIVE: lambda: peers.NaiveRefit(f"naive/{key}", tree.spec, self.actors(tree), self.store.port),
             RDT: lambda: peers.DirectTransportTree(f"rdt/{key}", tree.spec, self.actors(tree, rdt=True)),
@@ -396,7 +424,7 @@ class Suite:
         try:
             time_methods(
                 runners,
-                {m: one if m in (ONE, ONE_GLOO) else tree for m in runners},
+                {m: one if m in (ONE, ONE_GLOO, ONE_OUT) else tree for m in runners},
                 entry["methods"],
                 self.args.repeats,
             )
@@ -407,7 +435,7 @@ class Suite:
                     entry["methods"][m].update(error=_error(e), verified=False)
             entry["descriptors"] = [s["fds"] for s in self.pool.stats()]  # per pool device, after the case
         finally:
-            for m in (NAIVE, RDT):
+            for m in (NAIVE, RDT, OURS_OUT, ONE_OUT):
                 if m in runners:
                     try:
                         runners[m].close()
@@ -488,7 +516,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--models", help=f"comma-separated models of {', '.join(MODELS)} (default: {','.join(DEFAULT_MODELS)})"
     )
     p.add_argument("--cases", help="comma-separated cases (default: all): " + ", ".join(c.name for c in CASES))
-    p.add_argument("--methods", help=f"comma-separated methods (default: all): {', '.join(METHODS)}")
+    p.add_argument(
+        "--methods",
+        help=f"comma-separated methods (default: {', '.join(DEFAULT_METHODS)}; also {OURS_OUT}, {ONE_OUT}: replays "
+        "into the first call's outputs with out=)",
+    )
     p.add_argument("--layers", type=int, help="transformer layers per model (default: the model's own, 12 / 28)")
     p.add_argument("--repeats", type=int, help="timed rounds per case (default 5; --quick 2)")
     p.add_argument("--out", help="JSON output path (default bench/results/weights-<timestamp>.json)")
@@ -504,7 +536,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.model_list = _names(p, args.models, list(MODELS), DEFAULT_MODELS, "models")
     by_name = {c.name: c for c in CASES}
     args.case_list = [by_name[c] for c in _names(p, args.cases, list(by_name), by_name, "cases")]
-    args.method_list = _names(p, args.methods, METHODS, METHODS, "methods")
+    args.method_list = _names(p, args.methods, METHODS, DEFAULT_METHODS, "methods")
     return args
 
 
