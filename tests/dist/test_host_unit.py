@@ -1,6 +1,6 @@
 """A batch's pulls run as one unit on a CPU device (``reshard.runtime.device.host_unit``): trees of
 small tensors between two meshes of this machine in many layouts, bit-exact into fresh outputs and
-with ``out=``, the unit's parts counted on the devices; larger shards, copied out of peers'
+with ``out=``, staged or ``direct``, the unit's parts counted on the devices; larger shards, copied out of peers'
 shared blocks into one shared block whose file every new shard names, pulled onward from there; a
 source shard let go of behind the caller's back fails the run, naming its holder; and the unit's
 read rows against numpy slicing."""
@@ -107,6 +107,23 @@ def test_a_unit_commits_into_outputs_and_its_results_move_on(view):
     onward = reshard(out, b, _layouts(c, 0))  # the committed outputs are pulled in turn
     for k, v in new.items():
         assert_bit_exact(_numpy(onward[k]), v)
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["pulls", "buckets"])
+def test_a_direct_write_runs_as_a_unit_and_delivers_every_output(view, shared_memory):
+    """``direct=True`` into existing outputs: the small tensors run as one unit (pulled, or landed
+    out of gloo buckets) and are copied into the user's tensors, bit-exact, first call and replay."""
+    a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
+    out = distribute({k: _zeros(v) for k, v in _tree(50).items()}, _layouts(b, 1))
+    before = b.call(_unit_parts)
+    for seed in (60, 70):
+        tree = _tree(seed)
+        src = distribute(tree, _layouts(a, 0))
+        assert reshard(src, a, _layouts(b, 1), out=out, direct=True, shared_memory=shared_memory) is out
+        for k, v in tree.items():
+            assert_bit_exact(_numpy(out[k]), v)
+        free(src)
+    assert all(n > m for n, m in zip(b.call(_unit_parts), before, strict=True))
 
 
 def _sender_parts(ctx) -> int:

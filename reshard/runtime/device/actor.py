@@ -307,6 +307,7 @@ class DeviceRole:
                     binding.sources,
                 )
                 stats = execute_batch(run, verify=req.verify, finish=state.stream.finish)
+                binding.deliver()
                 del run, runs  # the scratch buffers' other references
             with gc_paused():
                 binding.recycle()

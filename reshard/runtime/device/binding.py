@@ -2,7 +2,8 @@
 
 For every part (one tensor of the batch): its source shard, found by the name the controller gave;
 the peers' source shards it pulls, mapped read-only by their descriptors; its destination, which is
-the user's tensor itself when the run writes ``direct`` into it, else a new shard (written in place
+the user's tensor itself when the run writes ``direct`` into it (a unit's are copied into it at the
+end: ``deliver``), else a new shard (written in place
 when peers pull relays out of it while the run goes on, else assembled apart and settled into
 fresh shared memory: ``ShardStore``); its relay board slot when it publishes; its scratch buffer.
 ``release`` undoes what a failed run bound, so that nothing is left behind; ``keep`` turns a
@@ -180,6 +181,20 @@ class Binding:
         if not written:
             return
         checked_outs(self.ctx, *zip(*written, strict=True), strided=not self.req.direct)
+
+    def deliver(self) -> None:
+        """A ``direct`` run's unit destinations copied into the user's tensors, once every shard
+        the unit read is checked to be still its holder's (``host_unit``: a copy each)."""
+        if not self.req.direct or self.unit is None:
+            return
+        self.unit.check()
+        parts, outs = self.prepared.parts, self.bound.outs
+        at = self.unit.unit.places.parts
+        targets = checked_outs(
+            self.ctx, [outs[i] for i in at], [parts[i].program.dst_shape for i in at], [parts[i].dtype for i in at]
+        )
+        for dst, view in zip(targets, self.unit.views, strict=True):
+            arrays.copy(dst, view)
 
     def _fresh_destinations(self, tensors, outs) -> dict:
         """On a GPU device, every new destination of the run at once: pieces of one block (one

@@ -31,9 +31,14 @@ table as well (``Landing``: a span of the staging buffer, the bytes of the block
 ``UnitRun.land`` copies them with ``process_vm_readv`` of the device's own memory, ``IOV_MAX``
 rows a call, instead of a copy per piece into a destination of its own.
 
+A run that writes ``direct`` into the user's tensors runs its unit the same way, then copies each
+destination into its tensor (``Binding.deliver``): one copy of a small tensor costs far less than
+the part it replaces.
+
 A part joins the unit when its program only pulls source shards (no local copy, nothing combined,
-no relay) or has no op of its own (buckets carry all it receives), its destination is new and
-under ``UNIT_MAX_BYTES`` (larger ones are assembled and settled apart: ``ShardStore``), it sends
+no relay) or has no op of its own (buckets carry all it receives), its destination is new (or
+delivered, as above) and under ``UNIT_MAX_BYTES`` (larger ones are assembled and settled apart:
+``ShardStore``), it sends
 no bucket piece (a sender reads its source shard: a ``Run``), and every shard it pulls is one of
 those two kinds. The others run as before (``batches``). A run that returns checksums (``verify``) or
 has a test hook that looks at its parts (``after_run``) has no unit.
@@ -164,7 +169,6 @@ def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
     parts qualifies, or the run needs them one by one (module docstring)."""
     if (
         ctx.cuda_device is not None
-        or req.direct
         or req.verify
         or ctx.after_run is not None
         or not prepared.flat

@@ -374,7 +374,8 @@ def reshard(
     ``out``: the same tree of existing shards (``adopt``ed tensors of the destination actors, e.g.
     inference weights) to write into; returns ``out``. By default results are staged and committed
     all at once: a failed reshard leaves every output as it was. ``direct=True`` writes straight
-    into ``out`` (no extra copy); a failure leaves it partly written.
+    into ``out`` (no staged copy, no commit; a large tree's small tensors are read into one block
+    and copied over); a failure leaves it partly written.
 
     ``dtype``: the dtype the results arrive as (one for all, the same tree of dtypes, or a
     callable ``(path, tensor) -> dtype``, None for its own; None: each its own): a cast between
