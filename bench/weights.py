@@ -56,6 +56,7 @@ from bench.weights_report import (  # noqa: E402
     ONE_GLOO,
     ONE_OUT,
     OURS,
+    OURS_DIRECT,
     OURS_GLOO,
     OURS_OUT,
     PEERS,
@@ -253,9 +254,9 @@ def _spoil(ctx, names: list) -> None:
 
 class Ours:
     """Our reshard of the payload: ``mode`` "tree" (one call), "async" (``async_op=True``; the
-    call's return is timed into ``returns``), "loop" (one call per tensor, default path) or "out"
+    call's return is timed into ``returns``), "loop" (one call per tensor, default path), "out"
     (the first call makes the outputs, every later one replays into them with ``out=``, staged
-    and committed all or nothing, as a weight sync does)."""
+    and committed all or nothing, as a weight sync does) or "direct" (the same, ``direct=True``)."""
 
     def __init__(self, payload: Payload, shared_memory: bool = True, mode: str = "tree"):
         self.p, self.shared_memory, self.mode = payload, shared_memory, mode
@@ -269,8 +270,9 @@ class Ours:
         t0 = time.perf_counter()
         if self.mode == "loop":
             out = {k: reshard(p.tree[k], p.src_mesh, p.dst_layouts[k], timeout_s=timeout) for k in p.names}
-        elif self.mode == "out" and self.out is not None:
-            out = reshard(p.tree, p.src_mesh, p.dst_layouts, out=self.out, timeout_s=timeout)
+        elif self.mode in ("out", "direct") and self.out is not None:
+            direct = self.mode == "direct"
+            out = reshard(p.tree, p.src_mesh, p.dst_layouts, out=self.out, direct=direct, timeout_s=timeout)
         elif self.mode == "async":
             work = reshard(p.tree, p.src_mesh, p.dst_layouts, async_op=True, timeout_s=timeout)
             self.returns.append(time.perf_counter() - t0)
@@ -292,7 +294,7 @@ class Ours:
         from reshard.runtime import settle
 
         mesh, timeout = self.p.dst_mesh, self.p.timeout_s
-        if self.mode != "out":
+        if self.mode not in ("out", "direct"):
             free(self.out or {})
             self.out = None
         elif self.out is not None:  # the outputs stay for the next replay (``close``), spoiled meanwhile
@@ -377,6 +379,7 @@ class Suite:
             ONE: lambda: Ours(one),
             ONE_GLOO: lambda: Ours(one, shared_memory=False),
             OURS_OUT: lambda: Ours(tree, mode="out"),
+            OURS_DIRECT: lambda: Ours(tree, mode="direct"),
             ONE_OUT: lambda: Ours(one, mode="out"),
             OBJECT_STORE: lambda: peers.ObjectStoreTree(f"os/{key}", tree.spec, self.actors(tree)),
             NAIVE: lambda: peers.NaiveRefit(f"naive/{key}", tree.spec, self.actors(tree), self.store.port),
@@ -435,7 +438,7 @@ class Suite:
                     entry["methods"][m].update(error=_error(e), verified=False)
             entry["descriptors"] = [s["fds"] for s in self.pool.stats()]  # per pool device, after the case
         finally:
-            for m in (NAIVE, RDT, OURS_OUT, ONE_OUT):
+            for m in (NAIVE, RDT, OURS_OUT, OURS_DIRECT, ONE_OUT):
                 if m in runners:
                     try:
                         runners[m].close()
@@ -518,8 +521,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cases", help="comma-separated cases (default: all): " + ", ".join(c.name for c in CASES))
     p.add_argument(
         "--methods",
-        help=f"comma-separated methods (default: {', '.join(DEFAULT_METHODS)}; also {OURS_OUT}, {ONE_OUT}: replays "
-        "into the first call's outputs with out=)",
+        help=f"comma-separated methods (default: {', '.join(DEFAULT_METHODS)}; also {OURS_OUT}, {OURS_DIRECT}, "
+        f"{ONE_OUT}: replays into the first call's outputs with out=, staged or direct=True)",
     )
     p.add_argument("--layers", type=int, help="transformer layers per model (default: the model's own, 12 / 28)")
     p.add_argument("--repeats", type=int, help="timed rounds per case (default 5; --quick 2)")

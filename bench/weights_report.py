@@ -15,11 +15,11 @@ import numpy as np
 
 OURS, OURS_GLOO, ASYNC, LOOP = "ours", "ours_gloo", "ours_async", "per_tensor_loop"
 ONE, ONE_GLOO = "one_tensor", "one_tensor_gloo"
-OURS_OUT, ONE_OUT = "ours_out", "one_tensor_out"  # replays into the same outputs (out=), on request
+OURS_OUT, OURS_DIRECT, ONE_OUT = "ours_out", "ours_direct", "one_tensor_out"  # replays into kept outputs, on request
 OBJECT_STORE, NAIVE, RDT = "object_store", "naive_refit", "rdt"
 PEERS = (OBJECT_STORE, NAIVE, RDT)
 DEFAULT_METHODS = (OURS, OURS_GLOO, ASYNC, LOOP, ONE, ONE_GLOO, *PEERS)
-METHODS = (*DEFAULT_METHODS, OURS_OUT, ONE_OUT)
+METHODS = (*DEFAULT_METHODS, OURS_OUT, OURS_DIRECT, ONE_OUT)
 PATHS = {"default": (OURS, ONE), "gloo": (OURS_GLOO, ONE_GLOO)}  # path -> (tree, one tensor)
 TREE_X_ONE, LOOP_X, PER_TENSOR_MS, ASYNC_FRAC = 1.3, 2.5, 0.05, 0.25
 QWEN3_X_ONE = 1.5  # the 311-tensor model's tree against one tensor of the same bytes
@@ -142,6 +142,7 @@ LABELS = {
     ONE: "one tensor",
     ONE_GLOO: "one tensor gloo",
     OURS_OUT: "ours out=",
+    OURS_DIRECT: "ours out= direct",
     ONE_OUT: "one tensor out=",
     OBJECT_STORE: "object store",
     NAIVE: "naive refit",
