@@ -2,10 +2,10 @@
 
 For every part (one tensor of the batch): its source shard, found by the name the controller gave;
 the peers' source shards it pulls, mapped read-only by their descriptors; its destination, which is
-the user's tensor itself when the run writes ``direct`` into it (a unit's are copied into it at the
-end: ``deliver``), else a new shard (written in place
-when peers pull relays out of it while the run goes on, else assembled apart and settled into
-fresh shared memory: ``ShardStore``); its relay board slot when it publishes; its scratch buffer.
+the user's tensor itself when the run writes ``direct`` into it (a unit's destinations are copied
+into theirs at the end: ``deliver``), else a new shard (written in place when peers pull relays out
+of it while the run goes on, else assembled apart and settled into fresh shared memory:
+``ShardStore``); its relay board slot when it publishes; its scratch buffer.
 ``release`` undoes what a failed run bound, so that nothing is left behind; ``keep`` turns a
 successful run's destinations into named shards.
 """

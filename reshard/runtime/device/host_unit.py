@@ -38,10 +38,10 @@ the part it replaces.
 A part joins the unit when its program only pulls source shards (no local copy, nothing combined,
 no relay) or has no op of its own (buckets carry all it receives), its destination is new (or
 delivered, as above) and under ``UNIT_MAX_BYTES`` (larger ones are assembled and settled apart:
-``ShardStore``), it sends
-no bucket piece (a sender reads its source shard: a ``Run``), and every shard it pulls is one of
-those two kinds. The others run as before (``batches``). A run that returns checksums (``verify``) or
-has a test hook that looks at its parts (``after_run``) has no unit.
+``ShardStore``), it sends no bucket piece (a sender reads its source shard: a ``Run``), and every
+shard it pulls is one of those two kinds. The others run as before (``batches``). A run that
+returns checksums (``verify``) or has a test hook that looks at its parts (``after_run``) has no
+unit.
 """
 
 from __future__ import annotations
