@@ -185,7 +185,7 @@ class Binding:
     def deliver(self) -> None:
         """A ``direct`` run's unit destinations copied into the user's tensors, once every shard
         the unit read is checked to be still its holder's (``host_unit``: a copy each)."""
-        if not self.req.direct or self.unit is None:
+        if not self.req.direct or self.unit is None or self.bound.outs is None:
             return
         self.unit.check()
         parts, outs = self.prepared.parts, self.bound.outs
