@@ -253,6 +253,30 @@ def test_a_unit_larger_than_the_free_cells_gets_descriptors_for_those_it_fits():
     assert s.put_run("aborted", [], _placed(s, "aborted", 2)) is None and "aborted/0" not in s
 
 
+def test_a_units_staged_results_are_one_entry_read_by_name_and_dropped_with_the_run_or_its_process():
+    """Results staged for a commit (``put_run(staged=True)``): no named shard, no tenure, no
+    descriptor; the commit reads them by name beside the run's other staged results, and
+    ``free_staged`` drops them all; a process that ended lets go of its runs' staged results."""
+    s = store()
+    cells = len(s.shared.private._free)
+    placed = _placed(s, "c:1", 3)
+    big = s.allocate((BIG,), "uint8")
+    kept = s.put_run("c:1", [("c:1/3", big, "uint8", None, False)], placed, staged=True)
+    assert kept is not None and kept[1] == [None, None, None]
+    assert "c:1/0" not in s and "c:1/3" in s and len(s.shared.private._free) == cells
+    found, dtypes = s.staged_results("c:1", ["c:1/2", "c:1/3", "c:1/9"])
+    assert found[0] is placed.views[2] and found[1] is big and found[2] is None
+    assert dtypes == ["float32", "uint8", None]
+    s.free_staged("c:1", ["c:1/0", "c:1/1", "c:1/2", "c:1/3"])
+    assert s.staged_results("c:1", ["c:1/0", "c:1/3"])[0] == [None, None]
+    s.put_run("c:2", [], _placed(s, "c:2", 2), staged=True)
+    s.put_run("d:1", [], _placed(s, "d:1", 2), staged=True)
+    dropped = s.release_where(lambda name, holder: holder == name and name.startswith("c:"))
+    assert sorted(dropped) == ["c:2/0", "c:2/1"]
+    assert s.staged_results("c:2", ["c:2/0"])[0] == [None]
+    assert s.staged_results("d:1", ["d:1/1"])[0][0] is not None
+
+
 def _unit_views(block: np.ndarray, n: int) -> list[np.ndarray]:
     return [np.ndarray((16,), np.float32, block, 64 * i) for i in range(n)]
 

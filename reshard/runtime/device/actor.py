@@ -387,11 +387,10 @@ class DeviceRole:
                         ctx.commit_hook("before", run)
                     failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
                     if failed is None:
-                        srcs = list(map(ctx.store.get, staged_names))
+                        srcs, dtypes = ctx.store.staged_results(run, staged_names)
                         gone = next((n for n, a in zip(staged_names, srcs, strict=True) if a is None), None)
                         if gone is not None:
                             raise ReshardError(f"device {ctx.device}: the staged result {gone!r} is gone")
-                        dtypes = map(ctx.store.dtype, staged_names)
                         dsts = checked_outs(ctx, outs, [s.shape for s in srcs], dtypes, strided=True)  # all, first
                         copies = list(zip(dsts, srcs, strict=True))
                         srcs = dsts = None
@@ -404,7 +403,7 @@ class DeviceRole:
             finally:
                 copies.clear()  # no reference here to a staged result: freed, its memory goes back to the pool
                 src = dst = srcs = dsts = None
-                ctx.store.free_many(staged_names)
+                ctx.store.free_staged(run, staged_names)
                 if ctx.commit_hook is not None:
                     ctx.commit_hook("after", run)
             if failed is not None:

@@ -308,7 +308,7 @@ class Binding:
             (shard_name(run, t), d, parts[index[t]].dtype, metas.get(t), t in self.slots) for t, d in self.dsts.items()
         ]
         placed = None if self.unit is None else self.unit.placed(run)
-        kept = ctx.store.put_run(run, entries, placed, mapped=self.bound.outs is None)
+        kept = ctx.store.put_run(run, entries, placed, staged=self.bound.outs is not None)
         if kept is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
         if self.bound.outs is not None:  # staged for a commit: nobody maps them

@@ -22,6 +22,13 @@ in place instead; a run whose destination peers read while it runs (relays) writ
 Aborted runs. When the controller gives up on a run, it names the run's destination shard here
 (``tombstone``): the shard is dropped now if it exists, and a run that finishes later drops it
 instead of keeping it.
+
+Staged results. A run into the user's tensors (``out=``) keeps its results until its commit copies
+them (``staged_results``) and drops them (``free_staged``). Those its unit made (thousands of small
+views of one block) are kept as one entry of the run, not as named shards: nobody else reads
+them, and a name table entry each, put and popped every replay, was most of a commit's cost. They
+are the run's controller's, as its named shards are: let go of with the holds of a process that
+ended (``release_where``).
 """
 
 from __future__ import annotations
@@ -206,6 +213,7 @@ class ShardStore:
         self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
         self.blocks: dict[int, tuple] = {}  # id -> a unit's (block, file, bytes asked) (``allocate_block``)
         self.placed: dict[str, int] = {}  # name -> address of a shard that is a view of a unit's block
+        self._staged: dict[str, tuple[dict[str, int], list, tuple[str, ...]]] = {}  # run -> a unit's staged results
         self._lock = threading.RLock()
 
     def __contains__(self, name: str) -> bool:
@@ -437,14 +445,14 @@ class ShardStore:
             self.meta[name] = meta
 
     def put_run(
-        self, run: str, entries, placed: PlacedShards | None = None, *, mapped: bool = True
+        self, run: str, entries, placed: PlacedShards | None = None, *, staged: bool = False
     ) -> tuple[list, object] | None:
         """Keep every ``(name, t, dtype, meta, begun)`` of run ``run`` (held by its own name), and
         ``placed``, its unit's destinations, all at once; or, when the run was aborted meanwhile
         (``tombstone``), none of them (None). Returns each entry's descriptor (None: peers cannot
         map it, or it was aborted by name), and those of ``placed`` (``_put_placed``; None
-        without it). ``mapped=False``: results staged for a commit, which no peer maps: the
-        unit's take no tenure (thousands a replay, begun and ended for nothing)."""
+        without it). ``staged``: results staged for a commit (module docstring), which no peer
+        maps: the unit's are kept as one entry, with no tenure and no descriptor."""
         with self._lock:
             if run in self._tombstones:
                 self._tombstones.pop(run)
@@ -454,14 +462,15 @@ class ShardStore:
                     self._give_back(t, 2)
                 return None
             kept = [self._put(name, t, name, dtype, meta, begun) for name, t, dtype, meta, begun in entries]
-            unit = None if placed is None else self._put_placed(placed, mapped)
+            unit = None if placed is None else self._put_placed(placed, run if staged else None)
             return [None if d is _DROPPED else d for d in kept], unit
 
-    def _put_placed(self, placed: PlacedShards, mapped: bool = True):
+    def _put_placed(self, placed: PlacedShards, staged_run: str | None = None):
         """``put_run`` of a unit's destinations: no pool, no block of their own, their tenures
         begun in one pass (``SharedShards.begin_placed``), the store's tables updated column by
         column. Their descriptors: as columns (``messages.PlacedDescriptors``), or a list, one
-        each (None: peers cannot map it), where they were kept one by one."""
+        each (None: peers cannot map it), where they were kept one by one. ``staged_run``: they
+        are that run's staged results, kept as one entry (module docstring)."""
         names = placed.names
         if self._tombstones and not self._tombstones.keys().isdisjoint(names):
             metas = placed.metas or [None] * len(names)
@@ -472,15 +481,34 @@ class ShardStore:
                     for name, t, dtype, meta in zip(names, placed.views, placed.dtypes, metas, strict=True)
                 )
             ]
+        if staged_run is not None:
+            index = dict(zip(names, range(len(names)), strict=True))
+            self._staged[staged_run] = (index, placed.views, tuple(placed.dtypes))
+            return [None] * len(names)
         self.shards.update(zip(names, placed.views, strict=True))
         self.dtypes.update(zip(names, placed.dtypes, strict=True))
         self.holders.update(zip(names, zip(names), strict=True))  # each held by its own name
         self.placed.update(zip(names, placed.addresses, strict=True))
         if placed.metas is not None:  # readers take a None one as none
             self.meta.update(zip(names, placed.metas, strict=True))
-        if self.shared is None or not mapped:
+        if self.shared is None:
             return [None] * len(names)
         return self.shared.begin_placed(placed)
+
+    def staged_results(self, run: str, names) -> tuple[list, list]:
+        """The staged results ``names`` of run ``run`` (None where one is gone) and their dtypes."""
+        with self._lock:
+            index, views, dtypes = self._staged.get(run, ({}, [], ()))
+            at = list(map(index.get, names))
+            found = [self.shards.get(n) if i is None else views[i] for n, i in zip(names, at, strict=True)]
+            kinds = [self.dtypes.get(n) if i is None else dtypes[i] for n, i in zip(names, at, strict=True)]
+            return found, kinds
+
+    def free_staged(self, run: str, names) -> None:
+        """Drop run ``run``'s staged results ``names`` (its unit's entry, the others by name)."""
+        with self._lock:
+            index, _, _ = self._staged.pop(run, ({}, [], ()))
+            self.free_many([n for n in names if n not in index])
 
     def share(self, name: str, t, dtype: str, meta: dict, *, file: tuple[int, int] | None = None) -> None:
         """Make the user's tensor ``t`` (of dtype ``dtype``, by name) shard ``name`` (no copy; held
@@ -540,9 +568,14 @@ class ShardStore:
 
     def release_where(self, holds) -> list[str]:
         """Let go of every hold that ``holds(name, holder)`` accepts (the handles of a process that
-        ended); returns the shards nobody holds any more, which are dropped."""
-        dropped = []
+        ended); returns the shards nobody holds any more, which are dropped (staged results too)."""
+        dropped: list[str] = []
         with self._lock:
+            for run, (index, _, _) in list(self._staged.items()):
+                name = next(iter(index), None)
+                if name is not None and holds(name, name):  # held by their own names, as the run's shards
+                    del self._staged[run]
+                    dropped.extend(index)
             for name, held in list(self.holders.items()):
                 kept = tuple(h for h in held if not holds(name, h))
                 if not kept:
