@@ -289,7 +289,7 @@ class Binding:
         for seen in (*self.pulled.values(), *self.relayed.values()):
             for h, desc in seen.items():
                 ctx.peers.check(h, desc)
-        if self.unit is not None:
+        if self.unit is not None and not self.req.direct:  # a direct run's: checked as it delivered
             self.unit.check()
         if not self.req.direct:
             self.check_outputs()  # still what the commit writes into: it changes all or none
