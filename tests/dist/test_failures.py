@@ -325,13 +325,23 @@ def test_error_inside_actor_is_a_reshard_error(pool, view, shared_memory, error)
     the holder's own check when it would send, the puller's when it would map the shard."""
     src = view([0, 1], (2,))
     dst = view([4, 5], (2,))
-    t = distribute(np.arange(4096, dtype=np.int64), Layout(src, pl("S0")))  # shards in shared blocks
-    src.call(lambda ctx, name: ctx.store.shards.pop(name) is not None, t.name, devices=[1])  # gone, not pooled
+    t = distribute(np.arange(4096, dtype=np.int64), Layout(src, pl("S0")))
+    assert src.call(_lose, t.name, devices=[1]) == [True]
     t0 = time.monotonic()
     with pytest.raises(ReshardError, match=error.format(holder=src.device_ids[1])):
         reshard(t, src, Layout(dst, pl("R")), timeout_s=LONG_S, shared_memory=shared_memory)
     assert time.monotonic() - t0 < HANG_S, "the peers of the failed device must not wait for their deadline"
     _still_works(view, 6)
+
+
+def _lose(ctx, name: str) -> bool:
+    """Shard ``name`` gone as a drop leaves it (its tenure ended: peers' descriptors of it stop
+    reading), but its memory not pooled for reuse. Whether it lay in a shared block or in private
+    memory depends on what the device held before (``SMALL_SHARD_BYTES``, ``max_blocks``)."""
+    t = ctx.store.shards.pop(name, None)
+    if t is not None:
+        ctx.store.shared.end(t, ctx.store.placed.pop(name, None))
+    return t is not None
 
 
 def _trimmed_mapping(ctx) -> int:
