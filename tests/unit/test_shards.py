@@ -176,7 +176,7 @@ def _placed(s: ShardStore, run: str, n: int, meta=None) -> PlacedShards:
         v[:] = i
     shape = (16,)
     return PlacedShards(
-        [f"{run}/{i}" for i in range(n)],
+        run,
         views,
         ("float32",) * n,
         None if meta is None else [meta] * n,
@@ -264,17 +264,21 @@ def test_a_units_staged_results_are_one_entry_read_by_name_and_dropped_with_the_
     kept = s.put_run("c:1", [("c:1/3", big, "uint8", None, False)], placed, staged=True)
     assert kept is not None and kept[1] == [None, None, None]
     assert "c:1/0" not in s and "c:1/3" in s and len(s.shared.private._free) == cells
-    found, dtypes = s.staged_results("c:1", ["c:1/2", "c:1/3", "c:1/9"])
+    found, dtypes, shapes = s.staged_results("c:1", [2, 3, 9])
     assert found[0] is placed.views[2] and found[1] is big and found[2] is None
     assert dtypes == ["float32", "uint8", None]
-    s.free_staged("c:1", ["c:1/0", "c:1/1", "c:1/2", "c:1/3"])
-    assert s.staged_results("c:1", ["c:1/0", "c:1/3"])[0] == [None, None]
+    assert shapes == [placed.views[2].shape, (BIG,), None]
+    found, dtypes, shapes = s.staged_results("c:1", [1, 0])  # all the unit's
+    assert found[0] is placed.views[1] and found[1] is placed.views[0] and dtypes == ["float32"] * 2
+    assert shapes == [placed.views[1].shape, placed.views[0].shape]
+    s.free_staged("c:1", [0, 1, 2, 3])
+    assert s.staged_results("c:1", [0, 3])[0] == [None, None]
     s.put_run("c:2", [], _placed(s, "c:2", 2), staged=True)
     s.put_run("d:1", [], _placed(s, "d:1", 2), staged=True)
     dropped = s.release_where(lambda name, holder: holder == name and name.startswith("c:"))
     assert sorted(dropped) == ["c:2/0", "c:2/1"]
-    assert s.staged_results("c:2", ["c:2/0"])[0] == [None]
-    assert s.staged_results("d:1", ["d:1/1"])[0][0] is not None
+    assert s.staged_results("c:2", [0])[0] == [None]
+    assert s.staged_results("d:1", [1])[0][0] is not None
 
 
 def _unit_views(block: np.ndarray, n: int) -> list[np.ndarray]:

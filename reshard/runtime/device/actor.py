@@ -53,7 +53,7 @@ from reshard.runtime.messages import (
     Ticket,
     Updates,
     group_key,
-    shard_names,
+    shard_name,
 )
 
 log = logging.getLogger(__name__)
@@ -368,7 +368,7 @@ class DeviceRole:
         verify: bool = False,
     ) -> bool:
         """The second half of a reshard into users' tensors: once every participant's run
-        succeeded, copy each staged result (``shard_names(run, tensors)``) into its
+        succeeded, copy each staged result (of ``tensors``, indices in its batch) into its
         output (the user's shard of the same position in ``outs``); if one failed, leave the
         outputs as they are. Drops the staged results either way. Every
         destination learns how the runs ended from the participants themselves where they can
@@ -380,18 +380,17 @@ class DeviceRole:
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
             copies: list = []
             src = dst = srcs = dsts = None
-            staged_names = shard_names(run, tensors)
             try:  # reads of the outputs wait from here until the outputs are all old or all new
                 with ctx.shard_locks.writing(outs, until, f"committing {run}"):
                     if ctx.commit_hook is not None:
                         ctx.commit_hook("before", run)
                     failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
                     if failed is None:
-                        srcs, dtypes = ctx.store.staged_results(run, staged_names)
-                        gone = next((n for n, a in zip(staged_names, srcs, strict=True) if a is None), None)
-                        if gone is not None:
+                        srcs, dtypes, shapes = ctx.store.staged_results(run, tensors)
+                        if None in shapes:
+                            gone = shard_name(run, tensors[shapes.index(None)])
                             raise ReshardError(f"device {ctx.device}: the staged result {gone!r} is gone")
-                        dsts = checked_outs(ctx, outs, [s.shape for s in srcs], dtypes, strided=True)  # all, first
+                        dsts = checked_outs(ctx, outs, shapes, dtypes, strided=True)  # all, first
                         copies = list(zip(dsts, srcs, strict=True))
                         srcs = dsts = None
                         stream = ctx.controller(ticket.controller).stream
@@ -403,7 +402,7 @@ class DeviceRole:
             finally:
                 copies.clear()  # no reference here to a staged result: freed, its memory goes back to the pool
                 src = dst = srcs = dsts = None
-                ctx.store.free_staged(run, staged_names)
+                ctx.store.free_staged(run, tensors)
                 if ctx.commit_hook is not None:
                     ctx.commit_hook("after", run)
             if failed is not None:

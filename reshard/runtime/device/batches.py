@@ -63,8 +63,10 @@ class PreparedBucket:
 class PreparedBatch:
     """A batch program ready to run on its device: its parts prepared (``tensors``, each one's
     tensor; ``index``, tensor -> its part's index), its buckets by window, the staging buffer it
-    needs (its buckets', then each part's in turn), which parts only copy (``flat``), and the
-    tables a run works out once (``tables``: a GPU device's copy tables, a CPU device's units)."""
+    needs (its buckets', then each part's in turn), which parts only copy (``flat``), the parts
+    that write a destination with its shape and dtype (``written``: what a run into users' tensors
+    checks them against), and the tables a run works out once (``tables``: a GPU device's copy
+    tables, a CPU device's units)."""
 
     program: BatchDeviceProgram
     parts: tuple[PreparedProgram, ...]
@@ -76,6 +78,7 @@ class PreparedBatch:
     staging_bytes: int = 0
     tables: dict = field(default_factory=dict, compare=False)
     senders: frozenset = frozenset()
+    written: tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[str, ...]] = ((), (), ())
 
     @property
     def device(self) -> int:
@@ -107,8 +110,20 @@ def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> Pre
     tensors = tuple(p.tensor for p in program.parts)
     staging = max([program.staging_bytes, *(p.program.staging_bytes for p in parts)])
     index = {t: i for i, t in enumerate(tensors)}
+    at = tuple(i for i, p in enumerate(parts) if p.program.dst_shape is not None)
+    shapes = tuple(tuple(parts[i].program.dst_shape or ()) for i in at)
+    written = (at, shapes, tuple(parts[i].dtype for i in at))
     return PreparedBatch(
-        program, parts, windows, dict(metas or {}), flat, tensors, index, staging, senders=frozenset(senders)
+        program,
+        parts,
+        windows,
+        dict(metas or {}),
+        flat,
+        tensors,
+        index,
+        staging,
+        senders=frozenset(senders),
+        written=written,
     )
 
 

@@ -62,7 +62,8 @@ class Binding:
         outs = bound.outs or (None,) * n
         if len(sources) != n or len(outs) != n:
             raise ReshardError(f"device {ctx.device}: the run names {len(sources)} sources for {n} parts")
-        self.check_outputs()  # before anything moves
+        if self.req.direct:  # written in place: before anything moves (a staged run's: after, and in its commit)
+            self.check_outputs()
         runs = {}
         tensors = prepared.tensors
         fresh = self._fresh_destinations(tensors, outs)
@@ -171,16 +172,11 @@ class Binding:
     def check_outputs(self) -> None:
         """Every user's tensor this run writes exists, is writable and has the shape and dtype of
         what is written into it (all of them, before one is written)."""
-        if self.bound.outs is None:
+        at, shapes, dtypes = self.prepared.written
+        if self.bound.outs is None or not at:
             return
-        written = [
-            (out, p.program.dst_shape, p.dtype)
-            for p, out in zip(self.prepared.parts, self.bound.outs, strict=True)
-            if p.program.dst_shape is not None
-        ]
-        if not written:
-            return
-        checked_outs(self.ctx, *zip(*written, strict=True), strided=not self.req.direct)
+        outs = self.bound.outs
+        checked_outs(self.ctx, [outs[i] for i in at], shapes, dtypes, strided=not self.req.direct)
 
     def deliver(self) -> None:
         """A ``direct`` run's unit destinations copied into the user's tensors, once every shard

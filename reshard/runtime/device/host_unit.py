@@ -61,7 +61,7 @@ from reshard.runtime import arrays
 from reshard.runtime.device.cross_memory import IOV_MAX, available, read_failed, read_rows, runs
 from reshard.runtime.device.shards import ASSEMBLY_MIN_BYTES, SMALL_SHARD_BYTES, PlacedShards
 from reshard.runtime.device.shared_memory import shard_gone
-from reshard.runtime.messages import CROSS_MEMORY, shard_names
+from reshard.runtime.messages import CROSS_MEMORY
 
 ALIGN = 64  # bytes between destinations in the block
 #: Runs of a holder's shard at most this far apart are read as one span, the gap into scratch: the
@@ -531,7 +531,7 @@ class UnitRun:
             offsets = p.offsets.tolist()
             files = [(fd, inode, at + o) if m else None for o, m in zip(offsets, p.mapped, strict=True)]
         return PlacedShards(
-            shard_names(run, p.tensors),
+            run,
             self.views,
             p.dtypes,
             p.metas,

@@ -23,12 +23,14 @@ from reshard.runtime.deadlines import Deadline
 
 
 class ShardLocks:
-    """Per shard name, the writes under way or waiting and the reads under way (module docstring)."""
+    """The writes under way or waiting, each as the set of shard names it writes, and per shard
+    name the reads under way (module docstring). A write of a tree's thousands of outputs costs a
+    set made and dropped, not a count per name."""
 
     def __init__(self, device: int):
         self.device = device
         self._cond = threading.Condition()
-        self._writes: Counter[str] = Counter()
+        self._writes: list[frozenset[str]] = []
         self._reads: Counter[str] = Counter()
         self._reads_waiting = 0
 
@@ -36,18 +38,18 @@ class ShardLocks:
     def writing(self, names: Iterable[str], until: Deadline, what: str) -> Iterator[None]:
         """Write shards ``names`` inside: new reads of them wait from now; waits for the reads under
         way (``ReshardTimeout`` when they outlast ``until``; nothing was written then)."""
-        names = [n for n in names if n is not None]
+        written = frozenset(names) - {None}
         with self._cond:
-            self._writes.update(names)
+            self._writes.append(written)
             self._cond.notify_all()  # for ``state`` watchers
-            if not self._cond.wait_for(lambda: self._unread(names), _timeout(until)):
-                self._drop(self._writes, names)
+            if not self._cond.wait_for(lambda: self._reads.keys().isdisjoint(written), _timeout(until)):
+                self._end(written)
                 raise ReshardTimeout(f"device {self.device}: {what}: reads of its outputs did not end in time")
         try:
             yield
         finally:
             with self._cond:
-                self._drop(self._writes, names)
+                self._end(written)
 
     @contextmanager
     def reading(self, name: str, until: Deadline) -> Iterator[None]:
@@ -57,7 +59,7 @@ class ShardLocks:
             self._reads_waiting += 1
             self._cond.notify_all()  # for ``state`` watchers
             try:
-                if not self._cond.wait_for(lambda: not self._writes[name], _timeout(until)):
+                if not self._cond.wait_for(lambda: not any(name in w for w in self._writes), _timeout(until)):
                     raise ReshardTimeout(
                         f"device {self.device}: shard {name!r} was being written (a sync into it) for the whole "
                         "timeout of the read"
@@ -69,25 +71,22 @@ class ShardLocks:
             yield
         finally:
             with self._cond:
-                self._drop(self._reads, [name])
+                self._reads[name] -= 1
+                if self._reads[name] <= 0:
+                    del self._reads[name]
+                self._cond.notify_all()
 
     def state(self) -> dict:
         """Counts for ``reshard_stats``: shards being written, reads under way and waiting."""
         with self._cond:
             return {
-                "shards_written": len(self._writes),
+                "shards_written": len(frozenset().union(*self._writes)),
                 "reads": sum(self._reads.values()),
                 "reads_waiting": self._reads_waiting,
             }
 
-    def _unread(self, names: list[str]) -> bool:
-        return not self._reads or not any(self._reads[n] for n in names)
-
-    def _drop(self, counts: Counter[str], names: list[str]) -> None:
-        for n in names:
-            counts[n] -= 1
-            if counts[n] <= 0:
-                del counts[n]
+    def _end(self, written: frozenset[str]) -> None:
+        self._writes.remove(written)  # one of the equal sets, if two writes name the same shards
         self._cond.notify_all()
 
 

@@ -41,11 +41,13 @@ import sys
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from reshard.runtime import arrays
 from reshard.runtime.device.shared_memory import HEADER, base_address
+from reshard.runtime.messages import shard_name, shard_names
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +64,28 @@ SMALL_SHARD_BYTES = 16 << 10
 _DROPPED = object()  # what ``ShardStore._put`` returns for a shard of an aborted run
 
 
+class _StagedUnit(NamedTuple):
+    """A run's results its unit made, staged for a commit, as one entry (module docstring):
+    ``positions``: tensor (its index in the batch) -> position; and each one's view, dtype and
+    shape."""
+
+    positions: dict[int, int]
+    views: list
+    dtypes: tuple[str, ...]
+    shapes: list[tuple[int, ...]]
+
+
+_NO_UNIT = _StagedUnit({}, [], (), [])
+
+
 @dataclass(frozen=True, slots=True)
 class PlacedShards:
     """A run's new shards that are views of its unit's block (``host_unit``), as columns: kept all
-    at once (``ShardStore.put_run``). ``metas``: what each is a shard of (None: nothing said);
-    ``tensors``: the batch tensor each is of; ``shape_ids``: each shape's index in ``distinct``."""
+    at once (``ShardStore.put_run``), named ``shard_name(run, tensor)``. ``metas``: what each is
+    a shard of (None: nothing said); ``tensors``: the batch tensor each is of; ``shape_ids``: each
+    shape's index in ``distinct``."""
 
-    names: list[str]
+    run: str
     views: list
     dtypes: tuple[str, ...]
     metas: tuple | list | None
@@ -78,6 +95,11 @@ class PlacedShards:
     tensors: tuple[int, ...]
     shape_ids: np.ndarray
     distinct: tuple[tuple[int, ...], ...]
+
+    @property
+    def names(self) -> list[str]:
+        """Each one's name (made on each use: results staged for a commit need none)."""
+        return shard_names(self.run, self.tensors)
 
 
 def _nbytes(shape, storage: np.dtype) -> int:
@@ -213,7 +235,7 @@ class ShardStore:
         self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
         self.blocks: dict[int, tuple] = {}  # id -> a unit's (block, file, bytes asked) (``allocate_block``)
         self.placed: dict[str, int] = {}  # name -> address of a shard that is a view of a unit's block
-        self._staged: dict[str, tuple[dict[str, int], list, tuple[str, ...]]] = {}  # run -> a unit's staged results
+        self._staged: dict[str, _StagedUnit] = {}  # run -> its unit's staged results
         self._lock = threading.RLock()
 
     def __contains__(self, name: str) -> bool:
@@ -230,9 +252,7 @@ class ShardStore:
         """Reshard ``run`` committed into the user's shards ``names`` here: readers compare it
         across devices (``version``; a ``direct`` write is not all or nothing, and sets none)."""
         with self._lock:
-            for name in names:
-                if name in self.shards:
-                    self.versions[name] = run
+            self.versions.update(zip(filter(self.shards.__contains__, names), itertools.repeat(run)))
 
     def version(self, name: str) -> str | None:
         """The last reshard that committed into shard ``name`` (None: none since it was shared or
@@ -471,6 +491,11 @@ class ShardStore:
         column. Their descriptors: as columns (``messages.PlacedDescriptors``), or a list, one
         each (None: peers cannot map it), where they were kept one by one. ``staged_run``: they
         are that run's staged results, kept as one entry (module docstring)."""
+        if staged_run is not None:
+            positions = dict(zip(placed.tensors, range(len(placed.tensors)), strict=True))
+            shapes = list(map(placed.distinct.__getitem__, placed.shape_ids.tolist()))
+            self._staged[staged_run] = _StagedUnit(positions, placed.views, tuple(placed.dtypes), shapes)
+            return [None] * len(positions)
         names = placed.names
         if self._tombstones and not self._tombstones.keys().isdisjoint(names):
             metas = placed.metas or [None] * len(names)
@@ -481,10 +506,6 @@ class ShardStore:
                     for name, t, dtype, meta in zip(names, placed.views, placed.dtypes, metas, strict=True)
                 )
             ]
-        if staged_run is not None:
-            index = dict(zip(names, range(len(names)), strict=True))
-            self._staged[staged_run] = (index, placed.views, tuple(placed.dtypes))
-            return [None] * len(names)
         self.shards.update(zip(names, placed.views, strict=True))
         self.dtypes.update(zip(names, placed.dtypes, strict=True))
         self.holders.update(zip(names, zip(names), strict=True))  # each held by its own name
@@ -495,20 +516,30 @@ class ShardStore:
             return [None] * len(names)
         return self.shared.begin_placed(placed)
 
-    def staged_results(self, run: str, names) -> tuple[list, list]:
-        """The staged results ``names`` of run ``run`` (None where one is gone) and their dtypes."""
+    def staged_results(self, run: str, tensors) -> tuple[list, list, list]:
+        """Run ``run``'s staged results of ``tensors`` (indices in its batch; None where one is
+        gone), their dtypes and their shapes (None where gone)."""
         with self._lock:
-            index, views, dtypes = self._staged.get(run, ({}, [], ()))
-            at = list(map(index.get, names))
+            unit = self._staged.get(run, _NO_UNIT)
+            at: list = list(map(unit.positions.get, tensors))
+            views, dtypes, shapes = unit.views, unit.dtypes, unit.shapes
+            if None not in at:  # all the unit's: column by column
+                found, kinds, forms = (list(map(c.__getitem__, at)) for c in (views, dtypes, shapes))
+                return found, kinds, forms
+            names = [shard_name(run, t) for t in tensors]  # the others are named shards
             found = [self.shards.get(n) if i is None else views[i] for n, i in zip(names, at, strict=True)]
             kinds = [self.dtypes.get(n) if i is None else dtypes[i] for n, i in zip(names, at, strict=True)]
-            return found, kinds
+            forms = [
+                (None if a is None else tuple(a.shape)) if i is None else shapes[i]
+                for a, i in zip(found, at, strict=True)
+            ]
+            return found, kinds, forms
 
-    def free_staged(self, run: str, names) -> None:
-        """Drop run ``run``'s staged results ``names`` (its unit's entry, the others by name)."""
+    def free_staged(self, run: str, tensors) -> None:
+        """Drop run ``run``'s staged results of ``tensors`` (its unit's entry, the others by name)."""
         with self._lock:
-            index, _, _ = self._staged.pop(run, ({}, [], ()))
-            self.free_many([n for n in names if n not in index])
+            positions = self._staged.pop(run, _NO_UNIT).positions
+            self.free_many([shard_name(run, t) for t in tensors if t not in positions])
 
     def share(self, name: str, t, dtype: str, meta: dict, *, file: tuple[int, int] | None = None) -> None:
         """Make the user's tensor ``t`` (of dtype ``dtype``, by name) shard ``name`` (no copy; held
@@ -571,11 +602,11 @@ class ShardStore:
         ended); returns the shards nobody holds any more, which are dropped (staged results too)."""
         dropped: list[str] = []
         with self._lock:
-            for run, (index, _, _) in list(self._staged.items()):
-                name = next(iter(index), None)
-                if name is not None and holds(name, name):  # held by their own names, as the run's shards
+            for run, (positions, *_) in list(self._staged.items()):
+                name = shard_name(run, next(iter(positions), 0))
+                if holds(name, name):  # held by their own names, as the run's shards
                     del self._staged[run]
-                    dropped.extend(index)
+                    dropped.extend(shard_names(run, positions))
             for name, held in list(self.holders.items()):
                 kept = tuple(h for h in held if not holds(name, h))
                 if not kept:
