@@ -19,7 +19,9 @@ of the three kinds.
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections import deque
 
 import numpy as np
 
@@ -133,6 +135,21 @@ def copy(dst, src) -> None:
         if is_device(src):
             src = as_torch(src, dtype_of(dst), dst.dtype)
         dst.copy_(src if not is_numpy(src) else _from_numpy(src, dst.dtype))
+
+
+_COPYTO = functools.partial(np.copyto, casting="no")
+
+
+def copy_many(dsts: list, srcs: list) -> None:
+    """``copy`` of each pair; where all are numpy arrays, one C-level pass of ``np.copyto`` (a
+    tree's thousands of small tensors: the Python per pair cost more than the copies)."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"copy_many got {len(dsts)} targets for {len(srcs)} sources")
+    if set(map(type, dsts)) | set(map(type, srcs)) <= {np.ndarray}:
+        deque(map(_COPYTO, dsts, srcs), maxlen=0)
+        return
+    for dst, src in zip(dsts, srcs, strict=True):
+        copy(dst, src)
 
 
 def combine(op: ReduceOp, dst, src, dtype: str) -> None:

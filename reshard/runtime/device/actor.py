@@ -378,8 +378,7 @@ class DeviceRole:
         ctx = _attached(self)
         until = Deadline.from_budget(budget_s).later(COMMIT_WAIT_S)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
-            copies: list = []
-            src = dst = srcs = dsts = None
+            srcs = dsts = None
             try:  # reads of the outputs wait from here until the outputs are all old or all new
                 with ctx.shard_locks.writing(outs, until, f"committing {run}"):
                     if ctx.commit_hook is not None:
@@ -391,17 +390,13 @@ class DeviceRole:
                             gone = shard_name(run, tensors[shapes.index(None)])
                             raise ReshardError(f"device {ctx.device}: the staged result {gone!r} is gone")
                         dsts = checked_outs(ctx, outs, shapes, dtypes, strided=True)  # all, first
-                        copies = list(zip(dsts, srcs, strict=True))
-                        srcs = dsts = None
                         stream = ctx.controller(ticket.controller).stream
                         with stream.running():
-                            for dst, src in copies:
-                                arrays.copy(dst, src)
+                            arrays.copy_many(dsts, srcs)
                             stream.finish(time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}")
                         ctx.store.wrote(outs, run)
             finally:
-                copies.clear()  # no reference here to a staged result: freed, its memory goes back to the pool
-                src = dst = srcs = dsts = None
+                srcs = dsts = None  # no reference here to a staged result: freed, its memory goes back to the pool
                 ctx.store.free_staged(run, tensors)
                 if ctx.commit_hook is not None:
                     ctx.commit_hook("after", run)

@@ -189,8 +189,7 @@ class Binding:
         targets = checked_outs(
             self.ctx, [outs[i] for i in at], [parts[i].program.dst_shape for i in at], [parts[i].dtype for i in at]
         )
-        for dst, view in zip(targets, self.unit.views, strict=True):
-            arrays.copy(dst, view)
+        arrays.copy_many(targets, self.unit.views)
 
     def _fresh_destinations(self, tensors, outs) -> dict:
         """On a GPU device, every new destination of the run at once: pieces of one block (one
