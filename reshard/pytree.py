@@ -182,7 +182,8 @@ def per_leaf(spec, leaves: list, paths: list[str], treedef: TreeDef, is_one: Cal
         and all(c is LEAF for c in treedef.children)
     ):
         values = list(spec.values())
-        if all(map(is_one, values)) or not any(isinstance(v, Mapping | list | tuple) or v is None for v in values):
+        kinds = set(map(type, values))  # a state dict's values are of a few types: checked once each
+        if all(map(is_one, values)) or not any(issubclass(k, Mapping | list | tuple | type(None)) for k in kinds):
             return values  # a flat dict with the tree's keys in its order (a state dict's)
     got, _, spec_def = flatten(spec, lambda x: not isinstance(x, Mapping | list | tuple) and x is not None)
     diff = same_structure(treedef, spec_def)

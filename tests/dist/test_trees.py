@@ -136,6 +136,32 @@ def test_a_layout_changed_in_the_same_dict_between_calls_is_the_one_used(view):
         assert_bit_exact(out[k].to_numpy(), want[k])
 
 
+def test_a_replay_into_the_same_outputs_checks_again_what_changed_and_holds_none_of_them(view):
+    """A sync loop's replays into kept outputs skip checking again what cannot have changed (the
+    same handles for the same layouts, dtypes and shapes), but another layout or a freed output
+    still fails before anything moves, and outputs the user drops are released."""
+    import gc
+    import weakref
+
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    want = {f"w{i}": random_array((8, 6), "float32", 60 + i) for i in range(4)}
+    src = distribute(want, Layout(a, pl("S0")))
+    layouts = {k: Layout(b, pl("S0")) for k in want}
+    out = reshard(src, a, layouts)
+    for _ in range(2):
+        assert reshard(src, a, layouts, out=out) is out
+    assert_tree(out, want)
+    with pytest.raises(ValueError, match=r"out at 'w1' is laid out .*S\(0\).* the reshard produces .*S\(1\)"):
+        reshard(src, a, {**layouts, "w1": Layout(b, pl("S1"))}, out=out)
+    out["w3"].free()
+    with pytest.raises(ValueError, match="output at 'w3'.* was freed"):
+        reshard(src, a, layouts, out=out)
+    kept = weakref.ref(out["w0"])
+    del out
+    gc.collect()
+    assert kept() is None
+
+
 def test_small_tensors_travel_in_buckets_and_big_ones_stream(view):
     from reshard.runtime import lowered_reshard  # noqa: F401 - the single-tensor view stays available
     from reshard.runtime.driver.resharding import _Call, _compile
