@@ -33,6 +33,9 @@ AB = (
 #: The MoE tree alone, before and after its first call's steps were made lazily.
 AB_MOE = (("6379d5d", "9642baa", 3),)
 MOE = "weights-moe-1163ba7-ab3.json"
+#: The latest replays into kept outputs (``--methods ...,ours_out,...``), MoE and Qwen3.
+REPLAYS_MOE = "weights-moe-out-492c31b.json"
+REPLAYS_QWEN3 = "weights-qwen3-out-492c31b.json"
 QUOTED: list[str] = []  # every result file a figure below comes from
 
 
@@ -424,6 +427,38 @@ def weights() -> list[tuple[str, str]]:
     ]
 
 
+def replays() -> list[tuple[str, str]]:
+    """WEIGHTS.md's latest figures for replays into kept outputs (``out=``): the MoE tree's and the
+    Qwen3 tree's ratios, each from one run."""
+    moe = result(REPLAYS_MOE)
+    m = {k: v["latency_s"]["median"] for k, v in moe["results"][0]["methods"].items()}
+    first = moe["results"][0]["methods"]["ours"]["first_s"]
+    qwen = result(REPLAYS_QWEN3)
+    out = [
+        r["methods"]["ours_out"]["latency_s"]["median"] / r["methods"]["one_tensor_out"]["latency_s"]["median"]
+        for r in qwen["results"]
+    ]
+    fresh = [
+        r["methods"]["ours"]["latency_s"]["median"] / r["methods"]["one_tensor"]["latency_s"]["median"]
+        for r in qwen["results"]
+    ]
+    within = sum(f <= 1.5 for f in fresh)
+    return [
+        (
+            "bench/WEIGHTS.md",
+            f"At {moe['revision']} (`--out bench/results/{REPLAYS_MOE}`): fresh outputs {m['ours']:.2f} s (first call "
+            f"{first:.2f} s), `out=` {m['ours_out']:.2f} s ({m['ours_out'] / m['one_tensor_out']:.1f}× one tensor's "
+            f"{m['one_tensor_out'] * 1e3:.1f} ms with `out=`), `out=` with `direct=True` {m['ours_direct']:.2f} s, one "
+            f"tensor {m['one_tensor'] * 1e3:.1f} ms fresh",
+        ),
+        ("bench/WEIGHTS.md", f"`{qwen['command']}`): `out=` {min(out):.2f}-{max(out):.2f}× one tensor with `out=`"),
+        (
+            "bench/WEIGHTS.md",
+            f"fresh outputs {min(fresh):.2f}-{max(fresh):.2f}× ({within} of {len(fresh)};",
+        ),
+    ]
+
+
 def latest_ab() -> list[tuple[str, str]]:
     """The README's sentences on the latest A/B of the weight sync (its last row of ``AB``)."""
     base, new, rounds = AB[-1]
@@ -558,6 +593,7 @@ CLAIMS = [
     *example(),
     *weights(),
     *latest_ab(),
+    *replays(),
     *simulated(),
     *local(),
     *pipeline(),
