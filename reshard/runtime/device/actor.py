@@ -361,16 +361,16 @@ class DeviceRole:
         self,
         ticket: Ticket,
         run: str,
-        tensors: tuple[int, ...],
-        outs: tuple[str, ...],
+        program_id: int,
+        binding: int,
         participants,
         budget_s: float,
         verify: bool = False,
     ) -> bool:
         """The second half of a reshard into users' tensors: once every participant's run
-        succeeded, copy each staged result (of ``tensors``, indices in its batch) into its
-        output (the user's shard of the same position in ``outs``); if one failed, leave the
-        outputs as they are. Drops the staged results either way. Every
+        succeeded, copy each staged result into its output (the user's shard its run was bound
+        to: ``program_id`` and ``binding``, the run's, say which; nothing per tensor is shipped
+        again); if one failed, leave the outputs as they are. Drops the staged results either way. Every
         destination learns how the runs ended from the participants themselves where they can
         answer (``participants``: see ``_failed_outcome``), so all decide alike even when the
         caller is gone; a device that cannot learn one waits, up to ``COMMIT_WAIT_S`` after the
@@ -378,6 +378,7 @@ class DeviceRole:
         ctx = _attached(self)
         until = Deadline.from_budget(budget_s).later(COMMIT_WAIT_S)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
+            tensors, outs = _committed(ctx.controller(ticket.controller), program_id, binding)
             srcs = dsts = None
             try:  # reads of the outputs wait from here until the outputs are all old or all new
                 with ctx.shard_locks.writing(outs, until, f"committing {run}"):
@@ -385,6 +386,11 @@ class DeviceRole:
                         ctx.commit_hook("before", run)
                     failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
                     if failed is None:
+                        if tensors is None:
+                            raise ReshardError(
+                                f"device {ctx.device}: committing {run}: its program {program_id} or binding "
+                                f"{binding} is not cached here"
+                            )
                         srcs, dtypes, shapes = ctx.store.staged_results(run, tensors)
                         if None in shapes:
                             gone = shard_name(run, tensors[shapes.index(None)])
@@ -397,7 +403,7 @@ class DeviceRole:
                         ctx.store.wrote(outs, run)
             finally:
                 srcs = dsts = None  # no reference here to a staged result: freed, its memory goes back to the pool
-                ctx.store.free_staged(run, tensors)
+                ctx.store.free_staged(run, tensors or ())
                 if ctx.commit_hook is not None:
                     ctx.commit_hook("after", run)
             if failed is not None:
@@ -535,6 +541,17 @@ def _attached(actor) -> DeviceContext:
     if ctx is None:
         raise RuntimeError("this actor is not a device of any mesh yet (DeviceMesh.from_actors attaches it)")
     return ctx
+
+
+def _committed(state: ControllerState, program_id: int, binding: int) -> tuple[list, list] | tuple[None, tuple]:
+    """The tensors a commit copies the staged results of, and their outputs: those of its run's
+    parts that write one (``PreparedBatch.written``), as its run bound them. ``(None, ())`` where
+    the program or binding is not cached (a run that failed before it cached them staged nothing)."""
+    prepared, bound = state.programs.get(program_id), state.bindings.get(binding)
+    if prepared is None or bound is None or bound.outs is None:
+        return None, ()
+    at = prepared.written[0]
+    return [prepared.tensors[i] for i in at], [bound.outs[i] for i in at]
 
 
 def _failed_outcome(ctx, controller: str, run: str, participants, until: Deadline, verify: bool) -> str | None:

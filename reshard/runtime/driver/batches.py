@@ -184,13 +184,11 @@ class Batches:
             if commit:
                 participants = tuple((rec.id, rec.actor if rec.threaded else None, refs[rec.id]) for rec in recs)
                 for rec in recs:
-                    tensors = compiled.results[rec.id]
-                    if tensors:  # as columns: thousands of (staged, output) pairs pickle slowly as objects
-                        targets = tuple(map(outs.__getitem__, tensors))
+                    if compiled.results[rec.id]:  # its outputs: those its run was bound to (``bid``)
                         commits[rec.id] = self.dispatch.submit(
                             rec,
-                            lambda t, rec=rec, tensors=tensors, targets=targets: rec.actor.reshard_commit.remote(
-                                t, run, tensors, targets, participants, budget, verify
+                            lambda t, rec=rec: rec.actor.reshard_commit.remote(
+                                t, run, pid, bid, participants, budget, verify
                             ),
                         )
             self.stats["runs"] += 1
