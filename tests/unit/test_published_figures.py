@@ -34,8 +34,8 @@ AB = (
 AB_MOE = (("6379d5d", "9642baa", 3),)
 MOE = "weights-moe-1163ba7-ab3.json"
 #: The latest replays into kept outputs (``--methods ...,ours_out,...``), MoE and Qwen3.
-REPLAYS_MOE = "weights-moe-out-492c31b.json"
-REPLAYS_QWEN3 = "weights-qwen3-out-492c31b.json"
+REPLAYS_MOE = ("weights-moe-out-492c31b.json", "weights-moe-out-8484019.json")
+REPLAYS_QWEN3 = ("weights-qwen3-out-492c31b.json", "weights-qwen3-out-8484019.json")
 QUOTED: list[str] = []  # every result file a figure below comes from
 
 
@@ -429,34 +429,55 @@ def weights() -> list[tuple[str, str]]:
 
 def replays() -> list[tuple[str, str]]:
     """WEIGHTS.md's latest figures for replays into kept outputs (``out=``): the MoE tree's and the
-    Qwen3 tree's ratios, each from one run."""
-    moe = result(REPLAYS_MOE)
-    m = {k: v["latency_s"]["median"] for k, v in moe["results"][0]["methods"].items()}
+    Qwen3 tree's, of two runs each."""
+    moe, final = result(REPLAYS_MOE[0]), result(REPLAYS_MOE[1])
+    m, f = (medians(d["results"][0]) for d in (moe, final))
     first = moe["results"][0]["methods"]["ours"]["first_s"]
-    qwen = result(REPLAYS_QWEN3)
-    out = [
-        r["methods"]["ours_out"]["latency_s"]["median"] / r["methods"]["one_tensor_out"]["latency_s"]["median"]
-        for r in qwen["results"]
-    ]
-    fresh = [
-        r["methods"]["ours"]["latency_s"]["median"] / r["methods"]["one_tensor"]["latency_s"]["median"]
-        for r in qwen["results"]
-    ]
-    within = sum(f <= 1.5 for f in fresh)
+    before, after = (result(name) for name in REPLAYS_QWEN3)
+    out, fresh, was = ratios(after, "ours_out", "one_tensor_out"), ratios(after, "ours"), ratios(before, "ours")
     return [
         (
             "bench/WEIGHTS.md",
-            f"At {moe['revision']} (`--out bench/results/{REPLAYS_MOE}`): fresh outputs {m['ours']:.2f} s (first call "
-            f"{first:.2f} s), `out=` {m['ours_out']:.2f} s ({m['ours_out'] / m['one_tensor_out']:.1f}× one tensor's "
-            f"{m['one_tensor_out'] * 1e3:.1f} ms with `out=`), `out=` with `direct=True` {m['ours_direct']:.2f} s, one "
-            f"tensor {m['one_tensor'] * 1e3:.1f} ms fresh",
+            f"At {moe['revision']} (`--out bench/results/{REPLAYS_MOE[0]}`): fresh outputs {m['ours']:.2f} s "
+            f"(first call {first:.2f} s), `out=` {m['ours_out']:.2f} s "
+            f"({m['ours_out'] / m['one_tensor_out']:.1f}× one tensor's {m['one_tensor_out'] * 1e3:.1f} ms with "
+            f"`out=`), `out=` with `direct=True` {m['ours_direct']:.2f} s, one tensor {m['one_tensor'] * 1e3:.1f} ms "
+            "fresh",
         ),
-        ("bench/WEIGHTS.md", f"`{qwen['command']}`): `out=` {min(out):.2f}-{max(out):.2f}× one tensor with `out=`"),
         (
             "bench/WEIGHTS.md",
-            f"fresh outputs {min(fresh):.2f}-{max(fresh):.2f}× ({within} of {len(fresh)};",
+            f"At {final['revision']}, where a device's commit finds its outputs from its run's program and binding "
+            f"instead of receiving 20,016 names again (`--out bench/results/{REPLAYS_MOE[1]}`, a slower sitting: one "
+            f"tensor took {f['one_tensor'] * 1e3:.1f} ms against {m['one_tensor'] * 1e3:.1f} ms above): fresh outputs "
+            f"{f['ours']:.2f} s, `out=` {f['ours_out']:.2f} s ({f['ours_out'] / f['one_tensor_out']:.1f}× one "
+            f"tensor's {f['one_tensor_out'] * 1e3:.1f} ms with `out=`), `out=` with `direct=True` "
+            f"{f['ours_direct']:.2f} s.",
+        ),
+        (
+            "bench/WEIGHTS.md",
+            f"`{after['command']}`): `out=` {ratio_span(out)} one tensor with `out=` ({within(out)} of 5), fresh outputs "
+            f"{ratio_span(fresh)} ({within(fresh)} of 5; fsdp2-tp4 the one over; the same command at {before['revision']}, "
+            f"`bench/results/{REPLAYS_QWEN3[0]}`, measured {ratio_span(was)}, {within(was)} of 5).",
         ),
     ]
+
+
+def medians(case: dict) -> dict[str, float]:
+    return {k: v["latency_s"]["median"] for k, v in case["methods"].items()}
+
+
+def ratios(run: dict, method: str, base: str = "one_tensor") -> list[float]:
+    """Each case's median of ``method`` over that of ``base``."""
+    return [medians(case)[method] / medians(case)[base] for case in run["results"]]
+
+
+def ratio_span(r: list[float]) -> str:
+    return f"{min(r):.2f}-{max(r):.2f}×"
+
+
+def within(r: list[float], bound: float = 1.5) -> int:
+    """How many of the ratios ``r`` are at most ``bound`` (issue 30's 1.5×)."""
+    return sum(x <= bound for x in r)
 
 
 def latest_ab() -> list[tuple[str, str]]:
