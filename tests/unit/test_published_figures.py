@@ -455,9 +455,10 @@ def replays() -> list[tuple[str, str]]:
         ),
         (
             "bench/WEIGHTS.md",
-            f"`{after['command']}`): `out=` {ratio_span(out)} one tensor with `out=` ({within(out)} of 5), fresh outputs "
-            f"{ratio_span(fresh)} ({within(fresh)} of 5; fsdp2-tp4 the one over; the same command at {before['revision']}, "
-            f"`bench/results/{REPLAYS_QWEN3[0]}`, measured {ratio_span(was)}, {within(was)} of 5).",
+            f"`{after['command']}`): `out=` {ratio_span(out)} one tensor with `out=` ({within(out)} of 5), "
+            f"fresh outputs {ratio_span(fresh)} ({within(fresh)} of 5; fsdp2-tp4 the one over; the same command at "
+            f"{before['revision']}, `bench/results/{REPLAYS_QWEN3[0]}`, measured {ratio_span(was)}, "
+            f"{within(was)} of 5).",
         ),
     ]
 
