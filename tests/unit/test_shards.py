@@ -186,6 +186,7 @@ def _placed(s: ShardStore, run: str, n: int, meta=None) -> PlacedShards:
         tuple(range(n)),
         np.zeros(n, np.int32),
         (shape,),
+        [shape] * n,
     )
 
 

@@ -378,7 +378,8 @@ class DeviceRole:
         ctx = _attached(self)
         until = Deadline.from_budget(budget_s).later(COMMIT_WAIT_S)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
-            tensors, outs = _committed(ctx.controller(ticket.controller), program_id, binding)
+            state = ctx.controller(ticket.controller)
+            tensors, outs = _committed(state, program_id, binding)
             srcs = dsts = None
             try:  # reads of the outputs wait from here until the outputs are all old or all new
                 with ctx.shard_locks.writing(outs, until, f"committing {run}"):
@@ -396,10 +397,11 @@ class DeviceRole:
                             gone = shard_name(run, tensors[shapes.index(None)])
                             raise ReshardError(f"device {ctx.device}: the staged result {gone!r} is gone")
                         dsts = checked_outs(ctx, outs, shapes, dtypes, strided=True)  # all, first
-                        stream = ctx.controller(ticket.controller).stream
-                        with stream.running():
+                        with state.stream.running():
                             arrays.copy_many(dsts, srcs)
-                            stream.finish(time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}")
+                            state.stream.finish(
+                                time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}"
+                            )
                         ctx.store.wrote(outs, run)
             finally:
                 srcs = dsts = None  # no reference here to a staged result: freed, its memory goes back to the pool

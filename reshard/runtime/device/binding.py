@@ -184,11 +184,8 @@ class Binding:
         if not self.req.direct or self.unit is None or self.bound.outs is None:
             return
         self.unit.check()
-        parts, outs = self.prepared.parts, self.bound.outs
-        at = self.unit.unit.places.parts
-        targets = checked_outs(
-            self.ctx, [outs[i] for i in at], [parts[i].program.dst_shape for i in at], [parts[i].dtype for i in at]
-        )
+        outs, places = self.bound.outs, self.unit.unit.places
+        targets = checked_outs(self.ctx, [outs[i] for i in places.parts], places.shapes, places.dtypes)
         arrays.copy_many(targets, self.unit.views)
 
     def _fresh_destinations(self, tensors, outs) -> dict:

@@ -142,6 +142,11 @@ class Places:
     distinct: tuple[tuple[int, ...], ...]
     metas: tuple | None
 
+    @functools.cached_property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Each destination's shape (worked out once: every run of the unit checks against them)."""
+        return list(map(self.distinct.__getitem__, self.shape_ids.tolist()))
+
 
 @dataclass(frozen=True, eq=False)
 class HostUnit:
@@ -541,6 +546,7 @@ class UnitRun:
             p.tensors,
             p.shape_ids,
             p.distinct,
+            p.shapes,
         )
 
     def read(self) -> None:

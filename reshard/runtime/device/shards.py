@@ -83,7 +83,7 @@ class PlacedShards:
     """A run's new shards that are views of its unit's block (``host_unit``), as columns: kept all
     at once (``ShardStore.put_run``), named ``shard_name(run, tensor)``. ``metas``: what each is
     a shard of (None: nothing said); ``tensors``: the batch tensor each is of; ``shape_ids``: each
-    shape's index in ``distinct``."""
+    shape's index in ``distinct``; ``shapes``, each one's."""
 
     run: str
     views: list
@@ -95,6 +95,7 @@ class PlacedShards:
     tensors: tuple[int, ...]
     shape_ids: np.ndarray
     distinct: tuple[tuple[int, ...], ...]
+    shapes: list[tuple[int, ...]]
 
     @property
     def names(self) -> list[str]:
@@ -493,8 +494,7 @@ class ShardStore:
         are that run's staged results, kept as one entry (module docstring)."""
         if staged_run is not None:
             positions = dict(zip(placed.tensors, range(len(placed.tensors)), strict=True))
-            shapes = list(map(placed.distinct.__getitem__, placed.shape_ids.tolist()))
-            self._staged[staged_run] = _StagedUnit(positions, placed.views, tuple(placed.dtypes), shapes)
+            self._staged[staged_run] = _StagedUnit(positions, placed.views, tuple(placed.dtypes), placed.shapes)
             return [None] * len(positions)
         names = placed.names
         if self._tombstones and not self._tombstones.keys().isdisjoint(names):
