@@ -109,6 +109,38 @@ def test_a_unit_commits_into_outputs_and_its_results_move_on(view):
         assert_bit_exact(_numpy(onward[k]), v)
 
 
+def _block_commits(ctx) -> int:
+    return ctx.counters.get("block_commits", 0)
+
+
+def test_a_replay_into_the_first_calls_outputs_commits_block_to_block(view):
+    """A weight sync's loop: the first call makes the outputs, every replay commits into them.
+    Its unit's results are copied block to block on every device, bit-exact; into outputs of
+    two calls (not one block's views laid out alike) they are copied one by one, bit-exact too."""
+    a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
+    src = distribute(_tree(80), _layouts(a, 0))
+    out = reshard(src, a, _layouts(b, 1))
+    before = b.call(_block_commits)
+    for seed in (90, 100):
+        tree = _tree(seed)
+        free(src)
+        src = distribute(tree, _layouts(a, 0))
+        assert reshard(src, a, _layouts(b, 1), out=out) is out
+        for k, v in tree.items():
+            assert_bit_exact(_numpy(out[k]), v)
+    after = b.call(_block_commits)
+    assert all(n == m + 2 for n, m in zip(after, before, strict=True)), (before, after)
+    other = reshard(src, a, _layouts(b, 1))
+    mixed = {k: (out if i % 2 else other)[k] for i, k in enumerate(TENSORS)}
+    tree = _tree(110)
+    free(src)
+    src = distribute(tree, _layouts(a, 0))
+    assert reshard(src, a, _layouts(b, 1), out=mixed) is mixed
+    for k, v in tree.items():
+        assert_bit_exact(_numpy(mixed[k]), v)
+    assert b.call(_block_commits) == after
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["pulls", "buckets"])
 def test_a_direct_write_runs_as_a_unit_and_delivers_every_output(view, shared_memory):
     """``direct=True`` into existing outputs: the small tensors run as one unit (pulled, or landed

@@ -37,11 +37,12 @@ from reshard.runtime.backends.communicator import Backend, PeerFailed
 from reshard.runtime.checksums import first_mismatch
 from reshard.runtime.deadlines import Deadline
 from reshard.runtime.device.batches import BatchRun, execute_batch, prepare_batch
-from reshard.runtime.device.binding import Binding, checked_outs
+from reshard.runtime.device.binding import Binding
 from reshard.runtime.device.context import ActiveRun, ControllerState, DeviceContext, set_torch_threads
 from reshard.runtime.device.current import clear_current, set_current
 from reshard.runtime.device.gpu_memory import GpuBlocks
 from reshard.runtime.device.outcomes import Outcome
+from reshard.runtime.device.outputs import Outputs, outputs_of
 from reshard.runtime.device_options import DeviceOptions
 from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import (
@@ -53,7 +54,6 @@ from reshard.runtime.messages import (
     Ticket,
     Updates,
     group_key,
-    shard_name,
 )
 
 log = logging.getLogger(__name__)
@@ -379,33 +379,26 @@ class DeviceRole:
         until = Deadline.from_budget(budget_s).later(COMMIT_WAIT_S)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
             state = ctx.controller(ticket.controller)
-            tensors, outs = _committed(state, program_id, binding)
-            srcs = dsts = None
+            outputs = _committed(state, program_id, binding)
             try:  # reads of the outputs wait from here until the outputs are all old or all new
-                with ctx.shard_locks.writing(outs, until, f"committing {run}"):
+                with ctx.shard_locks.writing(outputs.written if outputs else (), until, f"committing {run}"):
                     if ctx.commit_hook is not None:
                         ctx.commit_hook("before", run)
                     failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
                     if failed is None:
-                        if tensors is None:
+                        if outputs is None:
                             raise ReshardError(
                                 f"device {ctx.device}: committing {run}: its program {program_id} or binding "
                                 f"{binding} is not cached here"
                             )
-                        srcs, dtypes, shapes = ctx.store.staged_results(run, tensors)
-                        if None in shapes:
-                            gone = shard_name(run, tensors[shapes.index(None)])
-                            raise ReshardError(f"device {ctx.device}: the staged result {gone!r} is gone")
-                        dsts = checked_outs(ctx, outs, shapes, dtypes, strided=True)  # all, first
                         with state.stream.running():
-                            arrays.copy_many(dsts, srcs)
+                            outputs.commit(ctx, run)  # all checked, first
                             state.stream.finish(
                                 time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}"
                             )
-                        ctx.store.wrote(outs, run)
-            finally:
-                srcs = dsts = None  # no reference here to a staged result: freed, its memory goes back to the pool
-                ctx.store.free_staged(run, tensors or ())
+                        ctx.store.wrote(outputs.names, run)
+            finally:  # no reference here to a staged result: freed, its memory goes back to the pool
+                ctx.store.free_staged(run, outputs.tensors if outputs else ())
                 if ctx.commit_hook is not None:
                     ctx.commit_hook("after", run)
             if failed is not None:
@@ -545,15 +538,14 @@ def _attached(actor) -> DeviceContext:
     return ctx
 
 
-def _committed(state: ControllerState, program_id: int, binding: int) -> tuple[list, list] | tuple[None, tuple]:
-    """The tensors a commit copies the staged results of, and their outputs: those of its run's
-    parts that write one (``PreparedBatch.written``), as its run bound them. ``(None, ())`` where
-    the program or binding is not cached (a run that failed before it cached them staged nothing)."""
+def _committed(state: ControllerState, program_id: int, binding: int) -> Outputs | None:
+    """The outputs a commit copies its run's staged results into: those of its run's parts that
+    write one (``PreparedBatch.written``), as its run bound them. None where the program or
+    binding is not cached (a run that failed before it cached them staged nothing)."""
     prepared, bound = state.programs.get(program_id), state.bindings.get(binding)
     if prepared is None or bound is None or bound.outs is None:
-        return None, ()
-    at = prepared.written[0]
-    return [prepared.tensors[i] for i in at], [bound.outs[i] for i in at]
+        return None
+    return outputs_of(prepared, bound)
 
 
 def _failed_outcome(ctx, controller: str, run: str, participants, until: Deadline, verify: bool) -> str | None:

@@ -13,7 +13,6 @@ successful run's destinations into named shards.
 from __future__ import annotations
 
 import functools
-import operator
 import time
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ from reshard.runtime.device import host_unit
 from reshard.runtime.device.batches import PreparedBatch
 from reshard.runtime.device.executor import Run, check_buffer
 from reshard.runtime.device.host_unit import UnitRun
+from reshard.runtime.device.outputs import checked_out, checked_outs, outputs_of
 from reshard.runtime.messages import Bound, PlacedDescriptors, RunRequest, shard_name
 
 if TYPE_CHECKING:
@@ -171,12 +171,10 @@ class Binding:
 
     def check_outputs(self) -> None:
         """Every user's tensor this run writes exists, is writable and has the shape and dtype of
-        what is written into it (all of them, before one is written)."""
-        at, shapes, dtypes = self.prepared.written
-        if self.bound.outs is None or not at:
+        what is written into it (all of them, before one is written; ``outputs``)."""
+        if self.bound.outs is None or not self.prepared.written[0]:
             return
-        outs = self.bound.outs
-        checked_outs(self.ctx, [outs[i] for i in at], shapes, dtypes, strided=not self.req.direct)
+        outputs_of(self.prepared, self.bound).check(self.ctx, strided=not self.req.direct)
 
     def deliver(self) -> None:
         """A ``direct`` run's unit destinations copied into the user's tensors, once every shard
@@ -326,51 +324,3 @@ class Binding:
         self.dsts.clear()
         self.slots.clear()
         self.tmps.clear()
-
-
-def checked_outs(ctx, names, shapes, dtypes, *, strided: bool = False) -> list:
-    """``checked_out`` of each of ``names`` (with the shape and dtype of the same position): a
-    commit's or run's thousands of outputs at once, column by column where all are numpy arrays;
-    where one fails, ``checked_out`` of each says which and how."""
-    store, shapes, dtypes = ctx.store, list(map(tuple, shapes)), list(dtypes)
-    found = list(map(store.shards.get, names))
-    if (
-        set(map(type, found)) == {np.ndarray}
-        and list(map(store.dtypes.get, names)) == dtypes
-        and list(map(_SHAPE, found)) == shapes
-        and all(map(_WRITEABLE, found))
-        and (strided or all(map(_C_CONTIGUOUS, found)))
-    ):
-        return found
-    return [checked_out(ctx, n, shape, d, strided=strided) for n, shape, d in zip(names, shapes, dtypes, strict=True)]
-
-
-_SHAPE = operator.attrgetter("shape")
-_WRITEABLE = operator.attrgetter("flags.writeable")
-_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
-
-
-def checked_out(ctx, name: str | None, shape, dtype: str, *, strided: bool = False):
-    """The user's tensor ``name`` that a reshard writes into, checked against what it writes;
-    ``strided``: it may be a strided view (a region of a fused tensor), which a commit copies
-    into; a ``direct`` write lands messages in place and needs it contiguous."""
-    t = None if name is None else ctx.store.get(name)
-    if t is None:
-        raise ReshardError(f"device {ctx.device}: the output shard {name!r} is gone (unshared or freed)")
-    have = ctx.store.dtype(name)
-    if tuple(t.shape) != tuple(shape) or have != dtype:
-        raise ReshardError(
-            f"device {ctx.device}: output shard {name!r} is {have}{list(t.shape)}, the reshard writes "
-            f"{dtype}{list(shape)}"
-        )
-    if not strided and not arrays.contiguous(t):
-        raise ReshardError(
-            f"device {ctx.device}: output shard {name!r} is a strided view (a region of a fused tensor): a direct "
-            "write needs a contiguous one; drop direct=True (the staged write copies into strided views)"
-        )
-    if not arrays.writable(t):
-        raise ReshardError(
-            f"device {ctx.device}: output shard {name!r} is read-only (e.g. np.load(mmap_mode='r')); "
-            "share a writable array to reshard into it"
-        )
-    return t

@@ -147,6 +147,11 @@ class Places:
         """Each destination's shape (worked out once: every run of the unit checks against them)."""
         return list(map(self.distinct.__getitem__, self.shape_ids.tolist()))
 
+    @functools.cached_property
+    def extent(self) -> int:
+        """The bytes from the block's start to the end of its last destination."""
+        return max(o + (n - 1) * stride + s.itemsize * math.prod(shape) for shape, s, o, n, stride in self.groups)
+
 
 @dataclass(frozen=True, eq=False)
 class HostUnit:
@@ -547,6 +552,8 @@ class UnitRun:
             p.shape_ids,
             p.distinct,
             p.shapes,
+            self.block,
+            p,
         )
 
     def read(self) -> None:
@@ -602,6 +609,15 @@ class UnitRun:
             raise shard_gone(self.device, s.holder)
 
 
+def copy_places(dst: np.ndarray, src: np.ndarray, places: Places) -> None:
+    """Copy every destination ``places`` lays out in block ``src`` to the same place in block
+    ``dst``: a group's at once (one strided copy of its rows), the bytes between them untouched."""
+    for shape, storage, offset, count, stride in places.groups:
+        size = storage.itemsize * math.prod(shape)
+        to, of = (np.ndarray((count, size), np.uint8, block, offset, (stride, 1)) for block in (dst, src))
+        np.copyto(to, of)
+
+
 def _views(block: np.ndarray, shape: tuple[int, ...], storage: np.dtype, offset: int, count: int, stride: int):
     """``count`` C-contiguous arrays of ``shape`` in ``block``, ``stride`` bytes apart from
     ``offset``: the rows of one strided array (numpy makes a row's view far faster than an array
@@ -632,4 +648,4 @@ def _read(s: Source, at: tuple[np.uint64, np.uint64]) -> tuple[int, int] | None:
     return None
 
 
-__all__ = ["HostUnit", "UnitRun", "unit_for"]
+__all__ = ["HostUnit", "UnitRun", "copy_places", "unit_for"]

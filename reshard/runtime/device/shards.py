@@ -66,13 +66,16 @@ _DROPPED = object()  # what ``ShardStore._put`` returns for a shard of an aborte
 
 class _StagedUnit(NamedTuple):
     """A run's results its unit made, staged for a commit, as one entry (module docstring):
-    ``positions``: tensor (its index in the batch) -> position; and each one's view, dtype and
-    shape."""
+    ``positions``: tensor (its index in the batch) -> position; each one's view, dtype and
+    shape; the block they are views of, and where each lies in it (``layout``: the unit's
+    ``host_unit.Places``)."""
 
     positions: dict[int, int]
     views: list
     dtypes: tuple[str, ...]
     shapes: list[tuple[int, ...]]
+    block: np.ndarray | None = None
+    layout: object = None
 
 
 _NO_UNIT = _StagedUnit({}, [], (), [])
@@ -96,6 +99,8 @@ class PlacedShards:
     shape_ids: np.ndarray
     distinct: tuple[tuple[int, ...], ...]
     shapes: list[tuple[int, ...]]
+    block: np.ndarray | None = None
+    layout: object = None  # the unit's ``host_unit.Places``
 
     @property
     def names(self) -> list[str]:
@@ -237,6 +242,9 @@ class ShardStore:
         self.blocks: dict[int, tuple] = {}  # id -> a unit's (block, file, bytes asked) (``allocate_block``)
         self.placed: dict[str, int] = {}  # name -> address of a shard that is a view of a unit's block
         self._staged: dict[str, _StagedUnit] = {}  # run -> its unit's staged results
+        #: how often a shard left or was replaced: names checked at one count are the same shards
+        #: while it stays (``outputs.Outputs.check``: a replay's thousands of outputs checked once)
+        self.edits = 0
         self._lock = threading.RLock()
 
     def __contains__(self, name: str) -> bool:
@@ -459,6 +467,9 @@ class ShardStore:
             return self.shared.descriptor(t) if begun else self.shared.begin(t)
 
     def _record(self, name: str, t, holder: str, dtype: str, meta: dict | None) -> None:
+        if name in self.shards:
+            self.edits += 1
+            self.placed.pop(name, None)  # no longer that view
         self.shards[name] = t
         self.dtypes[name] = dtype
         self.holders[name] = (holder,)
@@ -494,7 +505,9 @@ class ShardStore:
         are that run's staged results, kept as one entry (module docstring)."""
         if staged_run is not None:
             positions = dict(zip(placed.tensors, range(len(placed.tensors)), strict=True))
-            self._staged[staged_run] = _StagedUnit(positions, placed.views, tuple(placed.dtypes), placed.shapes)
+            self._staged[staged_run] = _StagedUnit(
+                positions, placed.views, tuple(placed.dtypes), placed.shapes, placed.block, placed.layout
+            )
             return [None] * len(positions)
         names = placed.names
         if self._tombstones and not self._tombstones.keys().isdisjoint(names):
@@ -535,6 +548,22 @@ class ShardStore:
             ]
             return found, kinds, forms
 
+    def staged_unit(self, run: str) -> _StagedUnit | None:
+        """Run ``run``'s unit's staged results (None: it staged none)."""
+        return self._staged.get(run)
+
+    def block_at(self, address: int, nbytes: int, edits: int) -> np.ndarray | None:
+        """The unit block (``allocate_block``) of at least ``nbytes`` that starts at ``address``,
+        while no shard has left since ``edits`` (its views still alive: it is not another run's
+        yet); else None. Held by the caller, it stays out of reuse."""
+        with self._lock:
+            if self.edits != edits:
+                return None
+            for block, _, size in self.blocks.values():
+                if size >= nbytes and block.ctypes.data == address:
+                    return block
+            return None
+
     def free_staged(self, run: str, tensors) -> None:
         """Drop run ``run``'s staged results of ``tensors`` (its unit's entry, the others by name)."""
         with self._lock:
@@ -552,6 +581,7 @@ class ShardStore:
                 raise ValueError(f"device {self.device} already holds a shard {name!r} of its own; pick another name")
             old = self.shards.get(name)
             again = old is not None and arrays.same_memory(old, t)
+            self.edits += old is not None
             if old is not None and not again and self.shared is not None:
                 self.shared.end(old)
             self.shards[name] = t
@@ -630,6 +660,7 @@ class ShardStore:
             views = [n for n in names if n in placed]
             others = [n for n in names if n not in placed] if views else names
             if views:
+                self.edits += 1
                 shards = list(map(self.shards.pop, views))
                 for table in (self.holders, self.meta, self.dtypes, self.versions):
                     deque(map(table.pop, views, itertools.repeat(None)), maxlen=0)
@@ -657,6 +688,7 @@ class ShardStore:
         self.versions.pop(name, None)
         if t is None:
             return False
+        self.edits += 1
         at = self.placed.pop(name, None)
         if self.shared is not None:
             self.shared.end(t, at)  # peers' descriptors of it stop mapping, whatever the memory holds next
@@ -716,6 +748,7 @@ class ShardStore:
 
     def clear(self) -> None:
         with self._lock:
+            self.edits += 1
             self.shards.clear()
             self.dtypes.clear()
             self.holders.clear()

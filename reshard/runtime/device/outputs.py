@@ -1,0 +1,166 @@
+"""The user's shards a run into them writes (``out=``), as one device checks and fills them.
+
+A replay into the same outputs binds the same shards every time, so what it writes where is worked
+out once per prepared batch and binding (``Outputs``, cached with the batch's tables). So is the
+check that each output exists, is writable and has the shape and dtype written into it
+(``checked_outs``): it holds while no shard has left or been replaced in the device's store
+(``ShardStore.edits``), and a replay into thousands of outputs checks them again only after one has.
+
+A commit copies its unit's staged results block to block where the outputs are the views of one
+unit block laid out as the staged ones (a replay into the results of the tree's first call): a
+strided copy per kind of destination (``host_unit.copy_places``), not a copy per tensor. Its other
+results are copied one by one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+
+import numpy as np
+
+from reshard.errors import ReshardError
+from reshard.runtime import arrays
+from reshard.runtime.device.host_unit import copy_places
+from reshard.runtime.messages import shard_name
+
+CACHED = 4  # per prepared batch (one per binding)
+
+
+class Outputs:
+    """The outputs a run of ``prepared`` bound as ``bound`` writes (``PreparedBatch.written``):
+    each one's batch tensor, name, shape and dtype; ``written``, the names as one set (what a
+    commit holds readers off)."""
+
+    def __init__(self, prepared, bound):
+        at, shapes, dtypes = prepared.written
+        outs = bound.outs
+        self.tensors = [prepared.tensors[i] for i in at]
+        self.names = [outs[i] for i in at]
+        self.shapes = list(map(tuple, shapes))
+        self.dtypes = list(dtypes)
+        self.written = frozenset(self.names) - {None}
+        self._passed: dict[bool, int] = {}  # strided -> the store's edits when all last passed
+        self._blocks: dict[int, tuple] = {}  # id(layout) -> (layout, edits, block address or None, the others)
+
+    def check(self, ctx, *, strided: bool) -> list | None:
+        """Check every output (``checked_outs``) unless they passed with the store as it is now;
+        returns them where it looked them up (None: the last check holds)."""
+        edits = ctx.store.edits
+        if self._passed.get(strided) == edits:
+            return None
+        found = checked_outs(ctx, self.names, self.shapes, self.dtypes, strided=strided)
+        self._passed[strided] = edits
+        return found
+
+    def commit(self, ctx, run: str) -> None:
+        """Copy run ``run``'s staged results into the outputs, every output checked and every
+        result found first (module docstring)."""
+        store = ctx.store
+        found = self.check(ctx, strided=True)
+        rest: range | list[int] = range(len(self.names))
+        unit, block = store.staged_unit(run), None
+        if unit is not None and unit.layout is not None:
+            edits, address, others = self._unit_block(store, unit.layout)
+            block = None if address is None else store.block_at(address, unit.layout.extent, edits)
+            if block is not None:
+                rest = others
+        srcs, _, shapes = store.staged_results(run, [self.tensors[k] for k in rest])
+        if None in shapes:
+            gone = shard_name(run, self.tensors[rest[shapes.index(None)]])
+            raise ReshardError(f"device {ctx.device}: the staged result {gone!r} is gone")
+        names = [self.names[k] for k in rest]
+        dsts = list(map(store.shards.get, names)) if found is None else [found[k] for k in rest]
+        freed = [n for n, d in zip(names, dsts, strict=True) if d is None]  # since they were checked
+        if freed:
+            raise ReshardError(f"device {ctx.device}: the output shard {freed[0]!r} is gone (unshared or freed)")
+        if block is not None:
+            copy_places(block, unit.block, unit.layout)
+            ctx.counters["block_commits"] = ctx.counters.get("block_commits", 0) + 1
+        arrays.copy_many(dsts, srcs)
+
+    def _unit_block(self, store, layout) -> tuple[int, int | None, list[int]]:
+        """Where the outputs of ``layout``'s destinations lie: at the store's edits count, the
+        address of the unit block they are views of, laid out as in ``layout`` (None: they are not),
+        and the positions of the other outputs."""
+        hit = self._blocks.get(id(layout))
+        edits = store.edits
+        if hit is not None and hit[0] is layout and hit[1] == edits:
+            return hit[1:]
+        at = dict(zip(self.tensors, itertools.count()))
+        mine = [at.get(t) for t in layout.tensors]
+        address = None
+        if None not in mine:
+            placed = store.placed
+            found = np.array([placed.get(self.names[k], -1) for k in mine if k is not None], np.int64)
+            start = int(found[0] - layout.offsets[0]) if len(found) else -1
+            if start >= 0 and np.array_equal(found - start, layout.offsets):
+                address = start
+        taken = set(mine)
+        others = [k for k in range(len(self.tensors)) if k not in taken]
+        if len(self._blocks) >= CACHED:
+            self._blocks.clear()
+        self._blocks[id(layout)] = (layout, edits, address, others)
+        return edits, address, others
+
+
+def outputs_of(prepared, bound) -> Outputs:
+    """``Outputs`` of ``prepared`` bound as ``bound`` (cached in the batch's tables)."""
+    key = ("outputs", id(bound))
+    hit = prepared.tables.get(key)
+    if hit is not None and hit[0] is bound:
+        return hit[1]
+    kept = [k for k in prepared.tables if isinstance(k, tuple) and k[0] == "outputs"]
+    for old in kept[: max(0, len(kept) + 1 - CACHED)]:
+        del prepared.tables[old]
+    out = Outputs(prepared, bound)
+    prepared.tables[key] = (bound, out)
+    return out
+
+
+def checked_outs(ctx, names, shapes, dtypes, *, strided: bool = False) -> list:
+    """``checked_out`` of each of ``names`` (with the shape and dtype of the same position): a
+    commit's or run's thousands of outputs at once, column by column where all are numpy arrays;
+    where one fails, ``checked_out`` of each says which and how."""
+    store, shapes, dtypes = ctx.store, list(map(tuple, shapes)), list(dtypes)
+    found = list(map(store.shards.get, names))
+    if (
+        set(map(type, found)) == {np.ndarray}
+        and list(map(store.dtypes.get, names)) == dtypes
+        and list(map(_SHAPE, found)) == shapes
+        and all(map(_WRITEABLE, found))
+        and (strided or all(map(_C_CONTIGUOUS, found)))
+    ):
+        return found
+    return [checked_out(ctx, n, shape, d, strided=strided) for n, shape, d in zip(names, shapes, dtypes, strict=True)]
+
+
+_SHAPE = operator.attrgetter("shape")
+_WRITEABLE = operator.attrgetter("flags.writeable")
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+
+
+def checked_out(ctx, name: str | None, shape, dtype: str, *, strided: bool = False):
+    """The user's tensor ``name`` that a reshard writes into, checked against what it writes;
+    ``strided``: it may be a strided view (a region of a fused tensor), which a commit copies
+    into; a ``direct`` write lands messages in place and needs it contiguous."""
+    t = None if name is None else ctx.store.get(name)
+    if t is None:
+        raise ReshardError(f"device {ctx.device}: the output shard {name!r} is gone (unshared or freed)")
+    have = ctx.store.dtype(name)
+    if tuple(t.shape) != tuple(shape) or have != dtype:
+        raise ReshardError(
+            f"device {ctx.device}: output shard {name!r} is {have}{list(t.shape)}, the reshard writes "
+            f"{dtype}{list(shape)}"
+        )
+    if not strided and not arrays.contiguous(t):
+        raise ReshardError(
+            f"device {ctx.device}: output shard {name!r} is a strided view (a region of a fused tensor): a direct "
+            "write needs a contiguous one; drop direct=True (the staged write copies into strided views)"
+        )
+    if not arrays.writable(t):
+        raise ReshardError(
+            f"device {ctx.device}: output shard {name!r} is read-only (e.g. np.load(mmap_mode='r')); "
+            "share a writable array to reshard into it"
+        )
+    return t
