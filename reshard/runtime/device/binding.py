@@ -297,11 +297,12 @@ class Binding:
         entries = [
             (shard_name(run, t), d, parts[index[t]].dtype, metas.get(t), t in self.slots) for t, d in self.dsts.items()
         ]
-        placed = None if self.unit is None else self.unit.placed(run)
-        kept = ctx.store.put_run(run, entries, placed, staged=self.bound.outs is not None)
+        staged = self.bound.outs is not None
+        placed = None if self.unit is None else self.unit.placed(run, staged)
+        kept = ctx.store.put_run(run, entries, placed, staged=staged)
         if kept is None:
             raise PeerFailed(f"device {ctx.device}: the controller aborted the reshard {run}")
-        if self.bound.outs is not None:  # staged for a commit: nobody maps them
+        if staged:  # for a commit: nobody maps them
             return {}, None
         descriptors, unit = kept
         out = dict(zip(self.dsts, descriptors, strict=True))

@@ -148,6 +148,18 @@ class Places:
         return list(map(self.distinct.__getitem__, self.shape_ids.tolist()))
 
     @functools.cached_property
+    def positions(self) -> dict[int, int]:
+        """Each destination's position by its batch tensor."""
+        return dict(zip(self.tensors, range(len(self.tensors)), strict=True))
+
+    def views(self, block: np.ndarray) -> list:
+        """Each destination's view of ``block``, in column order."""
+        views: list = []
+        for shape, storage, offset, count, stride in self.groups:
+            views.extend(_views(block, shape, storage, offset, count, stride))
+        return views
+
+    @functools.cached_property
     def extent(self) -> int:
         """The bytes from the block's start to the end of its last destination."""
         return max(o + (n - 1) * stride + s.itemsize * math.prod(shape) for shape, s, o, n, stride in self.groups)
@@ -520,20 +532,28 @@ class UnitRun:
     def __init__(self, unit: HostUnit, device: int, peers, block: np.ndarray, file: tuple[int, int, int] | None):
         self.unit, self.device, self.peers = unit, device, peers
         self.block, self.file = block, file
-        self.views = []
-        for shape, storage, offset, count, stride in unit.places.groups:
-            self.views.extend(_views(block, shape, storage, offset, count, stride))
+
+    @functools.cached_property
+    def views(self) -> list:
+        """Made where they are used one by one: a replay's staged results are committed block to
+        block (``outputs``)."""
+        return self.unit.places.views(self.block)
 
     @property
     def dsts(self) -> dict:
         """Part index -> its destination."""
         return dict(zip(self.unit.places.parts, self.views, strict=True))
 
-    def placed(self, run: str) -> PlacedShards:
+    def placed(self, run: str, staged: bool = False) -> PlacedShards:
         """The destinations as run ``run``'s new shards, named ``shard_name(run, tensor)``, each
         with its address and, for those peers map, ``(fd, inode, offset)`` in the block's
-        shared-memory file (else None)."""
+        shared-memory file (else None). ``staged``: results staged for a commit, which nobody
+        maps: no views (the store makes them if the commit copies them one by one), no addresses."""
         p = self.unit.places
+        if staged:
+            no: list = []
+            kinds = p.shape_ids, p.distinct, p.shapes
+            return PlacedShards(run, None, p.dtypes, p.metas, no, p.sizes, no, p.tensors, *kinds, self.block, p)
         addresses = (p.offsets + self.block.ctypes.data).tolist()
         files: list = [None] * len(addresses)
         if self.file is not None:

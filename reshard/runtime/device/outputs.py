@@ -3,8 +3,9 @@
 A replay into the same outputs binds the same shards every time, so what it writes where is worked
 out once per prepared batch and binding (``Outputs``, cached with the batch's tables). So is the
 check that each output exists, is writable and has the shape and dtype written into it
-(``checked_outs``): it holds while no shard has left or been replaced in the device's store
-(``ShardStore.edits``), and a replay into thousands of outputs checks them again only after one has.
+(``checked_outs``): it holds while none of the outputs any run checked has left or been replaced in
+the device's store (``ShardStore.edits``), and a replay into thousands of outputs checks them again
+only after one has (a shard of another call freed meanwhile costs it nothing).
 
 A commit copies its unit's staged results block to block where the outputs are the views of one
 unit block laid out as the staged ones (a replay into the results of the tree's first call): a
@@ -46,9 +47,9 @@ class Outputs:
     def check(self, ctx, *, strided: bool) -> list | None:
         """Check every output (``checked_outs``) unless they passed with the store as it is now;
         returns them where it looked them up (None: the last check holds)."""
-        edits = ctx.store.edits
-        if self._passed.get(strided) == edits:
+        if self._passed.get(strided) == ctx.store.edits:
             return None
+        edits = ctx.store.watch(self.written)
         found = checked_outs(ctx, self.names, self.shapes, self.dtypes, strided=strided)
         self._passed[strided] = edits
         return found

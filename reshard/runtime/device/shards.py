@@ -41,7 +41,7 @@ import sys
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -71,11 +71,11 @@ class _StagedUnit(NamedTuple):
     ``host_unit.Places``)."""
 
     positions: dict[int, int]
-    views: list
+    views: list | None  # None: made when first read (``staged_results``)
     dtypes: tuple[str, ...]
     shapes: list[tuple[int, ...]]
     block: np.ndarray | None = None
-    layout: object = None
+    layout: Any = None  # the unit's ``host_unit.Places``
 
 
 _NO_UNIT = _StagedUnit({}, [], (), [])
@@ -89,7 +89,7 @@ class PlacedShards:
     shape's index in ``distinct``; ``shapes``, each one's."""
 
     run: str
-    views: list
+    views: list | None  # None: staged results, viewed when the commit copies them one by one
     dtypes: tuple[str, ...]
     metas: tuple | list | None
     addresses: list[int]
@@ -100,7 +100,7 @@ class PlacedShards:
     distinct: tuple[tuple[int, ...], ...]
     shapes: list[tuple[int, ...]]
     block: np.ndarray | None = None
-    layout: object = None  # the unit's ``host_unit.Places``
+    layout: Any = None  # the unit's ``host_unit.Places``
 
     @property
     def names(self) -> list[str]:
@@ -242,9 +242,10 @@ class ShardStore:
         self.blocks: dict[int, tuple] = {}  # id -> a unit's (block, file, bytes asked) (``allocate_block``)
         self.placed: dict[str, int] = {}  # name -> address of a shard that is a view of a unit's block
         self._staged: dict[str, _StagedUnit] = {}  # run -> its unit's staged results
-        #: how often a shard left or was replaced: names checked at one count are the same shards
-        #: while it stays (``outputs.Outputs.check``: a replay's thousands of outputs checked once)
+        #: how often a ``watched`` shard left or was replaced: names checked at one count are the
+        #: same shards while it stays (``outputs.Outputs.check``: a replay's outputs checked once)
         self.edits = 0
+        self.watched: set[str] = set()
         self._lock = threading.RLock()
 
     def __contains__(self, name: str) -> bool:
@@ -261,7 +262,7 @@ class ShardStore:
         """Reshard ``run`` committed into the user's shards ``names`` here: readers compare it
         across devices (``version``; a ``direct`` write is not all or nothing, and sets none)."""
         with self._lock:
-            self.versions.update(zip(filter(self.shards.__contains__, names), itertools.repeat(run)))
+            self.versions.update(dict.fromkeys(filter(self.shards.__contains__, names), run))  # no pair each
 
     def version(self, name: str) -> str | None:
         """The last reshard that committed into shard ``name`` (None: none since it was shared or
@@ -468,7 +469,7 @@ class ShardStore:
 
     def _record(self, name: str, t, holder: str, dtype: str, meta: dict | None) -> None:
         if name in self.shards:
-            self.edits += 1
+            self._left(name)
             self.placed.pop(name, None)  # no longer that view
         self.shards[name] = t
         self.dtypes[name] = dtype
@@ -504,22 +505,26 @@ class ShardStore:
         each (None: peers cannot map it), where they were kept one by one. ``staged_run``: they
         are that run's staged results, kept as one entry (module docstring)."""
         if staged_run is not None:
-            positions = dict(zip(placed.tensors, range(len(placed.tensors)), strict=True))
+            positions = (
+                dict(zip(placed.tensors, range(len(placed.tensors)), strict=True))
+                if placed.layout is None
+                else placed.layout.positions
+            )
             self._staged[staged_run] = _StagedUnit(
                 positions, placed.views, tuple(placed.dtypes), placed.shapes, placed.block, placed.layout
             )
             return [None] * len(positions)
-        names = placed.names
+        names, views = placed.names, placed.views or []
         if self._tombstones and not self._tombstones.keys().isdisjoint(names):
             metas = placed.metas or [None] * len(names)
             return [  # aborted by name (a load's): one by one
                 None if d is _DROPPED else d
                 for d in (
                     self._put(name, t, name, dtype, meta, False)
-                    for name, t, dtype, meta in zip(names, placed.views, placed.dtypes, metas, strict=True)
+                    for name, t, dtype, meta in zip(names, views, placed.dtypes, metas, strict=True)
                 )
             ]
-        self.shards.update(zip(names, placed.views, strict=True))
+        self.shards.update(zip(names, views, strict=True))
         self.dtypes.update(zip(names, placed.dtypes, strict=True))
         self.holders.update(zip(names, zip(names), strict=True))  # each held by its own name
         self.placed.update(zip(names, placed.addresses, strict=True))
@@ -536,6 +541,10 @@ class ShardStore:
             unit = self._staged.get(run, _NO_UNIT)
             at: list = list(map(unit.positions.get, tensors))
             views, dtypes, shapes = unit.views, unit.dtypes, unit.shapes
+            if views is None:  # viewed now, if any is wanted
+                views = []
+                if unit.layout is not None and unit.block is not None and at.count(None) < len(at):
+                    views = unit.layout.views(unit.block)
             if None not in at:  # all the unit's: column by column
                 found, kinds, forms = (list(map(c.__getitem__, at)) for c in (views, dtypes, shapes))
                 return found, kinds, forms
@@ -552,9 +561,21 @@ class ShardStore:
         """Run ``run``'s unit's staged results (None: it staged none)."""
         return self._staged.get(run)
 
+    def watch(self, names) -> int:
+        """Count ``names`` (outputs about to be checked) in ``edits`` from now on; returns the count
+        their check holds at."""
+        with self._lock:
+            self.watched.update(names)
+            return self.edits
+
+    def _left(self, name: str) -> None:
+        if name in self.watched:
+            self.edits += 1
+            self.watched.discard(name)
+
     def block_at(self, address: int, nbytes: int, edits: int) -> np.ndarray | None:
         """The unit block (``allocate_block``) of at least ``nbytes`` that starts at ``address``,
-        while no shard has left since ``edits`` (its views still alive: it is not another run's
+        while no watched shard has left since ``edits`` (its views still alive: it is not another run's
         yet); else None. Held by the caller, it stays out of reuse."""
         with self._lock:
             if self.edits != edits:
@@ -568,7 +589,8 @@ class ShardStore:
         """Drop run ``run``'s staged results of ``tensors`` (its unit's entry, the others by name)."""
         with self._lock:
             positions = self._staged.pop(run, _NO_UNIT).positions
-            self.free_many([shard_name(run, t) for t in tensors if t not in positions])
+            if len(positions) < len(tensors):  # some are named shards (a unit's tensors are among them)
+                self.free_many([shard_name(run, t) for t in tensors if t not in positions])
 
     def share(self, name: str, t, dtype: str, meta: dict, *, file: tuple[int, int] | None = None) -> None:
         """Make the user's tensor ``t`` (of dtype ``dtype``, by name) shard ``name`` (no copy; held
@@ -581,7 +603,8 @@ class ShardStore:
                 raise ValueError(f"device {self.device} already holds a shard {name!r} of its own; pick another name")
             old = self.shards.get(name)
             again = old is not None and arrays.same_memory(old, t)
-            self.edits += old is not None
+            if old is not None:
+                self._left(name)
             if old is not None and not again and self.shared is not None:
                 self.shared.end(old)
             self.shards[name] = t
@@ -660,7 +683,9 @@ class ShardStore:
             views = [n for n in names if n in placed]
             others = [n for n in names if n not in placed] if views else names
             if views:
-                self.edits += 1
+                if not self.watched.isdisjoint(views):
+                    self.edits += 1
+                    self.watched.difference_update(views)
                 shards = list(map(self.shards.pop, views))
                 for table in (self.holders, self.meta, self.dtypes, self.versions):
                     deque(map(table.pop, views, itertools.repeat(None)), maxlen=0)
@@ -688,7 +713,7 @@ class ShardStore:
         self.versions.pop(name, None)
         if t is None:
             return False
-        self.edits += 1
+        self._left(name)
         at = self.placed.pop(name, None)
         if self.shared is not None:
             self.shared.end(t, at)  # peers' descriptors of it stop mapping, whatever the memory holds next
@@ -749,6 +774,7 @@ class ShardStore:
     def clear(self) -> None:
         with self._lock:
             self.edits += 1
+            self.watched.clear()
             self.shards.clear()
             self.dtypes.clear()
             self.holders.clear()

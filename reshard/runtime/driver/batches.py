@@ -22,7 +22,7 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from reshard.ir.regions import layout_regions
 from reshard.runtime.deadlines import Deadline
@@ -61,6 +61,19 @@ _COMMITTING = (
     "Every run succeeded, so the outputs change: each destination device applies the new values once it learns "
     f"how every run ended (within {COMMIT_WAIT_S:g} s of the deadline); its later calls wait for that. "
 )
+
+
+class Sources(NamedTuple):
+    """A call's source shards as columns, by tensor: each one's shard name, ``{device:
+    shared-memory descriptor}`` (for pulls), the dtype it is cast from (None: none;
+    ``(dtype, Scaled)``: a scaled cast) and a hashable key of its name and descriptors
+    (``ShardedTensor._source_key``). Columns, not a tuple each: a replay of a tree of tens of
+    thousands makes no object per tensor for the collector to walk while the call waits."""
+
+    names: list
+    shared: list
+    casts: list
+    keys: list
 
 
 @dataclass
@@ -130,7 +143,7 @@ class Batches:
     def submit(
         self,
         compiled: CompiledBatch,
-        sources,
+        sources: Sources,
         run: str,
         deadline: Deadline,
         what: str,
@@ -140,9 +153,7 @@ class Batches:
         verify: bool = False,
     ) -> Pending:
         """Submit a compiled batch (``reshard.passes.compile.compile_batch``): one ordered ``run`` call per
-        participant. ``sources[t]``: tensor ``t``'s source shard name, ``{device: shared-memory
-        descriptor}`` (for pulls), the dtype it is cast from (None: none) and a hashable key of its
-        name and descriptors (``ShardedTensor._source_key``); ``outs[t]``: the
+        participant, bound to ``sources`` (``Sources``); ``outs[t]``: the
         user's shard its result is for (None: a new shard ``shard_name(run, t)``), written into
         ``direct``ly, else staged and committed by an
         ordered ``commit`` call on each destination device, submitted now behind its run, which
@@ -153,7 +164,7 @@ class Batches:
             backend = recs[0].backend if recs else "gloo"
             sets = self.communicators.admit([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
-            shards = tuple((key, cast) for _, _, cast, key in sources)  # a name shared anew: anew
+            shards = (tuple(sources.keys), tuple(sources.casts))  # a name shared anew: anew
             bid = self.bindings.program_id(Signed((pid, shards, None if outs is None else tuple(outs))))
             budget = deadline.budget
             refs = {}
@@ -279,20 +290,20 @@ class Batches:
         return acks
 
 
-def _bound(compiled, device: int, sources, outs, records) -> Bound:
-    """What ``device``'s parts of a batch are bound to (``Bound``): ``sources[t]`` is tensor
-    ``t``'s source shard name, ``{device: shared-memory descriptor}`` and the dtype it is cast
-    from (None: none; ``(dtype, Scaled)``: a scaled cast, of which the device gets its shard's
-    scales), ``outs[t]`` its output."""
+def _bound(compiled, device: int, sources: Sources, outs, records) -> Bound:
+    """What ``device``'s parts of a batch are bound to (``Bound``): their ``sources``
+    (``Sources``; of a scaled cast, the device gets its shard's scales), ``outs[t]`` tensor
+    ``t``'s output."""
     parts = compiled.program.for_device(device).parts
-    names = tuple(sources[p.tensor][0] if p.program.src_shape is not None else None for p in parts)
+    names = tuple(sources.names[p.tensor] if p.program.src_shape is not None else None for p in parts)
     casts = tuple(
-        _cast_for(sources[p.tensor][2], compiled.tensors[p.tensor].plan, device)
+        _cast_for(sources.casts[p.tensor], compiled.tensors[p.tensor].plan, device)
         if p.program.src_shape is not None
         else None
         for p in parts
     )
-    pulls = {t: {h: sources[t][1][h] for h in holders} for t, holders in compiled.pull_sources.get(device, {}).items()}
+    shared = sources.shared
+    pulls = {t: {h: shared[t][h] for h in holders} for t, holders in compiled.pull_sources.get(device, {}).items()}
     mine = None if outs is None else tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
     relaying = compiled.relay_sources.get(device)
     relays = {h: records[h].board for h in relaying} if relaying else None
@@ -309,4 +320,4 @@ def _cast_for(cast, plan, device: int):
     return scaled.for_box(src, box)
 
 
-__all__ = ["CLEANUP_S", "INTACT", "Batches", "Pending"]
+__all__ = ["CLEANUP_S", "INTACT", "Batches", "Pending", "Sources"]

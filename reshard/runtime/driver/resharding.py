@@ -29,6 +29,7 @@ from reshard.pytree import flatten, per_leaf, unflatten
 from reshard.runtime.backends.registry import backend_spec
 from reshard.runtime.checksums import first_mismatch
 from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
+from reshard.runtime.driver.batches import Sources
 from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.signed import Signed
 from reshard.runtime.driver.tensor import ShardedTensor
@@ -432,15 +433,16 @@ def reshard(
         compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
         run = rt.new_name()
         what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"
-        sources = [
-            (
-                t.name,
-                t._shared,
-                (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name,
-                t._source_key,
-            )
-            for t, d, s in zip(call.leaves, call.dtypes, call.scalings, strict=True)
-        ]
+        leaves = call.leaves
+        sources = Sources(
+            [t.name for t in leaves],
+            [t._shared for t in leaves],
+            [
+                (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name
+                for t, d, s in zip(leaves, call.dtypes, call.scalings, strict=True)
+            ],
+            [t._source_key for t in leaves],
+        )
         outs = None if call.outs is None else [o.name for o in call.outs]
         pending = rt.batches.submit(compiled, sources, run, deadline, what, outs=outs, direct=direct, verify=verify)
 
