@@ -34,12 +34,13 @@ LEAF = TreeDef("leaf")
 NONE = TreeDef("none")
 
 
-def flatten(tree, is_leaf: Callable[[Any], bool]) -> tuple[list, list[str], TreeDef]:
-    """``(leaves, paths, treedef)`` of ``tree``; ``is_leaf(x)`` says what is a leaf. Anything else
-    that is not a dict, list, tuple or None raises TypeError naming its path."""
+def flatten(tree, is_leaf: Callable[[Any], bool], leaf_type: type | None = None) -> tuple[list, list[str], TreeDef]:
+    """``(leaves, paths, treedef)`` of ``tree``; ``is_leaf(x)`` says what is a leaf (and so is an
+    object of exactly ``leaf_type``: a flat dict of them is seen by their types, not a call each).
+    Anything else that is not a dict, list, tuple or None raises TypeError naming its path."""
     if type(tree) is dict and tree:  # a flat state dict, the common case: no walk
         values = list(tree.values())
-        if all(map(is_leaf, values)):
+        if (leaf_type is not None and set(map(type, values)) == {leaf_type}) or all(map(is_leaf, values)):
             keys = tuple(tree)
             return values, [str(k) for k in keys], TreeDef("dict", dict, keys, (LEAF,) * len(keys))
     leaves: list = []
@@ -183,7 +184,7 @@ def per_leaf(spec, leaves: list, paths: list[str], treedef: TreeDef, is_one: Cal
     ):
         values = list(spec.values())
         kinds = set(map(type, values))  # a state dict's values are of a few types: checked once each
-        if all(map(is_one, values)) or not any(issubclass(k, Mapping | list | tuple | type(None)) for k in kinds):
+        if not any(issubclass(k, Mapping | list | tuple | type(None)) for k in kinds) or all(map(is_one, values)):
             return values  # a flat dict with the tree's keys in its order (a state dict's)
     got, _, spec_def = flatten(spec, lambda x: not isinstance(x, Mapping | list | tuple) and x is not None)
     diff = same_structure(treedef, spec_def)

@@ -162,6 +162,46 @@ def test_a_replay_into_the_same_outputs_checks_again_what_changed_and_holds_none
     assert kept() is None
 
 
+def test_a_call_of_the_same_objects_is_made_again_and_any_change_makes_it_anew(view):
+    """A sync loop calls reshard with the same tree, layouts and outputs every step: the call is
+    made again from the latest one (``_Call.again``: nothing per tensor checked or worked out
+    again). Another source under a key, another layout or a freed source makes it anew, and it
+    holds no tensor the user drops."""
+    import gc
+    import weakref
+
+    from reshard.runtime.driver import resharding
+
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    want = {f"w{i}": random_array((8, 6), "float32", 70 + i) for i in range(4)}
+    src = distribute(want, Layout(a, pl("S0")))
+    layouts = {k: Layout(b, pl("S0")) for k in want}
+    first = reshard(src, a, layouts)
+    latest = resharding._last_call
+    assert_tree(reshard(src, a, layouts), want)
+    assert resharding._last_call is latest, "made again from the latest call"
+    out = reshard(src, a, layouts, out=first)  # into outputs: anew, then again
+    latest = resharding._last_call
+    assert reshard(src, a, layouts, out=first) is out is first
+    assert resharding._last_call is latest
+    want["w1"] = random_array((8, 6), "float32", 80)
+    src["w1"] = distribute({"w1": want["w1"]}, Layout(a, pl("S0")))["w1"]
+    reshard(src, a, layouts, out=first)
+    assert resharding._last_call is not latest, "another source under a key"
+    assert_tree(first, want)
+    other = {**layouts, "w2": Layout(b, pl("R"))}
+    moved = reshard(src, a, other)
+    assert moved["w2"].layout == other["w2"]
+    assert_tree(moved, want)
+    src["w0"].free()
+    with pytest.raises(ValueError, match="reshard source 'w0'.* was freed"):
+        reshard(src, a, other)
+    kept = weakref.ref(src["w3"])
+    del src, moved
+    gc.collect()
+    assert kept() is None
+
+
 def test_small_tensors_travel_in_buckets_and_big_ones_stream(view):
     from reshard.runtime import lowered_reshard  # noqa: F401 - the single-tensor view stays available
     from reshard.runtime.driver.resharding import _Call, _compile

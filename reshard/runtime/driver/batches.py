@@ -67,13 +67,15 @@ class Sources(NamedTuple):
     """A call's source shards as columns, by tensor: each one's shard name, ``{device:
     shared-memory descriptor}`` (for pulls), the dtype it is cast from (None: none;
     ``(dtype, Scaled)``: a scaled cast) and a hashable key of its name and descriptors
-    (``ShardedTensor._source_key``). Columns, not a tuple each: a replay of a tree of tens of
-    thousands makes no object per tensor for the collector to walk while the call waits."""
+    (``ShardedTensor._source_key``); ``key``, the keys and casts as one (what a binding depends
+    on, hashed once). Columns, not a tuple each: a replay of a tree of tens of thousands makes no
+    object per tensor for the collector to walk while the call waits."""
 
     names: list
     shared: list
     casts: list
     keys: list
+    key: Signed
 
 
 @dataclass
@@ -164,8 +166,8 @@ class Batches:
             backend = recs[0].backend if recs else "gloo"
             sets = self.communicators.admit([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
-            shards = (tuple(sources.keys), tuple(sources.casts))  # a name shared anew: anew
-            bid = self.bindings.program_id(Signed((pid, shards, None if outs is None else tuple(outs))))
+            # a name shared anew binds anew
+            bid = self.bindings.program_id(Signed((pid, sources.key, None if outs is None else tuple(outs))))
             budget = deadline.budget
             refs = {}
             for rec in recs:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from reshard.dtypes import cast_name
 from reshard.errors import ReshardError
@@ -75,34 +76,38 @@ def relay_publishers(dst_mesh: DeviceMesh, domains, direct_out: ShardedTensor | 
 
 
 class _Call:
-    """One reshard call's tensors, checked, with what compiling and running them needs."""
+    """One reshard call's tensors, checked, with what compiling and running them needs (``derived``:
+    what is worked out from them once, ``_derived``)."""
 
     def __init__(self, tensors, src_mesh, dst_layouts, out, direct: bool, dtype=None):
+        self.derived: dict = {}
         if not isinstance(src_mesh, DeviceMesh):
             raise TypeError(f"src_mesh must be a DeviceMesh, got {type(src_mesh).__name__}")
         self.single = isinstance(tensors, ShardedTensor)
         self.leaves, self.paths, self.treedef = _flatten_tensors(tensors)
-        self.layouts = _layouts(dst_layouts, self.leaves, self.paths, self.treedef, self.single)
+        self.shapes = list(map(_SHAPE, self.leaves))
+        self.layouts = _layouts(dst_layouts, self.leaves, self.paths, self.treedef, self.single, self.shapes)
         self.outs = None if out is None else _outs(out, self.treedef, self.single, len(self.leaves))
         self.dtypes, self.scalings = _dtypes(dtype, self.leaves, self.paths, self.treedef)
         if direct and out is None:
             raise ValueError("direct=True writes into existing shards: pass them as out=")
-        meshes = {}
-        for path, t in zip(self.paths, self.leaves, strict=True):
-            if t.mesh is not src_mesh and t.mesh.mesh != src_mesh.mesh:
-                raise ValueError(
-                    f"src_mesh {src_mesh!r} is not the mesh of {_at(path)}{t!r}, which lives on {t.mesh!r}; pass "
-                    "tensor.mesh as src_mesh (the tensors of one call share their source mesh)"
-                )
-            if t._freed:  # the attribute, not the property: thousands of leaves a call
-                raise ValueError(f"reshard source {_at(path)}{t!r} was freed; its shards are gone")
+        if set(map(id, map(_MESH, self.leaves))) != {id(src_mesh)} or any(map(_FREED, self.leaves)):
+            for path, t in zip(self.paths, self.leaves, strict=True):  # which, and how
+                if t.mesh is not src_mesh and t.mesh.mesh != src_mesh.mesh:
+                    raise ValueError(
+                        f"src_mesh {src_mesh!r} is not the mesh of {_at(path)}{t!r}, which lives on {t.mesh!r}; "
+                        "pass tensor.mesh as src_mesh (the tensors of one call share their source mesh)"
+                    )
+                if t._freed:
+                    raise ValueError(f"reshard source {_at(path)}{t!r} was freed; its shards are gone")
         src_mesh.check_open()
+        meshes = {}
+        layout_meshes = list(map(_MESH, self.layouts))
         by_id: dict[int, DeviceMesh] = {}  # a tree's layouts share a few mesh objects: looked up once each
-        for layout in self.layouts:
-            if id(layout.mesh) not in by_id:
-                if layout.mesh not in meshes:
-                    meshes[layout.mesh] = resolve_mesh(layout.mesh, f"reshard destination {layout}")
-                by_id[id(layout.mesh)] = meshes[layout.mesh]
+        for key, layout in dict(zip(map(id, layout_meshes), self.layouts, strict=True)).items():
+            if layout.mesh not in meshes:
+                meshes[layout.mesh] = resolve_mesh(layout.mesh, f"reshard destination {layout}")
+            by_id[key] = meshes[layout.mesh]
         for dmesh in meshes.values():
             if dmesh.backend != src_mesh.backend:
                 raise ValueError(
@@ -110,11 +115,144 @@ class _Call:
                     "both meshes must use one backend"
                 )
         self.src_mesh = src_mesh
-        self.dst_meshes = [by_id[id(layout.mesh)] for layout in self.layouts]
-        if self.outs is not None:
-            for m in self._checked_outs():
-                m.check_open()
+        self.dst_meshes = list(map(by_id.__getitem__, map(id, layout_meshes)))
+        out_meshes = self._checked_outs() if self.outs is not None else []
+        for m in out_meshes:
+            m.check_open()
         self.direct = direct
+        self._remember(tensors, dst_layouts, out, dtype, tuple(meshes.items()), out_meshes)
+
+    def _remember(self, tensors, dst_layouts, out, dtype, meshes: tuple, out_meshes: list) -> None:
+        """Keep this call as the latest (``_Replay``) where ``again`` can tell a call of the same
+        objects cheaply: a flat dict of tensors (into a flat dict, if any), a Layout or a flat
+        dict of them, each its own dtype."""
+        global _last_call
+        flat = type(tensors) is dict and len(tensors) > 1 and self.treedef.keys == tuple(tensors)
+        if not (
+            flat
+            and dtype is None
+            and (
+                isinstance(dst_layouts, Layout)
+                or (type(dst_layouts) is dict and tuple(dst_layouts) == self.treedef.keys)
+            )
+            and (out is None or (type(out) is dict and tuple(out) == self.treedef.keys))
+        ):
+            return
+        given = dst_layouts if isinstance(dst_layouts, Layout) else list(dst_layouts.values())
+        state = {k: v for k, v in vars(self).items() if k not in ("leaves", "outs")}
+        _last_call = _Replay(
+            self.src_mesh,
+            self.direct,
+            self.treedef.keys,
+            list(map(weakref.ref, self.leaves)),
+            given,
+            None if self.outs is None else list(map(weakref.ref, self.outs)),
+            meshes,
+            out_meshes,
+            state,
+        )
+
+    @classmethod
+    def again(cls, tensors, src_mesh, dst_layouts, out, direct: bool, dtype) -> _Call | None:
+        """The latest call (``_last_call``) made again where these are the same objects: the same
+        tensors under the same keys, the same layouts, the same outputs, none freed, every mesh
+        still the live one. Handles and layouts are immutable, so what was checked and worked out
+        from them holds (a sync loop's replay costs a few identity checks per tensor, not a few
+        checks and tables). None: make the call anew (``_Call``), which says what is wrong."""
+        m = _last_call
+        if (
+            m is None
+            or dtype is not None
+            or type(tensors) is not dict
+            or src_mesh is not m.src_mesh
+            or direct != m.direct
+            or tuple(tensors) != m.keys
+        ):
+            return None
+        leaves = list(tensors.values())
+        if not all(map(operator.is_, leaves, map(_DEREF, m.leaves))) or any(map(_FREED, leaves)):
+            return None
+        if isinstance(m.given, Layout):
+            if dst_layouts is not m.given:
+                return None
+        elif not (
+            type(dst_layouts) is dict
+            and tuple(dst_layouts) == m.keys
+            and all(map(operator.is_, dst_layouts.values(), m.given))
+        ):
+            return None
+        outs = None
+        if m.outs is not None:
+            if type(out) is not dict or tuple(out) != m.keys:
+                return None
+            outs = list(out.values())
+            if not all(map(operator.is_, outs, map(_DEREF, m.outs))) or any(map(_FREED, outs)):
+                return None
+        elif out is not None:
+            return None
+        registry = src_mesh.runtime.registry
+        for mesh, dmesh in m.meshes:  # each still the live one (``resolve_mesh``)
+            live, _ = registry.local_mesh(mesh)
+            if not live or live[-1] is not dmesh:
+                return None
+        src_mesh.check_open()
+        for dmesh in (*(d for _, d in m.meshes), *m.out_meshes):
+            dmesh.check_open()
+        call = object.__new__(cls)
+        call.__dict__.update(m.state)
+        call.leaves, call.outs = leaves, outs
+        return call
+
+    def _derived(self, key: str, make):
+        """``make()`` once for this call and those that make it again (``again``)."""
+        hit = self.derived.get(key)
+        if hit is None:
+            hit = self.derived[key] = make()
+        return hit
+
+    @property
+    def reads(self) -> frozenset:
+        return self._derived("reads", lambda: frozenset(map(_NAME, self.leaves)))
+
+    @property
+    def writes(self) -> frozenset:
+        return self._derived("writes", lambda: frozenset(map(_NAME, self.outs or ())))
+
+    @property
+    def out_names(self) -> list[str] | None:
+        return None if self.outs is None else self._derived("out names", lambda: list(map(_NAME, self.outs)))
+
+    @property
+    def sources(self) -> Sources:
+        """The source shards (``Sources``)."""
+        return self._derived("sources", self._sources)
+
+    def _sources(self) -> Sources:
+        leaves = self.leaves
+        casts = [
+            (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name
+            for t, d, s in zip(leaves, self.dtypes, self.scalings, strict=True)
+        ]
+        names, shared, keys = list(map(_NAME, leaves)), list(map(_SHARED, leaves)), list(map(_SOURCE_KEY, leaves))
+        return Sources(names, shared, casts, keys, Signed((tuple(keys), tuple(casts))))
+
+    @property
+    def tensors_key(self) -> Signed:
+        """What a compiled reshard depends on of the tensors, their layouts and dtypes, and the
+        outputs of a ``direct`` write (``_compile``)."""
+
+        def make() -> Signed:
+            outs = self.outs if self.direct and self.outs is not None else [None] * len(self.leaves)
+            return Signed(
+                (
+                    tuple(map(_SIGNATURE, self.leaves)),
+                    tuple(self.layouts),
+                    tuple(self.dtypes),
+                    tuple(None if o is None else frozenset(o._shared) for o in outs),
+                )
+            )
+
+        return self._derived("tensors key", make)
 
     def _checked_outs(self) -> list[DeviceMesh]:
         """Each output checked against what is written into it (``_check_out``); the meshes they
@@ -122,12 +260,12 @@ class _Call:
         layouts, dtypes and shapes as the latest call that passed check the same, but for whether
         one was freed since (``_last_outs``)."""
         global _last_outs
-        outs, shapes = self.outs or [], [t.shape for t in self.leaves]
+        outs, shapes = self.outs or [], self.shapes
         last = _last_outs
         if not (
             last is not None
             and len(last[0]) == len(outs)
-            and all(map(operator.is_, outs, [ref() for ref in last[0]]))
+            and all(map(operator.is_, outs, map(_DEREF, last[0])))
             and all(map(operator.is_, self.layouts, last[1]))
             and last[2] == self.dtypes
             and last[3] == shapes
@@ -136,7 +274,8 @@ class _Call:
             for path, t, layout, o, d in zip(self.paths, self.leaves, self.layouts, outs, self.dtypes, strict=True):
                 _check_out(o, t, layout, path, d)
             _last_outs = (list(map(weakref.ref, outs)), list(self.layouts), list(self.dtypes), shapes)
-        return list({id(m): m for m in map(_MESH, outs)}.values())
+        meshes = list(map(_MESH, outs))
+        return list(dict(zip(map(id, meshes), meshes, strict=True)).values())
 
     @property
     def what(self) -> str:
@@ -187,7 +326,7 @@ def _flatten_tensors(tensors):
         return False
 
     try:
-        leaves, paths, treedef = flatten(tensors, leaf)
+        leaves, paths, treedef = flatten(tensors, leaf, ShardedTensor)
     except TypeError as e:
         raise TypeError(f"reshard: {e}") from None
     return leaves, paths, treedef
@@ -200,13 +339,41 @@ def _flatten_tensors(tensors):
 _last_outs: tuple[list, list, list, list] | None = None
 _FREED = operator.attrgetter("_freed")  # the attribute, not the property: thousands of outputs a call
 _MESH = operator.attrgetter("mesh")
+_NAME = operator.attrgetter("name")
+_SHAPE = operator.attrgetter("shape")
+_SHARED = operator.attrgetter("_shared")
+_SOURCE_KEY = operator.attrgetter("_source_key")
+_SIGNATURE = operator.attrgetter("_signature")
+_DEREF = weakref.ref.__call__
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """The latest call of a tree (``_Call.again``): its source mesh, ``direct``, the tree's keys,
+    its tensors (by weak reference: a handle the user dropped is released as before), the layouts
+    given (a Layout, or a flat dict's values), its outputs (by weak reference; None: none), the
+    destination meshes as resolved (``(mesh, DeviceMesh)`` each) and the outputs' meshes, and the
+    call's other attributes (``derived`` among them, shared by every call made again from it)."""
+
+    src_mesh: DeviceMesh
+    direct: bool
+    keys: tuple
+    leaves: list
+    given: Layout | list
+    outs: list | None
+    meshes: tuple
+    out_meshes: list
+    state: dict
+
+
+_last_call: _Replay | None = None
 
 #: ``(given layouts, shapes, checked layouts)`` of the latest call of a tree: Layouts are immutable,
 #: so the same layout objects for the same shapes check the same (thousands per call otherwise)
 _last_layouts: tuple[list, list, list] | None = None
 
 
-def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
+def _layouts(dst_layouts, leaves, paths, treedef, single: bool, shapes: list) -> list[Layout]:
     """One destination Layout per leaf: from the same tree of Layouts, one Layout for every
     tensor, or a callable ``(path, tensor) -> Layout``; each checked against its tensor's shape."""
     if single and not isinstance(dst_layouts, Layout) and not callable(dst_layouts):
@@ -214,7 +381,6 @@ def _layouts(dst_layouts, leaves, paths, treedef, single: bool) -> list[Layout]:
     global _last_layouts
     what = "reshard: the tree of layouts does not match the tree of tensors"
     given = per_leaf(dst_layouts, leaves, paths, treedef, lambda x: isinstance(x, Layout), what)
-    shapes = [t.shape for t in leaves]
     last = _last_layouts
     if last is not None and len(last[0]) == len(given) and all(map(operator.is_, given, last[0])) and last[1] == shapes:
         return list(last[2])  # the same layouts for the same shapes as the latest call: a sync loop's replay
@@ -295,9 +461,6 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
     memory, the destination layouts, the options and the link figures' generation."""
     from topology.runtime import links_generation
 
-    outs: Sequence[ShardedTensor | None] = (
-        call.outs if call.direct and call.outs is not None else [None] * len(call.leaves)
-    )
     rt = call.src_mesh.runtime
     signature = (
         strategy,
@@ -306,10 +469,7 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
         bucket_bytes,
         links_generation(),
         call.src_mesh.backend,
-        tuple(t._signature for t in call.leaves),
-        tuple(call.layouts),
-        tuple(call.dtypes),
-        tuple(None if o is None else frozenset(o._shared) for o in outs),
+        call.tensors_key,
     )
 
     def build() -> CompiledBatch:
@@ -422,9 +582,10 @@ def reshard(
     ):
         raise ValueError(f"bucket_bytes must be a positive int (or None: the backend's), got {bucket_bytes!r}")
     with gc_paused():  # a tree's objects, a few per tensor: collected after the call, not during it
-        call = _Call(tensors, src_mesh, dst_layouts, out, direct, dtype)
-        reads = frozenset(t.name for t in call.leaves)
-        writes = frozenset(o.name for o in call.outs) if call.outs is not None else frozenset()
+        call = _Call.again(tensors, src_mesh, dst_layouts, out, direct, dtype) or _Call(
+            tensors, src_mesh, dst_layouts, out, direct, dtype
+        )
+        reads, writes = call.reads, call.writes
     rt = call.src_mesh.runtime
     deadline = Deadline.after(timeout_s)  # one for the whole call: the wait for earlier works counts
     rt.works.after(reads, writes, deadline)
@@ -433,18 +594,10 @@ def reshard(
         compiled = _compile(call, strategy, cluster, shared_memory, bucket_bytes)
         run = rt.new_name()
         what = call.what if strategy == "auto" else f"{call.what} (strategy {strategy!r})"
-        leaves = call.leaves
-        sources = Sources(
-            [t.name for t in leaves],
-            [t._shared for t in leaves],
-            [
-                (t.dtype_name, s) if s is not None else None if d == t.dtype_name else t.dtype_name
-                for t, d, s in zip(leaves, call.dtypes, call.scalings, strict=True)
-            ],
-            [t._source_key for t in leaves],
+        outs = call.out_names
+        pending = rt.batches.submit(
+            compiled, call.sources, run, deadline, what, outs=outs, direct=direct, verify=verify
         )
-        outs = None if call.outs is None else [o.name for o in call.outs]
-        pending = rt.batches.submit(compiled, sources, run, deadline, what, outs=outs, direct=direct, verify=verify)
 
     def finish():
         try:
