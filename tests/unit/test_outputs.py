@@ -147,3 +147,28 @@ def test_a_check_holds_until_an_output_leaves_the_store_or_is_replaced():
     s.free(names[0])
     with pytest.raises(ReshardError, match=rf"the output shard '{names[0]}' is gone"):
         out.check(ctx, strided=True)
+
+
+def test_outputs_committed_together_share_a_version_until_another_write_or_a_drop_touches_one():
+    """A replay's commit marks its outputs' version by one value they share (``ShardStore.wrote``
+    with a cell); a write of one of them by another sync, or one dropped and made again, gives
+    them their entries again at the next replay."""
+    s = ShardStore(0, "cpu", 1 << 20)
+    for n in "abc":
+        s.put(n, np.zeros(2), n, "float64")
+    cell: list = []
+    s.wrote(list("abc"), "r1", cell)
+    s.wrote(list("abc"), "r2", cell)
+    assert [s.version(n) for n in "abc"] == ["r2"] * 3
+    s.wrote(["b"], "x")  # another sync's commit into one of them
+    assert [s.version(n) for n in "abc"] == ["r2", "x", "r2"]
+    s.wrote(list("abc"), "r3", cell)
+    assert [s.version(n) for n in "abc"] == ["r3"] * 3
+    s.free("c")
+    s.put("c", np.zeros(2), "c", "float64")  # another shard under the name: nothing wrote it yet
+    assert s.version("c") is None
+    s.wrote(list("abc"), "r4", cell)
+    assert [s.version(n) for n in "abc"] == ["r4"] * 3
+    s.wrote(["a"], "y", [])  # another replay's outputs (a cell of their own) overlap these
+    s.wrote(list("abc"), "r5", cell)
+    assert [s.version(n) for n in "abc"] == ["r5"] * 3

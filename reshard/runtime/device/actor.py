@@ -396,7 +396,7 @@ class DeviceRole:
                             state.stream.finish(
                                 time.monotonic() + COMMIT_WAIT_S, f"device {ctx.device}: committing {run}"
                             )
-                        ctx.store.wrote(outputs.names, run)
+                        ctx.store.wrote(outputs.names, run, outputs.version)
             finally:  # no reference here to a staged result: freed, its memory goes back to the pool
                 ctx.store.free_staged(run, outputs.tensors if outputs else ())
                 if ctx.commit_hook is not None:

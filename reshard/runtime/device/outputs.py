@@ -43,6 +43,7 @@ class Outputs:
         self.written = frozenset(self.names) - {None}
         self._passed: dict[bool, int] = {}  # strided -> the store's edits when all last passed
         self._blocks: dict[int, tuple] = {}  # id(layout) -> (layout, edits, block address or None, the others)
+        self.version: list = []  # the outputs' version cell (``ShardStore.wrote``)
 
     def check(self, ctx, *, strided: bool) -> list | None:
         """Check every output (``checked_outs``) unless they passed with the store as it is now;

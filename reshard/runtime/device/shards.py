@@ -237,7 +237,9 @@ class ShardStore:
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.meta: dict[str, dict] = {}  # name -> what its owner said of it (global shape, placements, ...)
         self.dtypes: dict[str, str] = {}  # name -> dtype name (an array of bit patterns does not say it)
-        self.versions: dict[str, str] = {}  # name -> the last reshard that committed into it (``wrote``)
+        #: name -> the last reshard that committed into it (``wrote``), or a replay's cell
+        self.versions: dict[str, str | list] = {}
+        self._versioned = 0  # bumped when entries that may be cells are overwritten or dropped
         self.users: set[str] = set()  # shards that are a user's own tensors: never pooled
         self.blocks: dict[int, tuple] = {}  # id -> a unit's (block, file, bytes asked) (``allocate_block``)
         self.placed: dict[str, int] = {}  # name -> address of a shard that is a view of a unit's block
@@ -258,16 +260,31 @@ class ShardStore:
         """The dtype name of shard ``name`` (KeyError: no such shard)."""
         return self.dtypes[name]
 
-    def wrote(self, names, run: str) -> None:
+    def wrote(self, names, run: str, cell: list | None = None) -> None:
         """Reshard ``run`` committed into the user's shards ``names`` here: readers compare it
-        across devices (``version``; a ``direct`` write is not all or nothing, and sets none)."""
+        across devices (``version``; a ``direct`` write is not all or nothing, and sets none).
+        ``cell``: the names are outputs committed into together at every replay; their entries
+        share it (``[run, count]``), so while no other write or drop has touched an entry since
+        they were given it, a commit sets one value, not one per name."""
         with self._lock:
-            self.versions.update(dict.fromkeys(filter(self.shards.__contains__, names), run))  # no pair each
+            if cell is not None and len(cell) == 2 and cell[1] == self._versioned:
+                cell[0] = run
+                return
+            self._versioned += 1  # the entries overwritten may be another cell's
+            value: str | list = run if cell is None else cell
+            if cell is not None:
+                cell[:] = [run, self._versioned]
+            self.versions.update(dict.fromkeys(filter(self.shards.__contains__, names), value))  # no pair each
 
     def version(self, name: str) -> str | None:
         """The last reshard that committed into shard ``name`` (None: none since it was shared or
         made)."""
-        return self.versions.get(name)
+        v = self.versions.get(name)
+        return v[0] if isinstance(v, list) else v
+
+    def _unversion(self, name: str) -> None:
+        if type(self.versions.pop(name, None)) is list:
+            self._versioned += 1
 
     def allocate(self, shape, dtype: str, *, shared: bool = True, mapped: bool = False):
         """A new shard's memory (dtype by name): on a CPU device a numpy array in pooled memory of
@@ -614,7 +631,7 @@ class ShardStore:
             if self.shared is not None and not again:
                 self.shared.begin(t, None if file is None else (file[0], os.fstat(file[0]).st_ino, file[1]))
             if not again:
-                self.versions.pop(name, None)  # another tensor: nothing wrote it yet
+                self._unversion(name)  # another tensor: nothing wrote it yet
             self.meta[name] = meta
 
     def unshare(self, name: str) -> None:
@@ -687,8 +704,10 @@ class ShardStore:
                     self.edits += 1
                     self.watched.difference_update(views)
                 shards = list(map(self.shards.pop, views))
-                for table in (self.holders, self.meta, self.dtypes, self.versions):
+                for table in (self.holders, self.meta, self.dtypes):
                     deque(map(table.pop, views, itertools.repeat(None)), maxlen=0)
+                if list in set(map(type, map(self.versions.pop, views, itertools.repeat(None)))):
+                    self._versioned += 1
                 addresses = list(map(placed.pop, views))
                 if self.shared is not None:
                     self.shared.end_placed(shards, addresses)
@@ -710,7 +729,7 @@ class ShardStore:
         self.holders.pop(name, None)
         self.meta.pop(name, None)
         self.dtypes.pop(name, None)
-        self.versions.pop(name, None)
+        self._unversion(name)
         if t is None:
             return False
         self._left(name)
@@ -775,6 +794,8 @@ class ShardStore:
         with self._lock:
             self.edits += 1
             self.watched.clear()
+            self._versioned += 1
+            self.versions.clear()
             self.shards.clear()
             self.dtypes.clear()
             self.holders.clear()
