@@ -123,10 +123,9 @@ class _Call:
         self._remember(tensors, dst_layouts, out, dtype, tuple(meshes.items()), out_meshes)
 
     def _remember(self, tensors, dst_layouts, out, dtype, meshes: tuple, out_meshes: list) -> None:
-        """Keep this call as the latest (``_Replay``) where ``again`` can tell a call of the same
-        objects cheaply: a flat dict of tensors (into a flat dict, if any), a Layout or a flat
+        """Keep this call among the latest (``_recent``) where ``again`` can tell a call of the
+        same objects cheaply: a flat dict of tensors (into a flat dict, if any), a Layout or a flat
         dict of them, each its own dtype."""
-        global _last_call
         flat = type(tensors) is dict and len(tensors) > 1 and self.treedef.keys == tuple(tensors)
         if not (
             flat
@@ -140,7 +139,7 @@ class _Call:
             return
         given = dst_layouts if isinstance(dst_layouts, Layout) else list(dst_layouts.values())
         state = {k: v for k, v in vars(self).items() if k not in ("leaves", "outs")}
-        _last_call = _Replay(
+        replay = _Replay(
             self.src_mesh,
             self.direct,
             self.treedef.keys,
@@ -151,24 +150,27 @@ class _Call:
             out_meshes,
             state,
         )
+        _recent[:] = [replay, *_recent[: RECENT - 1]]
 
     @classmethod
     def again(cls, tensors, src_mesh, dst_layouts, out, direct: bool, dtype) -> _Call | None:
-        """The latest call (``_last_call``) made again where these are the same objects: the same
-        tensors under the same keys, the same layouts, the same outputs, none freed, every mesh
-        still the live one. Handles and layouts are immutable, so what was checked and worked out
-        from them holds (a sync loop's replay costs a few identity checks per tensor, not a few
+        """One of the latest calls (``_recent``) made again where these are the same objects: the
+        same tensors under the same keys, the same layouts, the same outputs, none freed, every
+        mesh still the live one. Handles and layouts are immutable, so what was checked and worked
+        out from them holds (a sync loop's replay costs a few identity checks per tensor, not a few
         checks and tables). None: make the call anew (``_Call``), which says what is wrong."""
-        m = _last_call
-        if (
-            m is None
-            or dtype is not None
-            or type(tensors) is not dict
-            or src_mesh is not m.src_mesh
-            or direct != m.direct
-            or tuple(tensors) != m.keys
-        ):
+        if dtype is not None or type(tensors) is not dict:
             return None
+        keys = tuple(tensors)
+        for m in list(_recent):
+            if src_mesh is m.src_mesh and direct == m.direct and (out is None) == (m.outs is None) and keys == m.keys:
+                call = cls._again(m, tensors, src_mesh, dst_layouts, out)
+                if call is not None:
+                    return call
+        return None
+
+    @classmethod
+    def _again(cls, m: _Replay, tensors: dict, src_mesh, dst_layouts, out) -> _Call | None:
         leaves = list(tensors.values())
         if not all(map(operator.is_, leaves, map(_DEREF, m.leaves))) or any(map(_FREED, leaves)):
             return None
@@ -349,7 +351,7 @@ _DEREF = weakref.ref.__call__
 
 @dataclass(frozen=True)
 class _Replay:
-    """The latest call of a tree (``_Call.again``): its source mesh, ``direct``, the tree's keys,
+    """One of the latest calls of a tree (``_Call.again``): its source mesh, ``direct``, the tree's keys,
     its tensors (by weak reference: a handle the user dropped is released as before), the layouts
     given (a Layout, or a flat dict's values), its outputs (by weak reference; None: none), the
     destination meshes as resolved (``(mesh, DeviceMesh)`` each) and the outputs' meshes, and the
@@ -366,7 +368,8 @@ class _Replay:
     state: dict
 
 
-_last_call: _Replay | None = None
+RECENT = 4  # calls kept to be made again: a loop may sync a few trees a step
+_recent: list[_Replay] = []  # the latest first
 
 #: ``(given layouts, shapes, checked layouts)`` of the latest call of a tree: Layouts are immutable,
 #: so the same layout objects for the same shapes check the same (thousands per call otherwise)
