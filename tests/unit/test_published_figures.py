@@ -36,6 +36,7 @@ MOE = "weights-moe-1163ba7-ab3.json"
 #: The latest replays into kept outputs (``--methods ...,ours_out,...``), MoE and Qwen3.
 REPLAYS_MOE = ("weights-moe-out-492c31b.json", "weights-moe-out-8484019.json")
 REPLAYS_QWEN3 = ("weights-qwen3-out-492c31b.json", "weights-qwen3-out-8484019.json")
+BLOCKS = ("weights-moe-out-6011c48.json", "weights-qwen3-out-6011c48.json")  # block commits, calls made again
 QUOTED: list[str] = []  # every result file a figure below comes from
 
 
@@ -463,6 +464,35 @@ def replays() -> list[tuple[str, str]]:
     ]
 
 
+def block_commits() -> list[tuple[str, str]]:
+    """WEIGHTS.md's figures for the replays at the commit that copies a unit's results block to
+    block and makes a call of the same objects again: the MoE tree's and the Qwen3 tree's."""
+    moe, qwen3 = (result(name) for name in BLOCKS)
+    m = medians(moe["results"][0])
+    out, fresh = ratios(qwen3, "ours_out", "one_tensor_out"), ratios(qwen3, "ours")
+    over = [c["case"] for c, r in zip(qwen3["results"], out, strict=True) if r > 1.5]
+    return [
+        (
+            "bench/WEIGHTS.md",
+            f"At {moe['revision']} (`--out bench/results/{BLOCKS[0]}`): `out=` {m['ours_out']:.2f} s "
+            f"({m['ours_out'] / m['one_tensor_out']:.1f}× one tensor's {m['one_tensor_out'] * 1e3:.1f} ms with "
+            f"`out=`), `out=` with `direct=True` {m['ours_direct']:.2f} s, fresh outputs {m['ours']:.2f} s "
+            f"({m['ours'] / m['one_tensor']:.1f}× one tensor's {m['one_tensor'] * 1e3:.1f} ms)",
+        ),
+        (
+            "bench/WEIGHTS.md",
+            f"Qwen3 at {qwen3['revision']} (`bench/results/{BLOCKS[1]}`, the command above): `out=` "
+            f"{ratio_span(out)} one tensor with `out=` ({within(out)} of 5; {', '.join(over) or 'none'} over), "
+            f"fresh outputs {ratio_span(fresh)} ({within(fresh)} of 5)",
+        ),
+        (
+            "README.md",
+            f"A replay of it into kept outputs (`out=`, a weight sync's step) takes {m['ours_out']:.2f} s, "
+            f"{m['ours_out'] / m['one_tensor_out']:.1f}× one tensor of the same bytes with `out=`",
+        ),
+    ]
+
+
 def medians(case: dict) -> dict[str, float]:
     return {k: v["latency_s"]["median"] for k, v in case["methods"].items()}
 
@@ -616,6 +646,7 @@ CLAIMS = [
     *weights(),
     *latest_ab(),
     *replays(),
+    *block_commits(),
     *simulated(),
     *local(),
     *pipeline(),
