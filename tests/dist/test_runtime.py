@@ -338,6 +338,32 @@ def test_sharded_tensor_api(view):
         np.asarray(y)
 
 
+def _held(ctx, names) -> list[bool]:
+    return [n in ctx.store for n in names]
+
+
+def test_free_of_a_tree_drops_every_handles_shards_on_every_mesh_at_once(view):
+    """``free(tree)``: handles on two meshes, one freed before, in nested containers; every
+    shard is dropped on every device of its mesh, every handle is freed, a second free does
+    nothing; what is not a handle is refused, naming its type, before anything is freed."""
+    from reshard import free
+
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    on_a = distribute({f"w{i}": random_array((4, 2), "float32", 20 + i) for i in range(3)}, Layout(a, pl("S0")))
+    on_b = distribute({"v": random_array((6,), "float32", 30)}, Layout(b, pl("S0")))
+    with pytest.raises(TypeError, match="ndarray at 1 is neither a leaf nor a dict, list or tuple of them"):
+        free([on_a["w0"], np.zeros(2)])
+    assert not on_a["w0"].freed
+    on_a["w2"].free()
+    names_a, names_b = [t.name for t in on_a.values()], [on_b["v"].name]
+    free({"a": on_a, "b": [on_b["v"]]})
+    free(on_a)
+    assert all(t.freed for t in (*on_a.values(), on_b["v"]))
+    settle(a, timeout_s=30)
+    settle(b, timeout_s=30)
+    assert a.call(_held, names_a) == [[False] * 3] * 2 and b.call(_held, names_b) == [[False]] * 2
+
+
 def test_named_axes_torch_placements_and_negative_dims(pool):
     """Meshes with axis names: sub-meshes by name, layouts by name or PartitionSpec; torch's own
     placement objects and Shard(-1) work wherever ours do."""

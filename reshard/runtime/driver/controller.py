@@ -113,9 +113,18 @@ class Runtime:
 
     def free(self, devices, names) -> None:
         """Drop shards ``names`` on ``devices`` for every holder (fire and forget, ordered): one
-        call per device for all of them, the names as one argument (Ray's cost is per argument)."""
-        names = tuple(names)
-        self.dispatch.fire(devices, lambda rec: lambda t: rec.actor.reshard_free.remote(t, names))
+        call per device for all of them, the names as one argument (Ray's cost is per argument),
+        many of them put in Ray's object store once for every device (not serialized per call)."""
+        import ray
+
+        names, devices = tuple(names), list(devices)
+        arg = names
+        if len(devices) > 1 and len(names) >= SHARED_NAMES:
+            try:
+                arg = ray.put(names)
+            except Exception:  # Ray is going away: each call fails alike, nothing left to free
+                pass
+        self.dispatch.fire(devices, lambda rec: lambda t: rec.actor.reshard_free.remote(t, arg))
 
     # ---------------------------------------------------------------- planning
 
@@ -124,6 +133,7 @@ class Runtime:
         return self.clusters.get(backend, hosts, self.registry)
 
 
+SHARED_NAMES = 1024  # names freed at once from which they are put in the object store once for all devices
 _RUNTIME: Runtime | None = None
 _RUNTIME_LOCK = threading.Lock()
 

@@ -12,8 +12,11 @@ ends by then. bfloat16, float8 and numpy: numpy has no such types, so ``to_numpy
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 import uuid
+from collections import deque
 
 import numpy as np
 import ray
@@ -300,26 +303,30 @@ class ShardedTensor:
 def free(tree) -> None:
     """``free()`` every ShardedTensor of ``tree`` (one, or a tree of them: dicts, lists, tuples, as
     ``reshard`` returns them), with one call per device for all of them (a model's state dict: not
-    one call per tensor). Idempotent; ``MeshClosed`` when their Ray session is gone."""
+    one call per tensor). Idempotent; ``MeshClosed`` when their Ray session is gone (then none is
+    freed). A tree's handles are taken as columns, a few meshes among tens of thousands of them."""
     from reshard.pytree import flatten
 
-    leaves, _, _ = flatten(tree, lambda x: isinstance(x, ShardedTensor))
-    per_device: dict[tuple, list[str]] = {}  # (runtime, device) -> names
-    checked: set[int] = set()
-    for t in leaves:
-        if not isinstance(t, ShardedTensor):
-            raise TypeError(f"free takes ShardedTensors or a tree of them, got a {type(t).__name__}")
-        if t._freed:
-            continue
-        rt = t.mesh.runtime
-        if id(t.mesh) not in checked:
-            rt.registry.check_session(t.mesh.device_ids, f"freeing {t!r}")
-            checked.add(id(t.mesh))
-        t._freed = True
-        for d in t.mesh.device_ids:
-            per_device.setdefault((rt, d), []).append(t.name)
-    for (rt, d), names in per_device.items():
-        rt.free([d], names)
+    leaves, _, _ = flatten(tree, lambda x: isinstance(x, ShardedTensor), ShardedTensor)
+    live = list(itertools.compress(leaves, map(operator.not_, map(_FREED, leaves))))
+    meshes = list(map(_MESH, live))
+    some = dict(zip(map(id, meshes), live, strict=True))  # a handle of each mesh
+    for t in some.values():
+        t.mesh.runtime.registry.check_session(t.mesh.device_ids, f"freeing {t!r}")
+    names: dict[int, list[str]] = {}  # id of a mesh -> its handles' names
+    if len(some) == 1:
+        names = dict.fromkeys(some, list(map(_NAME, live)))
+    else:
+        for key, name in zip(map(id, meshes), map(_NAME, live), strict=True):
+            names.setdefault(key, []).append(name)
+    deque(map(setattr, live, itertools.repeat("_freed"), itertools.repeat(True)), maxlen=0)
+    for key, t in some.items():  # a call per device of each mesh
+        t.mesh.runtime.free(t.mesh.device_ids, names[key])
+
+
+_FREED = operator.attrgetter("_freed")
+_MESH = operator.attrgetter("mesh")
+_NAME = operator.attrgetter("name")
 
 
 def _rebuild(mesh, layout, shape, dtype, name, shared, token) -> ShardedTensor:
