@@ -820,11 +820,9 @@ class Suite:
         for m, v in methods.items():
             if v["kind"] in ("ours", "strategy", "baseline", "peer") and "verified" not in v and m in checked:
                 v["verified_earlier"] = True  # --quick: this method's result was verified at a smaller size
-        entry["ok"] = all(
-            (v.get("verified") is True or v.get("verified_earlier", False)) and "error" not in v
-            for v in methods.values()
-            if v["kind"] in ("ours", "strategy", "baseline", "peer") and "skipped" not in v
-        )
+        from bench.report import case_ok
+
+        entry["ok"] = case_ok(methods)
         return entry
 
 

@@ -58,6 +58,18 @@ TARGET_SMALL_X_RTT = 1.5
 TARGET_STARTUP_X = 2.0
 
 
+def case_ok(methods: dict, counted=("ours", "strategy", "baseline", "peer")) -> bool:
+    """Whether a case of a run went right: every method of a ``counted`` kind that ran was verified
+    bit-exact (or, ``--quick``, at a smaller size). A peer that failed (its ``error``) is reported
+    in the table and the JSON, not counted: another library timing out is no fault of ours, and
+    must not fail the run; a peer that ran and returned wrong bytes is (the harness is wrong)."""
+    return all(
+        (v.get("verified") is True or v.get("verified_earlier", False)) and "error" not in v
+        for v in methods.values()
+        if v["kind"] in counted and "skipped" not in v and not (v["kind"] == "peer" and "error" in v)
+    )
+
+
 def _label(name: str) -> str:
     return LABELS.get(name, name)
 
