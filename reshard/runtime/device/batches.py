@@ -84,6 +84,20 @@ class PreparedBatch:
     def device(self) -> int:
         return self.program.device
 
+    def per_binding(self, kind: str, bound, make, kept: int):
+        """``make()`` for this batch bound as ``bound``, kept in ``tables`` under ``kind`` for
+        the ``kept`` latest bindings (a replay binds the same again)."""
+        key = (kind, id(bound))
+        hit = self.tables.get(key)
+        if hit is not None and hit[0] is bound:
+            return hit[1]
+        old = [k for k in self.tables if isinstance(k, tuple) and k[0] == kind]
+        for k in old[: max(0, len(old) + 1 - kept)]:
+            del self.tables[k]
+        made = make()
+        self.tables[key] = (bound, made)
+        return made
+
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
         return self.program.connect

@@ -198,16 +198,7 @@ def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
         or not available()
     ):
         return None
-    key = ("host unit", id(bound))
-    hit = prepared.tables.get(key)
-    if hit is not None and hit[0] is bound:
-        return hit[1]
-    kept = [k for k in prepared.tables if isinstance(k, tuple) and k[0] == "host unit"]
-    for old in kept[: max(0, len(kept) + 1 - CACHED)]:
-        del prepared.tables[old]
-    unit = _build(prepared, bound)
-    prepared.tables[key] = (bound, unit)
-    return unit
+    return prepared.per_binding("host unit", bound, lambda: _build(prepared, bound), CACHED)
 
 
 def _build(prepared, bound) -> HostUnit | None:

@@ -108,16 +108,7 @@ class Outputs:
 
 def outputs_of(prepared, bound) -> Outputs:
     """``Outputs`` of ``prepared`` bound as ``bound`` (cached in the batch's tables)."""
-    key = ("outputs", id(bound))
-    hit = prepared.tables.get(key)
-    if hit is not None and hit[0] is bound:
-        return hit[1]
-    kept = [k for k in prepared.tables if isinstance(k, tuple) and k[0] == "outputs"]
-    for old in kept[: max(0, len(kept) + 1 - CACHED)]:
-        del prepared.tables[old]
-    out = Outputs(prepared, bound)
-    prepared.tables[key] = (bound, out)
-    return out
+    return prepared.per_binding("outputs", bound, lambda: Outputs(prepared, bound), CACHED)
 
 
 def checked_outs(ctx, names, shapes, dtypes, *, strided: bool = False) -> list:
