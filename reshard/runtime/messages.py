@@ -151,7 +151,10 @@ class Bound:
     its source shard (None: it holds none), and ``outs``, the user's shard its result is for (None:
     a new tensor); ``pulls`` maps each tensor to ``{holder: descriptor}`` of the source shards this
     device pulls, ``relays`` each device it pulls relays from to its relay board's descriptor;
-    ``casts``, per part, the dtype its source shard is cast from into the program's (None: none).
+    ``casts``, per part, the dtype its source shard is cast from into the program's (None: none);
+    ``peers``, on a device whose results a commit copies into ``outs``: every participant of the
+    run as ``(device, actor)`` (None: an actor that cannot answer while it runs), in the order of
+    ``CommitRequest.votes``.
     The same for every replay of one tree onto one output, so it is shipped once and then named by
     id (``RunRequest.binding``)."""
 
@@ -160,6 +163,7 @@ class Bound:
     outs: tuple | None
     relays: dict | None
     casts: tuple | None = None
+    peers: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +185,20 @@ class RunRequest:
     bound: Bound | None = None
     direct: bool = False
     commit: bool = False
+    verify: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRequest:
+    """Commit run ``run`` of program ``program_id``, bound as ``binding`` (whose ``Bound.peers``
+    names the participants), within ``budget_s``: ``votes``, each participant's run result, in
+    that order. ``verify``: also compare what was received with what was sent."""
+
+    run: str
+    program_id: int
+    binding: int
+    votes: tuple
+    budget_s: float
     verify: bool = False
 
 

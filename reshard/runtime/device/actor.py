@@ -47,6 +47,7 @@ from reshard.runtime.device_options import DeviceOptions
 from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import (
     COMMIT_WAIT_S,
+    CommitRequest,
     HoldChange,
     Load,
     RunRequest,
@@ -59,6 +60,7 @@ from reshard.runtime.messages import (
 log = logging.getLogger(__name__)
 
 OUTCOME_RETRY_S = 0.05  # a commit asks an unreachable participant again after this pause
+ASK_AFTER_S = 0.5  # a commit asks the participants whose votes are not in by then (``_failed_outcome``)
 CONTROL = "control"  # the concurrency group of calls that must never wait behind a run
 NO_DEADLINE = Deadline(math.inf)
 FETCH_BUDGET_S = 60.0  # how long a read waits for a write into its shard, unless the caller says
@@ -357,40 +359,38 @@ class DeviceRole:
                 )
             return out
 
-    def reshard_commit(
-        self,
-        ticket: Ticket,
-        run: str,
-        program_id: int,
-        binding: int,
-        participants,
-        budget_s: float,
-        verify: bool = False,
-    ) -> bool:
+    def reshard_commit(self, ticket: Ticket, req: CommitRequest) -> bool:
         """The second half of a reshard into users' tensors: once every participant's run
         succeeded, copy each staged result into its output (the user's shard its run was bound
-        to: ``program_id`` and ``binding``, the run's, say which; nothing per tensor is shipped
-        again); if one failed, leave the outputs as they are. Drops the staged results either way. Every
-        destination learns how the runs ended from the participants themselves where they can
-        answer (``participants``: see ``_failed_outcome``), so all decide alike even when the
-        caller is gone; a device that cannot learn one waits, up to ``COMMIT_WAIT_S`` after the
-        deadline, and only then keeps its old values."""
+        to: ``req.program_id`` and ``req.binding``, the run's, say which; nothing per tensor is
+        shipped again); if one failed, leave the outputs as they are. Drops the staged results
+        either way. Every destination learns how the runs ended from the participants themselves
+        where it must (see ``_failed_outcome``), so all decide alike even when the caller is gone;
+        a device that cannot learn one waits, up to ``COMMIT_WAIT_S`` after the deadline, and only
+        then keeps its old values."""
         ctx = _attached(self)
-        until = Deadline.from_budget(budget_s).later(COMMIT_WAIT_S)
+        run = req.run
+        until = Deadline.from_budget(req.budget_s).later(COMMIT_WAIT_S)
         with ctx.inbox.turn(ticket, NO_DEADLINE, f"committing {run}"):
             state = ctx.controller(ticket.controller)
-            outputs = _committed(state, program_id, binding)
+            outputs = _committed(state, req.program_id, req.binding)
+            failed: str | None = None
             try:  # reads of the outputs wait from here until the outputs are all old or all new
                 with ctx.shard_locks.writing(outputs.written if outputs else (), until, f"committing {run}"):
                     if ctx.commit_hook is not None:
                         ctx.commit_hook("before", run)
-                    failed = _failed_outcome(ctx, ticket.controller, run, participants, until, verify)
-                    if failed is None:
-                        if outputs is None:
+                    if outputs is None or outputs.peers is None:  # its own run failed early, or this is a bug
+                        mine = ctx.outcomes.wait(ticket.controller, run, until.left())
+                        if mine is None or mine.ok:
                             raise ReshardError(
-                                f"device {ctx.device}: committing {run}: its program {program_id} or binding "
-                                f"{binding} is not cached here"
+                                f"device {ctx.device}: committing {run}: its program {req.program_id} or binding "
+                                f"{req.binding} is not cached here"
                             )
+                        failed = mine.reason
+                    else:
+                        participants = [(d, a, v) for (d, a), v in zip(outputs.peers, req.votes, strict=True)]
+                        failed = _failed_outcome(ctx, ticket.controller, run, participants, until, req.verify)
+                    if failed is None and outputs is not None:
                         with state.stream.running():
                             outputs.commit(ctx, run)  # all checked, first
                             state.stream.finish(
@@ -556,30 +556,38 @@ def _failed_outcome(ctx, controller: str, run: str, participants, until: Deadlin
     ``participants``: ``(device, actor, vote)`` each. Two sources say how a run ended: ``vote``, the
     run's result, which the caller owns (gone when the caller dies), and, where ``actor`` is given
     (a device that serves calls while it commits), the participant itself (gone when it dies). The
-    first that answers decides (both tell the same run); a cut or a slow fetch is asked again, so a
-    device decides alone only when both sources are gone."""
+    votes are read first: they cost the participants nothing. A participant is asked as well once
+    its vote is gone or when the votes are not all in after ``ASK_AFTER_S`` (a dead caller's may
+    never come). The first that answers decides (both tell the same run); a cut or a slow fetch is
+    asked again, so a device decides alone only when both sources are gone."""
     outcomes: dict[int, Outcome | None] = {}
     sources: dict = {}  # ref -> (device, "vote" | "asked")
     actors = {d: actor for d, actor, _ in participants}
+    asked: set[int] = set()
 
     def ask(d: int) -> None:
-        sources[actors[d].reshard_outcome.remote(controller, run, until.left())] = (d, "asked")
+        if actors[d] is not None:
+            asked.add(d)
+            sources[actors[d].reshard_outcome.remote(controller, run, until.left())] = (d, "asked")
 
-    for d, actor, vote in participants:
+    for d, _, vote in participants:
         if d == ctx.device:
             outcomes[d] = mine = ctx.outcomes.wait(controller, run, until.left())
             if mine is not None and not mine.ok:
                 return mine.reason
             continue
         sources[vote] = (d, "vote")
-        if actor is not None:
-            ask(d)
     waiting = {d for d, _, _ in participants if d != ctx.device}
+    ask_at = time.monotonic() + ASK_AFTER_S
     while waiting and not until.passed():
+        if time.monotonic() >= ask_at:
+            for d in waiting - asked:
+                ask(d)
+            ask_at = math.inf
         refs = [r for r, (d, _) in sources.items() if d in waiting]
         if not refs:
             break
-        ready, _ = ray.wait(refs, num_returns=1, timeout=until.left())
+        ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, min(until.left(), ask_at - time.monotonic())))
         for ref in ready:
             d, kind = sources.pop(ref)
             if d not in waiting:
@@ -596,6 +604,8 @@ def _failed_outcome(ctx, controller: str, run: str, participants, until: Deadlin
                     return got.reason
                 outcomes[d] = got
                 waiting.discard(d)
+            elif kind == "vote" and d not in asked:  # the caller is gone: ask the participant
+                ask(d)
     for d in waiting:
         outcomes[d] = None
     unknown = sorted(d for d, o in outcomes.items() if o is None)

@@ -1,10 +1,11 @@
 """How this device's runs that wait for a commit ended, kept for the destinations that decide it.
 
 A reshard into users' tensors commits on every destination once every participant's run
-succeeded. The destinations learn that from the participants themselves (``reshard_outcome``),
-not from the run results the caller owns: when the caller dies, Ray drops what it owned at once,
-and destinations that read before and after its death would decide differently. A participant
-keeps the outcome of its last ``KEEP`` such runs; one that never ran here is unknown.
+succeeded. The destinations read that from the run results the caller owns, and ask the
+participants themselves (``reshard_outcome``) where a result is gone or late: when the caller
+dies, Ray drops what it owned at once, and destinations that read before and after its death
+would otherwise decide differently. A participant keeps the outcome of its last ``KEEP`` such
+runs; one that never ran here is unknown.
 """
 
 from __future__ import annotations

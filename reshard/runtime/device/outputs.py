@@ -31,7 +31,7 @@ CACHED = 4  # per prepared batch (one per binding)
 class Outputs:
     """The outputs a run of ``prepared`` bound as ``bound`` writes (``PreparedBatch.written``):
     each one's batch tensor, name, shape and dtype; ``written``, the names as one set (what a
-    commit holds readers off)."""
+    commit holds readers off); ``peers``, the run's participants (``Bound.peers``)."""
 
     def __init__(self, prepared, bound):
         at, shapes, dtypes = prepared.written
@@ -41,6 +41,7 @@ class Outputs:
         self.shapes = list(map(tuple, shapes))
         self.dtypes = list(dtypes)
         self.written = frozenset(self.names) - {None}
+        self.peers = bound.peers
         self._passed: dict[bool, int] = {}  # strided -> the store's edits when all last passed
         self._blocks: dict[int, tuple] = {}  # id(layout) -> (layout, edits, block address or None, the others)
         self.version: list = []  # the outputs' version cell (``ShardStore.wrote``)

@@ -34,6 +34,7 @@ from reshard.runtime.driver.signed import Signed
 from reshard.runtime.messages import (
     COMMIT_WAIT_S,
     Bound,
+    CommitRequest,
     DeviceState,
     RunRequest,
     Updates,
@@ -163,6 +164,7 @@ class Batches:
         commit = outs is not None and not direct
         with self.dispatch.lock:
             recs = self.registry.check(compiled.participants, what)
+            participants = tuple((rec.id, rec.actor if rec.threaded else None) for rec in recs)
             backend = recs[0].backend if recs else "gloo"
             sets = self.communicators.admit([group_key(g) for g in compiled.groups], backend)
             pid = self.programs.program_id(compiled)
@@ -175,7 +177,8 @@ class Batches:
                 self.stats["programs_shipped"] += blob is not None
                 bound = None
                 if self.bindings.to_ship(rec.id, bid, True, rec.max_programs):
-                    bound = _bound(compiled, rec.id, sources, outs, self.registry.devices)
+                    peers = participants if outs is not None and compiled.results[rec.id] else None
+                    bound = _bound(compiled, rec.id, sources, outs, self.registry.devices, peers)
                 upd = self.updates_for(rec.id, sets.get(rec.id, ()))
                 req = functools.partial(
                     RunRequest,
@@ -194,15 +197,12 @@ class Batches:
                     rec, lambda t, rec=rec, req=req: rec.actor.reshard_run.remote(req(ticket=t))
                 )
             commits = {}
-            if commit:
-                participants = tuple((rec.id, rec.actor if rec.threaded else None, refs[rec.id]) for rec in recs)
+            if commit:  # the participants' actors came with the binding (``Bound.peers``); their results now
+                order = CommitRequest(run, pid, bid, tuple(refs[rec.id] for rec in recs), budget, verify)
                 for rec in recs:
                     if compiled.results[rec.id]:  # its outputs: those its run was bound to (``bid``)
                         commits[rec.id] = self.dispatch.submit(
-                            rec,
-                            lambda t, rec=rec: rec.actor.reshard_commit.remote(
-                                t, run, pid, bid, participants, budget, verify
-                            ),
+                            rec, lambda t, rec=rec: rec.actor.reshard_commit.remote(t, order)
                         )
             self.stats["runs"] += 1
             self.stats["run_calls"] += len(refs) + len(commits)
@@ -292,10 +292,10 @@ class Batches:
         return acks
 
 
-def _bound(compiled, device: int, sources: Sources, outs, records) -> Bound:
+def _bound(compiled, device: int, sources: Sources, outs, records, peers) -> Bound:
     """What ``device``'s parts of a batch are bound to (``Bound``): their ``sources``
     (``Sources``; of a scaled cast, the device gets its shard's scales), ``outs[t]`` tensor
-    ``t``'s output."""
+    ``t``'s output, ``peers`` the participants its commit learns the runs' outcomes from."""
     parts = compiled.program.for_device(device).parts
     names = tuple(sources.names[p.tensor] if p.program.src_shape is not None else None for p in parts)
     casts = tuple(
@@ -309,7 +309,7 @@ def _bound(compiled, device: int, sources: Sources, outs, records) -> Bound:
     mine = None if outs is None else tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
     relaying = compiled.relay_sources.get(device)
     relays = {h: records[h].board for h in relaying} if relaying else None
-    return Bound(names, pulls or None, mine, relays, casts if any(casts) else None)
+    return Bound(names, pulls or None, mine, relays, casts if any(casts) else None, peers)
 
 
 def _cast_for(cast, plan, device: int):
