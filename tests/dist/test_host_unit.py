@@ -109,6 +109,33 @@ def test_a_unit_commits_into_outputs_and_its_results_move_on(view):
         assert_bit_exact(_numpy(onward[k]), v)
 
 
+def _units_built(ctx) -> int:
+    return ctx.counters.get("units_built", 0)
+
+
+def test_a_replay_of_the_same_sources_into_other_outputs_shares_their_unit(view):
+    """A weight sync's first ``out=`` call reads what the fresh call before it read: the unit built
+    for that binding is the new binding's too, on every device; another source builds its own."""
+    a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
+    sd = _tree(120)
+    src = distribute(sd, _layouts(a, 0))
+    before = b.call(_units_built)
+    out = reshard(src, a, _layouts(b, 1))
+    into = distribute({k: _zeros(v) for k, v in sd.items()}, _layouts(b, 1))
+    for outputs in (out, into):
+        assert reshard(src, a, _layouts(b, 1), out=outputs) is outputs
+        for k, v in sd.items():
+            assert_bit_exact(_numpy(outputs[k]), v)
+    shared = b.call(_units_built)
+    assert all(n == m + 1 for n, m in zip(shared, before, strict=True)), (before, shared)
+    new = _tree(130)
+    other = distribute(new, _layouts(a, 0))
+    assert reshard(other, a, _layouts(b, 1), out=into) is into
+    for k, v in new.items():
+        assert_bit_exact(_numpy(into[k]), v)
+    assert all(n == m + 1 for n, m in zip(b.call(_units_built), shared, strict=True))
+
+
 def _block_commits(ctx) -> int:
     return ctx.counters.get("block_commits", 0)
 

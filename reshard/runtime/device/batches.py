@@ -84,17 +84,19 @@ class PreparedBatch:
     def device(self) -> int:
         return self.program.device
 
-    def per_binding(self, kind: str, bound, make, kept: int):
+    def per_binding(self, kind: str, bound, make, kept: int, same=None):
         """``make()`` for this batch bound as ``bound``, kept in ``tables`` under ``kind`` for
-        the ``kept`` latest bindings (a replay binds the same again)."""
+        the ``kept`` latest bindings (a replay binds the same again); where ``same(other, bound)``
+        holds for a binding kept, what was made for it is this one's too."""
         key = (kind, id(bound))
         hit = self.tables.get(key)
         if hit is not None and hit[0] is bound:
             return hit[1]
         old = [k for k in self.tables if isinstance(k, tuple) and k[0] == kind]
+        shared = [self.tables[k][1] for k in old if same is not None and same(self.tables[k][0], bound)]
         for k in old[: max(0, len(old) + 1 - kept)]:
             del self.tables[k]
-        made = make()
+        made = shared[0] if shared else make()
         self.tables[key] = (bound, made)
         return made
 

@@ -15,7 +15,9 @@ up to ``IOV_MAX`` rows a side; every tenure is checked at once, before the reads
 (``UnitRun.placed``, ``ShardStore.put_run``): no Python loop per shard.
 
 The table is worked out once per prepared batch and binding (``HostUnit``; a replay binds the same
-source shards, so only the block's address changes), and a run adds the block's address to it.
+source shards, so only the block's address changes), and a run adds the block's address to it. A
+binding that reads what a kept one reads (the same pulls and casts: a sync's first call into other
+outputs) takes that one's table.
 
 Pulls out of shards this process maps (a holder's shared block, or a shared-memory file its shard
 lies in) are copies between views instead (``MappedPull``: a copy each, the mapping looked up and
@@ -174,7 +176,6 @@ class HostUnit:
     parts, which run as before; ``shared``, whether peers map some destination (the block is then
     made in shared memory where it can be)."""
 
-    bound: object
     places: Places
     nbytes: int
     sources: tuple[Source, ...]
@@ -198,7 +199,18 @@ def unit_for(ctx, prepared, bound, req) -> HostUnit | None:
         or not available()
     ):
         return None
-    return prepared.per_binding("host unit", bound, lambda: _build(prepared, bound), CACHED)
+    return prepared.per_binding("host unit", bound, lambda: _built(ctx, prepared, bound), CACHED, _same_sources)
+
+
+def _built(ctx, prepared, bound) -> HostUnit | None:
+    ctx.counters["units_built"] = ctx.counters.get("units_built", 0) + 1
+    return _build(prepared, bound)
+
+
+def _same_sources(a, b) -> bool:
+    """Whether bindings ``a`` and ``b`` read the same (a unit follows from its pulls and casts
+    alone: a replay into other outputs, or a fresh call's, shares it)."""
+    return a.pulls == b.pulls and a.casts == b.casts
 
 
 def _build(prepared, bound) -> HostUnit | None:
@@ -275,7 +287,7 @@ def _build(prepared, bound) -> HostUnit | None:
     at = {prepared.tensors[i]: k for k, i in enumerate(order)}
     landings = tuple(landing_of(window, prepared, at, places) for window in prepared.windows)
     landed = frozenset(t for landing in landings if landing is not None for t in landing.tensors)
-    return HostUnit(bound, places, offset, sources, tuple(mapped), wanted, rest, any(places.mapped), landings, landed)
+    return HostUnit(places, offset, sources, tuple(mapped), wanted, rest, any(places.mapped), landings, landed)
 
 
 def landing_of(window, prepared, at: dict, places: Places) -> Landing | None:
