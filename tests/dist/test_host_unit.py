@@ -168,6 +168,31 @@ def test_a_replay_into_the_first_calls_outputs_commits_block_to_block(view):
     assert b.call(_block_commits) == after
 
 
+def _block_delivers(ctx) -> int:
+    return ctx.counters.get("block_delivers", 0)
+
+
+def test_a_direct_replay_into_the_first_calls_outputs_delivers_block_to_block(view):
+    """``direct=True`` into the outputs of the tree's first call: the unit's results are copied
+    into them block to block on every device, bit-exact; into outputs of two calls one by one."""
+    a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
+    src = distribute(_tree(140), _layouts(a, 0))
+    out = reshard(src, a, _layouts(b, 1))
+    other = reshard(src, a, _layouts(b, 1))
+    mixed = {k: (out if i % 2 else other)[k] for i, k in enumerate(TENSORS)}
+    before = b.call(_block_delivers)
+    for seed, outputs, blocks in ((150, out, 1), (160, mixed, 0)):
+        tree = _tree(seed)
+        free(src)
+        src = distribute(tree, _layouts(a, 0))
+        assert reshard(src, a, _layouts(b, 1), out=outputs, direct=True) is outputs
+        for k, v in tree.items():
+            assert_bit_exact(_numpy(outputs[k]), v)
+        after = b.call(_block_delivers)
+        assert all(n == m + blocks for n, m in zip(after, before, strict=True)), (seed, before, after)
+        before = after
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["pulls", "buckets"])
 def test_a_direct_write_runs_as_a_unit_and_delivers_every_output(view, shared_memory):
     """``direct=True`` into existing outputs: the small tensors run as one unit (pulled, or landed

@@ -25,7 +25,7 @@ from reshard.runtime.device import host_unit
 from reshard.runtime.device.batches import PreparedBatch
 from reshard.runtime.device.executor import Run, check_buffer
 from reshard.runtime.device.host_unit import UnitRun
-from reshard.runtime.device.outputs import checked_out, checked_outs, outputs_of
+from reshard.runtime.device.outputs import checked_out, outputs_of
 from reshard.runtime.messages import Bound, PlacedDescriptors, RunRequest, shard_name
 
 if TYPE_CHECKING:
@@ -178,13 +178,11 @@ class Binding:
 
     def deliver(self) -> None:
         """A ``direct`` run's unit destinations copied into the user's tensors, once every shard
-        the unit read is checked to be still its holder's (``host_unit``: a copy each)."""
+        the unit read is checked to be still its holder's (``Outputs.deliver``)."""
         if not self.req.direct or self.unit is None or self.bound.outs is None:
             return
         self.unit.check()
-        outs, places = self.bound.outs, self.unit.unit.places
-        targets = checked_outs(self.ctx, [outs[i] for i in places.parts], places.shapes, places.dtypes)
-        arrays.copy_many(targets, self.unit.views)
+        outputs_of(self.prepared, self.bound).deliver(self.ctx, self.unit)
 
     def _fresh_destinations(self, tensors, outs) -> dict:
         """On a GPU device, every new destination of the run at once: pieces of one block (one

@@ -64,8 +64,7 @@ class Outputs:
         rest: range | list[int] = range(len(self.names))
         unit, block = store.staged_unit(run), None
         if unit is not None and unit.layout is not None:
-            edits, address, others = self._unit_block(store, unit.layout)
-            block = None if address is None else store.block_at(address, unit.layout.extent, edits)
+            block, others = self._block_for(store, unit.layout)
             if block is not None:
                 rest = others
         srcs, _, shapes = store.staged_results(run, [self.tensors[k] for k in rest])
@@ -81,6 +80,34 @@ class Outputs:
             copy_places(block, unit.block, unit.layout)
             ctx.counters["block_commits"] = ctx.counters.get("block_commits", 0) + 1
         arrays.copy_many(dsts, srcs)
+
+    def deliver(self, ctx, unit) -> None:
+        """Copy a ``direct`` run's unit results (``host_unit.UnitRun``) into their outputs, every
+        output checked first: block to block where the outputs lie as the unit's destinations do,
+        else one by one."""
+        store = ctx.store
+        found = self.check(ctx, strided=False)
+        layout = unit.unit.places
+        block, _ = self._block_for(store, layout)
+        if block is not None:
+            copy_places(block, unit.block, layout)
+            ctx.counters["block_delivers"] = ctx.counters.get("block_delivers", 0) + 1
+            return
+        at = dict(zip(self.tensors, itertools.count()))
+        mine = [at.get(t) for t in layout.tensors]
+        names = [None if k is None else self.names[k] for k in mine]
+        dsts = list(map(store.shards.get, names)) if found is None else [None if k is None else found[k] for k in mine]
+        gone = [n for n, d in zip(names, dsts, strict=True) if d is None]
+        if gone:
+            raise ReshardError(f"device {ctx.device}: the output shard {gone[0]!r} is gone (unshared or freed)")
+        arrays.copy_many(dsts, unit.views)
+
+    def _block_for(self, store, layout) -> tuple[np.ndarray | None, list[int]]:
+        """The unit block the outputs of ``layout``'s destinations are views of, laid out as in
+        ``layout``, held (None: they are not, or one left the store since), and the positions of
+        the other outputs."""
+        edits, address, others = self._unit_block(store, layout)
+        return (None if address is None else store.block_at(address, layout.extent, edits)), others
 
     def _unit_block(self, store, layout) -> tuple[int, int | None, list[int]]:
         """Where the outputs of ``layout``'s destinations lie: at the store's edits count, the
