@@ -76,8 +76,9 @@ def device_of(actor_instance):
 
 
 def runtime_stats() -> dict:
-    """This process's controller counters: programs_shipped, runs, run_calls, rendezvous_calls,
-    groups_created, failed_runs."""
+    """This process's controller counters: programs_shipped, bindings_shipped (bindings_alike:
+    of them, those shipped as outputs of a binding the device holds), runs, run_calls,
+    rendezvous_calls, groups_created, failed_runs."""
     from reshard.runtime.driver.controller import runtime
 
     return dict(runtime().stats)

@@ -154,7 +154,8 @@ class Bound:
     ``casts``, per part, the dtype its source shard is cast from into the program's (None: none);
     ``peers``, on a device whose results a commit copies into ``outs``: every participant of the
     run as ``(device, actor)`` (None: an actor that cannot answer while it runs), in the order of
-    ``CommitRequest.votes``.
+    ``CommitRequest.votes``. ``like``: binding ``like``, which the device holds, reads the same
+    (a sync's first call into other outputs), and only ``outs`` and ``peers`` are shipped.
     The same for every replay of one tree onto one output, so it is shipped once and then named by
     id (``RunRequest.binding``)."""
 
@@ -164,6 +165,7 @@ class Bound:
     relays: dict | None
     casts: tuple | None = None
     peers: tuple | None = None
+    like: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

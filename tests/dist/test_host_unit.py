@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard import Layout, ReshardError, distribute, free, reshard
+from reshard.runtime import runtime_stats
 from reshard.runtime.device import cross_memory, host_unit
 from reshard.runtime.device.shards import SMALL_SHARD_BYTES
 from reshard.runtime.messages import CROSS_MEMORY
@@ -114,18 +115,23 @@ def _units_built(ctx) -> int:
 
 
 def test_a_replay_of_the_same_sources_into_other_outputs_shares_their_unit(view):
-    """A weight sync's first ``out=`` call reads what the fresh call before it read: the unit built
-    for that binding is the new binding's too, on every device; another source builds its own."""
+    """A weight sync's first ``out=`` call reads what the fresh call before it read: its binding is
+    shipped as that one's sources with outputs of its own (``Bound.like``), and the unit built for
+    that binding is the new binding's too, on every device; another source builds its own."""
     a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
     sd = _tree(120)
     src = distribute(sd, _layouts(a, 0))
     before = b.call(_units_built)
     out = reshard(src, a, _layouts(b, 1))
     into = distribute({k: _zeros(v) for k, v in sd.items()}, _layouts(b, 1))
+    shipped = runtime_stats()
     for outputs in (out, into):
         assert reshard(src, a, _layouts(b, 1), out=outputs) is outputs
         for k, v in sd.items():
             assert_bit_exact(_numpy(outputs[k]), v)
+    after = runtime_stats()
+    alike = after["bindings_alike"] - shipped.get("bindings_alike", 0)
+    assert alike >= 2 * len(b.device_ids) and alike == after["bindings_shipped"] - shipped["bindings_shipped"]
     shared = b.call(_units_built)
     assert all(n == m + 1 for n, m in zip(shared, before, strict=True)), (before, shared)
     new = _tree(130)

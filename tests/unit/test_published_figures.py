@@ -521,7 +521,8 @@ def cheaper_commits() -> list[tuple[str, str]]:
             f"A replay of it into kept outputs (`out=`, a weight sync's step) takes {m['ours_out']:.2f} s, "
             f"{m['ours_out'] / m['one_tensor_out']:.1f}× one tensor of the same bytes with `out=` "
             f"({m['one_tensor_out'] * 1e3:.1f} ms, {before['one_tensor_out'] * 1e3:.1f} ms before a commit's fixed "
-            f"cost fell, when the replay took {before['ours_out']:.2f} s, {before['ours_out'] / before['one_tensor_out']:.1f}×",
+            f"cost fell, when the replay took {before['ours_out']:.2f} s, "
+            f"{before['ours_out'] / before['one_tensor_out']:.1f}×",
         ),
         ("README.md", f"2×, not met), and {m['ours_direct']:.2f} s with `direct=True`."),
     ]

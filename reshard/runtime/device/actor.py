@@ -21,6 +21,7 @@ what it allocated and raises a ``ReshardError``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -47,6 +48,7 @@ from reshard.runtime.device_options import DeviceOptions
 from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import (
     COMMIT_WAIT_S,
+    Bound,
     CommitRequest,
     HoldChange,
     Load,
@@ -280,7 +282,7 @@ class DeviceRole:
                 ctx.counters["dropped_late"] += 1
                 raise ReshardTimeout(f"device {ctx.device}: the reshard's deadline passed before it started here")
             if req.bound is not None:
-                state.bindings[req.binding] = req.bound
+                state.bindings[req.binding] = _whole(state, req.bound, ctx.device)
             bound = state.bindings.get(req.binding)
             if bound is None:
                 raise ReshardError(f"device {ctx.device}: binding {req.binding} is not cached here and was not shipped")
@@ -536,6 +538,19 @@ def _attached(actor) -> DeviceContext:
     if ctx is None:
         raise RuntimeError("this actor is not a device of any mesh yet (DeviceMesh.from_actors attaches it)")
     return ctx
+
+
+def _whole(state: ControllerState, bound: Bound, device: int) -> Bound:
+    """``bound`` as the run takes it: one shipped as binding ``like`` with outputs of its own
+    (``Bound.like``) reads what that one reads."""
+    if bound.like is None:
+        return bound
+    base = state.bindings.get(bound.like)
+    if base is None:
+        raise ReshardError(
+            f"device {device}: binding {bound.like}, whose sources a new binding reads, is not cached here"
+        )
+    return dataclasses.replace(base, outs=bound.outs, peers=bound.peers)
 
 
 def _committed(state: ControllerState, program_id: int, binding: int) -> Outputs | None:

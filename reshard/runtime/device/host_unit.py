@@ -210,7 +210,7 @@ def _built(ctx, prepared, bound) -> HostUnit | None:
 def _same_sources(a, b) -> bool:
     """Whether bindings ``a`` and ``b`` read the same (a unit follows from its pulls and casts
     alone: a replay into other outputs, or a fresh call's, shares it)."""
-    return a.pulls == b.pulls and a.casts == b.casts
+    return (a.pulls is b.pulls or a.pulls == b.pulls) and a.casts == b.casts
 
 
 def _build(prepared, bound) -> HostUnit | None:

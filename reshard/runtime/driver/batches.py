@@ -29,7 +29,7 @@ from reshard.runtime.deadlines import Deadline
 from reshard.runtime.driver.communicators import Communicators
 from reshard.runtime.driver.device_registry import DeviceRegistry
 from reshard.runtime.driver.dispatch import Dispatch, Outcome, failure_error, first_line
-from reshard.runtime.driver.program_cache import ProgramCache
+from reshard.runtime.driver.program_cache import MAX_IDS, ProgramCache
 from reshard.runtime.driver.signed import Signed
 from reshard.runtime.messages import (
     COMMIT_WAIT_S,
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMPILED_CALLS = 64  # compiled calls a controller keeps (least recently used first out)
+ALIKE = 4  # bindings of one program and sources (a sync's outputs) a binding may be shipped as a delta of
 
 CLEANUP_S = 1.5  # how long a failed call waits for the survivors to drop its partial results (timeout + 2 s in all)
 INTACT = "The source tensor is intact; the partial destination shards were freed."
@@ -114,8 +115,18 @@ class Batches:
         self._mark_dead = mark_dead
         self.programs = ProgramCache()
         self.bindings = ProgramCache()  # what each device's runs were bound to (``Bound``), by id
+        self._alike_ids: OrderedDict = OrderedDict()  # (program id, sources key) -> binding ids, latest first
         self._compiled: OrderedDict = OrderedDict()  # a call's signature -> its CompiledBatch
         self.last_run: dict = {}  # device -> RunResult of the last successful batch
+
+    def _alike(self, key: tuple, bid: int) -> list[int]:
+        """The latest other bindings of ``key``'s program and sources (into other outputs),
+        latest first; ``bid`` noted as the latest."""
+        others = [b for b in self._alike_ids.pop(key, ()) if b != bid]
+        self._alike_ids[key] = [bid, *others[: ALIKE - 1]]
+        while len(self._alike_ids) > MAX_IDS:
+            self._alike_ids.popitem(last=False)
+        return others
 
     def compiled(self, signature, build: Callable[[], CompiledBatch]) -> CompiledBatch:
         """The compiled call of ``signature`` (everything its plan depends on), built by ``build()``
@@ -170,6 +181,7 @@ class Batches:
             pid = self.programs.program_id(compiled)
             # a name shared anew binds anew
             bid = self.bindings.program_id(Signed((pid, sources.key, None if outs is None else tuple(outs))))
+            alike = self._alike((pid, sources.key), bid)
             budget = deadline.budget
             refs = {}
             for rec in recs:
@@ -178,7 +190,10 @@ class Batches:
                 bound = None
                 if self.bindings.to_ship(rec.id, bid, True, rec.max_programs):
                     peers = participants if outs is not None and compiled.results[rec.id] else None
-                    bound = _bound(compiled, rec.id, sources, outs, self.registry.devices, peers)
+                    like = next((b for b in alike if self.bindings.surely(rec.id, b)), None)
+                    bound = _bound(compiled, rec.id, sources, outs, self.registry.devices, peers, like)
+                    self.stats["bindings_shipped"] += 1
+                    self.stats["bindings_alike"] += like is not None
                 upd = self.updates_for(rec.id, sets.get(rec.id, ()))
                 req = functools.partial(
                     RunRequest,
@@ -292,11 +307,17 @@ class Batches:
         return acks
 
 
-def _bound(compiled, device: int, sources: Sources, outs, records, peers) -> Bound:
+def _bound(compiled, device: int, sources: Sources, outs, records, peers, like: int | None = None) -> Bound:
     """What ``device``'s parts of a batch are bound to (``Bound``): their ``sources``
     (``Sources``; of a scaled cast, the device gets its shard's scales), ``outs[t]`` tensor
-    ``t``'s output, ``peers`` the participants its commit learns the runs' outcomes from."""
+    ``t``'s output, ``peers`` the participants its commit learns the runs' outcomes from; where
+    the device holds binding ``like`` of the same sources, only the outputs and peers."""
     parts = compiled.program.for_device(device).parts
+    if like is not None:
+        mine = (
+            None if outs is None else tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
+        )
+        return Bound((), None, mine, None, None, peers, like)
     names = tuple(sources.names[p.tensor] if p.program.src_shape is not None else None for p in parts)
     casts = tuple(
         _cast_for(sources.casts[p.tensor], compiled.tensors[p.tensor].plan, device)

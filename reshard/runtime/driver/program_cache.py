@@ -46,6 +46,11 @@ class ProgramCache:
             self._drops.setdefault(device, []).append(old)
         return blob if ship else None
 
+    def surely(self, device: int, pid: int) -> bool:
+        """Whether ``device`` surely holds ``pid`` and no call drops it before its next run."""
+        cache = self._cached.get(device)
+        return cache is not None and cache.get(pid, False)
+
     def unsure(self, device: int, pid: int) -> None:
         """The device's run of ``pid`` failed: it may not have cached it; ship it again next time
         (the entry stays, so that the mirror still evicts it if the device did cache it)."""
