@@ -142,6 +142,36 @@ def test_a_replay_of_the_same_sources_into_other_outputs_shares_their_unit(view)
     assert all(n == m + 1 for n, m in zip(b.call(_units_built), shared, strict=True))
 
 
+def _forget_bindings(ctx) -> int:
+    """This device loses the calling controller's bindings, as a device whose cache went would."""
+    bindings = ctx.controllers[ctx.caller].bindings
+    lost = len(bindings)
+    bindings.clear()
+    return lost
+
+
+def test_a_binding_shipped_as_outputs_of_one_the_device_lost_fails_cleanly_then_ships_whole(view):
+    """A device without the binding a new one reads as (``Bound.like``) fails the call by name and
+    every output keeps its values; the next call ships that device its binding whole, bit-exact."""
+    a, b = view([0, 1], (2,)), view([2, 3, 4], (3,))
+    sd = _tree(170)
+    src = distribute(sd, _layouts(a, 0))
+    reshard(src, a, _layouts(b, 1))
+    into = distribute({k: _zeros(v) for k, v in sd.items()}, _layouts(b, 1))
+    assert b.call(_forget_bindings, devices=[0])[0] >= 1
+    with pytest.raises(ReshardError, match="whose sources a new binding reads, is not cached here"):
+        reshard(src, a, _layouts(b, 1), out=into)
+    for k, v in sd.items():
+        assert_bit_exact(_numpy(into[k]), _zeros(v))
+    before = runtime_stats()
+    assert reshard(src, a, _layouts(b, 1), out=into) is into
+    for k, v in sd.items():
+        assert_bit_exact(_numpy(into[k]), v)
+    after = runtime_stats()
+    assert after["bindings_shipped"] > before["bindings_shipped"]
+    assert after["bindings_alike"] == before["bindings_alike"]
+
+
 def _block_commits(ctx) -> int:
     return ctx.counters.get("block_commits", 0)
 
