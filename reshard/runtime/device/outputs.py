@@ -71,11 +71,7 @@ class Outputs:
         if None in shapes:
             gone = shard_name(run, self.tensors[rest[shapes.index(None)]])
             raise ReshardError(f"device {ctx.device}: the staged result {gone!r} is gone")
-        names = [self.names[k] for k in rest]
-        dsts = list(map(store.shards.get, names)) if found is None else [found[k] for k in rest]
-        freed = [n for n, d in zip(names, dsts, strict=True) if d is None]  # since they were checked
-        if freed:
-            raise ReshardError(f"device {ctx.device}: the output shard {freed[0]!r} is gone (unshared or freed)")
+        dsts = self._at(ctx, found, rest)
         if block is not None:
             copy_places(block, unit.block, unit.layout)
             ctx.counters["block_commits"] = ctx.counters.get("block_commits", 0) + 1
@@ -94,13 +90,20 @@ class Outputs:
             ctx.counters["block_delivers"] = ctx.counters.get("block_delivers", 0) + 1
             return
         at = dict(zip(self.tensors, itertools.count()))
-        mine = [at.get(t) for t in layout.tensors]
-        names = [None if k is None else self.names[k] for k in mine]
-        dsts = list(map(store.shards.get, names)) if found is None else [None if k is None else found[k] for k in mine]
+        arrays.copy_many(self._at(ctx, found, [at.get(t) for t in layout.tensors]), unit.views)
+
+    def _at(self, ctx, found: list | None, positions) -> list:
+        """The outputs at ``positions`` (None: a result no output is for), from ``found`` (what
+        ``check`` looked up) or the store; ``ReshardError`` where one is gone since its check."""
+        names = [None if k is None else self.names[k] for k in positions]
+        if found is None:
+            dsts = list(map(ctx.store.shards.get, names))
+        else:
+            dsts = [None if k is None else found[k] for k in positions]
         gone = [n for n, d in zip(names, dsts, strict=True) if d is None]
         if gone:
             raise ReshardError(f"device {ctx.device}: the output shard {gone[0]!r} is gone (unshared or freed)")
-        arrays.copy_many(dsts, unit.views)
+        return dsts
 
     def _block_for(self, store, layout) -> tuple[np.ndarray | None, list[int]]:
         """The unit block the outputs of ``layout``'s destinations are views of, laid out as in

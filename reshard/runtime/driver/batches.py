@@ -313,10 +313,8 @@ def _bound(compiled, device: int, sources: Sources, outs, records, peers, like: 
     ``t``'s output, ``peers`` the participants its commit learns the runs' outcomes from; where
     the device holds binding ``like`` of the same sources, only the outputs and peers."""
     parts = compiled.program.for_device(device).parts
+    mine = None if outs is None else tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
     if like is not None:
-        mine = (
-            None if outs is None else tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
-        )
         return Bound((), None, mine, None, None, peers, like)
     names = tuple(sources.names[p.tensor] if p.program.src_shape is not None else None for p in parts)
     casts = tuple(
@@ -327,7 +325,6 @@ def _bound(compiled, device: int, sources: Sources, outs, records, peers, like: 
     )
     shared = sources.shared
     pulls = {t: {h: shared[t][h] for h in holders} for t, holders in compiled.pull_sources.get(device, {}).items()}
-    mine = None if outs is None else tuple(outs[p.tensor] if p.program.dst_shape is not None else None for p in parts)
     relaying = compiled.relay_sources.get(device)
     relays = {h: records[h].board for h in relaying} if relaying else None
     return Bound(names, pulls or None, mine, relays, casts if any(casts) else None, peers)
