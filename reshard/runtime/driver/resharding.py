@@ -9,6 +9,7 @@ tensors, one commit call behind it), whatever the number of tensors. ``async_op=
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.driver.batches import Sources
 from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.signed import Signed
-from reshard.runtime.driver.tensor import ShardedTensor
+from reshard.runtime.driver.tensor import Frees, ShardedTensor
 from reshard.runtime.driver.unit_descriptors import UnitDescriptors
 from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import maps_shared, shard_names
@@ -143,9 +144,9 @@ class _Call:
             self.src_mesh,
             self.direct,
             self.treedef.keys,
-            list(map(weakref.ref, self.leaves)),
+            Held(self.leaves),
             given,
-            None if self.outs is None else list(map(weakref.ref, self.outs)),
+            None if self.outs is None else Held(self.outs),
             meshes,
             out_meshes,
             state,
@@ -172,7 +173,7 @@ class _Call:
     @classmethod
     def _again(cls, m: _Replay, tensors: dict, src_mesh, dst_layouts, out) -> _Call | None:
         leaves = list(tensors.values())
-        if not all(map(operator.is_, leaves, map(_DEREF, m.leaves))) or any(map(_FREED, leaves)):
+        if not m.leaves.live(leaves):
             return None
         if isinstance(m.given, Layout):
             if dst_layouts is not m.given:
@@ -188,7 +189,7 @@ class _Call:
             if type(out) is not dict or tuple(out) != m.keys:
                 return None
             outs = list(out.values())
-            if not all(map(operator.is_, outs, map(_DEREF, m.outs))) or any(map(_FREED, outs)):
+            if not m.outs.live(outs):
                 return None
         elif out is not None:
             return None
@@ -266,16 +267,14 @@ class _Call:
         last = _last_outs
         if not (
             last is not None
-            and len(last[0]) == len(outs)
-            and all(map(operator.is_, outs, map(_DEREF, last[0])))
+            and last[0].live(outs)
             and all(map(operator.is_, self.layouts, last[1]))
             and last[2] == self.dtypes
             and last[3] == shapes
-            and not any(map(_FREED, outs))
         ):
             for path, t, layout, o, d in zip(self.paths, self.leaves, self.layouts, outs, self.dtypes, strict=True):
                 _check_out(o, t, layout, path, d)
-            _last_outs = (list(map(weakref.ref, outs)), list(self.layouts), list(self.dtypes), shapes)
+            _last_outs = (Held(outs), list(self.layouts), list(self.dtypes), shapes)
         meshes = list(map(_MESH, outs))
         return list(dict(zip(map(id, meshes), meshes, strict=True)).values())
 
@@ -338,7 +337,7 @@ def _flatten_tensors(tensors):
 #: right (``_Call._checked_outs``): handles and layouts are immutable, so the same ones for the same
 #: dtypes and shapes check the same (a sync loop's replay); only a free can change that. The
 #: outputs by weak reference: a handle the user dropped is released as before.
-_last_outs: tuple[list, list, list, list] | None = None
+_last_outs: tuple[Held, list, list, list] | None = None
 _FREED = operator.attrgetter("_freed")  # the attribute, not the property: thousands of outputs a call
 _MESH = operator.attrgetter("mesh")
 _NAME = operator.attrgetter("name")
@@ -346,7 +345,38 @@ _SHAPE = operator.attrgetter("shape")
 _SHARED = operator.attrgetter("_shared")
 _SOURCE_KEY = operator.attrgetter("_source_key")
 _SIGNATURE = operator.attrgetter("_signature")
-_DEREF = weakref.ref.__call__
+
+
+class Held:
+    """A list of handles held by weak reference (a handle the user dropped is released as before),
+    and whether a list holds the same handles: while none of them died, the same ids are the same
+    objects, so a check of thousands costs a comparison of ints, not a dereference each; and
+    whether none is freed, looked at again only after a free (``Frees``)."""
+
+    __slots__ = ("ids", "refs", "alive", "unfreed_at")
+
+    def __init__(self, objs: list):
+        self.ids = list(map(id, objs))
+        self.refs = list(map(weakref.ref, objs, itertools.repeat(self._died)))
+        self.alive = True
+        self.unfreed_at = -1  # ``Frees.count`` when none was freed
+
+    def _died(self, _ref) -> None:
+        self.alive = False
+
+    def holds(self, objs: list) -> bool:
+        return self.alive and list(map(id, objs)) == self.ids
+
+    def live(self, objs: list) -> bool:
+        """Whether ``objs`` are the same handles, none freed."""
+        if not self.holds(objs):
+            return False
+        count = Frees.count
+        if self.unfreed_at != count:
+            if any(map(_FREED, objs)):
+                return False
+            self.unfreed_at = count
+        return True
 
 
 @dataclass(frozen=True)
@@ -360,9 +390,9 @@ class _Replay:
     src_mesh: DeviceMesh
     direct: bool
     keys: tuple
-    leaves: list
+    leaves: Held
     given: Layout | list
-    outs: list | None
+    outs: Held | None
     meshes: tuple
     out_meshes: list
     state: dict

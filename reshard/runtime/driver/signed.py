@@ -3,7 +3,8 @@
 A tuple works its hash out at every dict lookup, from every element's: a replay of a tree of
 thousands of tensors looks its compiled call and its binding up by keys of thousands of elements,
 several times a call. Wrapped, each key is hashed once, and a hit compares element by element,
-each the same object as before.
+each the same object as before; two equal values found so share one, and compare by identity
+from then on (a replay's key against the one its first call cached).
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ class Signed:
         return self._hash
 
     def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, Signed) and self._hash == other._hash and self.value == other.value)
+        if self is other:
+            return True
+        if not isinstance(other, Signed) or self._hash != other._hash:
+            return False
+        if self.value is other.value:
+            return True
+        if self.value != other.value:
+            return False
+        other.value = self.value  # equal: shared, so that the next comparison of the two is by identity
+        return True
 
 
 __all__ = ["Signed"]

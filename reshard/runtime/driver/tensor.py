@@ -288,6 +288,7 @@ class ShardedTensor:
         if self._freed:
             return
         self._freed = True
+        Frees.count += 1
         self.mesh.runtime.registry.check_session(self.mesh.device_ids, f"freeing {self!r}")
         self.mesh.runtime.free(self.mesh.device_ids, (self.name,))
 
@@ -320,8 +321,16 @@ def free(tree) -> None:
         for key, name in zip(map(id, meshes), map(_NAME, live), strict=True):
             names.setdefault(key, []).append(name)
     deque(map(setattr, live, itertools.repeat("_freed"), itertools.repeat(True)), maxlen=0)
+    Frees.count += 1
     for key, t in some.items():  # a call per device of each mesh
         t.mesh.runtime.free(t.mesh.device_ids, names[key])
+
+
+class Frees:
+    """How many times this process freed handles (``free``): that none of a list of handles is
+    freed, once checked, holds until this changes (a replay's thousands: ``resharding.Held``)."""
+
+    count = 0
 
 
 _FREED = operator.attrgetter("_freed")
