@@ -409,9 +409,12 @@ def test_shards_lying_close_together_are_read_as_one_span_and_land_as_listed(sha
         reads.append((mem.ctypes.data + at, host_unit.rows_of(a.shape, dst_shape, itemsize, read, write)))
     source = host_unit.source_of((1, os.getpid(), 0, 0), [1] * len(reads), [1] * len(reads), reads, places)
     scratch = np.zeros(host_unit.GAP_BYTES, np.uint8)
-    where = (np.uint64(scratch.ctypes.data), np.uint64(block.ctypes.data))
+    where = (scratch.ctypes.data, block.ctypes.data)
     assert host_unit._read(source, where) is None
     np.testing.assert_array_equal(block, want)
+    other = np.zeros_like(block)  # another block: its rows worked out again
+    assert host_unit._read(source, (scratch.ctypes.data, other.ctypes.data)) is None
+    np.testing.assert_array_equal(other, want)
     if source.unmerged is not None:
         assert len(source.remote) < len(source.unmerged.remote)
         block[:] = 0

@@ -41,7 +41,7 @@ from reshard.ir.program import Broadcast, Buffer, Copy, Pull, Recv, Scale, Send,
 from reshard.ir.regions import box_shape
 from reshard.runtime import arrays
 from reshard.runtime.device import box_copies
-from reshard.runtime.device.cross_memory import Gather, RemoteShard
+from reshard.runtime.device.cross_memory import Gather, RemoteShard, c_strides
 from reshard.runtime.device.executor import PreparedProgram, Run, begin_run, box_index, prepare, run_windows
 
 
@@ -298,18 +298,10 @@ def _run_window(run: BatchRun, w: int, window: tuple[PreparedBucket, ...]) -> No
 def _box_copies(shape_from, box_from, shape_to, box_to, itemsize: int, base_from: int = 0, base_to: int = 0):
     """The copies of box ``box_from`` of a C-ordered buffer of ``shape_from`` into box ``box_to``
     of one of ``shape_to`` (byte offsets from ``base_from`` / ``base_to``)."""
-    strides_from, strides_to = _strides(shape_from, itemsize), _strides(shape_to, itemsize)
+    strides_from, strides_to = c_strides(shape_from, itemsize), c_strides(shape_to, itemsize)
     offset_from = base_from + sum(lo * s for (lo, _), s in zip(box_from, strides_from, strict=True))
     offset_to = base_to + sum(lo * s for (lo, _), s in zip(box_to, strides_to, strict=True))
     return box_copies.describe(box_shape(box_from), itemsize, offset_from, strides_from, offset_to, strides_to)
-
-
-def _strides(shape, itemsize: int) -> tuple[int, ...]:
-    out, step = [], itemsize
-    for n in reversed(tuple(shape)):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
 
 
 def _window_tables(run: BatchRun, window: tuple[PreparedBucket, ...]):

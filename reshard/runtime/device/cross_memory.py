@@ -401,7 +401,7 @@ def read_plan(shape: tuple[int, ...], itemsize: int, box: tuple[tuple[int, int],
     nbytes = len(offsets) * length
     if len(offsets) > 1 and length < SHORT_RUN:
         lead = next(d for d, (a, b) in enumerate(box) if b - a != 1)  # dimensions before it: one index each
-        strides = _strides(shape, itemsize)
+        strides = c_strides(shape, itemsize)
         lo = sum(a * st for (a, _), st in zip(box[: lead + 1], strides, strict=False))
         hi = lo + (box[lead][1] - box[lead][0]) * strides[lead]
         if hi - lo <= SPAN_WASTE * nbytes:
@@ -412,11 +412,12 @@ def read_plan(shape: tuple[int, ...], itemsize: int, box: tuple[tuple[int, int],
     return _iov_plan(offsets, length)
 
 
-def _strides(shape: tuple[int, ...], itemsize: int) -> list[int]:
+def c_strides(shape, itemsize: int) -> tuple[int, ...]:
+    """The byte strides of a C-contiguous array of ``shape``."""
     strides = [itemsize] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
-    return strides
+    return tuple(strides)
 
 
 def _iov_plan(offsets: np.ndarray, length: int) -> ReadPlan:
@@ -447,7 +448,7 @@ def runs(shape: tuple[int, ...], itemsize: int, box: list[tuple[int, int]]) -> t
     dimensions the box covers whole merge into one run."""
     if not shape:
         return np.zeros(1, dtype=np.uint64), itemsize
-    strides = _strides(shape, itemsize)
+    strides = c_strides(shape, itemsize)
     k = len(shape) - 1
     while k > 0 and box[k] == (0, shape[k]):
         k -= 1
@@ -462,6 +463,7 @@ def runs(shape: tuple[int, ...], itemsize: int, box: list[tuple[int, int]]) -> t
 __all__ = [
     "BOARD_CELLS",
     "Gather",
+    "c_strides",
     "RemoteShard",
     "TenureBoard",
     "available",

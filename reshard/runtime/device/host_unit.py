@@ -52,7 +52,7 @@ import functools
 import itertools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -82,7 +82,9 @@ class Source:
     """The shards a unit reads out of one holder's process: its tenure board (``(fd, inode)``), the
     cells and tenures to check, and the reads as rows (``Rows``): ``remote`` ``(address,
     length)`` in the holder, ``local`` ``(offset, length)`` in the block (``trash``: in the
-    scratch buffer), and ``calls`` ``(first remote row, end, first local row, end, bytes)``."""
+    scratch buffer), and ``calls`` ``(first remote row, end, first local row, end, bytes)``;
+    ``located``, the local rows at the addresses of the latest block read into (a replay's runs
+    land in one block, whose rows are worked out once)."""
 
     holder: int
     pid: int
@@ -94,6 +96,7 @@ class Source:
     trash: np.ndarray
     calls: tuple[tuple[int, int, int, int, int], ...]
     unmerged: Source | None = None
+    located: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -580,9 +583,7 @@ class UnitRun:
         )
 
     def read(self) -> None:
-        base = np.uint64(self.block.ctypes.data)
-        scratch = np.empty(GAP_BYTES, np.uint8)
-        at = (np.uint64(scratch.ctypes.data), base)
+        at = (_SCRATCH.ctypes.data, self.block.ctypes.data)
         for s in self.unit.sources:
             self._check(s)
             short = _read(s, at)
@@ -659,16 +660,23 @@ def _views(block: np.ndarray, shape: tuple[int, ...], storage: np.dtype, offset:
     return np.ndarray((count, *shape), storage, block, offset, (stride, *inner))
 
 
-def _read(s: Source, at: tuple[np.uint64, np.uint64]) -> tuple[int, int] | None:
+def _read(s: Source, at: tuple[int, int]) -> tuple[int, int] | None:
     """Read source ``s``'s rows (``at``: the scratch buffer's and the block's addresses); None, or
     ``(got, wanted)`` bytes of the first call that fell short."""
-    local = s.local.copy()
-    local[:, 0] += np.where(s.trash, *at)
+    local = s.located.get(at)
+    if local is None:
+        local = s.local.copy()
+        local[:, 0] += np.where(s.trash, *map(np.uint64, at))
+        s.located.clear()
+        s.located[at] = local
     for first, end, local_first, local_end, want in s.calls:
         got = read_rows(s.pid, local[local_first:local_end], s.remote[first:end])
         if got != want:
             return got, want
     return None
 
+
+#: Where the gaps between runs of a span are read to: never read back, so every run shares it.
+_SCRATCH = np.empty(GAP_BYTES, np.uint8)
 
 __all__ = ["HostUnit", "UnitRun", "copy_places", "unit_for"]
