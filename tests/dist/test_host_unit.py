@@ -385,9 +385,11 @@ def test_short_runs_close_together_are_read_as_spans():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2 * host_unit.GAP_BYTES), _pairs()), min_size=1, max_size=10), st.randoms())
+@given(
+    st.lists(st.tuples(st.integers(0, 2 * host_unit.SHARD_GAP_BYTES), _pairs()), min_size=1, max_size=10), st.randoms()
+)
 def test_shards_lying_close_together_are_read_as_one_span_and_land_as_listed(shards, rnd):
-    """Pulls out of shards a holder allocated one after another (gaps up to twice ``GAP_BYTES``),
+    """Pulls out of shards a holder allocated one after another (gaps up to twice ``SHARD_GAP_BYTES``),
     listed in any order: the merged spans read (by the kernel, out of this process) what the
     listed ones read, and what numpy's slicing copies; fewer remote rows where any merged."""
     itemsize, at, arrays, reads = 4, 0, [], []
@@ -408,7 +410,7 @@ def test_shards_lying_close_together_are_read_as_one_span_and_land_as_listed(sha
         out[tuple(slice(*b) for b in write)] = a[tuple(slice(*b) for b in read)]
         reads.append((mem.ctypes.data + at, host_unit.rows_of(a.shape, dst_shape, itemsize, read, write)))
     source = host_unit.source_of((1, os.getpid(), 0, 0), [1] * len(reads), [1] * len(reads), reads, places)
-    scratch = np.zeros(host_unit.GAP_BYTES, np.uint8)
+    scratch = np.zeros(max(host_unit.GAP_BYTES, host_unit.SHARD_GAP_BYTES), np.uint8)
     where = (scratch.ctypes.data, block.ctypes.data)
     assert host_unit._read(source, where) is None
     np.testing.assert_array_equal(block, want)
@@ -450,3 +452,14 @@ def test_a_sources_calls_cover_its_rows_at_most_iov_max_a_side():
         assert nbytes == int(s.remote[first:end, 1].sum()) == int(s.local[local_first:local_end, 1].sum())
     assert s.remote[:, 0].tolist() == [(1 << 20) * i + 32 for i in range(n)]
     assert s.local[~s.trash, 0].tolist()[:16] == [32 * k for k in range(8)] + [512 + 32 * k for k in range(8)]
+
+
+def test_spans_of_shards_a_little_more_than_a_runs_gap_apart_merge():
+    """The row-parallel slices of every third of a MoE expert's shards lie a little over
+    ``GAP_BYTES`` apart: spans of different shards merge up to ``SHARD_GAP_BYTES`` apart."""
+    rows = host_unit.rows_of((8, 32), (16, 8), 4, ((0, 8), (8, 16)), ((0, 8), (0, 8)))  # a span of 928 bytes
+    near = host_unit.source_of((1, 2, 3, 4), [1, 1], [5, 5], [(0, rows), (3072, rows)], [0, 512])
+    assert host_unit.GAP_BYTES < 3072 - 928 <= host_unit.SHARD_GAP_BYTES
+    assert near.remote.tolist() == [[32, 3072 + 928]]
+    far = host_unit.source_of((1, 2, 3, 4), [1, 1], [5, 5], [(0, rows), (8192, rows)], [0, 512])
+    assert far.remote.tolist() == [[32, 928], [8192 + 32, 928]]

@@ -70,6 +70,11 @@ ALIGN = 64  # bytes between destinations in the block
 #: kernel's cost is per row it reads out of the holder (it pins that row's pages), far more than
 #: copying a few KiB; a row into this process costs little.
 GAP_BYTES = 2048
+#: Spans of different shards at most this far apart are read as one (``merge_spans``): a tree's
+#: small shards lie a little over ``GAP_BYTES`` apart where a pull skips their neighbours (a
+#: row-parallel slice of every third tensor of a MoE expert's three), and a row out of a holder
+#: that several devices read at once costs more than copying this much.
+SHARD_GAP_BYTES = 4096
 SPAN_RUNS = 64  # runs to a span at most
 MERGED_ROWS = 512  # local rows to a span merged out of several at most (a span of one has up to 2 x SPAN_RUNS)
 CACHED = 4  # units kept per prepared batch (one per binding)
@@ -453,7 +458,7 @@ def _cut(offsets: np.ndarray, length: int, to: int) -> np.ndarray:
 
 def source_of(key, cells: list, tenures: list, reads: list, places: list) -> Source:
     """The rows of every read out of one holder's process, cut into calls of at most ``IOV_MAX``
-    rows a side (at spans' ends). Spans of different shards that lie less than ``GAP_BYTES`` apart
+    rows a side (at spans' ends). Spans of different shards that lie less than ``SHARD_GAP_BYTES`` apart
     in the holder (small tensors a framework allocated one after another) are read as one, the gap
     into scratch (``merge_spans``); the rows as listed, one span per pull, stay as ``unmerged``,
     read instead if a merged read falls short (a gap that is not mapped)."""
@@ -491,7 +496,7 @@ def _calls(remote: np.ndarray, per_span: np.ndarray) -> tuple[tuple[int, int, in
 
 def merge_spans(remote: np.ndarray, local: np.ndarray, trash: np.ndarray, per_span: np.ndarray):
     """The spans (``remote`` rows, each filling its ``per_span`` local rows) in address order, those
-    that start at most ``GAP_BYTES`` after the last one ended read as one remote row (a trash row
+    that start at most ``SHARD_GAP_BYTES`` after the last one ended read as one remote row (a trash row
     for the gap; at most ``MERGED_ROWS`` local rows a merged span, so a call still fits
     ``IOV_MAX``): ``(remote, local, trash, per_span)``, or None when no two spans merge."""
     n = len(remote)
@@ -502,7 +507,7 @@ def merge_spans(remote: np.ndarray, local: np.ndarray, trash: np.ndarray, per_sp
     end = start + remote[order, 1].astype(np.int64)
     gap = np.zeros(n, np.int64)
     gap[1:] = start[1:] - np.maximum.accumulate(end)[:-1]  # negative: overlaps what came before
-    join = (gap >= 0) & (gap <= GAP_BYTES)
+    join = (gap >= 0) & (gap <= SHARD_GAP_BYTES)
     join[0] = False
     rows = per_span[order].astype(np.int64)
     # cut runs of joined spans into pieces of at most MERGED_ROWS local rows, a member's gap row included
@@ -677,6 +682,6 @@ def _read(s: Source, at: tuple[int, int]) -> tuple[int, int] | None:
 
 
 #: Where the gaps between runs of a span are read to: never read back, so every run shares it.
-_SCRATCH = np.empty(GAP_BYTES, np.uint8)
+_SCRATCH = np.empty(max(GAP_BYTES, SHARD_GAP_BYTES), np.uint8)
 
 __all__ = ["HostUnit", "UnitRun", "copy_places", "unit_for"]
