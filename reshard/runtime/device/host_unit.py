@@ -458,7 +458,7 @@ def _cut(offsets: np.ndarray, length: int, to: int) -> np.ndarray:
 
 def source_of(key, cells: list, tenures: list, reads: list, places: list) -> Source:
     """The rows of every read out of one holder's process, cut into calls of at most ``IOV_MAX``
-    rows a side (at spans' ends). Spans of different shards that lie less than ``SHARD_GAP_BYTES`` apart
+    rows a side (at spans' ends). Spans of different shards that lie at most ``SHARD_GAP_BYTES`` apart
     in the holder (small tensors a framework allocated one after another) are read as one, the gap
     into scratch (``merge_spans``); the rows as listed, one span per pull, stay as ``unmerged``,
     read instead if a merged read falls short (a gap that is not mapped)."""
