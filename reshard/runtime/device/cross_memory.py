@@ -463,10 +463,10 @@ def runs(shape: tuple[int, ...], itemsize: int, box: list[tuple[int, int]]) -> t
 __all__ = [
     "BOARD_CELLS",
     "Gather",
-    "c_strides",
     "RemoteShard",
     "TenureBoard",
     "available",
+    "c_strides",
     "read_failed",
     "read_plan",
     "read_rows",
