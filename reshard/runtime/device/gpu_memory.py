@@ -107,6 +107,7 @@ class _Block:
     nbytes: int
     pieces: dict[int, _Piece]  # offset -> piece
     handle: bytes | None = None  # its IPC handle, once asked for
+    held: int = 0  # pieces not released yet: the block is idle once none is (a count, not a scan per release)
 
 
 class GpuBlocks:
@@ -154,6 +155,7 @@ class GpuBlocks:
                 self.blocks[mem.ptr] = block
                 bisect.insort(self._bases, mem.ptr)
         block.pieces = {o: _Piece(o, n) for o, n in zip(offsets, sizes, strict=True)}
+        block.held = len(block.pieces)
         return [
             cupy.ndarray((n,), np.uint8, memptr=cupy.cuda.MemoryPointer(block.mem, o))
             for o, n in zip(offsets, sizes, strict=True)
@@ -206,8 +208,12 @@ class GpuBlocks:
             raise ValueError(f"GPU memory lies in no shared-memory file nor private host memory, got {file!r}")
         found = self._find(a)
         if found is not None and found[1].slot < 0:
-            found[1].slot, found[1].tenure = self.board.begin()
-            found[1].released = False
+            block, piece = found
+            piece.slot, piece.tenure = self.board.begin()
+            if piece.released:
+                with self._lock:
+                    piece.released = False
+                    block.held += 1
         return self.descriptor(a)
 
     def end(self, a, at: int | None = None) -> None:
@@ -251,8 +257,11 @@ class GpuBlocks:
         self.end(a)
         block, piece = found
         with self._lock:
+            if piece.released:
+                return True
             piece.released = True
-            if all(p.released for p in block.pieces.values()):
+            block.held -= 1
+            if not block.held:
                 self._idle(block)
                 while self.idle_bytes > self.keep_bytes and self._evictable():
                     pass
