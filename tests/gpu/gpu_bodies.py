@@ -208,6 +208,17 @@ def ipc_opened(ctx) -> int:
     return len(ctx.peers.maps)
 
 
+def ipc_limit(ctx, blocks: int) -> tuple[int, int]:
+    """Keep at most ``blocks`` peer blocks open here; returns the blocks open and retired now."""
+    ctx.peers.limit = blocks
+    return ipc_counts(ctx)
+
+
+def ipc_counts(ctx) -> tuple[int, int]:
+    """Peer blocks open here: kept, and retired past the limit (closed once no run reads them)."""
+    return len(ctx.peers.maps), len(ctx.peers.retired)
+
+
 def slow_every_op(ctx, seconds: float) -> None:
     """Before every op of this device's runs, a kernel keeps the run's stream busy for
     ``seconds``: whatever a run queues lands late, so a call that returned before its stream got

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_bodies import ipc_allocate, ipc_free, ipc_opened, ipc_pull, share_device_array
+from gpu_bodies import ipc_allocate, ipc_counts, ipc_free, ipc_limit, ipc_opened, ipc_pull, share_device_array
 
 from reshard import Layout, Replicate, Shard, distribute, reshard
 from reshard.errors import ReshardError
@@ -56,6 +56,24 @@ def test_devices_sharing_a_gpu_pull_every_slice_and_no_bytes_go_through_nccl(pai
     off = reshard(t, a, dst, shared_memory=False)  # through NCCL
     np.testing.assert_array_equal(off.to_numpy(), x)
     assert lowered_reshard(t, dst, shared_memory=False).groups
+
+
+def test_a_tree_read_out_of_more_holder_blocks_than_a_device_keeps_open_lands_bit_exact(pair):
+    """Six tensors loaded one by one (a holder block each), pulled in one call by devices that keep
+    two peer blocks open: those past the limit stay open while the run reads them (closing one
+    under its copy would read unmapped memory), and the next run that pulls closes them."""
+    a, b = pair
+    b.call(ipc_limit, 2)
+    xs = {f"w{i}": np.arange(64 * 4, dtype=np.float32).reshape(64, 4) + 1000 * i for i in range(6)}
+    tree = {k: distribute(x, Layout(a, (Shard(0),))) for k, x in xs.items()}
+    y = reshard(tree, a, Layout(b, (Shard(1),)))
+    for k, x in xs.items():
+        np.testing.assert_array_equal(y[k].to_numpy(), x)
+    assert all(retired > 0 for _, retired in b.call(ipc_counts))  # the run read more than it keeps
+    one = distribute(np.ones((64, 4), np.float32), Layout(a, (Shard(0),)))
+    np.testing.assert_array_equal(reshard(one, a, Layout(b, (Shard(1),))).to_numpy(), np.ones((64, 4)))
+    assert b.call(ipc_counts) == [(2, 0), (2, 0)]  # the next run closed those it no longer reads
+    b.call(ipc_limit, 4096)
 
 
 def test_a_reshard_whose_holder_freed_its_shard_meanwhile_fails_and_says_so(pair):

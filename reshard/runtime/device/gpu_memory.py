@@ -13,9 +13,13 @@ when the device closes (CUDA: freeing exported memory before importers close it 
 Puller. ``GpuPeers`` opens each holder block once (``cudaIpcOpenMemHandle``; CUDA allows one open
 per handle and process, reference counted), keeps it while the holder keeps a shard in it, and
 checks the shard's tenure before copying and again after the run (``check``): a shard freed
-meanwhile fails the reshard, never yields another tensor's bytes. The copy itself is a kernel on
-the puller's run stream; the holder's bytes are complete because the run that wrote them
-returned only once its stream had finished.
+meanwhile fails the reshard, never yields another tensor's bytes. Past ``PEER_BLOCKS`` open blocks
+the least recently used is retired, and closed only once nothing here references its memory any
+more (``purge``, as each run that pulls starts): a run reading it holds its views, and
+``cudaIpcCloseMemHandle`` under a kernel reading the mapping would make its reads invalid (a tree
+of more single-shard holder blocks than that reads them all in one run). The copy itself is a
+kernel on the puller's run stream; the holder's bytes are complete because the run that wrote
+them returned only once its stream had finished.
 
 Which devices pull from which: those of one Ray node on one GPU (by its UUID), where IPC needs no
 peer-to-peer access; the driver groups them into one memory domain (``memory_domain``). Between
@@ -325,6 +329,7 @@ class GpuPeers:
         self.limit = limit
         self.boards = PeerShards(device)  # the holders' tenure boards, mapped read-only
         self.maps: OrderedDict[tuple[int, bytes], _Opened] = OrderedDict()
+        self.retired: dict[tuple[int, bytes], _Opened] = {}  # past the limit, closed once unused (``_close_unused``)
         self._lock = threading.Lock()
 
     def get(self, holder: int, desc, dtype: np.dtype):
@@ -346,6 +351,8 @@ class GpuPeers:
         key = (pid, handle)
         with self._lock:
             hit = self.maps.get(key)
+            if hit is None and key in self.retired:  # still open: taken back, never opened twice
+                hit = self.maps[key] = self.retired.pop(key)
             if hit is not None:
                 self.maps.move_to_end(key)
                 return hit
@@ -364,9 +371,16 @@ class GpuPeers:
         with self._lock:
             self.maps[key] = opened
             while len(self.maps) > self.limit:
-                _, old = self.maps.popitem(last=False)
-                self._close(old)
+                old_key, old = self.maps.popitem(last=False)
+                old.views.clear()  # ours; whoever still reads it holds its own
+                self.retired[old_key] = old  # closed by a later ``purge``, once no run reads it
         return opened
+
+    def _close_unused(self) -> None:
+        """Close the retired blocks whose memory nothing here references any more (no view, no
+        pointer into it: ``_Opened.mem`` and ``getrefcount``'s own argument are the only two)."""
+        for key in [k for k, o in self.retired.items() if sys.getrefcount(o.mem) <= 2]:
+            self._close(self.retired.pop(key))
 
     def _tenure(self, holder: int, desc) -> int:
         board, slot = desc[6], desc[7]
@@ -386,8 +400,11 @@ class GpuPeers:
         self._check(holder, desc)
 
     def purge(self, full: bool = True) -> None:
-        """Nothing to do, ``full`` or not: an opened block stays open while its holder may reuse
-        it for the next shard of its size (the same handle); ``clear`` closes them."""
+        """Close the retired blocks no run reads any more, ``full`` or not; the others stay open
+        while their holder may reuse them for the next shard of their size (the same handle);
+        ``clear`` closes them all."""
+        with self._lock:
+            self._close_unused()
 
     def _close(self, opened: _Opened) -> None:
         import cupy
@@ -402,8 +419,9 @@ class GpuPeers:
 
     def clear(self) -> None:
         with self._lock:
-            items = list(self.maps.values())
+            items = [*self.maps.values(), *self.retired.values()]
             self.maps.clear()
+            self.retired.clear()
         for opened in items:
             self._close(opened)
         self.boards.clear()
