@@ -4,6 +4,8 @@ its last piece is released (a piece released twice counts once; one begun again 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from reshard.runtime.device.gpu_memory import ALIGN, GpuBlocks
@@ -55,3 +57,40 @@ def test_many_pieces_are_released_one_by_one(blocks):
     assert blocks.idle_bytes == 0
     blocks.release(pieces[-1])
     assert blocks.idle_bytes == n * ALIGN
+
+
+def test_blocks_nobody_uses_any_more_are_found_and_reused(blocks):
+    """Arrays of ``DeviceContext.empty`` its user let go of: their blocks go back to the pool at a
+    look over every block (``_reclaim``), and a new array of that size reuses one."""
+    dropped = {blocks.allocate(4096).data.ptr for _ in range(4)}
+    assert blocks.allocate(4096).data.ptr in dropped
+
+
+def test_making_blocks_one_by_one_looks_over_them_a_logarithmic_number_of_times(blocks, monkeypatch):
+    """A look passes over every block: made once per new block, a model's tensors shared one at a
+    time would cost time quadratic in their number. A look is due once half as many new blocks as
+    the device has were made since the last."""
+    looks = []
+    reclaim = blocks._reclaim
+    monkeypatch.setattr(blocks, "_reclaim", lambda: looks.append(len(blocks.blocks)) or reclaim())
+    live = [blocks.allocate(512) for _ in range(2000)]
+    assert len(blocks.blocks) == len(live) and len(looks) <= 25
+    assert all(b >= 1.5 * a for a, b in itertools.pairwise(looks[2:]))  # the blocks between two looks grow
+
+
+def test_where_cuda_has_no_memory_left_a_block_nobody_uses_is_reused_first(blocks):
+    """The one block nobody uses any more, between two looks: an allocation CUDA refuses looks at
+    once and reuses it; with none to reuse, CUDA's error reaches the caller."""
+    from cupy import _control
+    from cupy.cuda import _gpu, runtime
+
+    first = blocks.allocate(1 << 20)
+    ptr = first.data.ptr
+    live = [blocks.allocate(512)]
+    while not (len(blocks.blocks) >= 3 and blocks._unlooked == 1):  # just past a look: the next is not due
+        live.append(blocks.allocate(512))
+    del first
+    with _control.device_memory(_gpu.allocated_bytes() + (1 << 19)):  # no room for another MiB
+        assert blocks.allocate(1 << 20).data.ptr == ptr
+        with pytest.raises(runtime.CUDARuntimeError, match="cudaErrorMemoryAllocation"):
+            blocks.allocate(1 << 21)

@@ -136,6 +136,7 @@ class GpuBlocks:
         self._bases: list[int] = []  # sorted, to find the block an address is in
         self.idle: OrderedDict[tuple[int, int], _Block] = OrderedDict()  # (nbytes, base) -> a freed block
         self.idle_bytes = 0
+        self._unlooked = 0  # new blocks since the last look for blocks nobody uses (``_reclaim``)
         self._lock = threading.Lock()
 
     def allocate(self, nbytes: int):
@@ -150,14 +151,7 @@ class GpuBlocks:
         for n in sizes:
             offsets.append(end)
             end += -(-n // ALIGN) * ALIGN
-        block = self._take(end)
-        if block is None:
-            with cupy.cuda.Device(self.cuda_device):
-                mem = cupy.cuda.Memory(end)
-            block = _Block(mem, end, {})
-            with self._lock:
-                self.blocks[mem.ptr] = block
-                bisect.insort(self._bases, mem.ptr)
+        block = self._take(end) or self._new(end)
         block.pieces = {o: _Piece(o, n) for o, n in zip(offsets, sizes, strict=True)}
         block.held = len(block.pieces)
         return [
@@ -165,10 +159,34 @@ class GpuBlocks:
             for o, n in zip(offsets, sizes, strict=True)
         ]
 
-    def _take(self, nbytes: int) -> _Block | None:
+    def _new(self, nbytes: int) -> _Block:
+        """A block of fresh device memory; where CUDA has none left, one nobody uses any more
+        (``_take`` with a look at every block) before the error."""
+        import cupy
+
+        try:
+            with cupy.cuda.Device(self.cuda_device):
+                mem = cupy.cuda.Memory(nbytes)
+        except cupy.cuda.runtime.CUDARuntimeError:
+            block = self._take(nbytes, look=True)
+            if block is None:
+                raise
+            return block
+        block = _Block(mem, nbytes, {})
+        with self._lock:
+            self.blocks[mem.ptr] = block
+            bisect.insort(self._bases, mem.ptr)
+            self._unlooked += 1
+        return block
+
+    def _take(self, nbytes: int, look: bool = False) -> _Block | None:
+        """An idle block of ``nbytes``. Where there is none, a look for blocks nobody uses any more
+        (``_reclaim``, a pass over every block) when ``look``, or once as many new blocks as half
+        the device's were made since the last: each new block pays for a bounded share of a look,
+        so making thousands one by one (a model's tensors shared one at a time) is not quadratic."""
         with self._lock:
             key = next((k for k in self.idle if k[0] == nbytes), None)
-            if key is None and self._reclaim():
+            if key is None and (look or 2 * self._unlooked >= len(self.blocks)) and self._reclaim():
                 key = next((k for k in self.idle if k[0] == nbytes), None)
             if key is None:
                 return None
@@ -179,6 +197,7 @@ class GpuBlocks:
         """Blocks whose pieces no shard holds and no array uses any more (``DeviceContext.empty``'s,
         once its user let go) go to the pool; True if one did. An array over a block holds a
         reference to its memory."""
+        self._unlooked = 0
         found = False
         idle = {id(b) for b in self.idle.values()}
         for block in self.blocks.values():

@@ -12,6 +12,8 @@ once they have struck ``count`` times:
 - ``inject("hang", call=...)``: the next call of ``call`` ("groupEnd", "check_async_error",
   "bcast", "send", "recv", "allReduce", "init") does not return until its communicator is
   aborted from another thread; then it raises ``ncclInternalError``.
+
+``device_memory(nbytes)`` bounds a device's memory instead, inside a ``with`` block.
 """
 
 from __future__ import annotations
@@ -56,6 +58,18 @@ def clear_faults() -> None:
 def armed_faults() -> list[dict]:
     with nccl._faults_lock:
         return [dict(f) for f in nccl._faults if f["count"] > 0]
+
+
+@contextlib.contextmanager
+def device_memory(nbytes: int, device: int = 0) -> Iterator[None]:
+    """Inside the block, this process's allocations on ``device`` take at most ``nbytes``: a
+    ``cudaMalloc`` past that fails with ``cudaErrorMemoryAllocation``, as on a GPU whose memory is
+    spent (CUDA runtime API, ``cudaMalloc``)."""
+    _gpu.capacity[device] = int(nbytes)
+    try:
+        yield
+    finally:
+        _gpu.capacity.pop(device, None)
 
 
 @contextlib.contextmanager

@@ -156,6 +156,8 @@ _mem_lock = threading.Lock()
 _bases: list[int] = []
 _allocs: dict[int, Allocation] = {}
 _next_ptr: dict[int, int] = {}
+#: device -> the bytes its allocations of this process may take (``_control.device_memory``; none: unbounded)
+capacity: dict[int, int] = {}
 
 
 def malloc(nbytes: int, device: int) -> Allocation | None:
@@ -169,6 +171,10 @@ def malloc(nbytes: int, device: int) -> Allocation | None:
         ptr = _next_ptr.get(device, _BASE + device * _DEVICE_SPAN)
         _next_ptr[device] = -(-(ptr + size + ALLOCATION_UNIT) // PAGE) * PAGE  # a gap: running off the end faults
         if _next_ptr[device] - _BASE - device * _DEVICE_SPAN > ARENA_BYTES:
+            raise runtime.CUDARuntimeError(runtime.cudaErrorMemoryAllocation)
+        cap = capacity.get(device)
+        if cap is not None and sum(a.size for a in _allocs.values() if a.device == device and a.owned) + size > cap:
+            # cudaMalloc: "cudaErrorMemoryAllocation" when the device has no memory left for it
             raise runtime.CUDARuntimeError(runtime.cudaErrorMemoryAllocation)
         alloc = Allocation(ptr, size, device)
         bisect.insort(_bases, ptr)
