@@ -34,7 +34,7 @@ from reshard.runtime.deadlines import DEFAULT_TIMEOUT_S, Deadline, check_timeout
 from reshard.runtime.driver.batches import Sources
 from reshard.runtime.driver.mesh import DeviceMesh, resolve_mesh
 from reshard.runtime.driver.signed import Signed
-from reshard.runtime.driver.tensor import Frees, ShardedTensor
+from reshard.runtime.driver.tensor import _FREED, _MESH, _NAME, Frees, ShardedTensor
 from reshard.runtime.driver.unit_descriptors import UnitDescriptors
 from reshard.runtime.gc_paused import gc_paused
 from reshard.runtime.messages import maps_shared, shard_names
@@ -338,9 +338,6 @@ def _flatten_tensors(tensors):
 #: dtypes and shapes check the same (a sync loop's replay); only a free can change that. The
 #: outputs by weak reference: a handle the user dropped is released as before.
 _last_outs: tuple[Held, list, list, list] | None = None
-_FREED = operator.attrgetter("_freed")  # the attribute, not the property: thousands of outputs a call
-_MESH = operator.attrgetter("mesh")
-_NAME = operator.attrgetter("name")
 _SHAPE = operator.attrgetter("shape")
 _SHARED = operator.attrgetter("_shared")
 _SOURCE_KEY = operator.attrgetter("_source_key")

@@ -333,7 +333,7 @@ class Frees:
     count = 0
 
 
-_FREED = operator.attrgetter("_freed")
+_FREED = operator.attrgetter("_freed")  # the attribute, not the property: thousands of handles a call
 _MESH = operator.attrgetter("mesh")
 _NAME = operator.attrgetter("name")
 
