@@ -85,6 +85,7 @@ def steps(bench: bool) -> list[Step]:
         Step("uuids", [PY, "-c", UUIDS], "GPU UUIDs as torch and cupy read them (cupy cuts at a 0x00 byte)", 60),
         pytest_step("backend", "tests/gpu/test_nccl.py", "the NcclBackend API on one rank", 300),
         pytest_step("box-copies", "tests/gpu/test_box_copies.py", "the copy kernel (NVRTC compiles it)", 180),
+        pytest_step("gpu-blocks", "tests/gpu/test_gpu_blocks.py", "shard memory in blocks: pooled, reused", 120),
         pytest_step("cuda-ipc", "tests/gpu/test_cuda_ipc.py", "CUDA IPC pulls between actors on one GPU", 240),
         pytest_step(
             "one-gpu-hostid",
