@@ -143,8 +143,10 @@ class GpuBlocks:
         """A flat uint8 cupy array over a block of ``nbytes`` (> 0): a freed one of that size, else new."""
         return self.allocate_many([nbytes])[0]
 
-    def allocate_many(self, sizes: list[int]) -> list:
-        """Flat uint8 cupy arrays of ``sizes`` bytes (each > 0), pieces of one block."""
+    def allocate_many(self, sizes: list[int], forms: list | None = None) -> list:
+        """Cupy arrays of ``sizes`` bytes (each > 0), pieces of one block: flat uint8, or of each
+        ``(shape, dtype)`` of ``forms`` (one array each, made as it is: a call's thousands of
+        shards)."""
         import cupy
 
         offsets, end = [], 0
@@ -154,9 +156,11 @@ class GpuBlocks:
         block = self._take(end) or self._new(end)
         block.pieces = {o: _Piece(o, n) for o, n in zip(offsets, sizes, strict=True)}
         block.held = len(block.pieces)
+        pointer, mem = cupy.cuda.MemoryPointer, block.mem
+        if forms is None:
+            return [cupy.ndarray((n,), np.uint8, memptr=pointer(mem, o)) for o, n in zip(offsets, sizes, strict=True)]
         return [
-            cupy.ndarray((n,), np.uint8, memptr=cupy.cuda.MemoryPointer(block.mem, o))
-            for o, n in zip(offsets, sizes, strict=True)
+            cupy.ndarray(shape, dtype, memptr=pointer(mem, o)) for o, (shape, dtype) in zip(offsets, forms, strict=True)
         ]
 
     def _new(self, nbytes: int) -> _Block:
@@ -230,30 +234,38 @@ class GpuBlocks:
         if file is not None:
             raise ValueError(f"GPU memory lies in no shared-memory file nor private host memory, got {file!r}")
         found = self._find(a)
-        if found is not None and found[1].slot < 0:
-            block, piece = found
+        if found is None:
+            return None
+        block, piece = found
+        if piece.slot < 0:
             piece.slot, piece.tenure = self.board.begin()
             if piece.released:
                 with self._lock:
                     piece.released = False
                     block.held += 1
-        return self.descriptor(a)
+        return self._descriptor(block, piece, a)
 
     def end(self, a, at: int | None = None) -> None:
         """The shard in ``a``'s piece is dropped: descriptors of it no longer map. ``at``: as
         ``SharedShards.end``'s (never given here: a GPU device has no unit)."""
         found = self._find(a)
-        if found is not None and found[1].slot >= 0:
-            self.board.end(found[1].slot)
-            found[1].slot, found[1].tenure = -1, 0
+        if found is not None:
+            self._end(found[1])
+
+    def _end(self, piece: _Piece) -> None:
+        if piece.slot >= 0:
+            self.board.end(piece.slot)
+            piece.slot, piece.tenure = -1, 0
 
     def descriptor(self, a) -> tuple | None:
         """``("cuda", pid, IPC handle, block bytes, offset, shape, board, slot, tenure)`` of shard
         ``a`` if it fills a piece held by a shard, else None."""
         found = self._find(a)
-        if found is None or found[1].slot < 0:
+        return None if found is None else self._descriptor(*found, a)
+
+    def _descriptor(self, block: _Block, piece: _Piece, a) -> tuple | None:
+        if piece.slot < 0:
             return None
-        block, piece = found
         if block.handle is None:
             import cupy
 
@@ -277,8 +289,8 @@ class GpuBlocks:
         found = self._find(a)
         if found is None:
             return False
-        self.end(a)
         block, piece = found
+        self._end(piece)
         with self._lock:
             if piece.released:
                 return True

@@ -336,10 +336,10 @@ class ShardStore:
             return [self.allocate_destination(shape, dtype) for shape, dtype in specs]
         storages = [arrays.storage(dtype) for _, dtype in specs]
         sizes = [_nbytes(shape, st) for (shape, _), st in zip(specs, storages, strict=True)]
-        flats = iter(self.shared.allocate_many([n for n in sizes if n]))
+        kept = [(n, (tuple(shape), st)) for (shape, _), st, n in zip(specs, storages, sizes, strict=True) if n]
+        made = iter(self.shared.allocate_many([n for n, _ in kept], [form for _, form in kept]))
         return [
-            next(flats).view(st).reshape(tuple(shape)) if n else self.allocate(shape, dtype)
-            for (shape, dtype), st, n in zip(specs, storages, sizes, strict=True)
+            next(made) if n else self.allocate(shape, dtype) for (shape, dtype), n in zip(specs, sizes, strict=True)
         ]
 
     def allocate_block(self, nbytes: int, shared: bool) -> tuple[np.ndarray, tuple[int, int, int] | None]:
