@@ -365,28 +365,31 @@ class GpuPeers:
 
     def get(self, holder: int, desc, dtype: np.dtype):
         """Device ``holder``'s shard named by ``desc``, as a cupy array of ``dtype`` and its shape;
-        ``ReshardError`` if the shard was dropped (``check`` again after copying from it)."""
+        ``ReshardError`` if the shard was dropped (``check`` again after copying from it). The
+        block is opened and the view made under the lock: a ``purge`` in another thread never
+        closes the block between the two (the view then holds it open)."""
         _, pid, handle, nbytes, offset, shape, _, _, _ = desc
         self._check(holder, desc)
-        opened = self._opened(holder, pid, bytes(handle), nbytes)
-        key = (offset, dtype, tuple(shape))
-        view = opened.views.get(key)
-        if view is None:
-            import cupy
+        import cupy
 
-            ptr = cupy.cuda.MemoryPointer(opened.mem, offset)
-            view = opened.views[key] = cupy.ndarray(tuple(shape), dtype, memptr=ptr)
+        key = (offset, dtype, tuple(shape))
+        with self._lock:
+            opened = self._opened(holder, pid, bytes(handle), nbytes)
+            view = opened.views.get(key)
+            if view is None:
+                ptr = cupy.cuda.MemoryPointer(opened.mem, offset)
+                view = opened.views[key] = cupy.ndarray(tuple(shape), dtype, memptr=ptr)
         return view
 
     def _opened(self, holder: int, pid: int, handle: bytes, nbytes: int) -> _Opened:
+        """The holder's block, opened once (the caller holds the lock)."""
         key = (pid, handle)
-        with self._lock:
-            hit = self.maps.get(key)
-            if hit is None and key in self.retired:  # still open: taken back, never opened twice
-                hit = self.maps[key] = self.retired.pop(key)
-            if hit is not None:
-                self.maps.move_to_end(key)
-                return hit
+        hit = self.maps.get(key)
+        if hit is None and key in self.retired:  # still open: taken back, never opened twice
+            hit = self.maps[key] = self.retired.pop(key)
+        if hit is not None:
+            self.maps.move_to_end(key)
+            return hit
         import cupy
 
         try:
@@ -398,13 +401,11 @@ class GpuPeers:
                 f"device {self.device} could not open device {holder}'s GPU shard through CUDA IPC (process {pid}): "
                 f"{type(e).__name__}: {e}; create the meshes with shared_memory=False to send it through NCCL"
             ) from e
-        opened = _Opened(ptr, mem)
-        with self._lock:
-            self.maps[key] = opened
-            while len(self.maps) > self.limit:
-                old_key, old = self.maps.popitem(last=False)
-                old.views.clear()  # ours; whoever still reads it holds its own
-                self.retired[old_key] = old  # closed by a later ``purge``, once no run reads it
+        opened = self.maps[key] = _Opened(ptr, mem)
+        while len(self.maps) > self.limit:
+            old_key, old = self.maps.popitem(last=False)
+            old.views.clear()  # ours; whoever still reads it holds its own
+            self.retired[old_key] = old  # closed by a later ``purge``, once no run reads it
         return opened
 
     def _close_unused(self) -> None:
