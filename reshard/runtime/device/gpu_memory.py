@@ -44,8 +44,10 @@ from reshard.runtime.device.shared_memory import PeerShards
 
 #: Tenure slots of a device's board: shards it holds at once (8 bytes each; the memfd is sparse).
 BOARD_SLOTS = 1 << 20
-#: Holder blocks a puller keeps open (least recently used closed first).
+#: Holder blocks a puller keeps open (least recently used retired first, closed once unused).
 PEER_BLOCKS = 4096
+#: ``cudaErrorMemoryAllocation`` (driver_types.h): the device has no memory left for an allocation.
+CUDA_ERROR_MEMORY_ALLOCATION = 2
 
 
 class TenureBoard:
@@ -171,8 +173,8 @@ class GpuBlocks:
         try:
             with cupy.cuda.Device(self.cuda_device):
                 mem = cupy.cuda.Memory(nbytes)
-        except cupy.cuda.runtime.CUDARuntimeError:
-            block = self._take(nbytes, look=True)
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            block = self._take(nbytes, look=True) if e.status == CUDA_ERROR_MEMORY_ALLOCATION else None
             if block is None:
                 raise
             return block
