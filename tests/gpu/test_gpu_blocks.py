@@ -87,7 +87,7 @@ def test_where_cuda_has_no_memory_left_a_block_nobody_uses_is_reused_first(block
     if not getattr(cupy, "_standin", False):
         pytest.skip("bounds the device's memory through the CPU stand-in's control")
     from cupy import _control
-    from cupy.cuda import _gpu, runtime
+    from cupy.cuda import runtime
 
     first = blocks.allocate(1 << 20)
     ptr = first.data.ptr
@@ -95,7 +95,7 @@ def test_where_cuda_has_no_memory_left_a_block_nobody_uses_is_reused_first(block
     while not (len(blocks.blocks) >= 3 and blocks._unlooked == 1):  # just past a look: the next is not due
         live.append(blocks.allocate(512))
     del first
-    with _control.device_memory(_gpu.allocated_bytes() + (1 << 19)):  # no room for another MiB
+    with _control.device_memory(headroom=1 << 19):  # no room for another MiB
         assert blocks.allocate(1 << 20).data.ptr == ptr
         with pytest.raises(runtime.CUDARuntimeError, match="cudaErrorMemoryAllocation"):
             blocks.allocate(1 << 21)

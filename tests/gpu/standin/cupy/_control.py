@@ -13,7 +13,7 @@ once they have struck ``count`` times:
   "bcast", "send", "recv", "allReduce", "init") does not return until its communicator is
   aborted from another thread; then it raises ``ncclInternalError``.
 
-``device_memory(nbytes)`` bounds a device's memory instead, inside a ``with`` block.
+``device_memory(headroom)`` bounds a device's memory instead, inside a ``with`` block.
 """
 
 from __future__ import annotations
@@ -61,11 +61,11 @@ def armed_faults() -> list[dict]:
 
 
 @contextlib.contextmanager
-def device_memory(nbytes: int, device: int = 0) -> Iterator[None]:
-    """Inside the block, this process's allocations on ``device`` take at most ``nbytes``: a
-    ``cudaMalloc`` past that fails with ``cudaErrorMemoryAllocation``, as on a GPU whose memory is
-    spent (CUDA runtime API, ``cudaMalloc``)."""
-    _gpu.capacity[device] = int(nbytes)
+def device_memory(headroom: int, device: int = 0) -> Iterator[None]:
+    """Inside the block, this process's allocations on ``device`` take at most ``headroom`` bytes
+    more than they do now: a ``cudaMalloc`` past that fails with ``cudaErrorMemoryAllocation``, as
+    on a GPU whose memory is spent (CUDA runtime API, ``cudaMalloc``)."""
+    _gpu.capacity[device] = _gpu.owned_bytes(device) + int(headroom)
     try:
         yield
     finally:

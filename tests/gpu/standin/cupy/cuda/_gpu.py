@@ -173,13 +173,23 @@ def malloc(nbytes: int, device: int) -> Allocation | None:
         if _next_ptr[device] - _BASE - device * _DEVICE_SPAN > ARENA_BYTES:
             raise runtime.CUDARuntimeError(runtime.cudaErrorMemoryAllocation)
         cap = capacity.get(device)
-        if cap is not None and sum(a.size for a in _allocs.values() if a.device == device and a.owned) + size > cap:
+        if cap is not None and _owned_bytes(device) + size > cap:
             # cudaMalloc: "cudaErrorMemoryAllocation" when the device has no memory left for it
             raise runtime.CUDARuntimeError(runtime.cudaErrorMemoryAllocation)
         alloc = Allocation(ptr, size, device)
         bisect.insort(_bases, ptr)
         _allocs[ptr] = alloc
     return alloc
+
+
+def owned_bytes(device: int) -> int:
+    """The bytes of this process's own allocations on ``device`` (not lent through DLPack nor opened by IPC)."""
+    with _mem_lock:
+        return _owned_bytes(device)
+
+
+def _owned_bytes(device: int) -> int:
+    return sum(a.size for a in _allocs.values() if a.device == device and a.owned)
 
 
 def register_host(buf: np.ndarray, device: int) -> Allocation:
