@@ -372,13 +372,13 @@ class GpuPeers:
         closes the block between the two (the view then holds it open)."""
         _, pid, handle, nbytes, offset, shape, _, _, _ = desc
         self._check(holder, desc)
-        import cupy
-
         key = (offset, dtype, tuple(shape))
         with self._lock:
             opened = self._opened(holder, pid, bytes(handle), nbytes)
             view = opened.views.get(key)
             if view is None:
+                import cupy
+
                 ptr = cupy.cuda.MemoryPointer(opened.mem, offset)
                 view = opened.views[key] = cupy.ndarray(tuple(shape), dtype, memptr=ptr)
         return view
