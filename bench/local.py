@@ -827,7 +827,10 @@ class Suite:
 
 
 def _error(e: BaseException) -> str:
-    text = str(e)
+    """One line naming what failed; a Ray task's error names its cause (its first line is only the
+    task's name)."""
+    cause = getattr(e, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else e)
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 

@@ -264,14 +264,19 @@ def rdt_actor_class():
 
 class RdtPool:
     """``n`` RDT actors (one per pool position) in one torch_gloo collective group; ``actor_class``:
-    a Ray actor class of an ``RdtActor`` subclass (default ``rdt_actor_class()``). A receiving
-    actor waits for an RDT object up to ``timeout_s`` (Ray's own bound,
-    ``RAY_rdt_fetch_fail_timeout_milliseconds``, is 60 s: a loaded 2-core machine passed it once)."""
+    a Ray actor class of an ``RdtActor`` subclass (default ``rdt_actor_class()``). A transfer may
+    take up to ``timeout_s``: Ray's own bound, ``RAY_rdt_fetch_fail_timeout_milliseconds`` (60 s),
+    was passed on a loaded 2-core machine. Ray reads it once per process, in the receiving actor
+    (set through its runtime env) and in the driver, whose monitor aborts a transfer it submitted
+    (raised here while the pool is open)."""
 
     def __init__(self, n: int, timeout_s: float = 180.0, actor_class=None):
+        from ray._private import ray_constants
         from ray.experimental.collective import create_collective_group
 
         t0 = time.perf_counter()
+        self._driver_bound = ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS
+        ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS = max(self._driver_bound, timeout_s)
         cls = actor_class or rdt_actor_class()
         fetch = {"RAY_rdt_fetch_fail_timeout_milliseconds": str(int(timeout_s * 1000))}
         self.actors = [cls.options(runtime_env={"env_vars": fetch}).remote() for _ in range(n)]
@@ -284,8 +289,10 @@ class RdtPool:
         self.setup_s = time.perf_counter() - t0
 
     def close(self) -> None:
+        from ray._private import ray_constants
         from ray.experimental.collective import destroy_collective_group
 
+        ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS = self._driver_bound
         group, self.group = getattr(self, "group", None), None
         if group is not None:
             try:
