@@ -219,6 +219,11 @@ def ipc_counts(ctx) -> tuple[int, int]:
     return len(ctx.peers.maps), len(ctx.peers.retired)
 
 
+def ipc_recent(ctx) -> int:
+    """Sets of pulled shards kept viewed here for the next runs that pull the same."""
+    return len(ctx.peers.recent)
+
+
 def slow_every_op(ctx, seconds: float) -> None:
     """Before every op of this device's runs, a kernel keeps the run's stream busy for
     ``seconds``: whatever a run queues lands late, so a call that returned before its stream got

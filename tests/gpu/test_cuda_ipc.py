@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_bodies import ipc_allocate, ipc_counts, ipc_free, ipc_limit, ipc_opened, ipc_pull, share_device_array
+from gpu_bodies import (
+    ipc_allocate,
+    ipc_counts,
+    ipc_free,
+    ipc_limit,
+    ipc_opened,
+    ipc_pull,
+    ipc_recent,
+    share_device_array,
+)
 
 from reshard import Layout, Replicate, Shard, distribute, reshard
 from reshard.errors import ReshardError
@@ -74,6 +83,26 @@ def test_a_tree_read_out_of_more_holder_blocks_than_a_device_keeps_open_lands_bi
     np.testing.assert_array_equal(reshard(one, a, Layout(b, (Shard(1),))).to_numpy(), np.ones((64, 4)))
     assert b.call(ipc_counts) == [(2, 0), (2, 0)]  # the next run closed those it no longer reads
     b.call(ipc_limit, 4096)
+
+
+def test_a_call_that_pulls_what_an_earlier_one_pulled_reuses_its_views_until_they_are_closed(pair):
+    """A tree's pulled shards are viewed once and kept for the next call that pulls the same; after
+    ``empty_cache`` closed every block opened (a kept view would read unmapped memory) the next
+    call opens them again and lands bit-exact."""
+    a, b = pair
+    xs = {f"w{i}": np.arange(64 * 4, dtype=np.float32).reshape(64, 4) + 1000 * i for i in range(3)}
+    tree = {k: distribute(x, Layout(a, (Shard(0),))) for k, x in xs.items()}
+    dst = Layout(b, (Shard(1),))
+    for _ in range(2):
+        y = reshard(tree, a, dst)
+        for k, x in xs.items():
+            np.testing.assert_array_equal(y[k].to_numpy(), x)
+        assert b.call(ipc_recent) == [1, 1]  # the second call took the first one's views
+    b.empty_cache()
+    assert b.call(ipc_recent) == [0, 0] and b.call(ipc_counts) == [(0, 0), (0, 0)]
+    y = reshard(tree, a, dst)
+    for k, x in xs.items():
+        np.testing.assert_array_equal(y[k].to_numpy(), x)
 
 
 def test_a_reshard_whose_holder_freed_its_shard_meanwhile_fails_and_says_so(pair):

@@ -24,6 +24,7 @@ from reshard.runtime.backends.communicator import PeerFailed
 from reshard.runtime.device import host_unit
 from reshard.runtime.device.batches import PreparedBatch
 from reshard.runtime.device.executor import Run, check_buffer
+from reshard.runtime.device.gpu_memory import Pulled
 from reshard.runtime.device.host_unit import UnitRun
 from reshard.runtime.device.outputs import checked_out, outputs_of
 from reshard.runtime.messages import Bound, PlacedDescriptors, RunRequest, shard_name
@@ -47,6 +48,7 @@ class Binding:
         self.slots: dict[int, int] = {}  # tensor -> relay board slot
         self.tmps: dict[int, np.ndarray | torch.Tensor] = {}
         self.pulled: dict[int, dict] = {}  # tensor -> {holder: descriptor of the shard pulled from}
+        self.gpu_pulled: Pulled | None = None  # on a GPU device: every shard pulled, viewed and checked at once
         self.relayed: dict[int, dict] = {}  # tensor -> {holder: descriptor of the destination shard relayed from}
         self.unit: UnitRun | None = None  # the parts run as one unit (``host_unit``): no ``Run`` each
         self.sources: dict = {}  # tensor -> source shard of a part that only sends (no ``Run``)
@@ -79,6 +81,8 @@ class Binding:
             rest = unit.rest
         if lent:
             rest = [i for i in rest if i not in lent]
+        if ctx.cuda_device is not None and bound.pulls:
+            self.gpu_pulled = self._gpu_pulled()
         for i in rest:
             part, tensor, source, cast = prepared.parts[i], tensors[i], sources[i], casts[i]
             prog, dtype = part.program, part.dtype
@@ -100,7 +104,9 @@ class Binding:
                     continue
             peers = {}
             pulls = bound.pulls.get(tensor) if bound.pulls else None
-            if pulls:
+            if self.gpu_pulled is not None:
+                peers = self.gpu_pulled.views.get(tensor, peers)
+            elif pulls:
                 storage = arrays.storage(dtype)
                 peers = {h: ctx.peers.get(h, desc, storage) for h, desc in pulls.items()}
                 self.pulled[tensor] = pulls
@@ -139,6 +145,12 @@ class Binding:
         if bound.pulls:
             ctx.peers.purge(full=False)  # mappings of shards their owners dropped since: let that memory go
         return runs
+
+    def _gpu_pulled(self) -> Pulled:
+        """Every peer shard the run pulls, viewed at once and checked still its holder's
+        (``GpuPeers.pulled``: the views of an earlier run that pulled the same)."""
+        pulls, index, parts = self.bound.pulls, self.prepared.index, self.prepared.parts
+        return self.ctx.peers.pulled(pulls, {t: arrays.storage(parts[index[t]].dtype) for t in pulls})
 
     def _lend(self, senders: list[int], names, casts) -> set[int]:
         """The source shards of parts that only send (``PreparedBatch.senders``: they get no
@@ -274,6 +286,8 @@ class Binding:
         ctx = self.ctx
         if not self.req.direct and self.assembling is not None:
             self.dsts[self.assembling] = ctx.store.settle(self.dsts[self.assembling])
+        if self.gpu_pulled is not None:
+            ctx.peers.check_pulled(self.gpu_pulled)
         for seen in (*self.pulled.values(), *self.relayed.values()):
             for h, desc in seen.items():
                 ctx.peers.check(h, desc)

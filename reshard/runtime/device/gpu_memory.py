@@ -46,6 +46,8 @@ from reshard.runtime.device.shared_memory import PeerShards
 BOARD_SLOTS = 1 << 20
 #: Holder blocks a puller keeps open (least recently used retired first, closed once unused).
 PEER_BLOCKS = 4096
+#: Sets of shards a run pulled that a puller keeps viewed, for the next runs that pull the same.
+PULLED_KEPT = 8
 #: ``cudaErrorMemoryAllocation`` (driver_types.h): the device has no memory left for an allocation.
 CUDA_ERROR_MEMORY_ALLOCATION = 2
 
@@ -353,6 +355,18 @@ class _Opened:
         self.views: dict = {}
 
 
+@dataclass(frozen=True, eq=False)
+class Pulled:
+    """The peers' shards a run's parts pull (``Bound.pulls``: tensor -> {holder: descriptor}),
+    viewed as each tensor's storage dtype (``storages``), and the tenures to check as columns per
+    holder's board (``GpuPeers.check_pulled``: a comparison per holder, not a call per shard)."""
+
+    pulls: dict
+    storages: dict
+    views: dict[int, dict[int, Any]]  # tensor -> {holder: cupy view of its shard}
+    boards: tuple[tuple[int, tuple, np.ndarray, np.ndarray], ...]  # (holder, board, slots, tenures)
+
+
 class GpuPeers:
     """Blocks of peers sharing this device's GPU, opened here through CUDA IPC (module docstring)."""
 
@@ -363,6 +377,10 @@ class GpuPeers:
         self.boards = PeerShards(device)  # the holders' tenure boards, mapped read-only
         self.maps: OrderedDict[tuple[int, bytes], _Opened] = OrderedDict()
         self.retired: dict[tuple[int, bytes], _Opened] = {}  # past the limit, closed once unused (``_close_unused``)
+        #: the latest ``Pulled`` (a replay, or a fresh call, pulls the same again); dropped whenever a
+        #: block is retired or closed, so that it views only blocks counted in ``maps``
+        self.recent: OrderedDict[int, Pulled] = OrderedDict()
+        self._changes = 0  # blocks retired or closed so far
         self._lock = threading.Lock()
 
     def get(self, holder: int, desc, dtype: np.dtype):
@@ -382,6 +400,55 @@ class GpuPeers:
                 ptr = cupy.cuda.MemoryPointer(opened.mem, offset)
                 view = opened.views[key] = cupy.ndarray(tuple(shape), dtype, memptr=ptr)
         return view
+
+    def pulled(self, pulls: dict[int, dict], storages: dict[int, np.dtype]) -> Pulled:
+        """Every shard of ``pulls`` (tensor -> {holder: descriptor}) viewed as its tensor's
+        storage dtype (``storages``), checked still its holder's; one of the ``PULLED_KEPT``
+        latest where it pulled the same, else opened as ``get`` opens each. One that opening had
+        to retire blocks for is not kept: it would hold them open past the limit."""
+        with self._lock:
+            for key, p in self.recent.items():
+                if (p.pulls is pulls or p.pulls == pulls) and p.storages == storages:
+                    self.recent.move_to_end(key)
+                    break
+            else:
+                p = None
+            changes = self._changes
+        if p is not None:
+            self.check_pulled(p)
+            return p
+        p = self._view_all(pulls, storages)
+        with self._lock:
+            if self._changes == changes:
+                self.recent[id(p)] = p
+                while len(self.recent) > PULLED_KEPT:
+                    self.recent.popitem(last=False)
+        return p
+
+    def _view_all(self, pulls: dict[int, dict], storages: dict[int, np.dtype]) -> Pulled:
+        views: dict[int, dict[int, Any]] = {}
+        columns: dict[tuple, tuple[list, list]] = {}
+        for tensor, seen in pulls.items():
+            storage, mine = storages[tensor], {}
+            for holder, desc in seen.items():
+                mine[holder] = self.get(holder, desc, storage)
+                slots, tenures = columns.setdefault((holder, desc[6]), ([], []))
+                slots.append(desc[7])
+                tenures.append(desc[8])
+            views[tensor] = mine
+        boards = tuple(
+            (h, board, np.array(slots, np.int64), np.array(tenures, np.uint64))
+            for (h, board), (slots, tenures) in columns.items()
+        )
+        return Pulled(pulls, storages, views, boards)
+
+    def check_pulled(self, pulled: Pulled) -> None:
+        """``ReshardError`` unless every shard ``pulled`` views is still its holder's (``check``,
+        one comparison per holder's board)."""
+        for holder, board, slots, tenures in pulled.boards:
+            words = self.boards.mapped_block(holder, *board).view(np.uint64)
+            if not np.array_equal(words[slots], tenures):
+                self._gone(holder)
 
     def _opened(self, holder: int, pid: int, handle: bytes, nbytes: int) -> _Opened:
         """The holder's block, opened once (the caller holds the lock)."""
@@ -405,10 +472,16 @@ class GpuPeers:
             ) from e
         opened = self.maps[key] = _Opened(ptr, mem)
         while len(self.maps) > self.limit:
+            self._changed()
             old_key, old = self.maps.popitem(last=False)
             old.views.clear()  # ours; whoever still reads it holds its own
             self.retired[old_key] = old  # closed by a later ``purge``, once no run reads it
         return opened
+
+    def _changed(self) -> None:
+        """A block is retired or closed (the caller holds the lock): no ``Pulled`` kept views it."""
+        self._changes += 1
+        self.recent.clear()
 
     def _close_unused(self) -> None:
         """Close the retired blocks whose memory nothing here references any more (no view, no
@@ -423,10 +496,13 @@ class GpuPeers:
 
     def _check(self, holder: int, desc) -> None:
         if self._tenure(holder, desc) != desc[8]:
-            raise ReshardError(
-                f"device {self.device}: device {holder}'s source shard is gone (the tensor was freed, through this "
-                "handle or another); its memory no longer holds it"
-            )
+            self._gone(holder)
+
+    def _gone(self, holder: int) -> None:
+        raise ReshardError(
+            f"device {self.device}: device {holder}'s source shard is gone (the tensor was freed, through this "
+            "handle or another); its memory no longer holds it"
+        )
 
     def check(self, holder: int, desc) -> None:
         """``ReshardError`` unless the shard ``desc`` names is still its holder's (after the run that
@@ -453,6 +529,7 @@ class GpuPeers:
 
     def clear(self) -> None:
         with self._lock:
+            self._changed()
             items = [*self.maps.values(), *self.retired.values()]
             self.maps.clear()
             self.retired.clear()
