@@ -102,7 +102,7 @@ class Binding:
                     check_buffer("source", src, prog.src_shape, dtype, ctx.device)
                     self.sources[tensor] = src
                     continue
-            peers = {}
+            peers: dict = {}
             pulls = bound.pulls.get(tensor) if bound.pulls else None
             if self.gpu_pulled is not None:
                 peers = self.gpu_pulled.views.get(tensor, peers)
@@ -149,7 +149,7 @@ class Binding:
     def _gpu_pulled(self) -> Pulled:
         """Every peer shard the run pulls, viewed at once and checked still its holder's
         (``GpuPeers.pulled``: the views of an earlier run that pulled the same)."""
-        pulls, index, parts = self.bound.pulls, self.prepared.index, self.prepared.parts
+        pulls, index, parts = self.bound.pulls or {}, self.prepared.index, self.prepared.parts
         return self.ctx.peers.pulled(pulls, {t: arrays.storage(parts[index[t]].dtype) for t in pulls})
 
     def _lend(self, senders: list[int], names, casts) -> set[int]:
