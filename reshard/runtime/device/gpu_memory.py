@@ -240,14 +240,36 @@ class GpuBlocks:
         found = self._find(a)
         if found is None:
             return None
-        block, piece = found
+        self._begin(*found)
+        return self._descriptor(*found, a)
+
+    def _begin(self, block: _Block, piece: _Piece) -> None:
         if piece.slot < 0:
             piece.slot, piece.tenure = self.board.begin()
             if piece.released:
                 with self._lock:
                     piece.released = False
                     block.held += 1
-        return self._descriptor(block, piece, a)
+
+    def begin_many(self, shards: list, begun: list[bool]) -> list:
+        """``begin`` of each of ``shards``, or only its ``descriptor`` where ``begun`` (it has its
+        tenure already): a run's new shards, pieces of one block found once (``allocate_many``)."""
+        out = []
+        block = None
+        for a, was in zip(shards, begun, strict=True):
+            piece = None
+            if block is not None and a is not None and a.nbytes and a.flags.c_contiguous:
+                piece = block.pieces.get(a.data.ptr - block.mem.ptr)
+            if piece is None or piece.nbytes != a.nbytes:
+                found = self._find(a)
+                if found is None:
+                    out.append(None)
+                    continue
+                block, piece = found
+            if not was:
+                self._begin(block, piece)
+            out.append(self._descriptor(block, piece, a))
+        return out
 
     def end(self, a, at: int | None = None) -> None:
         """The shard in ``a``'s piece is dropped: descriptors of it no longer map. ``at``: as

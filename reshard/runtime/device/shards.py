@@ -511,7 +511,12 @@ class ShardStore:
                         self.end(t)
                     self._give_back(t, 2)
                 return None
-            kept = [self._put(name, t, name, dtype, meta, begun) for name, t, dtype, meta, begun in entries]
+            if self.shared is None or not self._tombstones.keys().isdisjoint(e[0] for e in entries):
+                kept = [self._put(name, t, name, dtype, meta, begun) for name, t, dtype, meta, begun in entries]
+            else:  # none aborted by name: recorded, then begun at once
+                for name, t, dtype, meta, _ in entries:
+                    self._record(name, t, name, dtype, meta)
+                kept = self.shared.begin_many([e[1] for e in entries], [e[4] for e in entries])
             unit = None if placed is None else self._put_placed(placed, run if staged else None)
             return [None if d is _DROPPED else d for d in kept], unit
 

@@ -213,6 +213,10 @@ class SharedShards:
             return self.private.begin(a, next(self._tenures), file, start)
         return None
 
+    def begin_many(self, shards: list, begun: list[bool]) -> list:
+        """``begin`` of each of ``shards``, or only its ``descriptor`` where ``begun``."""
+        return [self.descriptor(a) if was else self.begin(a) for a, was in zip(shards, begun, strict=True)]
+
     def begin_placed(self, placed) -> PlacedDescriptors | list:
         """``begin`` of a unit's destinations (``shards.PlacedShards``: they fill no block of their
         own), in one pass: their descriptors, as columns (``TenureBoard.begin_placed``), or one each
