@@ -224,6 +224,11 @@ def ipc_recent(ctx) -> int:
     return len(ctx.peers.recent)
 
 
+def kernel_commits(ctx) -> int:
+    """Commits of a run into users' tensors that copied every result by one kernel."""
+    return ctx.counters.get("kernel_commits", 0)
+
+
 def slow_every_op(ctx, seconds: float) -> None:
     """Before every op of this device's runs, a kernel keeps the run's stream busy for
     ``seconds``: whatever a run queues lands late, so a call that returned before its stream got

@@ -78,3 +78,20 @@ def test_more_outer_dimensions_than_a_row_holds_are_unrolled():
 def test_contiguous_boxes_merge_into_one_row():
     (copy,) = box_copies.describe((4, 8, 16), 2, 64, (256, 32, 2), 0, (256, 32, 2))
     assert copy.inner == 4 * 8 * 16 * 2 and copy.extents == (1,) * box_copies.OUTER and copy.src == 64
+
+
+def test_a_commit_copies_staged_results_into_strided_and_contiguous_outputs_by_one_table():
+    """``outputs._copy_on_gpu``: each staged result lands in its output, a column block of a wider
+    tensor (a fused weight's region) as well as a whole tensor, nothing around them touched."""
+    import cupy
+
+    from reshard.runtime.device.outputs import _copy_on_gpu
+
+    wide = cupy.zeros((6, 10), np.float32)
+    whole = cupy.zeros((4, 3), np.float32)
+    srcs = [cupy.asarray(np.arange(24, dtype=np.float32).reshape(6, 4) + 1), cupy.full((4, 3), 7.0, np.float32)]
+    _copy_on_gpu([wide[:, 3:7], whole], srcs)
+    expect = np.zeros((6, 10), np.float32)
+    expect[:, 3:7] = np.arange(24, dtype=np.float32).reshape(6, 4) + 1
+    np.testing.assert_array_equal(wide.get(), expect)
+    np.testing.assert_array_equal(whole.get(), np.full((4, 3), 7.0, np.float32))

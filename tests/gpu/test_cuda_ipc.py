@@ -14,6 +14,7 @@ from gpu_bodies import (
     ipc_opened,
     ipc_pull,
     ipc_recent,
+    kernel_commits,
     share_device_array,
 )
 
@@ -103,6 +104,25 @@ def test_a_call_that_pulls_what_an_earlier_one_pulled_reuses_its_views_until_the
     y = reshard(tree, a, dst)
     for k, x in xs.items():
         np.testing.assert_array_equal(y[k].to_numpy(), x)
+
+
+def test_a_tree_resharded_into_its_outputs_is_committed_by_one_kernel_bit_exact(pair):
+    """``out=`` on GPU devices: every staged result of the tree is copied into its output by one
+    kernel per device, bit-exact, with other shards freed in between."""
+    a, b = pair
+    xs = {f"w{i}": np.arange(64 * 4, dtype=np.float32).reshape(64, 4) * (i + 1) for i in range(3)}
+    tree = {k: distribute(x, Layout(a, (Shard(0),))) for k, x in xs.items()}
+    dst = Layout(b, (Shard(1),))
+    out = reshard(tree, a, dst)
+    before = b.call(kernel_commits)
+    for k in xs:
+        reshard(tree[k], a, dst).free()  # other shards come and go meanwhile
+    tree = {k: distribute(x + 0.5, Layout(a, (Shard(0),))) for k, x in xs.items()}
+    got = reshard(tree, a, dst, out=out)
+    assert got is out
+    for k, x in xs.items():
+        np.testing.assert_array_equal(out[k].to_numpy(), x + 0.5)
+    assert [n - m for n, m in zip(b.call(kernel_commits), before, strict=True)] == [1, 1]
 
 
 def test_a_reshard_whose_holder_freed_its_shard_meanwhile_fails_and_says_so(pair):

@@ -99,3 +99,19 @@ def test_where_cuda_has_no_memory_left_a_block_nobody_uses_is_reused_first(block
         assert blocks.allocate(1 << 20).data.ptr == ptr
         with pytest.raises(runtime.CUDARuntimeError, match="cudaErrorMemoryAllocation"):
             blocks.allocate(1 << 21)
+
+
+def test_a_runs_new_shards_begun_at_once_get_what_begin_gives_each(blocks):
+    """``begin_many``: pieces of one block and one of another get fresh tenures (one begun already
+    keeps its own), and an array that is no piece of ours has no descriptor."""
+    import cupy
+
+    first = blocks.allocate_many([100, 300, ALIGN])
+    (other,) = blocks.allocate_many([64])
+    early = blocks.begin(first[1])
+    descs = blocks.begin_many([*first, other, cupy.zeros(8, "float32")], [False, True, False, False, False])
+    assert descs[1] == early and descs[4] is None
+    assert [d[4] for d in descs[:4]] == [0, ALIGN, 3 * ALIGN, 0]
+    assert descs[3][2] != descs[0][2]  # the other block's handle
+    assert len({(d[7], d[8]) for d in descs[:4]}) == 4  # a slot and tenure each
+    assert descs == [blocks.descriptor(a) for a in [*first, other]] + [None]

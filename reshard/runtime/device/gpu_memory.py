@@ -254,21 +254,24 @@ class GpuBlocks:
     def begin_many(self, shards: list, begun: list[bool]) -> list:
         """``begin`` of each of ``shards``, or only its ``descriptor`` where ``begun`` (it has its
         tenure already): a run's new shards, pieces of one block found once (``allocate_many``)."""
-        out = []
-        block = None
+        out: list[tuple | None] = []
+        found: tuple[_Block, _Piece] | None = None
         for a, was in zip(shards, begun, strict=True):
+            block = None if found is None else found[0]
             piece = None
             if block is not None and a is not None and a.nbytes and a.flags.c_contiguous:
                 piece = block.pieces.get(a.data.ptr - block.mem.ptr)
-            if piece is None or piece.nbytes != a.nbytes:
-                found = self._find(a)
-                if found is None:
-                    out.append(None)
-                    continue
-                block, piece = found
+            found = (
+                (block, piece)
+                if block is not None and piece is not None and piece.nbytes == a.nbytes
+                else self._find(a)
+            )
+            if found is None:
+                out.append(None)
+                continue
             if not was:
-                self._begin(block, piece)
-            out.append(self._descriptor(block, piece, a))
+                self._begin(*found)
+            out.append(self._descriptor(*found, a))
         return out
 
     def end(self, a, at: int | None = None) -> None:

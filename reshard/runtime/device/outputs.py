@@ -10,7 +10,7 @@ only after one has (a shard of another call freed meanwhile costs it nothing).
 A commit copies its unit's staged results block to block where the outputs are the views of one
 unit block laid out as the staged ones (a replay into the results of the tree's first call): a
 strided copy per kind of destination (``host_unit.copy_places``), not a copy per tensor. Its other
-results are copied one by one.
+results are copied one by one, or on a GPU device all by one kernel (``box_copies``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from reshard.errors import ReshardError
 from reshard.runtime import arrays
+from reshard.runtime.device import box_copies
 from reshard.runtime.device.host_unit import copy_places
 from reshard.runtime.messages import shard_name
 
@@ -75,6 +76,10 @@ class Outputs:
         if block is not None:
             copy_places(block, unit.block, unit.layout)
             ctx.counters["block_commits"] = ctx.counters.get("block_commits", 0) + 1
+        if len(dsts) > 1 and all(map(arrays.is_device, dsts)) and all(map(arrays.is_device, srcs)):
+            _copy_on_gpu(dsts, srcs)
+            ctx.counters["kernel_commits"] = ctx.counters.get("kernel_commits", 0) + 1
+            return
         arrays.copy_many(dsts, srcs)
 
     def deliver(self, ctx, unit) -> None:
@@ -135,6 +140,18 @@ class Outputs:
             self._blocks.clear()
         self._blocks[id(layout)] = (layout, edits, address, others)
         return edits, address, others
+
+
+def _copy_on_gpu(dsts: list, srcs: list) -> None:
+    """Each of ``srcs`` (cupy arrays) into its output in ``dsts`` (of its shape and item size, strided
+    or not) by one kernel on the current stream (``box_copies``), not a copy each."""
+    table, bases = box_copies.Table(), list[int]()
+    for k, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
+        to, of, copies = box_copies.of_views(dst, src)
+        bases += (of, to)
+        for c in copies:
+            table.add(2 * k, 2 * k + 1, c)
+    table.launch(bases)
 
 
 def outputs_of(prepared, bound) -> Outputs:
