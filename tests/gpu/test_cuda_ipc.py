@@ -107,10 +107,12 @@ def test_a_call_that_pulls_what_an_earlier_one_pulled_reuses_its_views_until_the
 
 
 def test_a_tree_resharded_into_its_outputs_is_committed_by_one_kernel_bit_exact(pair):
-    """``out=`` on GPU devices: every staged result of the tree is copied into its output by one
-    kernel per device, bit-exact, with other shards freed in between."""
+    """``out=`` on GPU devices: the tree's small staged results are copied into their outputs by
+    one kernel per device, a large one by a copy of its own, bit-exact, with other shards freed
+    in between."""
     a, b = pair
     xs = {f"w{i}": np.arange(64 * 4, dtype=np.float32).reshape(64, 4) * (i + 1) for i in range(3)}
+    xs["big"] = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)  # 2 MiB a device
     tree = {k: distribute(x, Layout(a, (Shard(0),))) for k, x in xs.items()}
     dst = Layout(b, (Shard(1),))
     out = reshard(tree, a, dst)

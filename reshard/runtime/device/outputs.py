@@ -10,7 +10,7 @@ only after one has (a shard of another call freed meanwhile costs it nothing).
 A commit copies its unit's staged results block to block where the outputs are the views of one
 unit block laid out as the staged ones (a replay into the results of the tree's first call): a
 strided copy per kind of destination (``host_unit.copy_places``), not a copy per tensor. Its other
-results are copied one by one, or on a GPU device all by one kernel (``box_copies``).
+results are copied one by one; on a GPU device the small ones all by one kernel (``box_copies``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from reshard.runtime.device.host_unit import copy_places
 from reshard.runtime.messages import shard_name
 
 CACHED = 4  # per prepared batch (one per binding)
+#: On a GPU device, results under this size are committed by one kernel: for them a copy's launch
+#: (microseconds) costs more than its bytes; larger ones are copied one by one, at the copy's peak.
+KERNEL_MAX_BYTES = 1 << 20
 
 
 class Outputs:
@@ -76,11 +79,7 @@ class Outputs:
         if block is not None:
             copy_places(block, unit.block, unit.layout)
             ctx.counters["block_commits"] = ctx.counters.get("block_commits", 0) + 1
-        if len(dsts) > 1 and all(map(arrays.is_device, dsts)) and all(map(arrays.is_device, srcs)):
-            _copy_on_gpu(dsts, srcs)
-            ctx.counters["kernel_commits"] = ctx.counters.get("kernel_commits", 0) + 1
-            return
-        arrays.copy_many(dsts, srcs)
+        _copy_results(ctx, dsts, srcs)
 
     def deliver(self, ctx, unit) -> None:
         """Copy a ``direct`` run's unit results (``host_unit.UnitRun``) into their outputs, every
@@ -140,6 +139,21 @@ class Outputs:
             self._blocks.clear()
         self._blocks[id(layout)] = (layout, edits, address, others)
         return edits, address, others
+
+
+def _copy_results(ctx, dsts: list, srcs: list) -> None:
+    """Each of ``srcs`` into its output in ``dsts``; on a GPU device the small ones (under
+    ``KERNEL_MAX_BYTES``) all by one kernel, the others one by one."""
+    small: list[int] = []
+    if all(map(arrays.is_device, dsts)) and all(map(arrays.is_device, srcs)):
+        small = [k for k, d in enumerate(dsts) if d.nbytes < KERNEL_MAX_BYTES]
+    if len(small) > 1:
+        _copy_on_gpu([dsts[k] for k in small], [srcs[k] for k in small])
+        ctx.counters["kernel_commits"] = ctx.counters.get("kernel_commits", 0) + 1
+        taken = set(small)
+        large = [k for k in range(len(dsts)) if k not in taken]
+        dsts, srcs = [dsts[k] for k in large], [srcs[k] for k in large]
+    arrays.copy_many(dsts, srcs)
 
 
 def _copy_on_gpu(dsts: list, srcs: list) -> None:
