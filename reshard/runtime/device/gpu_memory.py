@@ -17,7 +17,10 @@ meanwhile fails the reshard, never yields another tensor's bytes. Past ``PEER_BL
 the least recently used is retired, and closed only once nothing here references its memory any
 more (``purge``, as each run that pulls starts): a run reading it holds its views, and
 ``cudaIpcCloseMemHandle`` under a kernel reading the mapping would make its reads invalid (a tree
-of more single-shard holder blocks than that reads them all in one run). The copy itself is a
+of more single-shard holder blocks than that reads them all in one run). A run's pulled shards are
+viewed at once and kept for the next runs that pull the same (``pulled``: a replay, or a fresh call
+of the same tree), their tenures checked as one comparison per holder's board; kept views are
+dropped whenever a block is retired or closed, so they never hold one open. The copy itself is a
 kernel on the puller's run stream; the holder's bytes are complete because the run that wrote
 them returned only once its stream had finished.
 
