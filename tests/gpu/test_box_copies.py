@@ -81,16 +81,15 @@ def test_contiguous_boxes_merge_into_one_row():
 
 
 def test_a_commit_copies_staged_results_into_strided_and_contiguous_outputs_by_one_table():
-    """``outputs._copy_on_gpu``: each staged result lands in its output, a column block of a wider
-    tensor (a fused weight's region) as well as a whole tensor, nothing around them touched."""
+    """``copy_views`` (a commit's copies on a GPU device): each staged result lands in its output,
+    a column block of a wider tensor (a fused weight's region) as well as a whole tensor, nothing
+    around them touched."""
     import cupy
-
-    from reshard.runtime.device.outputs import _copy_on_gpu
 
     wide = cupy.zeros((6, 10), np.float32)
     whole = cupy.zeros((4, 3), np.float32)
     srcs = [cupy.asarray(np.arange(24, dtype=np.float32).reshape(6, 4) + 1), cupy.full((4, 3), 7.0, np.float32)]
-    _copy_on_gpu([wide[:, 3:7], whole], srcs)
+    box_copies.copy_views([wide[:, 3:7], whole], srcs)
     expect = np.zeros((6, 10), np.float32)
     expect[:, 3:7] = np.arange(24, dtype=np.float32).reshape(6, 4) + 1
     np.testing.assert_array_equal(wide.get(), expect)

@@ -137,6 +137,18 @@ def of_views(dst, src) -> tuple[int, int, list[BoxCopy]]:
     return dst.data.ptr, src.data.ptr, copies
 
 
+def copy_views(dsts: Sequence, srcs: Sequence) -> None:
+    """``dst[...] = src`` for each pair of cupy views (of one shape and item size each, strided or
+    not), all by one launch on the current stream."""
+    table, bases = Table(), list[int]()
+    for k, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
+        to, of, copies = of_views(dst, src)
+        bases += (of, to)
+        for c in copies:
+            table.add(2 * k, 2 * k + 1, c)
+    table.launch(bases)
+
+
 class Table:
     """Copies from buffers to buffers, resolved against base addresses at run time: ``add``
     registers one with the indices of its source and destination buffers; ``launch(bases)`` copies

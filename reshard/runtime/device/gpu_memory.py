@@ -219,14 +219,17 @@ class GpuBlocks:
                 found = True
         return found
 
-    def _find(self, a) -> tuple[_Block, _Piece] | None:
-        """The block and piece ``a`` fills exactly, or None (not a piece of ours)."""
+    def _find(self, a, near: _Block | None = None) -> tuple[_Block, _Piece] | None:
+        """The block and piece ``a`` fills exactly, or None (not a piece of ours); looked for in
+        ``near`` first (a run's shards are pieces of one block), then among all blocks."""
         if a is None or not hasattr(a, "data") or not a.nbytes or not a.flags.c_contiguous:
             return None
         ptr = a.data.ptr
-        with self._lock:
-            i = bisect.bisect_right(self._bases, ptr) - 1
-            block = self.blocks.get(self._bases[i]) if i >= 0 else None
+        block = near if near is not None and ptr - near.mem.ptr in near.pieces else None
+        if block is None:
+            with self._lock:
+                i = bisect.bisect_right(self._bases, ptr) - 1
+                block = self.blocks.get(self._bases[i]) if i >= 0 else None
         if block is None:
             return None
         piece = block.pieces.get(ptr - block.mem.ptr)
@@ -258,20 +261,13 @@ class GpuBlocks:
         """``begin`` of each of ``shards``, or only its ``descriptor`` where ``begun`` (it has its
         tenure already): a run's new shards, pieces of one block found once (``allocate_many``)."""
         out: list[tuple | None] = []
-        found: tuple[_Block, _Piece] | None = None
+        block = None
         for a, was in zip(shards, begun, strict=True):
-            block = None if found is None else found[0]
-            piece = None
-            if block is not None and a is not None and a.nbytes and a.flags.c_contiguous:
-                piece = block.pieces.get(a.data.ptr - block.mem.ptr)
-            found = (
-                (block, piece)
-                if block is not None and piece is not None and piece.nbytes == a.nbytes
-                else self._find(a)
-            )
+            found = self._find(a, block)
             if found is None:
                 out.append(None)
                 continue
+            block = found[0]
             if not was:
                 self._begin(*found)
             out.append(self._descriptor(*found, a))

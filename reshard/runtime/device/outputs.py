@@ -148,24 +148,12 @@ def _copy_results(ctx, dsts: list, srcs: list) -> None:
     if all(map(arrays.is_device, dsts)) and all(map(arrays.is_device, srcs)):
         small = [k for k, d in enumerate(dsts) if d.nbytes < KERNEL_MAX_BYTES]
     if len(small) > 1:
-        _copy_on_gpu([dsts[k] for k in small], [srcs[k] for k in small])
+        box_copies.copy_views([dsts[k] for k in small], [srcs[k] for k in small])
         ctx.counters["kernel_commits"] = ctx.counters.get("kernel_commits", 0) + 1
         taken = set(small)
         large = [k for k in range(len(dsts)) if k not in taken]
         dsts, srcs = [dsts[k] for k in large], [srcs[k] for k in large]
     arrays.copy_many(dsts, srcs)
-
-
-def _copy_on_gpu(dsts: list, srcs: list) -> None:
-    """Each of ``srcs`` (cupy arrays) into its output in ``dsts`` (of its shape and item size, strided
-    or not) by one kernel on the current stream (``box_copies``), not a copy each."""
-    table, bases = box_copies.Table(), list[int]()
-    for k, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
-        to, of, copies = box_copies.of_views(dst, src)
-        bases += (of, to)
-        for c in copies:
-            table.add(2 * k, 2 * k + 1, c)
-    table.launch(bases)
 
 
 def outputs_of(prepared, bound) -> Outputs:
