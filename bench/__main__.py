@@ -16,6 +16,7 @@ SUITES = """suites (each has its own --help):
   python -m bench emulate ...            bring emulated hosts up and down by hand (root)
   python -m bench path                   the files one reshard runs through, driver to bytes
   python -m bench gpu [options]          the GPU data plane on this machine's GPUs (one is enough)
+  python -m bench gpu-predict [options]  weight syncs between GPUs, predicted from one GPU's figures
 """
 
 
@@ -48,6 +49,10 @@ def main(argv: list[str]) -> int:
         return run(argv[1:])
     if argv[:1] == ["gpu"]:
         from bench.gpu import main as run
+
+        return run(argv[1:])
+    if argv[:1] == ["gpu-predict"]:
+        from bench.gpu_predict import main as run
 
         return run(argv[1:])
     if argv[:1] == ["path"]:

@@ -54,8 +54,11 @@ DRY_RUN_LAYERS, DRY_RUN_VOCAB = 1, 4096
 QWEN3 = {"hidden": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "mlp": 3072, "vocab": 151936, "layers": 28}
 
 
-def qwen3_spec(layers: int | None = None, vocab: int | None = None) -> list[tuple[str, tuple[int, ...], int | None]]:
-    c = QWEN3 if vocab is None else {**QWEN3, "vocab": vocab}
+def qwen3_spec(
+    layers: int | None = None, vocab: int | None = None, config: dict = QWEN3
+) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """The state dict of a Qwen3 model of ``config`` (``QWEN3``'s keys): name, shape, tensor-parallel dim."""
+    c = config if vocab is None else {**config, "vocab": vocab}
     hidden, hd, mlp = c["hidden"], c["head_dim"], c["mlp"]
     q, kv = c["heads"] * hd, c["kv_heads"] * hd
     spec: list[tuple[str, tuple[int, ...], int | None]] = [("model.embed_tokens.weight", (c["vocab"], hidden), 0)]
