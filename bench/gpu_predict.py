@@ -22,9 +22,12 @@ gather-and-broadcast refit, from those measured figures and the plan, as a sum o
 
 The refit is per tensor: the trainer's other ranks send their shards to rank 0 and rank 0
 broadcasts the whole tensor to every inference GPU, at raw NCCL's cost per message, with no
-Python cost of its own (in its favour). Every part is a prediction, never a measurement: the
-simulator's model and the presets' link figures (vendor figures, not measured here) bound it, and
-NCCL across GPUs may cost more per message than a one-rank communicator does. Pure: no Ray, no GPU.
+Python cost of its own: a floor on its time, so its ratio to ours is a floor on ours beating it.
+
+Every figure here is a prediction, never a measurement. The simulator's model and the preset's
+link figures (vendor figures, not measured here) bound it; the parts are added as if none
+overlapped; the cost per message comes from a one-rank communicator and the cost per tensor from
+the CUDA IPC path on one GPU, and NCCL between GPUs may cost more of both. Pure: no Ray, no GPU.
 """
 
 from __future__ import annotations
@@ -295,8 +298,8 @@ def _print(rows: list[dict], figures: Figures) -> None:
         "bound ms",
         "one tensor ms",
         "tree / one",
-        "refit ms",
-        "refit / ours",
+        "refit floor ms",
+        "refit floor / ours",
         f"per tensor for {TREE_OVER_ONE}x",
     ):
         table.add_column(col, justify="left" if col == "case" else "right")
