@@ -484,6 +484,32 @@ def test_attach_makes_any_actor_a_device_and_adopts_its_state_dict(view):
             ray.kill(w)
 
 
+def _holders(ctx, names) -> list:
+    return [ctx.store.holders.get(n) for n in names]
+
+
+def test_adopting_a_tree_holds_each_shard_once_and_a_refused_tree_none(view):
+    """Every tensor of a tree is checked before any is held, then all are at once (one call per
+    device): a tree refused for its last tensor leaves no hold on the others, an adopted one one
+    hold per shard."""
+    workers = [PlainWorker.remote() for _ in range(2)]
+    mesh = DeviceMesh.attach(workers, (2,))
+    try:
+        names = ray.get([w.make_weights.remote({"a": (4, 3), "b": (3,)}, 1.0) for w in workers], timeout=120)[0]
+        before = mesh.call(_holders, ["m.a", "m.b"])
+        with pytest.raises(ValueError, match="did not all share their placements"):
+            adopt({"a": Layout(mesh, pl("R")), "b": mesh}, names)  # b: plain tensors, no placements to take
+        assert mesh.call(_holders, ["m.a", "m.b"]) == before  # in order after anything the adopt sent
+        weights = adopt(Layout(mesh, pl("R")), names)
+        held = mesh.call(_holders, ["m.a", "m.b"])
+        assert all(len(h) == len(b) + 1 for hs, bs in zip(held, before) for h, b in zip(hs, bs)), held
+        assert weights["a"].shape == (4, 3) and weights["b"].shape == (3,)
+    finally:
+        mesh.shutdown()
+        for w in workers:
+            ray.kill(w)
+
+
 @ray.remote(num_cpus=0)
 def _dtensor_on_one_rank(mesh, port: int):
     """A process holding a whole DTensor (a world of one rank): distribute takes its placements."""

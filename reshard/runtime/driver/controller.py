@@ -111,6 +111,11 @@ class Runtime:
     def acquire(self, devices, name: str, holder: str) -> None:
         self.dispatch.fire(devices, lambda rec: lambda t: rec.actor.reshard_acquire.remote(t, name, holder))
 
+    def acquire_many(self, holds) -> None:
+        """Each ``(devices, name, holder)`` of ``holds`` takes its shard on its devices (fire and
+        forget, ordered): one call per device for all (a whole tree adopted)."""
+        self._submit_holds([(True, devices, name, holder) for devices, name, holder in holds])
+
     def free(self, devices, names) -> None:
         """Drop shards ``names`` on ``devices`` for every holder (fire and forget, ordered): one
         call per device for all of them, the names as one argument (Ray's cost is per argument),

@@ -259,15 +259,22 @@ def adopt(layout, name, *, timeout_s: float | None = DEFAULT_TIMEOUT_S):
         per_device, describe, deadline, what, tail="Nothing was adopted.", on_failure=unknown_name
     )
     said = {d: dict(zip(per_device[d], infos, strict=True)) for d, infos in results.items()}
-    out = [
+    found = [
         _adopted(n, lay, meshes[n], [said[d][n] for d in meshes[n].device_ids])
         for n, lay in zip(names, given, strict=True)
+    ]  # every one checked before any is held
+    holders = [f"{n}/adopted/{uuid.uuid4().hex[:12]}" for n in names]
+    rt.acquire_many([(meshes[n].device_ids, n, h) for n, h in zip(names, holders, strict=True)])
+    out = [
+        ShardedTensor(meshes[n], layout, shape, dtype, n, shared, h)
+        for n, h, (layout, shape, dtype, shared) in zip(names, holders, found, strict=True)
     ]
     return out[0] if treedef.kind == "leaf" else unflatten(treedef, out)
 
 
-def _adopted(name: str, layout, dmesh: DeviceMesh, infos: list[dict]) -> ShardedTensor:
-    """The handle on ``name`` from what each device of ``dmesh`` (flat order) said of it."""
+def _adopted(name: str, layout, dmesh: DeviceMesh, infos: list[dict]) -> tuple:
+    """``(layout, shape, dtype, descriptors)`` of ``name``'s handle, from what each device of
+    ``dmesh`` (flat order) said of it, checked."""
     if isinstance(layout, DeviceMesh):
         said = {tuple(i.get("placements") or ()) for i in infos}
         if len(said) != 1 or not next(iter(said)):
@@ -298,9 +305,7 @@ def _adopted(name: str, layout, dmesh: DeviceMesh, infos: list[dict]) -> Sharded
                 f"{tuple(i['coordinate'])} in its DTensor's device mesh; order the actors like the DTensor's ranks"
             )
     shared = {d: i["descriptor"] for d, i in zip(dmesh.device_ids, infos, strict=True) if i["descriptor"] is not None}
-    holder = f"{name}/adopted/{uuid.uuid4().hex[:12]}"
-    runtime().acquire(dmesh.device_ids, name, holder)
-    return ShardedTensor(dmesh, layout.for_shape(shape), shape, dtypes.pop(), name, shared, holder)
+    return layout.for_shape(shape), shape, dtypes.pop(), shared
 
 
 def infer_shape(layout: Layout, shapes, what: str) -> tuple[int, ...]:
