@@ -484,6 +484,29 @@ def test_attach_makes_any_actor_a_device_and_adopts_its_state_dict(view):
             ray.kill(w)
 
 
+def test_a_copy_of_a_tree_holds_every_shard_until_it_is_dropped(view):
+    """A tree's copy (``copy.deepcopy``, a pickle into a task) takes and gives back its holds
+    through the queue (a call per device for the whole tree): it reads bit-exact once the original
+    is gone, and once it is gone too the devices hold none of the shards."""
+    import gc
+
+    a = view([0, 1], (2,))
+    sd = {f"w{i}": random_array((4, 3), "float32", i) for i in range(64)}
+    tree = distribute(sd, Layout(a, pl("S0")))
+    names = [t.name for t in tree.values()]
+    copied = copy.deepcopy(tree)
+    del tree
+    gc.collect()
+    settle(a)
+    for k, v in sd.items():
+        assert_bit_exact(copied[k].to_numpy(), v)
+    assert all(len(h) == 1 for held in a.call(_holders, names) for h in held)
+    del copied
+    gc.collect()
+    settle(a)
+    assert a.call(_holders, names) == [[None] * len(names)] * 2
+
+
 def _holders(ctx, names) -> list:
     return [ctx.store.holders.get(n) for n in names]
 

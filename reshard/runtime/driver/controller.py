@@ -83,12 +83,8 @@ class Runtime:
                 self.communicators.forget_device(d)
                 self.batches.forget_device(d)
 
-    def release(self, devices, name: str, holder: str) -> None:
-        """``holder`` lets go of shard ``name`` on ``devices`` (fire and forget, ordered)."""
-        self.dispatch.fire(devices, lambda rec: lambda t: rec.actor.reshard_release.remote(t, name, holder))
-
     def hold_later(self, acquire: bool, devices, name: str, holder: str) -> None:
-        """``acquire`` or ``release`` from a finalizer or a pickler (``HoldQueue``)."""
+        """``acquire`` or ``release`` queued (``HoldQueue``): from a finalizer, a pickler, an unpickler."""
         self.holds.put(acquire, devices, name, holder)
 
     def flush_holds(self) -> None:
@@ -107,9 +103,6 @@ class Runtime:
         for d, calls in per_device.items():
             mine = tuple(calls)
             self.dispatch.fire([d], lambda rec, mine=mine: lambda t: rec.actor.reshard_holds.remote(t, mine))
-
-    def acquire(self, devices, name: str, holder: str) -> None:
-        self.dispatch.fire(devices, lambda rec: lambda t: rec.actor.reshard_acquire.remote(t, name, holder))
 
     def acquire_many(self, holds) -> None:
         """Each ``(devices, name, holder)`` of ``holds`` takes its shard on its devices (fire and

@@ -277,8 +277,8 @@ class Dispatch:
     def sweep_fired(self) -> None:
         """The fired calls that finished since (``fire`` waits for none): those Ray failed before
         they ran are noted as a waited call's are (``note_lost``). Called where an operation starts,
-        never under ``lock``: reading a result takes Ray's deserialization lock, and a handle being
-        unpickled holds that while it waits for ``lock`` (its acquire is fired)."""
+        never under ``lock``: reading a result takes Ray's deserialization lock, which a thread
+        deserializing holds while it may wait for ``lock``."""
         import ray
 
         with self.lock:

@@ -341,8 +341,8 @@ _NAME = operator.attrgetter("name")
 def _rebuild(mesh, layout, shape, dtype, name, shared, token) -> ShardedTensor:
     rt = mesh.runtime
     holder = copy_holder(name, rt.id, uuid.uuid4().hex[:12])
-    rt.acquire(mesh.device_ids, name, holder)
-    rt.release(mesh.device_ids, name, token)
+    rt.hold_later(True, mesh.device_ids, name, holder)  # queued: a tree's copies cost a call per device
+    rt.hold_later(False, mesh.device_ids, name, token)
     return ShardedTensor(mesh, layout, shape, dtype, name, shared, holder)
 
 
