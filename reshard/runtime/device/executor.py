@@ -135,15 +135,19 @@ class PreparedProgram:
     kept: the parts a CPU device's host unit runs never do (``batches``); making them for every
     part took about a third of each device's part of a 20,000-tensor tree's first call."""
 
-    __slots__ = ("_steps", "dtype", "program", "publishes")
+    __slots__ = ("_holders", "_steps", "dtype", "program", "publishes")
 
     def __init__(self, program: DeviceProgram, dtype: str, publishes: bool = False):
         self.program, self.dtype, self.publishes = program, dtype, publishes
         self._steps: tuple | None = None
+        self._holders: tuple[int, ...] | None = None
 
     @property
     def holders(self) -> tuple[int, ...]:
-        return self.program.holders
+        """The devices it pulls source shards from (worked out once: every run checks them)."""
+        if self._holders is None:
+            self._holders = self.program.holders
+        return self._holders
 
     @property
     def windows(self) -> tuple[tuple[Step[Op], ...], ...]:
