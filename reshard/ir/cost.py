@@ -20,7 +20,9 @@ hosts ``B(X)`` the sum of its hosts' rates. Every term is a time no plan can bea
   ``need(d) / (I + B(host(d)))``; and a device that alone holds a box on its host pushes it through
   its intra-host send port (once for its own copy, once more for the host's other receivers)
   unless the NIC brings it: ``push(d) / (I + B(host(d)))``; summed over a host, those passes share
-  the send ports of the host's holding devices: ``push(h) / (holders(h) * I + B(h))``;
+  the send ports of the host's holding devices: ``push(h) / (holders(h) * I + B(h))``. When the
+  meshes lie on one host, no NIC brings anything (there is no other host to send it): these terms
+  then have ``B = 0`` (an NVLink node's reshard is bound by its devices' ports alone);
 
 plus one network latency in front of the NIC terms when anything must cross the network (no byte
 moves before its message's latency). The bound is at least the paper's (its two terms are among
@@ -131,8 +133,9 @@ def lower_bound_s(tasks: tuple[UnitTask, ...], hosts: Mapping[int, int], cluster
         need = sum(size for (hs, rs), size in groups.items() if rs & x and not hs & x)
         nic_term = max(nic_term, need / width)
     network = nic_term + cluster.latency_us * 1e-6 if nic_term else 0.0
-    device = max((b / (intra + nic[hosts[k if k >= 0 else -1 - k]]) for k, b in dev_bytes.items()), default=0.0)
-    push = max((b / (len(holder_devices[h]) * intra + nic[h]) for h, b in host_push.items()), default=0.0)
+    via = nic if n_hosts > 1 else dict.fromkeys(nic, 0.0)  # on one host no NIC brings a byte
+    device = max((b / (intra + via[hosts[k if k >= 0 else -1 - k]]) for k, b in dev_bytes.items()), default=0.0)
+    push = max((b / (len(holder_devices[h]) * intra + via[h]) for h, b in host_push.items()), default=0.0)
     return max(network, device, push)
 
 

@@ -139,12 +139,15 @@ def test_lower_bound_by_hand():
     plan = plan_reshard((10**6,), "float32", src, dst, cluster=c)
     assert plan.lower_bound_s(c) == pytest.approx(size / 2 / 1e9 + 10e-6)
     assert plan.simulate(c).makespan_s == pytest.approx(plan.lower_bound_s(c), rel=0.02)
-    # intra-host only: one holder device feeds three peers and its own copy through its NVLink port
+    # intra-host only: one holder device feeds three peers and its own copy through its NVLink port;
+    # on one host no NIC can bring a byte, so the port alone bounds it, and the plan comes within
+    # its messages' latencies of that
     mesh = c.mesh((1, 4), hosts=[0])
     plan = plan_reshard(
         (4, 10**6), "float32", Layout(c.mesh((1, 1), hosts=[0]), (R, R)), Layout(mesh, (R, Shard(0))), cluster=c
     )
-    assert plan.lower_bound_s(c) == pytest.approx(4 * size / (101e9))
+    assert plan.lower_bound_s(c) == pytest.approx(4 * size / 100e9)
+    assert plan.lower_bound_s(c) <= plan.simulate(c).makespan_s <= 1.03 * plan.lower_bound_s(c)
 
 
 def test_lower_bound_by_hand_with_unequal_nics():
