@@ -26,8 +26,10 @@ class CompileTarget:
     """A backend's devices as compilation sees them: ``backend`` (its name), ``device_type``
     ("cpu", or "cuda": copies then run on the device's streams, never on a helper thread), the
     messages a device issues together (``window_ops``, at most ``window_bytes`` per direction and
-    ``window_staging_bytes`` of staging side by side) and the size of the buckets small slices
-    travel in (``bucket_bytes``)."""
+    ``window_staging_bytes`` of staging side by side), the size of the buckets small slices
+    travel in (``bucket_bytes``), and whether windows alternate between two halves of the staging
+    (``double_buffer``: a GPU device packs window k+1 on a side stream while window k's messages
+    move)."""
 
     backend: str = "gloo"
     device_type: str = "cpu"
@@ -35,12 +37,17 @@ class CompileTarget:
     window_bytes: int = WINDOW_BYTES
     window_staging_bytes: int = WINDOW_STAGING_BYTES
     bucket_bytes: int = BUCKET_BYTES
+    double_buffer: bool = False
 
     def __post_init__(self) -> None:
         for name in ("window_ops", "window_bytes", "window_staging_bytes", "bucket_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"CompileTarget({self.backend!r}).{name} must be a positive int, got {value!r}")
+        if not isinstance(self.double_buffer, bool):
+            raise ValueError(
+                f"CompileTarget({self.backend!r}).double_buffer must be a bool, got {self.double_buffer!r}"
+            )
         if not isinstance(self.device_type, str) or not self.device_type:
             raise ValueError(
                 f"CompileTarget({self.backend!r}).device_type must name a device type, got {self.device_type!r}"
@@ -55,11 +62,18 @@ class CompileTarget:
 #: One declaration per backend. NCCL: a window is one NCCL group per device (each communicator on
 #: a stream of its own, so that kernels of one group never queue behind each other); buckets are
 #: big because a message costs tens of microseconds of launch and NVLink moves hundreds of GB/s
-#: (``python -m bench gpu`` measures the per-message cost and sweeps the bucket size).
+#: (``python -m bench gpu`` measures the per-message cost and sweeps the bucket size); windows are
+#: double-buffered, each in half of the staging bound.
 TARGETS: dict[str, CompileTarget] = {
     "gloo": CompileTarget("gloo", "cpu", window_ops=4),
     "nccl": CompileTarget(
-        "nccl", "cuda", window_ops=16, window_bytes=1 << 30, window_staging_bytes=512 << 20, bucket_bytes=64 << 20
+        "nccl",
+        "cuda",
+        window_ops=16,
+        window_bytes=1 << 30,
+        window_staging_bytes=512 << 20,
+        bucket_bytes=64 << 20,
+        double_buffer=True,
     ),
 }
 

@@ -37,12 +37,14 @@ from reshard.planner import plan_reshard
 class CompileOptions:
     """How programs are sequenced (``reshard.passes.sequencing``): ``overlap_copy_bytes`` (None: local ops
     never run on the helper thread, e.g. GPU devices), ``window_ops``, ``window_staging_bytes`` and
-    ``window_bytes``."""
+    ``window_bytes``; a batch's bucket windows alternate between two halves of the staging where
+    ``double_buffer`` (``reshard.passes.packing``)."""
 
     overlap_copy_bytes: int | None = OVERLAP_COPY_BYTES
     window_ops: int = 1
     window_staging_bytes: int = WINDOW_STAGING_BYTES
     window_bytes: int = WINDOW_BYTES
+    double_buffer: bool = False
 
     @classmethod
     def for_target(cls, target: CompileTarget) -> CompileOptions:
@@ -54,6 +56,7 @@ class CompileOptions:
             window_ops=target.window_ops,
             window_bytes=target.window_bytes,
             window_staging_bytes=target.window_staging_bytes,
+            double_buffer=target.double_buffer,
         )
 
 
@@ -265,6 +268,7 @@ def _compile_batch(items, strategy, cluster, options, bucket_bytes) -> CompiledB
         window_ops=options.window_ops,
         window_bytes=options.window_bytes,
         window_staging_bytes=options.window_staging_bytes,
+        double_buffer=options.double_buffer,
         hosts=hosts,
     )
     validate_batch(batch)

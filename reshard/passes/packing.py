@@ -18,6 +18,9 @@ small ones whose slices depend on each other.
 A device issues its buckets in windows (``window_ops`` buckets at most, and per direction of its
 link at most ``window_bytes`` together, or one bigger bucket alone), as ``reshard.passes.sequencing``
 windows a single program's messages; a window's buckets sit side by side in its staging buffer.
+Double-buffered (``double_buffer``, GPU targets), the windows alternate between two regions of the
+staging buffer, each bound by half of ``window_staging_bytes``: no window shares a byte of staging
+with the one before, so a device may pack a window while the one before it moves.
 """
 
 from __future__ import annotations
@@ -78,11 +81,13 @@ def pack_batch(
     window_ops: int = 1,
     window_bytes: int = WINDOW_BYTES,
     window_staging_bytes: int = WINDOW_STAGING_BYTES,
+    double_buffer: bool = False,
     hosts: Mapping[int, int] | None = None,
 ) -> BatchProgram:
     """One ``BatchProgram`` for the tensors whose single programs are ``programs`` (sequenced, by
-    tensor index), with the messages of the packable ones in buckets (module docstring); ``hosts``
-    maps devices to the hosts whose links the buckets share (default: every device its own)."""
+    tensor index), with the messages of the packable ones in buckets, their windows double-buffered
+    where ``double_buffer`` (module docstring); ``hosts`` maps devices to the hosts whose links the
+    buckets share (default: every device its own)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     # tensors of one shape and layouts share one compiled program (``compile``'s cache): each
@@ -114,7 +119,7 @@ def pack_batch(
             mine[d].append(Bucket(step, group, pieces, nbytes))
     devices = []
     for d in sorted(set(parts) | set(mine)):
-        ordered, windows, staging = _windows(mine[d], d, window_ops, window_bytes, window_staging_bytes)
+        ordered, windows, staging = _windows(mine[d], d, window_ops, window_bytes, window_staging_bytes, double_buffer)
         connect = [group_of(b.group) for b in ordered]
         for part in parts[d]:
             connect += part.program.connect
@@ -221,13 +226,16 @@ def _directions(bucket: Bucket, device: int) -> tuple[int, ...]:
     return (OUT, IN)
 
 
-def _windows(buckets: list[Bucket], device: int, most: int, moved_bound: int, staging_bound: int):
-    """``(buckets with staging offsets, window lengths or () for one at a time, staging bytes)``."""
-    if most == 1:
+def _windows(buckets: list[Bucket], device: int, most: int, moved_bound: int, staging_bound: int, double: bool):
+    """``(buckets with staging offsets, window lengths or () for one at a time, staging bytes)``;
+    ``double``: odd windows lie after the even ones' region (module docstring)."""
+    if most == 1 and not double:
         return buckets, (), max((b.nbytes for b in buckets), default=0)
+    bound = staging_bound // 2 if double else staging_bound
     out: list[Bucket] = []
     lengths: list[int] = []
-    used = peak = 0
+    used = 0
+    ends = [0, 0]  # the staging each parity of window reaches
     moved = [0, 0]
     carried = [0, 0]
     for b in buckets:
@@ -235,7 +243,7 @@ def _windows(buckets: list[Bucket], device: int, most: int, moved_bound: int, st
         start = aligned(used)
         full = lengths and (
             lengths[-1] >= most
-            or start + b.nbytes > max(staging_bound, b.nbytes)
+            or start + b.nbytes > max(bound, b.nbytes)
             or any(carried[d] and moved[d] + b.nbytes > moved_bound for d in dirs)
         )
         if full or not lengths:
@@ -244,9 +252,18 @@ def _windows(buckets: list[Bucket], device: int, most: int, moved_bound: int, st
             moved, carried = [0, 0], [0, 0]
         out.append(replace(b, staging=start))
         used = start + b.nbytes
-        peak = max(peak, used)
+        parity = (len(lengths) - 1) % 2 if double else 0
+        ends[parity] = max(ends[parity], used)
         for d in dirs:
             moved[d] += b.nbytes
             carried[d] += 1
         lengths[-1] += 1
-    return out, tuple(lengths), peak
+    if not double or len(lengths) < 2:
+        return out, tuple(lengths), max(ends)
+    shift = aligned(ends[0])
+    at = 0
+    for w, n in enumerate(lengths):
+        if w % 2:
+            out[at : at + n] = [replace(b, staging=b.staging + shift) for b in out[at : at + n]]
+        at += n
+    return out, tuple(lengths), shift + ends[1]

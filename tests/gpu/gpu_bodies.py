@@ -246,6 +246,35 @@ def slow_every_op(ctx, seconds: float) -> None:
     ctx.before_op = hook
 
 
+def slow_packs_ahead(ctx, op_s: float, pack_s: float) -> None:
+    """Before every op of this device's runs the run's stream is kept busy for ``op_s``, and before
+    every window packed ahead the side stream for ``pack_s``; ``packed_ahead(ctx)`` counts those.
+    A run stream that got ahead of the side stream's pack (``pack_s`` long), or a pack that got
+    ahead of the window before (``op_s`` long), would send the wrong bytes."""
+    import cupy
+
+    ctx.counters["packed_ahead"] = 0
+
+    def hook(run, op):
+        ahead = isinstance(op, tuple)
+        ctx.counters["packed_ahead"] += ahead
+        seconds = pack_s if ahead else op_s
+        if not seconds:
+            return
+        if getattr(cupy, "_standin", False):
+            from cupy import _control
+
+            _control.sleep(seconds)
+        else:
+            _spin(seconds)
+
+    ctx.before_op = hook
+
+
+def packed_ahead(ctx) -> int:
+    return ctx.counters.get("packed_ahead", 0)
+
+
 def no_hook(ctx) -> None:
     ctx.before_op = None
 

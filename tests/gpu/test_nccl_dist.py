@@ -110,6 +110,33 @@ def test_results_are_written_when_reshard_returns(view):
             mesh.call(no_hook)
 
 
+@pytest.mark.parametrize("slow", ["run stream", "side stream"])
+def test_windows_packed_ahead_send_their_own_bytes(view, slow):
+    """A tree sent over NCCL in many windows of small buckets: the sender packs each next window on
+    a side stream while the window before moves. Whichever stream is slow (the run's, held before
+    every op; or the side stream, held before every pack), every tensor arrives bit-exact: a pack
+    waits for the last use of its staging region, and a window is sent only once packed."""
+    import numpy as np
+    from gpu_bodies import no_hook, packed_ahead, slow_packs_ahead
+
+    from reshard import Layout, Replicate, Shard, distribute, reshard
+
+    a = view([0], (1,))
+    b = view([1], (1,))
+    xs = {f"w{i}": np.arange(1024, dtype=np.float32) * (i + 1) for i in range(40)}
+    tree = {k: distribute(x, Layout(a, (Replicate(),))) for k, x in xs.items()}
+    layouts = {k: Layout(b, (Shard(0),)) for k in xs}
+    op_s, pack_s = (0.02, 0.0) if slow == "run stream" else (0.0, 0.3)
+    a.call(slow_packs_ahead, op_s, pack_s)
+    try:
+        y = reshard(tree, a, layouts, shared_memory=False, bucket_bytes=4096)  # 40 buckets: 3 windows of 16
+        assert a.call(packed_ahead) == [2]
+    finally:
+        a.call(no_hook)
+    for k, x in xs.items():
+        np.testing.assert_array_equal(y[k].to_numpy(), x)
+
+
 def test_no_socket_listens_on_every_interface(view):
     """After NCCL reshards (communicators, abort notices, the rendezvous store), neither the
     driver nor a device listens or is bound on a wildcard address."""

@@ -96,15 +96,18 @@ def interpret_batch(compiled, items, fulls) -> dict[tuple[int, int], np.ndarray]
     return out
 
 
+def spans_of(window) -> list[tuple[int, int]]:
+    return [(b.staging, b.staging + b.nbytes) for b in window]
+
+
 @SETTINGS
-@given(batches(), st.sampled_from([1, 4]))
-def test_packed_batches_are_valid_and_exact(case, window_ops):
+@given(batches(), st.sampled_from([1, 4]), st.booleans())
+def test_packed_batches_are_valid_and_exact(case, window_ops, double_buffer):
     items, strategy, bucket_bytes = case
     from reshard.passes.compile import CompileOptions
 
-    compiled = compile_batch(
-        items, strategy=strategy, options=CompileOptions(window_ops=window_ops), bucket_bytes=bucket_bytes
-    )
+    options = CompileOptions(window_ops=window_ops, double_buffer=double_buffer)
+    compiled = compile_batch(items, strategy=strategy, options=options, bucket_bytes=bucket_bytes)
     batch = compiled.program
     validate_batch(batch)
     fulls = [full_of(item, t) for t, item in enumerate(items)]
@@ -126,6 +129,39 @@ def test_packed_batches_are_valid_and_exact(case, window_ops):
                 assert not part.program.connect and not part.program.staging_bytes
         program, _ = decode_batch_device_program(compiled.blobs[p.device])
         assert program == p
+        if double_buffer:  # no window shares a byte of staging with the one before
+            windows = p.issue_windows
+            for w, nxt in zip(windows, windows[1:], strict=False):
+                assert not any(a < f and e < g for a, g in spans_of(w) for e, f in spans_of(nxt))
+
+
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_double_buffered_windows_alternate_within_the_staging_bound(double_buffer):
+    """Forty tensors' slices in 4 KiB buckets from one device to another, windows of 4 buckets
+    in 32 KiB of staging: double-buffered, the windows alternate between two regions of at most
+    half the bound each (the run packs one while the one before moves), else each starts at 0."""
+    from reshard import Shard
+    from reshard.passes.compile import CompileOptions
+    from reshard.runtime.device.batches import prepare_batch
+    from topology import Mesh
+
+    src_mesh, dst_mesh = Mesh((1,), (0,), (0,)), Mesh((1,), (1,), (1,))
+    item = BatchItem((1024,), "float32", Layout(src_mesh, (Shard(0),)), Layout(dst_mesh, (Shard(0),)))
+    options = CompileOptions(window_ops=4, window_staging_bytes=32 << 10, double_buffer=double_buffer)
+    compiled = compile_batch([item] * 40, strategy="send_recv", options=options, bucket_bytes=4096)
+    validate_batch(compiled.program)
+    for d in (0, 1):
+        p = compiled.program.for_device(d)
+        windows = p.issue_windows
+        assert len(windows) == 10 and p.staging_bytes <= 32 << 10
+        starts = [w[0].staging for w in windows]
+        if double_buffer:
+            assert starts == [0, 16 << 10] * 5
+            assert all(e <= 16 << 10 for w in windows[::2] for _, e in spans_of(w))
+        else:
+            assert starts == [0] * 10
+        # the sender packs each next window ahead, only where it lies apart; the receiver packs nothing
+        assert prepare_batch(p).pack_ahead == (d == 0 and double_buffer,) * 9
 
 
 def test_small_tensors_share_buckets_and_big_ones_stream():

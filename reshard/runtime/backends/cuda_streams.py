@@ -65,6 +65,13 @@ def order_after(stream, producers: Iterable) -> None:
         stream.wait_event(ready)  # captures the record: the event may be recorded again next time
 
 
+def recorded(stream):
+    """A new event recorded on ``stream`` now: what a wait for it waits for is what was queued so far."""
+    event = cb.import_cupy().cuda.Event(block=False, disable_timing=True)
+    event.record(stream)
+    return event
+
+
 _tls = threading.local()
 
 

@@ -40,6 +40,7 @@ from reshard.ir.batch import BatchDeviceProgram, Bucket
 from reshard.ir.program import Broadcast, Buffer, Copy, Pull, Recv, Scale, Send, group_of
 from reshard.ir.regions import box_shape
 from reshard.runtime import arrays
+from reshard.runtime.backends import cuda_streams
 from reshard.runtime.device import box_copies
 from reshard.runtime.device.cross_memory import Gather, RemoteShard, c_strides
 from reshard.runtime.device.executor import PreparedProgram, Run, begin_run, box_index, prepare, run_windows
@@ -65,8 +66,9 @@ class PreparedBatch:
     tensor; ``index``, tensor -> its part's index), its buckets by window, the staging buffer it
     needs (its buckets', then each part's in turn), which parts only copy (``flat``), the parts
     that write a destination with its shape and dtype (``written``: what a run into users' tensors
-    checks them against), and the tables a run works out once (``tables``: a GPU device's copy
-    tables, a CPU device's units)."""
+    checks them against), the tables a run works out once (``tables``: a GPU device's copy
+    tables, a CPU device's units), and the windows after which a GPU device packs the next one
+    ahead (``pack_ahead``: it sends, and the plan laid its staging apart from this one's)."""
 
     program: BatchDeviceProgram
     parts: tuple[PreparedProgram, ...]
@@ -79,6 +81,7 @@ class PreparedBatch:
     tables: dict = field(default_factory=dict, compare=False)
     senders: frozenset = frozenset()
     written: tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[str, ...]] = ((), (), ())
+    pack_ahead: tuple[bool, ...] = ()
 
     @property
     def device(self) -> int:
@@ -129,6 +132,11 @@ def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> Pre
     at = tuple(i for i, p in enumerate(parts) if p.program.dst_shape is not None)
     shapes = tuple(tuple(parts[i].program.dst_shape or ()) for i in at)
     written = (at, shapes, tuple(parts[i].dtype for i in at))
+    spans = [[(b.bucket.staging, b.bucket.staging + b.bucket.nbytes) for b in w] for w in windows]
+    ahead = tuple(
+        any(b.sends for b in nxt) and not any(a < f and e < g for a, g in spans[w] for e, f in spans[w + 1])
+        for w, nxt in enumerate(windows[1:])
+    )
     return PreparedBatch(
         program,
         parts,
@@ -140,6 +148,7 @@ def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> Pre
         staging,
         senders=frozenset(senders),
         written=written,
+        pack_ahead=ahead,
     )
 
 
@@ -181,7 +190,8 @@ class BatchRun:
     """One batch run on a device: a ``Run`` per part (by tensor), the communicators, the shared
     staging buffer and deadline; ``after_run(runs)``: a test hook that runs before checksums;
     ``unit``, the parts run as one unit (``host_unit.UnitRun``); ``sources``, the source shards of
-    the parts that only send, by tensor (they have no ``Run``)."""
+    the parts that only send, by tensor (they have no ``Run``); ``pack_stream``, a GPU device's
+    side stream that packs windows ahead (``PreparedBatch.pack_ahead``)."""
 
     def __init__(
         self,
@@ -195,6 +205,7 @@ class BatchRun:
         after_run: Callable | None = None,
         unit=None,
         sources: dict | None = None,
+        pack_stream=None,
     ):
         self.prepared = prepared
         self.runs = runs
@@ -206,6 +217,8 @@ class BatchRun:
         self.before_op = before_op
         self.batch = batch
         self.after_run = after_run
+        self.pack_stream = pack_stream
+        self.packed = -1  # the window packed ahead, on ``pack_stream``
         self.comm_s = 0.0
         self.gpu = arrays.is_device(staging.buf) or any(
             arrays.is_device(r.dst) or arrays.is_device(r.src) for r in runs.values()
@@ -258,8 +271,12 @@ def _run_window(run: BatchRun, w: int, window: tuple[PreparedBucket, ...]) -> No
     pending = []
     c0 = time.monotonic()
     tables = _window_tables(run, window) if run.gpu else None
+    before = None  # where the next window is packed ahead: the last use of its staging region
     if tables is not None:
-        tables[0].launch(_bases(run, tables[2]))  # every piece this device sends in the window: one kernel
+        if run.packed != w:
+            tables[0].launch(_bases(run, tables[2]))  # every piece this device sends in the window: one kernel
+        if run.pack_stream is not None and run.prepared.pack_ahead[w : w + 1] == (True,):
+            before = cuda_streams.recorded(cuda_streams.current_stream())
     with run.batch(timeout_s=run.deadline - c0) if run.batch is not None else contextlib.nullcontext():
         for pb in window:
             if run.before_op is not None:
@@ -277,6 +294,8 @@ def _run_window(run: BatchRun, w: int, window: tuple[PreparedBucket, ...]) -> No
             else:
                 work = comm.irecv(data, pb.peer)
             pending.append((pb, work))
+    if before is not None:
+        _pack_ahead(run, w + 1, before)
     landed = run.unit.unit.landed if run.unit is not None else ()
     for pb, work in pending:
         work.wait(run.left(pb.bucket))
@@ -327,6 +346,23 @@ def _window_tables(run: BatchRun, window: tuple[PreparedBucket, ...]):
                     unpack.add(0, dst, c)
     hit = run.prepared.tables[key] = (pack, unpack, tuple(buffers))
     return hit
+
+
+def _pack_ahead(run: BatchRun, w: int, after) -> None:
+    """Window ``w`` packed on the side stream while the window before moves: after event ``after``
+    (every use of its staging region queued before that window's messages), and before whatever
+    the run's stream queues next (its unpack, the next window's messages). A test's ``before_op``
+    hook is called on the side stream first, with the window's buckets."""
+    window = run.prepared.windows[w]
+    pack, _, names = _window_tables(run, window)
+    stream = run.pack_stream
+    stream.wait_event(after)
+    with stream:
+        if run.before_op is not None:
+            run.before_op(run, tuple(pb.bucket for pb in window))
+        pack.launch(_bases(run, names))
+    cuda_streams.current_stream().wait_event(cuda_streams.recorded(stream))
+    run.packed = w
 
 
 def _run_flat(run: BatchRun, ordered: list[Run]) -> None:

@@ -25,6 +25,15 @@ class RunStream:
         self.backend = backend
         self.cuda_device = cuda_device
         self.stream = None if cuda_device is None else cuda_streams.new_stream(cuda_device)
+        self._side = None
+
+    @property
+    def side(self):
+        """A second stream of the caller's, for work that overlaps the run's own stream (a
+        window's bucket packed while the window before moves); None on a CPU device."""
+        if self._side is None and self.cuda_device is not None:
+            self._side = cuda_streams.new_stream(self.cuda_device)
+        return self._side
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
