@@ -100,6 +100,21 @@ class BatchDeviceProgram:
             start += n
         return tuple(out)
 
+    @property
+    def packed_ahead(self) -> tuple[bool, ...]:
+        """By window: whether the device may pack it while the window before moves (it sends in
+        it, and its staging lies apart from the window before's: ``reshard.passes.packing``'s
+        double buffering)."""
+        windows = self.issue_windows
+        out = [False] * len(windows)
+        for w in range(1, len(windows)):
+            before = [(b.staging, b.staging + b.nbytes) for b in windows[w - 1]]
+            sends = any(b.group[0] == self.device for b in windows[w])
+            out[w] = sends and not any(
+                a < b.staging + b.nbytes and b.staging < e for a, e in before for b in windows[w]
+            )
+        return tuple(out)
+
     def part(self, tensor: int) -> Part | None:
         for p in self.parts:
             if p.tensor == tensor:

@@ -69,6 +69,25 @@ def test_a_prediction_is_its_parts_and_its_messages_carry_the_plans_bytes():
     assert max(copied.values()) > 0
 
 
+def test_copies_hide_the_windows_packed_while_the_one_before_moves():
+    """Forty small tensors from one GPU to another in 4 KiB buckets, windows of 16: double-buffered,
+    the sender's copies on the critical path are its first window's packing only; the receiver
+    unpacks every bucket either way."""
+    from dataclasses import replace
+
+    from topology import Mesh
+
+    src, dst = Mesh((1,), (0,), (0,)), Mesh((1,), (1,), (1,))
+    items = [BatchItem((2048,), "bfloat16", Layout(src, (Replicate(),)), Layout(dst, (Replicate(),)))] * 40
+    total = 40 * 4096
+    for double in (False, True):
+        options = replace(CompileOptions.for_target(target_for("nccl")), double_buffer=double)
+        batch = compile_batch(items, strategy="send_recv", options=options, bucket_bytes=4096)
+        assert batch.program.for_device(0).windows == (16, 16, 8)
+        _, _, copied = gpu_predict._transfers(batch)
+        assert copied == {0: 16 * 4096 if double else total, 1: total}
+
+
 def test_the_command_writes_every_case(tmp_path, capsys):
     out = tmp_path / "predicted.json"
     assert gpu_predict.main(["--cases", "qwen3-0.6b", "--out", str(out)]) == 0

@@ -68,7 +68,7 @@ class PreparedBatch:
     that write a destination with its shape and dtype (``written``: what a run into users' tensors
     checks them against), the tables a run works out once (``tables``: a GPU device's copy
     tables, a CPU device's units), and the windows after which a GPU device packs the next one
-    ahead (``pack_ahead``: it sends, and the plan laid its staging apart from this one's)."""
+    ahead (``pack_ahead``: ``BatchDeviceProgram.packed_ahead`` of the next)."""
 
     program: BatchDeviceProgram
     parts: tuple[PreparedProgram, ...]
@@ -132,11 +132,6 @@ def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> Pre
     at = tuple(i for i, p in enumerate(parts) if p.program.dst_shape is not None)
     shapes = tuple(tuple(parts[i].program.dst_shape or ()) for i in at)
     written = (at, shapes, tuple(parts[i].dtype for i in at))
-    spans = [[(b.bucket.staging, b.bucket.staging + b.bucket.nbytes) for b in w] for w in windows]
-    ahead = tuple(
-        any(b.sends for b in nxt) and not any(a < f and e < g for a, g in spans[w] for e, f in spans[w + 1])
-        for w, nxt in enumerate(windows[1:])
-    )
     return PreparedBatch(
         program,
         parts,
@@ -148,7 +143,7 @@ def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> Pre
         staging,
         senders=frozenset(senders),
         written=written,
-        pack_ahead=ahead,
+        pack_ahead=program.packed_ahead[1:],
     )
 
 
