@@ -17,6 +17,9 @@ RESULTS = ROOT / "bench" / "results"
 #: The commit every headline figure was measured on (``bench/headline.sh``): each suite's result is
 #: ``bench/results/<suite>-<HEADLINE>.json``.
 HEADLINE = "18d18da"
+#: The whole-model suite and its MoE tree, measured again on the code as stop 56 left it
+#: (``bench/headline.sh weights weights-moe``).
+WEIGHTS_RUN = "611e36e"
 #: The chaos tier's run, on the commit after HEADLINE (the headline's own run got no SIGINT through).
 CHAOS = "chaos-a422216.json"
 #: The MoE tree and the trees' ratios, measured again after each change of the device path (the host
@@ -32,7 +35,7 @@ AB = (
 )
 #: The MoE tree alone, before and after its first call's steps were made lazily.
 AB_MOE = (("6379d5d", "9642baa", 3),)
-MOE = "weights-moe-1163ba7-ab3.json"
+MOE = f"weights-moe-{WEIGHTS_RUN}.json"
 #: The latest replays into kept outputs (``--methods ...,ours_out,...``), MoE and Qwen3.
 REPLAYS_MOE = ("weights-moe-out-492c31b.json", "weights-moe-out-8484019.json")
 REPLAYS_QWEN3 = ("weights-qwen3-out-492c31b.json", "weights-qwen3-out-8484019.json")
@@ -382,7 +385,7 @@ def faults() -> list[tuple[str, str]]:
 def weights() -> list[tuple[str, str]]:
     from bench.weights_report import _ms
 
-    d = headline("weights")
+    d = result(f"weights-{WEIGHTS_RUN}.json")
     fit = d["fit"]
     rows = []
     for r in d["results"]:
@@ -408,7 +411,7 @@ def weights() -> list[tuple[str, str]]:
             f"a tree still takes {span['gpt2']} one tensor of the same bytes for the 148-tensor model and "
             f"{span['qwen3']} for the 311-tensor one",
         ),
-        ("bench/WEIGHTS.md", f"`{d['command']}` (`bench/results/weights-{HEADLINE}.json`, {d['revision']}"),
+        ("bench/WEIGHTS.md", f"`{d['command']}` (`bench/results/weights-{WEIGHTS_RUN}.json`, {d['revision']}"),
         *(("bench/WEIGHTS.md", row) for row in rows),
         ("bench/WEIGHTS.md", f"default path {fit['default']['per_tensor_s'] * 1e3:.3f} ms per tensor"),
         ("bench/WEIGHTS.md", f"`{moe_run['command']}` (`bench/results/{MOE}`, {moe_run['revision']}"),
