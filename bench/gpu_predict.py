@@ -13,9 +13,9 @@ gather-and-broadcast refit, from those measured figures and the plan, as a sum o
 - ``messages``: the most messages one device takes part in, times the backend's measured cost per
   message above raw NCCL's (``message``: between its cost in groups of 64 and alone, a range);
 - ``copies``: the most bytes one device packs into and unpacks out of buckets, at the copy peak
-  (``copy``), but for the windows it packs while the window before moves (double-buffered:
-  ``BatchDeviceProgram.packed_ahead``), which that window's messages hide (the copy peak is
-  4.6 times the link's rate);
+  (``copy``), but for the windows it packs while the window before moves or unpacks while the
+  next moves (double-buffered: ``BatchDeviceProgram.packed_ahead``, ``unpacked_behind``), which
+  those windows' messages hide (the copy peak is 4.6 times the link's rate);
 - ``tensors``: the measured cost per tensor inside a device (``model``: its whole-model call less
   its one-tensor call, per tensor) times the tree's tensors but one; every device does its own at
   once;
@@ -212,11 +212,11 @@ def _transfers(batch):
     copied: dict[int, int] = {}
     packed = set()
     for p in batch.program.devices:
-        for window, ahead in zip(p.issue_windows, p.packed_ahead, strict=True):
+        for window, ahead, behind in zip(p.issue_windows, p.packed_ahead, p.unpacked_behind, strict=True):
             for b in window:
                 buckets[b.step] = b
                 messages[p.device] = messages.get(p.device, 0) + 1
-                hidden = ahead and b.group[0] == p.device
+                hidden = ahead if b.group[0] == p.device else behind
                 copied[p.device] = copied.get(p.device, 0) + (0 if hidden else sum(q.nbytes for q in b.pieces))
                 packed.update((piece.tensor, piece.step) for piece in b.pieces)
         for part in p.parts:

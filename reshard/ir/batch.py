@@ -101,19 +101,34 @@ class BatchDeviceProgram:
         return tuple(out)
 
     @property
-    def packed_ahead(self) -> tuple[bool, ...]:
-        """By window: whether the device may pack it while the window before moves (it sends in
-        it, and its staging lies apart from the window before's: ``reshard.passes.packing``'s
-        double buffering)."""
+    def apart(self) -> tuple[bool, ...]:
+        """By window: whether its staging lies apart from the window before's (the first: False);
+        ``reshard.passes.packing``'s double buffering makes every one so."""
         windows = self.issue_windows
         out = [False] * len(windows)
         for w in range(1, len(windows)):
             before = [(b.staging, b.staging + b.nbytes) for b in windows[w - 1]]
-            sends = any(b.group[0] == self.device for b in windows[w])
-            out[w] = sends and not any(
-                a < b.staging + b.nbytes and b.staging < e for a, e in before for b in windows[w]
-            )
+            out[w] = not any(a < b.staging + b.nbytes and b.staging < e for a, e in before for b in windows[w])
         return tuple(out)
+
+    @property
+    def packed_ahead(self) -> tuple[bool, ...]:
+        """By window: whether the device may pack it while the window before moves (it sends in
+        it, and its staging lies apart from the window before's)."""
+        return tuple(
+            apart and any(b.group[0] == self.device for b in window)
+            for window, apart in zip(self.issue_windows, self.apart, strict=True)
+        )
+
+    @property
+    def unpacked_behind(self) -> tuple[bool, ...]:
+        """By window: whether the device may unpack it while the next window moves (it receives in
+        it, and the next window's staging lies apart from its own)."""
+        windows, apart = self.issue_windows, self.apart
+        return tuple(
+            w + 1 < len(windows) and apart[w + 1] and any(b.group[0] != self.device for b in window)
+            for w, window in enumerate(windows)
+        )
 
     def part(self, tensor: int) -> Part | None:
         for p in self.parts:

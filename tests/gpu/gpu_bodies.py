@@ -246,37 +246,74 @@ def slow_every_op(ctx, seconds: float) -> None:
     ctx.before_op = hook
 
 
-def slow_packs_ahead(ctx, op_s: float, pack_s: float) -> None:
+def slow_streams(ctx, op_s: float, side_s: float) -> None:
     """Before every op of this device's runs the run's stream is kept busy for ``op_s``, and before
-    every window packed ahead the side stream for ``pack_s``; ``packed_ahead(ctx)`` counts those.
-    A run stream that got ahead of the side stream's pack (``pack_s`` long), or a pack that got
-    ahead of the window before (``op_s`` long), would send the wrong bytes."""
-    import cupy
-
-    ctx.counters["packed_ahead"] = 0
+    every copy a run queues on its side stream (a window packed ahead, or unpacked behind) that
+    stream for ``side_s``; ``side_copies(ctx)`` counts those. A stream that got ahead of the other
+    where an event should hold it would copy or send the wrong bytes."""
+    ctx.counters["side_copies"] = 0
 
     def hook(run, op):
-        ahead = isinstance(op, tuple)
-        ctx.counters["packed_ahead"] += ahead
-        seconds = pack_s if ahead else op_s
-        if not seconds:
-            return
-        if getattr(cupy, "_standin", False):
-            from cupy import _control
-
-            _control.sleep(seconds)
-        else:
-            _spin(seconds)
+        side = isinstance(op, tuple)
+        ctx.counters["side_copies"] += side
+        _hold(side_s if side else op_s)
 
     ctx.before_op = hook
 
 
-def packed_ahead(ctx) -> int:
-    return ctx.counters.get("packed_ahead", 0)
+def side_copies(ctx) -> int:
+    return ctx.counters.get("side_copies", 0)
+
+
+def fail_at_bucket(ctx, index: int, side_s: float) -> None:
+    """This device's next run raises before its bucket number ``index`` (from 0), and keeps its
+    side stream busy for ``side_s`` before every copy there."""
+    import itertools
+
+    count = itertools.count()
+
+    def hook(run, op):
+        if isinstance(op, tuple):
+            _hold(side_s)
+        elif next(count) == index:
+            ctx.before_op = None
+            raise RuntimeError("injected failure between windows")
+
+    ctx.before_op = hook
+
+
+def side_streams_idle(ctx) -> list[bool]:
+    """Whether each side stream of this device's callers has done all that was queued on it."""
+    import cupy
+
+    sides = [s.stream._side for s in ctx.controllers.values() if s.stream._side is not None]
+    return [cupy.cuda.runtime.streamQuery(s.ptr) == 0 for s in sides]
+
+
+def shard_bytes(ctx, names: list) -> list:
+    """This device's shards ``names`` copied to the host on this thread's stream (the legacy default
+    stream, which a run's non-blocking streams do not wait for), all in one call."""
+    import cupy
+
+    return [cupy.asnumpy(ctx.store.get(n)) for n in names]
 
 
 def no_hook(ctx) -> None:
     ctx.before_op = None
+
+
+def _hold(seconds: float) -> None:
+    """The current stream kept busy for ``seconds`` (the stand-in's sleep, or a spinning kernel)."""
+    import cupy
+
+    if not seconds:
+        return
+    if getattr(cupy, "_standin", False):
+        from cupy import _control
+
+        _control.sleep(seconds)
+    else:
+        _spin(seconds)
 
 
 def _spin(seconds: float) -> None:

@@ -110,31 +110,66 @@ def test_results_are_written_when_reshard_returns(view):
             mesh.call(no_hook)
 
 
-@pytest.mark.parametrize("slow", ["run stream", "side stream"])
-def test_windows_packed_ahead_send_their_own_bytes(view, slow):
-    """A tree sent over NCCL in many windows of small buckets: the sender packs each next window on
-    a side stream while the window before moves. Whichever stream is slow (the run's, held before
-    every op; or the side stream, held before every pack), every tensor arrives bit-exact: a pack
-    waits for the last use of its staging region, and a window is sent only once packed."""
+@pytest.mark.parametrize("slow", ["run streams", "the sender's side stream", "the receiver's side stream"])
+def test_windows_packed_ahead_and_unpacked_behind_move_their_own_bytes(view, slow):
+    """A tree sent over NCCL in many windows of small buckets: the sender packs each next window,
+    and the receiver unpacks each window but the last, on a side stream while the window beside
+    moves. Whichever streams are slow (the runs', held before every op; or a side stream, held
+    before every copy there), every tensor arrives bit-exact: a pack waits for the last use of
+    its staging region and a window is sent only once packed; an unpack waits for its window to
+    land, a window lands in staging only once the unpack before it there is done, and the call
+    returns only once every unpack is."""
     import numpy as np
-    from gpu_bodies import no_hook, packed_ahead, slow_packs_ahead
+    from gpu_bodies import no_hook, shard_bytes, side_copies, slow_streams
 
     from reshard import Layout, Replicate, Shard, distribute, reshard
 
     a = view([0], (1,))
     b = view([1], (1,))
-    xs = {f"w{i}": np.arange(1024, dtype=np.float32) * (i + 1) for i in range(40)}
+    rng = np.random.default_rng(len(slow))  # other bytes than the case before, whose freed outputs' memory is reused
+    xs = {f"w{i}": rng.standard_normal(1024).astype(np.float32) for i in range(40)}
     tree = {k: distribute(x, Layout(a, (Replicate(),))) for k, x in xs.items()}
     layouts = {k: Layout(b, (Shard(0),)) for k in xs}
-    op_s, pack_s = (0.02, 0.0) if slow == "run stream" else (0.0, 0.3)
-    a.call(slow_packs_ahead, op_s, pack_s)
+    a.call(slow_streams, 0.02 if slow == "run streams" else 0.0, 0.3 if "sender" in slow else 0.0)
+    b.call(slow_streams, 0.02 if slow == "run streams" else 0.0, 0.3 if "receiver" in slow else 0.0)
     try:
         y = reshard(tree, a, layouts, shared_memory=False, bucket_bytes=4096)  # 40 buckets: 3 windows of 16
-        assert a.call(packed_ahead) == [2]
+        (got,) = b.call(shard_bytes, [y[k].name for k in xs])  # at once: a late unpack would not have landed
+        assert a.call(side_copies) == [2] and b.call(side_copies) == [2]  # windows 1, 2 packed; 0, 1 unpacked
     finally:
-        a.call(no_hook)
-    for k, x in xs.items():
-        np.testing.assert_array_equal(y[k].to_numpy(), x)
+        for mesh in (a, b):
+            mesh.call(no_hook)
+    for k, x, shard in zip(xs, xs.values(), got, strict=True):
+        np.testing.assert_array_equal(shard, x, err_msg=k)
+
+
+def test_a_run_that_fails_between_windows_waits_for_its_side_copies(view):
+    """A receiver's run fails before its second window while its first is still being unpacked on
+    the side stream (held there): the failure reaches the caller only once that stream is done
+    (it writes memory the failure frees), and the next reshard is bit-exact."""
+    import numpy as np
+    from gpu_bodies import fail_at_bucket, no_hook, shard_bytes, side_streams_idle
+
+    from reshard import Layout, Replicate, Shard, distribute, reshard
+    from reshard.errors import ReshardError
+
+    a = view([0], (1,))
+    b = view([1], (1,))
+    rng = np.random.default_rng(7)
+    xs = {f"w{i}": rng.standard_normal(1024).astype(np.float32) for i in range(40)}
+    tree = {k: distribute(x, Layout(a, (Replicate(),))) for k, x in xs.items()}
+    layouts = {k: Layout(b, (Shard(0),)) for k in xs}
+    b.call(fail_at_bucket, 16, 0.5)  # the first bucket of the second window
+    try:
+        with pytest.raises(ReshardError, match="injected failure between windows"):
+            reshard(tree, a, layouts, shared_memory=False, bucket_bytes=4096)
+        assert all(idle for idles in b.call(side_streams_idle) for idle in idles)
+    finally:
+        b.call(no_hook)
+    y = reshard(tree, a, layouts, shared_memory=False, bucket_bytes=4096)
+    (got,) = b.call(shard_bytes, [y[k].name for k in xs])
+    for k, x, shard in zip(xs, xs.values(), got, strict=True):
+        np.testing.assert_array_equal(shard, x, err_msg=k)
 
 
 def test_no_socket_listens_on_every_interface(view):

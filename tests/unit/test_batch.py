@@ -139,7 +139,8 @@ def test_packed_batches_are_valid_and_exact(case, window_ops, double_buffer):
 def test_double_buffered_windows_alternate_within_the_staging_bound(double_buffer):
     """Forty tensors' slices in 4 KiB buckets from one device to another, windows of 4 buckets
     in 32 KiB of staging: double-buffered, the windows alternate between two regions of at most
-    half the bound each (the run packs one while the one before moves), else each starts at 0."""
+    half the bound each (the run packs one while the one before moves, and unpacks one while the
+    next moves), else each starts at 0."""
     from reshard import Shard
     from reshard.passes.compile import CompileOptions
     from reshard.runtime.device.batches import prepare_batch
@@ -160,8 +161,11 @@ def test_double_buffered_windows_alternate_within_the_staging_bound(double_buffe
             assert all(e <= 16 << 10 for w in windows[::2] for _, e in spans_of(w))
         else:
             assert starts == [0] * 10
-        # the sender packs each next window ahead, only where it lies apart; the receiver packs nothing
-        assert prepare_batch(p).pack_ahead == (d == 0 and double_buffer,) * 9
+        # the sender packs each next window ahead, only where it lies apart; the receiver packs
+        # nothing, and unpacks each window but the last while the next one moves
+        prepared = prepare_batch(p)
+        assert prepared.pack_ahead == (d == 0 and double_buffer,) * 9
+        assert prepared.unpack_behind == (d == 1 and double_buffer,) * 9 + (False,)
 
 
 def test_small_tensors_share_buckets_and_big_ones_stream():

@@ -69,10 +69,10 @@ def test_a_prediction_is_its_parts_and_its_messages_carry_the_plans_bytes():
     assert max(copied.values()) > 0
 
 
-def test_copies_hide_the_windows_packed_while_the_one_before_moves():
+def test_copies_hide_the_windows_packed_and_unpacked_while_another_moves():
     """Forty small tensors from one GPU to another in 4 KiB buckets, windows of 16: double-buffered,
-    the sender's copies on the critical path are its first window's packing only; the receiver
-    unpacks every bucket either way."""
+    the copies on the critical path are the sender's packing of its first window and the
+    receiver's unpacking of its last."""
     from dataclasses import replace
 
     from topology import Mesh
@@ -85,7 +85,7 @@ def test_copies_hide_the_windows_packed_while_the_one_before_moves():
         batch = compile_batch(items, strategy="send_recv", options=options, bucket_bytes=4096)
         assert batch.program.for_device(0).windows == (16, 16, 8)
         _, _, copied = gpu_predict._transfers(batch)
-        assert copied == {0: 16 * 4096 if double else total, 1: total}
+        assert copied == ({0: 16 * 4096, 1: 8 * 4096} if double else {0: total, 1: total})
 
 
 def test_the_command_writes_every_case(tmp_path, capsys):

@@ -309,7 +309,7 @@ class DeviceRole:
                     ctx.after_run,
                     binding.unit,
                     binding.sources,
-                    state.stream.side if any(prepared.pack_ahead) else None,
+                    state.stream.side if prepared.overlaps else None,
                 )
                 stats = execute_batch(run, verify=req.verify, finish=state.stream.finish)
                 binding.deliver()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 import zlib
 from collections.abc import Callable
@@ -44,6 +45,11 @@ from reshard.runtime.backends import cuda_streams
 from reshard.runtime.device import box_copies
 from reshard.runtime.device.cross_memory import Gather, RemoteShard, c_strides
 from reshard.runtime.device.executor import PreparedProgram, Run, begin_run, box_index, prepare, run_windows
+
+log = logging.getLogger(__name__)
+
+#: How long a failed run waits for the copies it queued on its side stream.
+SIDE_DRAIN_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +73,9 @@ class PreparedBatch:
     needs (its buckets', then each part's in turn), which parts only copy (``flat``), the parts
     that write a destination with its shape and dtype (``written``: what a run into users' tensors
     checks them against), the tables a run works out once (``tables``: a GPU device's copy
-    tables, a CPU device's units), and the windows after which a GPU device packs the next one
-    ahead (``pack_ahead``: ``BatchDeviceProgram.packed_ahead`` of the next)."""
+    tables, a CPU device's units), the windows after which a GPU device packs the next one ahead
+    (``pack_ahead``: ``BatchDeviceProgram.packed_ahead`` of the next), and those it unpacks
+    while the next one moves (``unpack_behind``: ``BatchDeviceProgram.unpacked_behind``)."""
 
     program: BatchDeviceProgram
     parts: tuple[PreparedProgram, ...]
@@ -82,6 +89,12 @@ class PreparedBatch:
     senders: frozenset = frozenset()
     written: tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[str, ...]] = ((), (), ())
     pack_ahead: tuple[bool, ...] = ()
+    unpack_behind: tuple[bool, ...] = ()
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a GPU device runs some of its bucket copies on a side stream."""
+        return any(self.pack_ahead) or any(self.unpack_behind)
 
     @property
     def device(self) -> int:
@@ -144,6 +157,7 @@ def prepare_batch(program: BatchDeviceProgram, metas: dict | None = None) -> Pre
         senders=frozenset(senders),
         written=written,
         pack_ahead=program.packed_ahead[1:],
+        unpack_behind=program.unpacked_behind,
     )
 
 
@@ -185,8 +199,8 @@ class BatchRun:
     """One batch run on a device: a ``Run`` per part (by tensor), the communicators, the shared
     staging buffer and deadline; ``after_run(runs)``: a test hook that runs before checksums;
     ``unit``, the parts run as one unit (``host_unit.UnitRun``); ``sources``, the source shards of
-    the parts that only send, by tensor (they have no ``Run``); ``pack_stream``, a GPU device's
-    side stream that packs windows ahead (``PreparedBatch.pack_ahead``)."""
+    the parts that only send, by tensor (they have no ``Run``); ``side_stream``, a GPU device's
+    stream beside the run's for the windows it packs ahead and unpacks behind (``PreparedBatch``)."""
 
     def __init__(
         self,
@@ -200,7 +214,7 @@ class BatchRun:
         after_run: Callable | None = None,
         unit=None,
         sources: dict | None = None,
-        pack_stream=None,
+        side_stream=None,
     ):
         self.prepared = prepared
         self.runs = runs
@@ -212,8 +226,9 @@ class BatchRun:
         self.before_op = before_op
         self.batch = batch
         self.after_run = after_run
-        self.pack_stream = pack_stream
-        self.packed = -1  # the window packed ahead, on ``pack_stream``
+        self.side_stream = side_stream
+        self.packed = -1  # the window packed ahead, on ``side_stream``
+        self.behind: dict[int, object] = {}  # window -> the event after its unpack on ``side_stream``
         self.comm_s = 0.0
         self.gpu = arrays.is_device(staging.buf) or any(
             arrays.is_device(r.dst) or arrays.is_device(r.src) for r in runs.values()
@@ -237,8 +252,15 @@ def execute_batch(run: BatchRun, *, verify: bool = False, finish: Callable[[floa
     ordered = sorted(((index[t], r) for t, r in run.runs.items()), key=itemgetter(0))  # the parts not in the unit
     for _, r in ordered:
         begin_run(r)
-    for w, window in enumerate(run.prepared.windows):
-        _run_window(run, w, window)
+    try:
+        for w, window in enumerate(run.prepared.windows):
+            _run_window(run, w, window)
+    except BaseException:
+        _drain_side(run)
+        raise
+    if run.behind:  # the unpacks still on the side stream: before anything reads their destinations
+        cuda_streams.current_stream().wait_event(cuda_streams.recorded(run.side_stream))
+        run.behind.clear()
     if run.unit is not None:
         if run.before_op is not None:
             for i in run.unit.dsts:
@@ -268,9 +290,14 @@ def _run_window(run: BatchRun, w: int, window: tuple[PreparedBucket, ...]) -> No
     tables = _window_tables(run, window) if run.gpu else None
     before = None  # where the next window is packed ahead: the last use of its staging region
     if tables is not None:
+        done = [j for j in run.behind if j < w - 1]  # unpacks that may read this window's staging
+        if done:
+            cuda_streams.current_stream().wait_event(run.behind[max(done)])  # the later covers the others
+            for j in done:
+                del run.behind[j]
         if run.packed != w:
             tables[0].launch(_bases(run, tables[2]))  # every piece this device sends in the window: one kernel
-        if run.pack_stream is not None and run.prepared.pack_ahead[w : w + 1] == (True,):
+        if run.side_stream is not None and run.prepared.pack_ahead[w : w + 1] == (True,):
             before = cuda_streams.recorded(cuda_streams.current_stream())
     with run.batch(timeout_s=run.deadline - c0) if run.batch is not None else contextlib.nullcontext():
         for pb in window:
@@ -298,7 +325,9 @@ def _run_window(run: BatchRun, w: int, window: tuple[PreparedBucket, ...]) -> No
             _unpack(run, pb, landed)
     if run.unit is not None:
         run.unit.land(w, run.staging.buf)  # the pieces that landed in the unit's destinations: one copy of rows
-    if tables is not None:
+    if tables is not None and run.side_stream is not None and run.prepared.unpack_behind[w]:
+        _unpack_behind(run, w, window, tables)
+    elif tables is not None:
         tables[1].launch(_bases(run, tables[2]))  # every piece it received: one kernel
     run.comm_s += time.monotonic() - c0
 
@@ -343,6 +372,31 @@ def _window_tables(run: BatchRun, window: tuple[PreparedBucket, ...]):
     return hit
 
 
+def _drain_side(run: BatchRun) -> None:
+    """After a failed window, the side stream's copies done (they write destinations and staging
+    that the failure frees), waited for at most ``SIDE_DRAIN_S``: they wait for nothing but the
+    run's stream, which a failed NCCL group drains."""
+    if run.side_stream is None or not (run.behind or run.packed >= 0):
+        return
+    try:
+        cuda_streams.wait(run.side_stream, time.monotonic() + SIDE_DRAIN_S, "a failed run's side stream")
+    except Exception as e:
+        log.error("device %s: %s; its copies may still land", run.prepared.device, e)
+
+
+def _unpack_behind(run: BatchRun, w: int, window: tuple[PreparedBucket, ...], tables) -> None:
+    """Window ``w``'s pieces unpacked on the side stream once its messages landed, while the next
+    window moves; the run's stream waits for it before the window after next reuses its staging
+    (``_run_window``) and before anything after the windows (``execute_batch``)."""
+    stream = run.side_stream
+    stream.wait_event(cuda_streams.recorded(cuda_streams.current_stream()))
+    with stream:
+        if run.before_op is not None:
+            run.before_op(run, tuple(pb.bucket for pb in window))
+        tables[1].launch(_bases(run, tables[2]))
+    run.behind[w] = cuda_streams.recorded(stream)
+
+
 def _pack_ahead(run: BatchRun, w: int, after) -> None:
     """Window ``w`` packed on the side stream while the window before moves: after event ``after``
     (every use of its staging region queued before that window's messages), and before whatever
@@ -350,7 +404,7 @@ def _pack_ahead(run: BatchRun, w: int, after) -> None:
     hook is called on the side stream first, with the window's buckets."""
     window = run.prepared.windows[w]
     pack, _, names = _window_tables(run, window)
-    stream = run.pack_stream
+    stream = run.side_stream
     stream.wait_event(after)
     with stream:
         if run.before_op is not None:
