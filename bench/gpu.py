@@ -19,6 +19,10 @@ Parts, in order (each in its own process where NCCL's once-per-process settings 
            and a copy at the receiver (colocated weight sync as verl and slime do), and a
            torch.distributed NCCL broadcast of every tensor from the trainer (a gather-and-broadcast
            refit; two ranks on one GPU talk over sockets).
+  windows  the same state dict whole -> whole through NCCL messages (``shared_memory=False``: its
+           64 MiB buckets, in windows of at most 256 MiB), with the NCCL target's windows
+           double-buffered (packed and unpacked on a side stream beside another window's
+           messages) and not, round by round in one run.
 
 Every timing is a median of ``--repeats`` after one untimed run. A result on the CPU stand-in is not
 a GPU result; this bench refuses to run there.
@@ -437,6 +441,57 @@ def _model_cases(pool, repeats: int, model: str, spec, cases) -> list[dict]:
     return rows
 
 
+def part_windows(pool, repeats: int, layers: int | None, vocab: int | None) -> dict:
+    """The ``windows`` part (module docstring): each way compiled and checked once, then timed in
+    alternating rounds (``register_target`` replaces the NCCL target; the old one is put back)."""
+    from dataclasses import replace
+
+    from reshard import DeviceMesh, Layout, Replicate, adopt, reshard
+    from reshard.ir.target import TARGETS, register_target
+    from reshard.runtime import lowered_batch
+
+    spec = qwen3_spec(layers, vocab)
+    a = DeviceMesh.from_devices(pool.device_ids[:1], (1,))
+    b = DeviceMesh.from_devices(pool.device_ids[1:2], (1,))
+    names = {k: f"windows/{k}" for k, _, _ in spec}
+    (made,) = a.call(make_shards, [(names[k], s) for k, s, _ in spec], 4, timeout_s=CALL_S)
+    tree = adopt({k: Layout(a, (Replicate(),)) for k in names}, names)
+    dst = {k: Layout(b, (Replicate(),)) for k in names}
+    nccl = TARGETS["nccl"]
+    ways = {"double": replace(nccl, double_buffer=True), "single": replace(nccl, double_buffer=False)}
+    row: dict = {"tensors": len(spec), "bucket_bytes": nccl.bucket_bytes}
+
+    def move():
+        return reshard(tree, a, dst, shared_memory=False)
+
+    try:
+        for way, target in ways.items():
+            register_target(target)
+            program = lowered_batch(tree, a, dst, shared_memory=False).program.for_device(a.device_ids[0])
+            row[f"{way}_windows"] = len(program.issue_windows)
+            y = move()
+            row[f"{way}_bit_exact"] = b.call(checksums_of, [y[k].name for k in names]) == [made]
+            _free(y)
+            row[f"{way}_s"] = []
+        for _ in range(repeats):
+            for way, target in ways.items():
+                register_target(target)
+                t0 = time.perf_counter()
+                y = move()
+                row[f"{way}_s"].append(time.perf_counter() - t0)
+                _free(y)
+    finally:
+        register_target(nccl)
+        a.call(unshare_all)
+    double_ms, single_ms = (statistics.median(row[f"{w}_s"]) * 1e3 for w in ways)
+    print(
+        f"windows: {row['double_windows']} of them; double-buffered {double_ms:.2f} ms, single {single_ms:.2f} ms, "
+        f"bit-exact {row['double_bit_exact'] and row['single_bit_exact']}",
+        flush=True,
+    )
+    return row
+
+
 def part_peers(shapes, repeats: int) -> dict:
     """The two refits users write, whole model on one process each (module docstring)."""
     import ray
@@ -604,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-bytes", type=int, default=16 * GiB, help="largest single tensor (default 16 GiB)")
     p.add_argument("--quick", action="store_true", help="tensors up to 256 MiB, 4 layers of the model, 3 repeats")
-    p.add_argument("--parts", default="copy,message,tensor,model,peers,moe")
+    p.add_argument("--parts", default="copy,message,tensor,model,peers,moe,windows")
     p.add_argument("--dry-run", action="store_true", help="on the CPU stand-in: the reshard parts' logic, no measure")
     args = p.parse_args(argv)
     import cupy
@@ -617,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     if standin:
-        args.parts = ",".join(p for p in args.parts.split(",") if p in ("message", "tensor", "model", "moe"))
+        args.parts = ",".join(p for p in args.parts.split(",") if p in ("message", "tensor", "model", "moe", "windows"))
         args.repeats, args.max_bytes, args.quick = 1, 16 * MiB, True
     elif args.quick:
         args.repeats, args.max_bytes = 3, 256 * MiB
@@ -648,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         data["message"] = {"raw": _sub("message_raw", n), "ours": _sub("message_ours", n)}
         print(f"per message: raw {data['message']['raw']}, ours {data['message']['ours']}", flush=True)
         save()
-    if "tensor" in parts or "model" in parts:
+    if "tensor" in parts or "model" in parts or "windows" in parts:
         import ray
 
         from reshard import DeviceMesh
@@ -675,6 +730,10 @@ def main(argv: list[str] | None = None) -> int:
                     save,
                     DRY_RUN_VOCAB if standin else None,
                 )
+            if "windows" in parts:
+                layers, vocab = (DRY_RUN_LAYERS, DRY_RUN_VOCAB) if standin else (4 if args.quick else None, None)
+                data["windows"] = part_windows(pool, args.repeats, layers, vocab)
+                save()
         finally:
             pool.shutdown()
             ray.shutdown()

@@ -219,6 +219,34 @@ def test_small_tensors_travel_in_buckets_and_big_ones_stream(view):
         assert_bit_exact(out[f"b{i}"].to_numpy(), small[f"b{i}"])
 
 
+def test_a_target_registered_again_compiles_the_next_call_for_it(view):
+    """``register_target`` replacing the gloo target's windows (one message at a time): the next
+    call of the same tree compiles for the new target and moves bit-exact; with the old target
+    back, the call made for it is replayed."""
+    from dataclasses import replace
+
+    from reshard.ir.target import TARGETS, register_target
+    from reshard.runtime import lowered_batch
+
+    a, b = view([0, 1], (2,)), view([2, 3], (2,))
+    small = {f"b{i}": np.full((8,), i, np.float32) for i in range(20)}
+    src = distribute(small, lambda p, t: Layout(a, pl("S0")))
+    layouts = lambda p, t: Layout(b, pl("R"))  # noqa: E731
+    before = lowered_batch(src, a, layouts, shared_memory=False, bucket_bytes=64)
+    gloo = TARGETS["gloo"]
+    assert any(p.windows for p in before.program.devices)  # windows of several buckets
+    register_target(replace(gloo, window_ops=1))
+    try:
+        after = lowered_batch(src, a, layouts, shared_memory=False, bucket_bytes=64)
+        assert after is not before and not any(p.windows for p in after.program.devices)  # one at a time
+        out = reshard(src, a, layouts, shared_memory=False, bucket_bytes=64)
+        for k, x in small.items():
+            assert_bit_exact(out[k].to_numpy(), x)
+    finally:
+        register_target(gloo)
+    assert lowered_batch(src, a, layouts, shared_memory=False, bucket_bytes=64) is before
+
+
 def test_works_run_while_the_caller_goes_on_and_order_behind_each_other(view):
     a, b = view([0, 1], (2,)), view([2, 3], (2,))
     sd = {"w": random_array((32, 8), "float32", 5), "b": random_array((8,), "float32", 6)}

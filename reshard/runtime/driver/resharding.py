@@ -488,23 +488,17 @@ def _check_out(out, tensor: ShardedTensor, layout: Layout, path: str, dtype: str
 def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_bytes: int | None) -> CompiledBatch:
     """The call's compiled batch, cached by the controller (``Batches.compiled``) under its
     signature: the tensors' shapes, dtypes, layouts and which of their source shards are in shared
-    memory, the destination layouts, the options and the link figures' generation."""
+    memory, the destination layouts, the options, the backend's compile target as registered now
+    (``register_target`` replaces it) and the link figures' generation."""
     from topology.runtime import links_generation
 
     rt = call.src_mesh.runtime
-    signature = (
-        strategy,
-        cluster,
-        shared_memory,
-        bucket_bytes,
-        links_generation(),
-        call.src_mesh.backend,
-        call.tensors_key,
-    )
+    backend = call.src_mesh.backend
+    target = compile_target(backend)
+    signature = (strategy, cluster, shared_memory, bucket_bytes, links_generation(), backend, target, call.tensors_key)
 
     def build() -> CompiledBatch:
         items = call.items(shared_memory)
-        backend = call.src_mesh.backend
         planned = cluster
         if planned is None:
             planned = rt.planning_cluster(backend, dict(items[0].hosts or ()) if items else {})
@@ -513,8 +507,8 @@ def _compile(call: _Call, strategy: str, cluster, shared_memory: bool, bucket_by
                 items,
                 strategy=strategy,
                 cluster=planned,
-                options=compile_options(backend),
-                bucket_bytes=compile_target(backend).bucket_bytes if bucket_bytes is None else bucket_bytes,
+                options=CompileOptions.for_target(target),
+                bucket_bytes=target.bucket_bytes if bucket_bytes is None else bucket_bytes,
             )
 
     return rt.batches.compiled(Signed(signature), build)  # hashed once: thousands of tensors' keys
