@@ -28,8 +28,8 @@ class CompileTarget:
     messages a device issues together (``window_ops``, at most ``window_bytes`` per direction and
     ``window_staging_bytes`` of staging side by side), the size of the buckets small slices
     travel in (``bucket_bytes``), and whether windows alternate between two halves of the staging
-    (``double_buffer``: a GPU device packs window k+1 on a side stream while window k's messages
-    move)."""
+    (``double_buffer``: a GPU device packs window k+1, and unpacks window k-1, on a side stream
+    while window k's messages move)."""
 
     backend: str = "gloo"
     device_type: str = "cpu"

@@ -20,7 +20,8 @@ link at most ``window_bytes`` together, or one bigger bucket alone), as ``reshar
 windows a single program's messages; a window's buckets sit side by side in its staging buffer.
 Double-buffered (``double_buffer``, GPU targets), the windows alternate between two regions of the
 staging buffer, each bound by half of ``window_staging_bytes``: no window shares a byte of staging
-with the one before, so a device may pack a window while the one before it moves.
+with the one before, so a device may pack a window while the one before it moves, and unpack one
+while the next moves.
 """
 
 from __future__ import annotations

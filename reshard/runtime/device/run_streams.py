@@ -29,8 +29,9 @@ class RunStream:
 
     @property
     def side(self):
-        """A second stream of the caller's, for work that overlaps the run's own stream (a
-        window's bucket packed while the window before moves); None on a CPU device."""
+        """A second stream of the caller's, for work that overlaps the run's own stream (a window's
+        buckets packed while the window before moves, or unpacked while the next moves); None on a
+        CPU device."""
         if self._side is None and self.cuda_device is not None:
             self._side = cuda_streams.new_stream(self.cuda_device)
         return self._side
