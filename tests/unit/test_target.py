@@ -25,6 +25,7 @@ def test_gpu_devices_issue_a_round_as_one_group_and_copy_on_their_streams():
     options = CompileOptions.for_target(target)
     assert options.window_ops > 1 and options.overlap_copy_bytes is None
     assert target.bucket_bytes >= 16 << 20 > target_for("gloo").bucket_bytes  # tens of MiB, gloo's 1 MiB
+    assert options.double_buffer and not CompileOptions.for_target(target_for("gloo")).double_buffer
 
 
 def test_an_undeclared_backend_sends_one_message_at_a_time():
@@ -45,3 +46,8 @@ def test_a_registered_target_is_what_compilation_reads():
 def test_targets_refuse_sizes_that_are_not_positive():
     with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
         CompileTarget("x", "cpu", bucket_bytes=0)
+
+
+def test_targets_refuse_a_double_buffer_that_is_not_a_bool():
+    with pytest.raises(ValueError, match="double_buffer must be a bool"):
+        CompileTarget("x", "cuda", double_buffer=1)
