@@ -233,15 +233,9 @@ def slow_every_op(ctx, seconds: float) -> None:
     """Before every op of this device's runs, a kernel keeps the run's stream busy for
     ``seconds``: whatever a run queues lands late, so a call that returned before its stream got
     there would hand out old bytes."""
-    import cupy
 
     def hook(run, op):
-        if getattr(cupy, "_standin", False):
-            from cupy import _control
-
-            _control.sleep(seconds)
-        else:
-            _spin(seconds)
+        _hold(seconds)
 
     ctx.before_op = hook
 
